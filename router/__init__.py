@@ -1,0 +1,1 @@
+"""Router process: external gRPC API, validation, queue, continuous batching, streaming (torch-free)."""
