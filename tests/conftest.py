@@ -1,0 +1,46 @@
+"""Session fixtures shared by the unit tests: tiny models built once per test session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Deterministic, quiet, offline: set before anything imports transformers or the hub client.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ARCHS = ("llama", "gpt2", "bloom", "gpt_neox", "t5")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """tiny_model(arch, safetensors=True) -> directory of that tiny model (built once)."""
+    from text_generation_server.testing.tiny_models import build_tiny_model
+
+    built: dict[tuple[str, bool], Path] = {}
+
+    def get(arch: str, safetensors: bool = True) -> Path:
+        key = (arch, safetensors)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{arch}{'' if safetensors else '-bin'}")
+            built[key] = build_tiny_model(arch, out, safetensors=safetensors)
+        return built[key]
+
+    return get
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip cleanly on machines without CUDA (CI never has one)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

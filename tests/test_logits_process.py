@@ -1,0 +1,178 @@
+"""Vectorised logits processors vs the transformers processors applied to each row alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation import logits_process as hf
+
+from text_generation_server.outputs import LengthPenalty, SamplingParams
+from text_generation_server.sampling import logits_process as lp
+from text_generation_server.sampling.chooser import TokenChooser
+
+VOCAB = 300
+EOS = 2
+
+
+def random_scores(rows: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn((rows, VOCAB), generator=gen) * 3
+    scores[0, 10:20] = scores[0, 10]  # ties
+    return scores
+
+
+def per_row(processor_for_row, scores: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply transformers processors row by row; processor_for_row(i) -> processor or None."""
+    out = []
+    for i in range(scores.shape[0]):
+        row = scores[i : i + 1].clone()
+        ids = input_ids[i : i + 1] if input_ids is not None else torch.zeros((1, 1), dtype=torch.long)
+        proc = processor_for_row(i)
+        out.append(proc(ids, row) if proc is not None else row)
+    return torch.cat(out)
+
+
+def test_temperature() -> None:
+    temps = [1.0, 0.5, 1.7, 0.05]
+    scores = random_scores(len(temps))
+    got = lp.apply_temperature(scores.clone(), torch.tensor(temps))
+    want = per_row(lambda i: hf.TemperatureLogitsWarper(temps[i]), scores)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("top_k", [[0, 1, 5, 50], [3, 3, 3, 3], [0, 0, 0, 0], [VOCAB + 10, 2, 0, 17]])
+def test_top_k(top_k: list[int]) -> None:
+    scores = random_scores(len(top_k))
+    got = lp.apply_top_k(scores.clone(), top_k)
+    want = per_row(lambda i: hf.TopKLogitsWarper(top_k[i]) if top_k[i] else None, scores)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("top_p", [[1.0, 0.9, 0.5, 0.01], [0.3, 0.3, 0.95, 1.0]])
+def test_top_p(top_p: list[float]) -> None:
+    scores = random_scores(len(top_p), seed=1)
+    got = lp.apply_top_p(scores.clone(), top_p)
+    want = per_row(lambda i: hf.TopPLogitsWarper(top_p[i]) if top_p[i] < 1 else None, scores)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("typical_p", [[1.0, 0.9, 0.5, 0.2], [0.95, 0.1, 1.0, 0.7]])
+def test_typical_p(typical_p: list[float]) -> None:
+    scores = random_scores(len(typical_p), seed=2)
+    got = lp.apply_typical_p(scores.clone(), typical_p)
+    want = per_row(lambda i: hf.TypicalLogitsWarper(typical_p[i]) if typical_p[i] < 1 else None, scores)
+    torch.testing.assert_close(got, want)
+
+
+def test_repetition_penalty() -> None:
+    penalties = [1.0, 1.2, 0.8, 3.0]
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, VOCAB, (4, 12), generator=gen)
+    scores = random_scores(4, seed=4)
+    seen = torch.zeros((4, VOCAB), dtype=torch.bool)
+    seen.scatter_(1, input_ids, True)
+    got = lp.apply_repetition_penalty(scores.clone(), seen, torch.tensor(penalties))
+    want = per_row(lambda i: hf.RepetitionPenaltyLogitsProcessor(penalties[i]), scores, input_ids)
+    torch.testing.assert_close(got, want)
+
+
+def test_min_new_tokens() -> None:
+    scores = random_scores(3)
+    masked = torch.tensor([True, False, True])
+    got = lp.apply_min_new_tokens(scores.clone(), EOS, masked)
+    # transformers counts new tokens from the input length: 2 of 5 generated -> masked.
+    ids = torch.zeros((1, 5), dtype=torch.long)
+    want = torch.cat(
+        [
+            hf.MinNewTokensLengthLogitsProcessor(3, 5, EOS)(ids, scores[0:1].clone()),
+            scores[1:2],
+            hf.MinNewTokensLengthLogitsProcessor(3, 5, EOS)(ids, scores[2:3].clone()),
+        ]
+    )
+    torch.testing.assert_close(got, want)
+
+
+def test_length_penalty() -> None:
+    """k = generated - start_index; transformers: cur_len - (start_index + input_len)."""
+    cases = [(0, 1.5, 4), (3, 2.0, 10), (2, 1.01, 1), (5, 9.0, 5)]  # start, decay, generated
+    scores = random_scores(len(cases), seed=5)
+    scores[1, EOS] = -abs(scores[1, EOS])  # a negative EOS score is boosted too
+    input_len = 7
+    factors = [decay ** (g - start) if g > start else 1.0 for start, decay, g in cases]
+    got = lp.apply_length_penalty(scores.clone(), EOS, torch.tensor(factors, dtype=torch.float64))
+    rows = []
+    for i, (start, decay, g) in enumerate(cases):
+        proc = hf.ExponentialDecayLengthPenalty((start, decay), EOS, input_len)
+        rows.append(proc(torch.zeros((1, input_len + g), dtype=torch.long), scores[i : i + 1].clone()))
+    torch.testing.assert_close(got, torch.cat(rows))
+
+
+def test_chooser_pipeline_matches_transformers_in_tgis_order() -> None:
+    """The whole chain of a heterogeneous batch vs each row's transformers processor list."""
+    params = [
+        SamplingParams(),  # greedy: untouched by warpers
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, typical_p=0.8, repetition_penalty=1.3),
+        SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5),
+        SamplingParams(repetition_penalty=2.0, length_penalty=LengthPenalty(1, 1.7)),
+        SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2)),
+    ]
+    prompts = [[5, 6, 7], [8, 9, 9, 10], [11], [12, 13, 14, 15, 16], [EOS, 17]]
+    generated = [3, 0, 2, 4, 1]
+    # As if each row had generated `count` tokens (ids 30, 31, ...).
+    histories = [p + list(range(30, 30 + count)) for p, count in zip(prompts, generated, strict=True)]
+    generators = [None if p.greedy else torch.Generator().manual_seed(0) for p in params]
+    chooser = TokenChooser(params, histories, generated, generators, EOS, VOCAB, torch.device("cpu"))
+    scores = random_scores(len(params), seed=6)
+    got = chooser.process(scores.clone())
+
+    rows = []
+    for i, p in enumerate(params):
+        ids = torch.tensor([chooser.histories[i]])
+        n_in = len(prompts[i])
+        procs: list = []
+        if p.min_new_tokens and generated[i] < p.min_new_tokens:
+            procs.append(hf.MinNewTokensLengthLogitsProcessor(n_in, p.min_new_tokens, EOS))
+        elif p.length_penalty is not None:
+            procs.append(
+                hf.ExponentialDecayLengthPenalty(
+                    (p.length_penalty.start_index, p.length_penalty.decay_factor), EOS, n_in
+                )
+            )
+        if p.repetition_penalty != 1.0:
+            procs.append(hf.RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+        if not p.greedy:
+            if p.temperature != 1.0:
+                procs.append(hf.TemperatureLogitsWarper(p.temperature))
+            if p.top_k:
+                procs.append(hf.TopKLogitsWarper(p.top_k))
+            if p.top_p < 1.0:
+                procs.append(hf.TopPLogitsWarper(p.top_p))
+            if p.typical_p < 1.0:
+                procs.append(hf.TypicalLogitsWarper(p.typical_p))
+        row = scores[i : i + 1].clone()
+        for proc in procs:
+            row = proc(ids, row)
+        rows.append(row)
+    torch.testing.assert_close(got, torch.cat(rows))
+
+
+def test_sampling_uses_each_rows_generator() -> None:
+    """A row's draws depend only on its own seed and scores, not on its neighbours."""
+    row_scores = random_scores(1, seed=7)[0]
+    sampled = SamplingParams(temperature=1.0, seed=42)
+
+    def draws(params: list[SamplingParams], row: int) -> list[int]:
+        chooser = TokenChooser.create(params, [[1]] * len(params), EOS, VOCAB, torch.device("cpu"))
+        scores = random_scores(len(params), seed=8)
+        scores[row] = row_scores
+        out = []
+        for _ in range(5):
+            ids, _ = chooser.choose(scores.clone())
+            out.append(int(ids[row]))
+            chooser.advance(ids.tolist())
+        return out
+
+    alone = draws([sampled], 0)
+    assert alone == draws([SamplingParams(), sampled, SamplingParams(temperature=0.5, seed=1)], 1)
+    assert alone == draws([SamplingParams(temperature=2.0, seed=3), SamplingParams(top_k=4), sampled], 2)
+    assert len(set(alone)) > 1, "five draws at temperature 1 over 300 tokens should differ"

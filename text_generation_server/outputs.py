@@ -1,0 +1,136 @@
+"""Typed messages between the shard's gRPC edge and its engines.
+
+`convert.py` turns protobuf into these and back; engines and batches see only these.
+Flow: PrefillRequest -> list[GenerationRequest] -> Batch.from_requests -> engine.generate_token
+-> StepOutput -> GenerateResult.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Batch id of the router's health-check prefill: answered, never cached.
+HEALTH_CHECK_BATCH_ID = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class LengthPenalty:
+    start_index: int  # generated-token count after which the EOS boost starts
+    decay_factor: float  # boost = |score[eos]| * (decay_factor ** k - 1), k = generated - start_index
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token of one request is chosen (all logits processing is per request)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    typical_p: float = 1.0  # 1.0 = off
+    min_new_tokens: int = 0  # EOS masked while fewer tokens were generated
+    seed: int | None = None  # sampling generator seed; None = random
+    repetition_penalty: float = 1.0  # 1.0 = off
+    length_penalty: LengthPenalty | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestedDetails:
+    """Which token details a request wants back."""
+
+    input_tokens: bool = False
+    logprobs: bool = False
+    ranks: bool = False
+    top_n_tokens: int = 0
+
+    @property
+    def any_token_detail(self) -> bool:
+        return self.logprobs or self.ranks or self.top_n_tokens > 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One prompt to generate for, as the router sends it."""
+
+    id: int
+    input_ids: tuple[int, ...]  # tokenized with special tokens, untruncated
+    max_new_tokens: int
+    truncate_input_tokens: int = 0  # keep the last N ids (BOS re-inserted); 0 = all
+    params: SamplingParams = field(default_factory=SamplingParams)
+    details: RequestedDetails = field(default_factory=RequestedDetails)
+    prefix_id: str = ""  # soft prompt; "" = none
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBatchRef:
+    """A batch cached in the shard and the requests to drop from it before use."""
+
+    batch_id: int
+    completed_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TopToken:
+    token_id: int
+    logprob: float = 0.0  # 0.0 when logprobs were not requested
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    """A token with the details its request asked for (zero values = not requested)."""
+
+    token_id: int
+    logprob: float = 0.0  # NaN for the first input token
+    rank: int = 0  # 1-based
+    top_tokens: tuple[TopToken, ...] = ()
+
+
+FIRST_INPUT_TOKEN_LOGPROB = math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """The token one request produced in one step."""
+
+    request_id: int
+    token: TokenInfo
+
+
+@dataclass(frozen=True, slots=True)
+class InputTokens:
+    request_id: int
+    tokens: tuple[TokenInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """A failure confined to one request; the request is no longer in the batch."""
+
+    request_id: int
+    message: str
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The result of one prefill or decode call."""
+
+    generations: list[Generation] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    input_tokens: list[InputTokens] = field(default_factory=list)
+    batch_id: int | None = None  # id the batch is cached under; None = nothing cached
+    forward_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Static facts about the loaded model, reported to the router."""
+
+    seq2seq: bool
+    eos_token_id: int
+    vocab_size: int
+    max_sequence_length: int
+    batch_padding: bool = True

@@ -1,0 +1,1 @@
+"""Logits processing, token choice and token details, vectorised over heterogeneous batches."""
