@@ -1,0 +1,211 @@
+"""`text-generation-server`: run a model shard and manage model weights.
+
+    text-generation-server serve MODEL_NAME [DEPLOYMENT_FRAMEWORK] [options]
+    text-generation-server download-weights MODEL_NAME [--revision] [--extension] [--auto-convert]
+    text-generation-server convert-to-safetensors MODEL_NAME [--revision]
+    text-generation-server convert-to-fast-tokenizer MODEL_NAME [--revision] [--output-path]
+
+Every option can also be set through the environment variable named in its help (TGIS names).
+This module and config.py are the only readers of the environment in this package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import click
+
+from text_generation_server.config import (
+    DEFAULT_DEPLOYMENT_FRAMEWORK,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_NEW_TOKENS,
+    DTYPES,
+    ServerConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    # The hub client's HTTP library logs every request at INFO.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
+def app(log_level: str) -> None:
+    """Model shard of the TGIS-compatible inference server."""
+    _setup_logging(log_level)
+
+
+@app.command()
+@click.argument("model_name", envvar="MODEL_NAME")
+@click.argument("deployment_framework", envvar="DEPLOYMENT_FRAMEWORK", default=DEFAULT_DEPLOYMENT_FRAMEWORK)
+@click.option(
+    "--revision", envvar="REVISION", default=None, help="Model revision in the HF cache [env REVISION]."
+)
+@click.option(
+    "--dtype",
+    envvar=["DTYPE", "DTYPE_STR"],
+    type=click.Choice(DTYPES),
+    default=None,
+    help="Weights and activations dtype; default float16 on CUDA, float32 on CPU [env DTYPE, DTYPE_STR].",
+)
+@click.option(
+    "--max-sequence-length",
+    envvar="MAX_SEQUENCE_LENGTH",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Input + generated tokens limit; default from the model config, else 2048 "
+    "[env MAX_SEQUENCE_LENGTH].",
+)
+@click.option(
+    "--max-new-tokens",
+    envvar="MAX_NEW_TOKENS",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_NEW_TOKENS,
+    help="Largest max_new_tokens a request may ask for [env MAX_NEW_TOKENS].",
+)
+@click.option(
+    "--max-batch-size",
+    envvar="MAX_BATCH_SIZE",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BATCH_SIZE,
+    help="Most requests in one batch [env MAX_BATCH_SIZE].",
+)
+@click.option(
+    "--uds-path",
+    envvar="SHARD_UDS_PATH",
+    default="",
+    help="Socket base path; shard RANK listens on {path}-{RANK} [env SHARD_UDS_PATH]; "
+    "default text-generation-server in the temp directory.",
+)
+@click.option("--rank", envvar="RANK", type=click.IntRange(min=0), default=0, help="Shard rank [env RANK].")
+@click.option(
+    "--world-size",
+    envvar="WORLD_SIZE",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Number of shards [env WORLD_SIZE].",
+)
+@click.option(
+    "--trust-remote-code/--no-trust-remote-code",
+    envvar="TRUST_REMOTE_CODE",
+    default=False,
+    help="Allow model code from the model directory [env TRUST_REMOTE_CODE].",
+)
+@click.option(
+    "--attn-implementation",
+    envvar="TRANSFORMERS_ATTN_IMPL",
+    default=None,
+    help="transformers attention implementation, e.g. sdpa or eager [env TRANSFORMERS_ATTN_IMPL].",
+)
+def serve(
+    model_name: str,
+    deployment_framework: str,
+    revision: str | None,
+    dtype: str | None,
+    max_sequence_length: int | None,
+    max_new_tokens: int,
+    max_batch_size: int,
+    uds_path: str,
+    rank: int,
+    world_size: int,
+    trust_remote_code: bool,
+    attn_implementation: str | None,
+) -> None:
+    """Load MODEL_NAME with DEPLOYMENT_FRAMEWORK and serve it over a Unix socket."""
+    from text_generation_server.engines import get_engine_class
+    from text_generation_server.server import serve as serve_forever
+
+    try:
+        config = ServerConfig(
+            model_name=model_name,
+            deployment_framework=deployment_framework,
+            revision=revision,
+            dtype=dtype,
+            max_sequence_length=max_sequence_length,
+            max_new_tokens=max_new_tokens,
+            max_batch_size=max_batch_size,
+            uds_path=uds_path,
+            rank=rank,
+            world_size=world_size,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+        engine = get_engine_class(config.deployment_framework)(config)
+    except (ValueError, FileNotFoundError, NotImplementedError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    asyncio.run(serve_forever(engine, config))
+
+
+@app.command("download-weights")
+@click.argument("model_name")
+@click.option("--revision", envvar="REVISION", default=None, help="Revision to download [env REVISION].")
+@click.option("--token", envvar="HF_TOKEN", default=None, help="Hub access token [env HF_TOKEN].")
+@click.option(
+    "--extension",
+    "extensions",
+    default=".safetensors",
+    help="Comma-separated weight file extensions to download, e.g. .safetensors,.bin.",
+)
+@click.option(
+    "--auto-convert/--no-auto-convert",
+    default=True,
+    help="Download .bin weights and convert them when no .safetensors weights exist.",
+)
+def download_weights(
+    model_name: str, revision: str | None, token: str | None, extensions: str, auto_convert: bool
+) -> None:
+    """Download MODEL_NAME from the hub into the local HF cache (HF_HUB_CACHE)."""
+    from text_generation_server.utils import hub
+
+    wanted = [e.strip() for e in extensions.split(",") if e.strip()]
+    try:
+        path = hub.download_weights(
+            model_name, revision=revision, extensions=wanted, auto_convert=auto_convert, token=token
+        )
+    except (hub.WeightsNotFoundError, FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(str(path))
+
+
+@app.command("convert-to-safetensors")
+@click.argument("model_name")
+@click.option("--revision", envvar="REVISION", default=None, help="Revision in the HF cache [env REVISION].")
+def convert_to_safetensors(model_name: str, revision: str | None) -> None:
+    """Convert the .bin weights of MODEL_NAME (local dir or HF cache) to .safetensors beside them."""
+    from text_generation_server.utils import hub, weights
+
+    try:
+        written = weights.convert_to_safetensors(hub.resolve_model_dir(model_name, revision))
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    for path in written:
+        click.echo(str(path))
+
+
+@app.command("convert-to-fast-tokenizer")
+@click.argument("model_name")
+@click.option("--revision", envvar="REVISION", default=None, help="Revision in the HF cache [env REVISION].")
+@click.option(
+    "--output-path", default=None, help="Directory for tokenizer.json; default: the model directory."
+)
+def convert_to_fast_tokenizer(model_name: str, revision: str | None, output_path: str | None) -> None:
+    """Write a fast tokenizer (tokenizer.json) for MODEL_NAME."""
+    from text_generation_server.utils import hub, weights
+
+    try:
+        path = weights.convert_to_fast_tokenizer(hub.resolve_model_dir(model_name, revision), output_path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(str(path))
+
+
+if __name__ == "__main__":
+    app()

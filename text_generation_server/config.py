@@ -1,0 +1,61 @@
+"""ServerConfig: the one configuration object of a shard process.
+
+Built only by the `serve` command of cli.py (click reads the flags and their TGIS env vars);
+everything else receives the object. Validation happens here, in __post_init__.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+DTYPES = ("float16", "bfloat16", "float32")
+DEFAULT_MAX_NEW_TOKENS = 1024
+DEFAULT_MAX_BATCH_SIZE = 12
+DEFAULT_DEPLOYMENT_FRAMEWORK = "hf_transformers"
+
+
+def default_uds_path() -> str:
+    """Socket base path; shard `rank` listens on `{base}-{rank}`."""
+    return os.path.join(tempfile.gettempdir(), "text-generation-server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_name: str  # local directory, or hub id resolved in the local HF cache
+    deployment_framework: str = DEFAULT_DEPLOYMENT_FRAMEWORK  # engine name (see engines/__init__.py)
+    revision: str | None = None
+    dtype: str | None = None  # None: float16 on CUDA, float32 on CPU
+    max_sequence_length: int | None = None  # None: from the model config, else 2048
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    uds_path: str = ""  # socket base path; "" = default_uds_path()
+    rank: int = 0
+    world_size: int = 1
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model name must not be empty")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.max_sequence_length is not None and self.max_sequence_length < 2:
+            raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if not self.uds_path:
+            object.__setattr__(self, "uds_path", default_uds_path())
+
+    @property
+    def socket_path(self) -> str:
+        """The Unix socket this shard listens on."""
+        return f"{self.uds_path}-{self.rank}"
+
+    def shard_urls(self) -> list[str]:
+        return [f"unix://{self.uds_path}-{rank}" for rank in range(self.world_size)]

@@ -1,0 +1,1 @@
+"""Shard-side utilities: model files on disk and on the hub."""
