@@ -1,0 +1,50 @@
+"""The Batch contract: the state of a group of requests that run their steps together.
+
+A Batch owns its requests' device state (inputs, attention masks, KV cache, sampling state).
+The shard server keeps batches in a cache keyed by batch id and only ever:
+  - builds one from requests            (Batch.from_requests, per-request errors beside it),
+  - drops finished requests             (prune, without recomputing anything),
+  - merges several into one             (Batch.concatenate, cached under the first id),
+  - hands it to its engine for a step   (ModelEngine.generate_token).
+Engines define the concrete classes (e.g. left-padded rectangles with a KV cache).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, Self
+
+from text_generation_server.outputs import GenerationRequest, RequestError
+
+
+class Batch(ABC):
+    batch_id: int
+
+    @classmethod
+    @abstractmethod
+    def from_requests(
+        cls, batch_id: int, requests: Sequence[GenerationRequest], context: Any
+    ) -> tuple[Self | None, list[RequestError]]:
+        """Build a batch of the valid requests; invalid ones come back as errors.
+
+        Returns None for the batch when no request is valid. `context` is the engine's model
+        context (device, special token ids, limits).
+        """
+
+    @classmethod
+    @abstractmethod
+    def concatenate(cls, batches: Sequence[Self]) -> Self:
+        """Merge batches (row order: batches in order); the result keeps the first id."""
+
+    @abstractmethod
+    def prune(self, completed_ids: set[int]) -> Self | None:
+        """Drop the given requests; returns None when nothing is left."""
+
+    @property
+    @abstractmethod
+    def request_ids(self) -> list[int]:
+        """Request ids in row order."""
+
+    def __len__(self) -> int:
+        return len(self.request_ids)

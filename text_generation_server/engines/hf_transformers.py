@@ -1,0 +1,217 @@
+"""The `hf_transformers` engine: any transformers causal or seq2seq LM, on CPU or CUDA.
+
+Loads the model with AutoModelForCausalLM / AutoModelForSeq2SeqLM from a local directory or the
+local Hugging Face cache, and runs steps over left-padded batches (padded_causal.py,
+padded_seq2seq.py). One step = forward -> fp32 logits -> TokenChooser -> token details.
+Called only from the shard's worker thread (server.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+
+from text_generation_server.config import ServerConfig
+from text_generation_server.engines.base import ModelContext, ModelEngine
+from text_generation_server.engines.padded import PaddedBatch
+from text_generation_server.engines.padded_causal import CausalLMBatch
+from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
+from text_generation_server.outputs import (
+    Generation,
+    GenerationRequest,
+    InputTokens,
+    ModelInfo,
+    RequestError,
+    StepOutput,
+)
+from text_generation_server.sampling.token_details import (
+    encoder_input_token_infos,
+    generated_token_infos,
+    input_token_infos,
+)
+from text_generation_server.utils.hub import resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 2048
+# config.json keys that hold a model's context length, most specific first.
+SEQUENCE_LENGTH_KEYS = (
+    "max_sequence_length",
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_seq_length",
+    "seq_len",
+)
+NAN_LOGITS_MESSAGE = "Token decoding error: the model produced NaN logits"
+
+
+def select_device(rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def select_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def model_sequence_length(hf_config: Any) -> int | None:
+    for key in SEQUENCE_LENGTH_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return int(value) if value is not None else None
+
+
+class HFTransformersEngine(ModelEngine):
+    def __init__(self, config: ServerConfig) -> None:
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model_dir = resolve_model_dir(config.model_name, config.revision)
+        self.device = select_device(config.rank)
+        self.dtype = select_dtype(config.dtype, self.device)
+        hf_config = transformers.AutoConfig.from_pretrained(
+            model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
+        )
+        self.seq2seq = bool(getattr(hf_config, "is_encoder_decoder", False))
+        auto = transformers.AutoModelForSeq2SeqLM if self.seq2seq else transformers.AutoModelForCausalLM
+        load_kwargs: dict[str, Any] = {}
+        if config.attn_implementation:
+            load_kwargs["attn_implementation"] = config.attn_implementation
+        logger.info("loading %s (%s, %s) from %s", config.model_name, self.dtype, self.device, model_dir)
+        self.model: Any = cast(
+            Any,
+            auto.from_pretrained(
+                model_dir,
+                dtype=self.dtype,
+                trust_remote_code=config.trust_remote_code,
+                local_files_only=True,
+                **load_kwargs,
+            ),
+        )
+        self.model.to(self.device).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
+        )
+        self.batch_type: type[PaddedBatch] = Seq2SeqLMBatch if self.seq2seq else CausalLMBatch
+        self.context = self._context(config, hf_config, tokenizer)
+        self.info = ModelInfo(
+            seq2seq=self.seq2seq,
+            eos_token_id=self.context.eos_token_id,
+            vocab_size=self.context.vocab_size,
+            max_sequence_length=self.context.max_sequence_length,
+        )
+
+    def _context(self, config: ServerConfig, hf_config: Any, tokenizer: Any) -> ModelContext:
+        generation_config = getattr(self.model, "generation_config", None)
+        eos = _first_id(hf_config.eos_token_id)
+        if eos is None and generation_config is not None:
+            eos = _first_id(generation_config.eos_token_id)
+        if eos is None:
+            eos = _first_id(tokenizer.eos_token_id)
+        if eos is None:
+            raise ValueError("the model defines no EOS token (config.json or tokenizer)")
+        pad = _first_id(hf_config.pad_token_id)
+        if pad is None:
+            pad = _first_id(tokenizer.pad_token_id)
+        if pad is None:
+            pad = eos  # padding is masked out: any valid id will do
+        probe = tokenizer("a")["input_ids"]
+        bos = tokenizer.bos_token_id if probe and probe[0] == tokenizer.bos_token_id else None
+        output = self.model.get_output_embeddings()
+        vocab_size = int(output.weight.shape[0]) if output is not None else int(hf_config.vocab_size)
+        model_max = model_sequence_length(hf_config)
+        max_sequence_length = config.max_sequence_length or model_max or DEFAULT_MAX_SEQUENCE_LENGTH
+        if model_max is not None and max_sequence_length > model_max:
+            logger.warning(
+                "max_sequence_length %d is above the model's own limit of %d", max_sequence_length, model_max
+            )
+        forward_params = inspect.signature(self.model.forward).parameters
+        decoder_start = None
+        if self.seq2seq:
+            decoder_start = _first_id(hf_config.decoder_start_token_id)
+            if decoder_start is None:
+                decoder_start = pad
+        return ModelContext(
+            device=self.device,
+            vocab_size=vocab_size,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            bos_token_id=bos,
+            max_sequence_length=max_sequence_length,
+            accepts_position_ids="position_ids" in forward_params,
+            accepts_logits_to_keep="logits_to_keep" in forward_params,
+            decoder_start_token_id=decoder_start,
+        )
+
+    def new_batch(
+        self, batch_id: int, requests: Sequence[GenerationRequest]
+    ) -> tuple[PaddedBatch | None, list[RequestError]]:
+        return self.batch_type.from_requests(batch_id, requests, self.context)
+
+    def generate_token(self, batch: Any, first: bool) -> tuple[StepOutput, PaddedBatch | None]:
+        assert isinstance(batch, PaddedBatch)
+        with torch.inference_mode():
+            return self._step(batch, first)
+
+    def _step(self, batch: PaddedBatch, first: bool) -> tuple[StepOutput, PaddedBatch | None]:
+        want_input_logits = first and not self.seq2seq and batch.wants_input_logits
+        start = time.perf_counter_ns()
+        logits = batch.forward(self.model, all_logits=want_input_logits)
+        last = logits[:, -1, :].to(torch.float32, copy=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        forward_ns = time.perf_counter_ns() - start
+
+        nan_rows = torch.isnan(last).any(dim=-1).tolist()
+        next_ids, scores = batch.chooser.choose(last)
+        next_list = next_ids.tolist()
+        infos = generated_token_infos(scores, next_list, [r.details for r in batch.requests])
+        input_tokens = self._input_tokens(batch, logits if want_input_logits else None) if first else []
+
+        batch.chooser.advance(next_list)
+        batch.append_tokens(next_ids)
+        output = StepOutput(input_tokens=input_tokens, forward_ns=forward_ns)
+        for request, info, nan in zip(batch.requests, infos, nan_rows, strict=True):
+            if nan:
+                output.errors.append(RequestError(request.id, NAN_LOGITS_MESSAGE))
+            else:
+                output.generations.append(Generation(request.id, info))
+        if output.errors:
+            return output, batch.prune({e.request_id for e in output.errors})
+        return output, batch
+
+    def _input_tokens(self, batch: PaddedBatch, logits: torch.Tensor | None) -> list[InputTokens]:
+        prompts = batch.prompts
+        assert prompts is not None, "input tokens are known only in the prefill step"
+        result = []
+        for row, request in enumerate(batch.requests):
+            if not request.details.input_tokens:
+                continue
+            ids = prompts[row]
+            if self.seq2seq:
+                infos = encoder_input_token_infos(ids, request.details)
+            else:
+                row_logits = logits[row, -len(ids) :] if logits is not None else None
+                infos = input_token_infos(row_logits, ids, request.details)
+            result.append(InputTokens(request.id, infos))
+        return result

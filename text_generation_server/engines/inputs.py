@@ -1,0 +1,66 @@
+"""Per-request input checks and left truncation, shared by every batch type.
+
+A request that fails a check becomes a RequestError beside its batch instead of failing the
+batch. The router validates user input first; these checks keep a shard safe from any client
+of the internal protocol.
+"""
+
+from __future__ import annotations
+
+import math
+
+from text_generation_server.engines.base import ModelContext
+from text_generation_server.outputs import GenerationRequest
+
+
+def truncated_input_ids(request: GenerationRequest, bos_token_id: int | None) -> list[int]:
+    """Keep the last `truncate_input_tokens` ids; BOS-adding tokenizers get BOS back as the first
+    kept token (so `truncate_input_tokens: 1` leaves only BOS)."""
+    ids = list(request.input_ids)
+    keep = request.truncate_input_tokens
+    if 0 < keep < len(ids):
+        ids = ids[-keep:]
+        if bos_token_id is not None:
+            ids[0] = bos_token_id
+    return ids
+
+
+def _parameter_error(request: GenerationRequest) -> str | None:
+    p = request.params
+    checks = (
+        (math.isfinite(p.temperature) and p.temperature >= 0.0, f"temperature {p.temperature}"),
+        (0.0 < p.top_p <= 1.0, f"top_p {p.top_p}"),
+        (0.0 < p.typical_p <= 1.0, f"typical_p {p.typical_p}"),
+        (
+            math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0.0,
+            f"repetition_penalty {p.repetition_penalty}",
+        ),
+        (
+            p.length_penalty is None
+            or (math.isfinite(p.length_penalty.decay_factor) and p.length_penalty.decay_factor >= 1.0),
+            f"length_penalty decay_factor {p.length_penalty.decay_factor if p.length_penalty else ''}",
+        ),
+    )
+    for ok, what in checks:
+        if not ok:
+            return f"invalid sampling parameter: {what}"
+    return None
+
+
+def request_error(request: GenerationRequest, input_ids: list[int], context: ModelContext) -> str | None:
+    """Why `request` (with its truncated `input_ids`) cannot run, or None."""
+    if request.prefix_id:
+        return f"Error retrieving prompt prefix '{request.prefix_id}'"
+    if not input_ids:
+        return "request has no input tokens"
+    bad = next((t for t in input_ids if not 0 <= t < context.vocab_size), None)
+    if bad is not None:
+        return f"input token id {bad} is outside the vocabulary (size {context.vocab_size})"
+    if request.max_new_tokens < 1:
+        return f"max_new_tokens must be >= 1, got {request.max_new_tokens}"
+    if len(input_ids) + request.max_new_tokens > context.max_sequence_length:
+        return (
+            f"input tokens ({len(input_ids)}) plus max_new_tokens ({request.max_new_tokens}) "
+            f"must be <= {context.max_sequence_length}"
+        )
+    return _parameter_error(request)

@@ -1,0 +1,102 @@
+"""What the left-padded batch types share: requests, sampling state, validation, pruning.
+
+Subclasses (padded_causal.py, padded_seq2seq.py) hold the model tensors and implement
+`forward`, `append_tokens`, `_select` (rows kept, in order) and `concatenate`.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any, Self
+
+import torch
+
+from text_generation_server.batch import Batch
+from text_generation_server.engines.base import ModelContext
+from text_generation_server.engines.inputs import request_error, truncated_input_ids
+from text_generation_server.outputs import GenerationRequest, RequestError
+from text_generation_server.sampling.chooser import TokenChooser
+
+
+def left_pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, L], mask [B, L]) with every row right-aligned; built on the CPU."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def extend_mask(mask: torch.Tensor) -> torch.Tensor:
+    """mask [B, S] -> [B, S + 1] with the new column set (the pending token of every row)."""
+    return torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+
+
+class PaddedBatch(Batch):
+    def __init__(
+        self,
+        batch_id: int,
+        requests: list[GenerationRequest],
+        chooser: TokenChooser,
+        context: ModelContext,
+        prompts: list[list[int]] | None = None,
+    ) -> None:
+        self.batch_id = batch_id
+        self.requests = requests
+        self.chooser = chooser
+        self.context = context
+        self.prompts = prompts  # truncated prompt ids, until the prefill step only
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [r.id for r in self.requests]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @staticmethod
+    def validate(
+        requests: Sequence[GenerationRequest], context: ModelContext
+    ) -> tuple[list[GenerationRequest], list[list[int]], list[RequestError]]:
+        """Split requests into (valid, their truncated ids, errors of the others)."""
+        valid: list[GenerationRequest] = []
+        prompts: list[list[int]] = []
+        errors: list[RequestError] = []
+        for request in requests:
+            ids = truncated_input_ids(request, context.bos_token_id)
+            message = request_error(request, ids, context)
+            if message is None:
+                valid.append(request)
+                prompts.append(ids)
+            else:
+                errors.append(RequestError(request.id, message))
+        return valid, prompts, errors
+
+    @property
+    def wants_input_logits(self) -> bool:
+        """Some request wants details of its prompt tokens (needs logits at every position)."""
+        return any(r.details.input_tokens and r.details.any_token_detail for r in self.requests)
+
+    def prune(self, completed_ids: set[int]) -> Self | None:
+        rows = [i for i, r in enumerate(self.requests) if r.id not in completed_ids]
+        if not rows:
+            return None
+        if len(rows) == len(self.requests):
+            return self
+        return self._select(rows)
+
+    @abstractmethod
+    def forward(self, model: Any, all_logits: bool) -> torch.Tensor:
+        """Run the model on the pending tokens; logits [B, positions, vocab]."""
+
+    @abstractmethod
+    def append_tokens(self, next_ids: torch.Tensor) -> None:
+        """Make `next_ids` [B] the pending tokens of the next step."""
+
+    @abstractmethod
+    def _select(self, rows: list[int]) -> Self:
+        """A batch of the given rows, in that order."""
