@@ -1,0 +1,93 @@
+"""Every conversion between the internal protobuf messages and outputs.py dataclasses.
+
+Only this module and server.py import the generated `pb` code. Zero values of proto3 scalars
+that mean "off" are normalised here (top_p / typical_p <= 0 and repetition_penalty 0 -> 1.0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from text_generation_server.outputs import (
+    CachedBatchRef,
+    GenerationRequest,
+    InputTokens,
+    LengthPenalty,
+    ModelInfo,
+    RequestedDetails,
+    SamplingParams,
+    StepOutput,
+    TokenInfo,
+)
+from text_generation_server.pb import generate_pb2 as pb
+
+
+def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p if p.top_p > 0 else 1.0,
+        typical_p=p.typical_p if p.typical_p > 0 else 1.0,
+        min_new_tokens=p.min_new_tokens,
+        seed=p.seed if p.HasField("seed") else None,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,
+        length_penalty=(
+            LengthPenalty(p.length_penalty.start_index, p.length_penalty.decay_factor)
+            if p.HasField("length_penalty")
+            else None
+        ),
+    )
+
+
+def request_from_pb(r: pb.Request) -> GenerationRequest:
+    d = r.details
+    return GenerationRequest(
+        id=r.id,
+        input_ids=tuple(r.input_ids),
+        max_new_tokens=r.max_new_tokens,
+        truncate_input_tokens=r.truncate_input_tokens,
+        params=sampling_params_from_pb(r.parameters),
+        details=RequestedDetails(
+            input_tokens=d.input_tokens, logprobs=d.logprobs, ranks=d.ranks, top_n_tokens=d.top_n_tokens
+        ),
+        prefix_id=r.prefix_id,
+    )
+
+
+def cached_batches_from_pb(batches: Iterable[pb.CachedBatch]) -> list[CachedBatchRef]:
+    return [CachedBatchRef(b.id, tuple(b.completed_ids)) for b in batches]
+
+
+def token_to_pb(info: TokenInfo, request_id: int = 0) -> pb.Token:
+    return pb.Token(
+        request_id=request_id,
+        token_id=info.token_id,
+        logprob=info.logprob,
+        rank=info.rank,
+        top_tokens=[pb.TopToken(token_id=t.token_id, logprob=t.logprob) for t in info.top_tokens],
+    )
+
+
+def result_to_pb(out: StepOutput) -> pb.GenerateResult:
+    result = pb.GenerateResult(
+        tokens=[token_to_pb(g.token, g.request_id) for g in out.generations],
+        errors=[pb.RequestError(request_id=e.request_id, message=e.message) for e in out.errors],
+        forward_ns=out.forward_ns,
+    )
+    if out.batch_id is not None:
+        result.batch_id = out.batch_id
+    return result
+
+
+def input_tokens_to_pb(items: Iterable[InputTokens]) -> list[pb.InputTokens]:
+    return [pb.InputTokens(request_id=i.request_id, tokens=[token_to_pb(t) for t in i.tokens]) for i in items]
+
+
+def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
+    return pb.ModelInfoResponse(
+        model_type=pb.ModelInfoResponse.SEQ2SEQ_LM if info.seq2seq else pb.ModelInfoResponse.CAUSAL_LM,
+        eos_token_id=info.eos_token_id,
+        batch_padding=info.batch_padding,
+        vocab_size=info.vocab_size,
+        max_sequence_length=info.max_sequence_length,
+    )

@@ -1,0 +1,143 @@
+"""The shard's gRPC server (internal protocol, generate.v1) on a Unix socket.
+
+ShardServicer converts protobuf through convert.py and runs all model work on one dedicated
+worker thread (never on the asyncio loop), so Health and ModelInfo answer even during a long
+step. Errors become status codes here and only here:
+
+    ShardError subclasses  -> NOT_FOUND / INVALID_ARGUMENT (the call's own input was wrong)
+    out of memory          -> RESOURCE_EXHAUSTED
+    anything else          -> UNKNOWN "Unexpected <class ...>: ..." (logged with its traceback)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from text_generation_server import convert
+from text_generation_server.batch_manager import BatchManager
+from text_generation_server.config import ServerConfig
+from text_generation_server.engines.base import ModelEngine
+from text_generation_server.errors import (
+    BatchNotFoundError,
+    InvalidBatchError,
+    PrefixNotFoundError,
+    ShardError,
+    is_out_of_memory,
+)
+from text_generation_server.pb import generate_pb2 as pb
+from text_generation_server.pb import generate_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+STATUS_OF_ERROR: dict[type[ShardError], grpc.StatusCode] = {
+    BatchNotFoundError: grpc.StatusCode.NOT_FOUND,
+    PrefixNotFoundError: grpc.StatusCode.NOT_FOUND,
+    InvalidBatchError: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
+    def __init__(self, engine: ModelEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.batches = BatchManager(engine, config.max_batch_size)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-worker")
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` on the worker thread; exceptions end the call with their status code."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        except Exception as exc:  # every failure must become a status code
+            await self._abort(context, exc)
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+        if isinstance(exc, ShardError):
+            await context.abort(STATUS_OF_ERROR.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+        if is_out_of_memory(exc):
+            logger.error("out of memory: %s", exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {exc}")
+        logger.exception("unexpected error in shard call")
+        await context.abort(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def ServiceDiscovery(
+        self, request: pb.ServiceDiscoveryRequest, context: Any
+    ) -> pb.ServiceDiscoveryResponse:
+        return pb.ServiceDiscoveryResponse(urls=self.config.shard_urls())
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: Any) -> pb.ModelInfoResponse:
+        return convert.model_info_to_pb(self.engine.info)
+
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
+        return pb.HealthResponse()
+
+    async def ClearCache(self, request: pb.ClearCacheRequest, context: Any) -> pb.ClearCacheResponse:
+        await self._run(context, self.batches.clear)
+        return pb.ClearCacheResponse()
+
+    async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        requests = [convert.request_from_pb(r) for r in request.batch.requests]
+        to_prune = convert.cached_batches_from_pb(request.to_prune)
+        output = await self._run(context, self.batches.prefill, request.batch.id, requests, to_prune)
+        return pb.PrefillResponse(
+            result=convert.result_to_pb(output),
+            input_tokens=convert.input_tokens_to_pb(output.input_tokens),
+        )
+
+    async def NextToken(self, request: pb.NextTokenRequest, context: Any) -> pb.NextTokenResponse:
+        refs = convert.cached_batches_from_pb(request.batches)
+        output = await self._run(context, self.batches.next_token, refs)
+        if output is None:
+            return pb.NextTokenResponse()
+        return pb.NextTokenResponse(result=convert.result_to_pb(output))
+
+    async def PrefixLookup(self, request: pb.PrefixLookupRequest, context: Any) -> pb.PrefixLookupResponse:
+        # No prompt store exists yet: every prefix is unknown.
+        await self._abort(context, PrefixNotFoundError(request.prefix_id))
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+async def start_server(engine: ModelEngine, config: ServerConfig) -> tuple[grpc.aio.Server, ShardServicer]:
+    """Bind the socket and start serving (the socket appearing is the readiness signal)."""
+    servicer = ShardServicer(engine, config)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
+    path = config.socket_path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a stale socket of a previous run
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    logger.info("shard %d/%d serving on unix://%s", config.rank, config.world_size, path)
+    return server, servicer
+
+
+async def serve(engine: ModelEngine, config: ServerConfig, grace_s: float = 5.0) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully and remove the socket."""
+    server, servicer = await start_server(engine, config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        logger.info("shard %d stopping", config.rank)
+        await server.stop(grace_s)
+    finally:
+        servicer.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(config.socket_path)
