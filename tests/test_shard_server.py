@@ -22,6 +22,7 @@ from text_generation_server.pb import generate_pb2 as pb
 
 MAX_BATCH = 4
 MAX_SEQ = 64
+MAX_NEW = 20
 
 
 class HookedEngine(ModelEngine):
@@ -49,6 +50,7 @@ def shard(tiny_model, tmp_path_factory) -> Iterator[tuple[HookedEngine, Any, Ser
         uds_path=str(tmp_path_factory.mktemp("s") / "shard"),
         max_batch_size=MAX_BATCH,
         max_sequence_length=MAX_SEQ,
+        max_new_tokens=MAX_NEW,
     )
     engine = HookedEngine(HFTransformersEngine(config))
     with running_shard(engine, config) as stub:
@@ -176,6 +178,7 @@ def test_per_request_errors_leave_the_rest_of_the_batch_alone(stub, shard) -> No
         make_request(4, list(range(1, 61)), 5),
         make_request(5, [1, 5], 5, prefix_id="my-prompt"),
         make_request(6, [1, 5], 5, temperature=-1.0),
+        make_request(7, [1, 5], MAX_NEW + 1),
     ]
     driver = Driver(stub, engine.info.eos_token_id, stop_at_eos=False)
     driver.prefill([bad[0], bad[1], good])
@@ -187,6 +190,7 @@ def test_per_request_errors_leave_the_rest_of_the_batch_alone(stub, shard) -> No
         4: f"input tokens (60) plus max_new_tokens (5) must be <= {MAX_SEQ}",
         5: "Error retrieving prompt prefix 'my-prompt'",
         6: "invalid sampling parameter: temperature -1.0",
+        7: f"max_new_tokens must be <= {MAX_NEW}",
     }
     alone = Driver(stub, engine.info.eos_token_id, stop_at_eos=False, next_batch_id=50)
     alone.prefill([make_request(1, [1, 5, 6, 7], 5)])

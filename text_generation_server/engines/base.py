@@ -29,6 +29,7 @@ class ModelContext:
     pad_token_id: int
     bos_token_id: int | None  # set iff the tokenizer prepends BOS (re-inserted on truncation)
     max_sequence_length: int
+    max_new_tokens: int  # largest max_new_tokens a request may ask for
     accepts_position_ids: bool = True  # causal models: pass explicit position ids
     accepts_logits_to_keep: bool = True  # the model can skip logits of positions we do not need
     decoder_start_token_id: int | None = None  # encoder-decoder models

@@ -158,6 +158,7 @@ class HFTransformersEngine(ModelEngine):
             pad_token_id=pad,
             bos_token_id=bos,
             max_sequence_length=max_sequence_length,
+            max_new_tokens=config.max_new_tokens,
             accepts_position_ids="position_ids" in forward_params,
             accepts_logits_to_keep="logits_to_keep" in forward_params,
             decoder_start_token_id=decoder_start,

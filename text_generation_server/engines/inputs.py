@@ -58,6 +58,8 @@ def request_error(request: GenerationRequest, input_ids: list[int], context: Mod
         return f"input token id {bad} is outside the vocabulary (size {context.vocab_size})"
     if request.max_new_tokens < 1:
         return f"max_new_tokens must be >= 1, got {request.max_new_tokens}"
+    if request.max_new_tokens > context.max_new_tokens:
+        return f"max_new_tokens must be <= {context.max_new_tokens}"
     if len(input_ids) + request.max_new_tokens > context.max_sequence_length:
         return (
             f"input tokens ({len(input_ids)}) plus max_new_tokens ({request.max_new_tokens}) "
