@@ -91,6 +91,10 @@ def test_model_info_and_discovery(shard, stub) -> None:
     assert info.model_type == pb.ModelInfoResponse.CAUSAL_LM
     assert info.eos_token_id == 2 and info.batch_padding and info.vocab_size == 2000
     assert info.max_sequence_length == MAX_SEQ
+    # The measured memory model: 2 layers x 2 KV heads x 16 dims x (K, V) x 4 bytes per token.
+    memory = info.memory_scaling_model
+    assert memory.nexttoken_linear_coef0 == memory.nexttoken_linear_coef1 == 512
+    assert memory.weight_limit > 0
     urls = stub.ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls
     assert list(urls) == [f"unix://{config.uds_path}-0"]
 

@@ -13,34 +13,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 import click
 
+from router.logs import setup_logging
 from text_generation_server.config import (
+    DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DTYPES,
+    ESTIMATE_MEMORY_MODES,
     ServerConfig,
 )
 
 logger = logging.getLogger(__name__)
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
-    # The hub client's HTTP library logs every request at INFO.
-    logging.getLogger("httpx2").setLevel(logging.WARNING)
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
-def app(log_level: str) -> None:
+@click.option(
+    "--json-output/--no-json-output",
+    envvar="JSON_OUTPUT",
+    default=False,
+    help="Log JSON lines [env JSON_OUTPUT].",
+)
+def app(log_level: str, json_output: bool) -> None:
     """Model shard of the TGIS-compatible inference server."""
-    _setup_logging(log_level)
+    setup_logging(log_level, json_output)
 
 
 @app.command()
@@ -105,6 +105,28 @@ def app(log_level: str) -> None:
     default=None,
     help="transformers attention implementation, e.g. sdpa or eager [env TRANSFORMERS_ATTN_IMPL].",
 )
+@click.option(
+    "--estimate-memory",
+    envvar="ESTIMATE_MEMORY",
+    type=click.Choice(ESTIMATE_MEMORY_MODES),
+    default="auto",
+    help="Batch-weight model reported to the router: auto (measured, bytes), manual (TGIS units), "
+    "off [env ESTIMATE_MEMORY].",
+)
+@click.option(
+    "--batch-safety-margin",
+    envvar="BATCH_SAFETY_MARGIN",
+    type=click.IntRange(0, 99),
+    default=DEFAULT_BATCH_SAFETY_MARGIN,
+    help="Percent of free memory held back from batches [env BATCH_SAFETY_MARGIN].",
+)
+@click.option(
+    "--cuda-process-memory-fraction",
+    envvar="CUDA_PROCESS_MEMORY_FRACTION",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=1.0,
+    help="Share of the GPU's memory this shard may use [env CUDA_PROCESS_MEMORY_FRACTION].",
+)
 def serve(
     model_name: str,
     deployment_framework: str,
@@ -118,6 +140,9 @@ def serve(
     world_size: int,
     trust_remote_code: bool,
     attn_implementation: str | None,
+    estimate_memory: str,
+    batch_safety_margin: int,
+    cuda_process_memory_fraction: float,
 ) -> None:
     """Load MODEL_NAME with DEPLOYMENT_FRAMEWORK and serve it over a Unix socket."""
     from text_generation_server.engines import get_engine_class
@@ -137,6 +162,9 @@ def serve(
             world_size=world_size,
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
+            estimate_memory=estimate_memory,
+            batch_safety_margin=batch_safety_margin,
+            cuda_process_memory_fraction=cuda_process_memory_fraction,
         )
         engine = get_engine_class(config.deployment_framework)(config)
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:

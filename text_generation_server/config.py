@@ -11,6 +11,8 @@ import tempfile
 from dataclasses import dataclass
 
 DTYPES = ("float16", "bfloat16", "float32")
+ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
+DEFAULT_BATCH_SAFETY_MARGIN = 20
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEFAULT_MAX_BATCH_SIZE = 12
 DEFAULT_DEPLOYMENT_FRAMEWORK = "hf_transformers"
@@ -35,6 +37,9 @@ class ServerConfig:
     world_size: int = 1
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
+    estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
+    batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN  # % of free memory held back
+    cuda_process_memory_fraction: float = 1.0  # share of the GPU this process may use
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -47,6 +52,15 @@ class ServerConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.estimate_memory not in ESTIMATE_MEMORY_MODES:
+            choices = ", ".join(ESTIMATE_MEMORY_MODES)
+            raise ValueError(f"unknown ESTIMATE_MEMORY {self.estimate_memory!r}; choose one of {choices}")
+        if not 0 <= self.batch_safety_margin < 100:
+            raise ValueError(f"batch_safety_margin must be in [0, 100), got {self.batch_safety_margin}")
+        if not 0.0 < self.cuda_process_memory_fraction <= 1.0:
+            raise ValueError(
+                f"cuda_process_memory_fraction must be in (0, 1], got {self.cuda_process_memory_fraction}"
+            )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if not self.uds_path:

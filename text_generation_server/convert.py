@@ -1,7 +1,9 @@
-"""Every conversion between the internal protobuf messages and outputs.py dataclasses.
+"""Every conversion between the internal protobuf messages and outputs.py dataclasses, in both
+directions: the shard (server.py) reads requests and writes results, the router
+(router/shard_client.py) writes requests and reads results.
 
-Only this module and server.py import the generated `pb` code. Zero values of proto3 scalars
-that mean "off" are normalised here (top_p / typical_p <= 0 and repetition_penalty 0 -> 1.0).
+Zero values of proto3 scalars that mean "off" are normalised on reading (top_p / typical_p <= 0
+and repetition_penalty 0 -> 1.0).
 """
 
 from __future__ import annotations
@@ -10,14 +12,18 @@ from collections.abc import Iterable
 
 from text_generation_server.outputs import (
     CachedBatchRef,
+    Generation,
     GenerationRequest,
     InputTokens,
     LengthPenalty,
+    MemoryScalingModel,
     ModelInfo,
     RequestedDetails,
+    RequestError,
     SamplingParams,
     StepOutput,
     TokenInfo,
+    TopToken,
 )
 from text_generation_server.pb import generate_pb2 as pb
 
@@ -90,4 +96,91 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         batch_padding=info.batch_padding,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
+        memory_scaling_model=pb.MemoryScalingModel(
+            prefill_linear_coef0=info.memory.prefill_linear_coef0,
+            prefill_quadratic_coef0=info.memory.prefill_quadratic_coef0,
+            prefill_quadratic_coef1=info.memory.prefill_quadratic_coef1,
+            nexttoken_linear_coef0=info.memory.nexttoken_linear_coef0,
+            nexttoken_linear_coef1=info.memory.nexttoken_linear_coef1,
+            weight_limit=info.memory.weight_limit,
+        ),
+    )
+
+
+# ---- router side: requests out, results in -----------------------------------------------------
+
+
+def sampling_params_to_pb(p: SamplingParams) -> pb.NextTokenChooserParameters:
+    out = pb.NextTokenChooserParameters(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        typical_p=p.typical_p,
+        min_new_tokens=p.min_new_tokens,
+        repetition_penalty=p.repetition_penalty,
+    )
+    if p.seed is not None:
+        out.seed = p.seed
+    if p.length_penalty is not None:
+        out.length_penalty.start_index = p.length_penalty.start_index
+        out.length_penalty.decay_factor = p.length_penalty.decay_factor
+    return out
+
+
+def request_to_pb(r: GenerationRequest) -> pb.Request:
+    d = r.details
+    return pb.Request(
+        id=r.id,
+        prefix_id=r.prefix_id,
+        input_ids=r.input_ids,
+        truncate_input_tokens=r.truncate_input_tokens,
+        max_new_tokens=r.max_new_tokens,
+        parameters=sampling_params_to_pb(r.params),
+        details=pb.RequestedDetails(
+            input_tokens=d.input_tokens, logprobs=d.logprobs, ranks=d.ranks, top_n_tokens=d.top_n_tokens
+        ),
+    )
+
+
+def cached_batches_to_pb(refs: Iterable[CachedBatchRef]) -> list[pb.CachedBatch]:
+    return [pb.CachedBatch(id=r.batch_id, completed_ids=r.completed_ids) for r in refs]
+
+
+def token_from_pb(t: pb.Token) -> TokenInfo:
+    return TokenInfo(
+        token_id=t.token_id,
+        logprob=t.logprob,
+        rank=t.rank,
+        top_tokens=tuple(TopToken(tt.token_id, tt.logprob) for tt in t.top_tokens),
+    )
+
+
+def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTokens] = ()) -> StepOutput:
+    return StepOutput(
+        generations=[Generation(t.request_id, token_from_pb(t)) for t in result.tokens],
+        errors=[RequestError(e.request_id, e.message) for e in result.errors],
+        input_tokens=[
+            InputTokens(i.request_id, tuple(token_from_pb(t) for t in i.tokens)) for i in input_tokens
+        ],
+        batch_id=result.batch_id if result.HasField("batch_id") else None,
+        forward_ns=result.forward_ns,
+    )
+
+
+def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
+    m = info.memory_scaling_model
+    return ModelInfo(
+        seq2seq=info.model_type == pb.ModelInfoResponse.SEQ2SEQ_LM,
+        eos_token_id=info.eos_token_id,
+        vocab_size=info.vocab_size,
+        max_sequence_length=info.max_sequence_length,
+        memory=MemoryScalingModel(
+            prefill_linear_coef0=m.prefill_linear_coef0,
+            prefill_quadratic_coef0=m.prefill_quadratic_coef0,
+            prefill_quadratic_coef1=m.prefill_quadratic_coef1,
+            nexttoken_linear_coef0=m.nexttoken_linear_coef0,
+            nexttoken_linear_coef1=m.nexttoken_linear_coef1,
+            weight_limit=m.weight_limit,
+        ),
+        batch_padding=info.batch_padding,
     )

@@ -126,6 +126,18 @@ class StepOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryScalingModel:
+    """Batch-weight coefficients and limit (formulas in proto/generate.proto)."""
+
+    prefill_linear_coef0: float
+    prefill_quadratic_coef0: float
+    prefill_quadratic_coef1: float
+    nexttoken_linear_coef0: float
+    nexttoken_linear_coef1: float
+    weight_limit: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """Static facts about the loaded model, reported to the router."""
 
@@ -133,4 +145,5 @@ class ModelInfo:
     eos_token_id: int
     vocab_size: int
     max_sequence_length: int
+    memory: MemoryScalingModel
     batch_padding: bool = True

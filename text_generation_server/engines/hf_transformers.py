@@ -18,9 +18,11 @@ import torch
 
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelContext, ModelEngine
+from text_generation_server.engines.kv_cache import cache_bytes
 from text_generation_server.engines.padded import PaddedBatch
 from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
+from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
 from text_generation_server.outputs import (
     Generation,
     GenerationRequest,
@@ -35,20 +37,10 @@ from text_generation_server.sampling.token_details import (
     input_token_infos,
 )
 from text_generation_server.utils.hub import resolve_model_dir
+from text_generation_server.utils.model_config import DEFAULT_MAX_SEQUENCE_LENGTH, context_length
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 2048
-# config.json keys that hold a model's context length, most specific first.
-SEQUENCE_LENGTH_KEYS = (
-    "max_sequence_length",
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "max_seq_length",
-    "seq_len",
-)
 NAN_LOGITS_MESSAGE = "Token decoding error: the model produced NaN logits"
 
 
@@ -66,12 +58,12 @@ def select_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def model_sequence_length(hf_config: Any) -> int | None:
-    for key in SEQUENCE_LENGTH_KEYS:
-        value = getattr(hf_config, key, None)
+def _config_int(hf_config: Any, names: Sequence[str], default: int) -> int:
+    for name in names:
+        value = getattr(hf_config, name, None)
         if isinstance(value, int) and value > 0:
             return value
-    return None
+    return default
 
 
 def _first_id(value: Any) -> int | None:
@@ -114,11 +106,19 @@ class HFTransformersEngine(ModelEngine):
         )
         self.batch_type: type[PaddedBatch] = Seq2SeqLMBatch if self.seq2seq else CausalLMBatch
         self.context = self._context(config, hf_config, tokenizer)
+        memory_model = estimate(
+            config.estimate_memory,
+            self._memory_facts(hf_config, config.cuda_process_memory_fraction),
+            max_sequence_length=self.context.max_sequence_length,
+            max_batch_size=config.max_batch_size,
+            safety_margin=config.batch_safety_margin,
+        )
         self.info = ModelInfo(
             seq2seq=self.seq2seq,
             eos_token_id=self.context.eos_token_id,
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
+            memory=memory_model,
         )
 
     def _context(self, config: ServerConfig, hf_config: Any, tokenizer: Any) -> ModelContext:
@@ -139,7 +139,7 @@ class HFTransformersEngine(ModelEngine):
         bos = tokenizer.bos_token_id if probe and probe[0] == tokenizer.bos_token_id else None
         output = self.model.get_output_embeddings()
         vocab_size = int(output.weight.shape[0]) if output is not None else int(hf_config.vocab_size)
-        model_max = model_sequence_length(hf_config)
+        model_max = context_length(hf_config.to_dict())
         max_sequence_length = config.max_sequence_length or model_max or DEFAULT_MAX_SEQUENCE_LENGTH
         if model_max is not None and max_sequence_length > model_max:
             logger.warning(
@@ -162,6 +162,41 @@ class HFTransformersEngine(ModelEngine):
             accepts_position_ids="position_ids" in forward_params,
             accepts_logits_to_keep="logits_to_keep" in forward_params,
             decoder_start_token_id=decoder_start,
+        )
+
+    def _memory_facts(self, hf_config: Any, cuda_fraction: float) -> MemoryFacts:
+        """Measure KV bytes per token with a one-token forward pass; estimate the rest."""
+        ctx = self.context
+        with torch.inference_mode():
+            if self.seq2seq:
+                out = self.model(
+                    input_ids=torch.full((1, 2), ctx.pad_token_id, device=self.device),
+                    decoder_input_ids=torch.full((1, 1), ctx.decoder_start_token_id or 0, device=self.device),
+                    use_cache=True,
+                )
+                hidden = out.encoder_last_hidden_state
+                kv_in = cache_bytes(out.past_key_values.cross_attention_cache) // 2
+                kv_in += hidden.shape[-1] * hidden.element_size()  # the kept encoder output
+                kv_out = cache_bytes(out.past_key_values.self_attention_cache)
+            else:
+                out = self.model(
+                    input_ids=torch.full((1, 1), ctx.pad_token_id, device=self.device), use_cache=True
+                )
+                kv_in = kv_out = cache_bytes(out.past_key_values)
+        width = _config_int(hf_config, ("hidden_size", "n_embd", "d_model"), 1024)
+        inner = _config_int(hf_config, ("intermediate_size", "n_inner", "d_ff"), 4 * width)
+        element = torch.finfo(self.dtype).bits // 8
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            allowed = int(total * cuda_fraction) - torch.cuda.memory_allocated(self.device)
+            free = max(0, min(free, allowed))
+        else:
+            free = host_available_bytes()
+        return MemoryFacts(
+            kv_bytes_per_input_token=kv_in,
+            kv_bytes_per_output_token=kv_out,
+            prefill_bytes_per_token=(4 * width + 2 * inner) * element,
+            free_bytes=free,
         )
 
     def new_batch(

@@ -42,6 +42,16 @@ def dynamic_layers(cache: DynamicCache) -> list[DynamicLayer]:
     return layers
 
 
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes held by every key and value tensor of the cache."""
+    return sum(
+        t.numel() * t.element_size()
+        for layer in dynamic_layers(cache)
+        for t in (layer.keys, layer.values)
+        if t is not None
+    )
+
+
 def select(cache: Cache, rows: torch.Tensor, keep_last: int, cross_keep_last: int | None = None) -> None:
     """Keep `rows` (in that order) and the last `keep_last` positions of every layer, in place.
 
