@@ -1,14 +1,21 @@
 """Tiny random-weight models, built offline and deterministically.
 
 Owns the one recipe for the small models that unit tests, integration tests and the demo
-server run on: a byte-level BPE tokenizer trained on this Python's standard-library sources
-and a 2-layer model of one of the supported architectures, saved as safetensors with
-config, generation config and tokenizer files, exactly as a hub repository would hold them.
-Same arguments + same Python/torch versions give the same weights and the same tokenizer.
+server run on: a tokenizer trained on this Python's standard-library sources and a 2-layer
+model of one of the supported architectures, saved as safetensors with config, generation
+config and tokenizer files, exactly as a hub repository would hold them. Same arguments +
+same Python/torch versions give the same weights and the same tokenizer.
 
-    python -m text_generation_server.testing.tiny_models --arch llama --out DIR
+Tokenizer kinds (all with <unk> <s> </s> <pad> at ids 0-3 and the same vocabulary size):
+  byte_level  GPT-2-style byte-level BPE (the default)
+  metaspace   SentencePiece/Llama-2-style BPE: Metaspace "▁" pre-tokenizer, byte fallback to
+              the 256 <0xNN> tokens (ids 4-259), decoder Sequence[ByteFallback, Metaspace]
+  wordpiece   BERT-style WordPiece: lowercasing/accent-stripping normalizer, "##" continuations
 
-Callers: tests/conftest.py (session fixtures), the README demo (`make run`), benchmarks.
+    python -m text_generation_server.testing.tiny_models --arch llama --out DIR [--tokenizer KIND]
+
+Callers: tests/conftest.py (session fixtures), tests/test_detokenizer.py (tokenizer kinds),
+the README demo (`make run`), benchmarks.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,11 +94,100 @@ def _trained_bpe_json(vocab_size: int) -> str:
     return str(tok.to_str())
 
 
-def write_tokenizer(out: Path, spec: TokenizerSpec, vocab_size: int = VOCAB_SIZE) -> None:
-    """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json into `out`."""
-    from tokenizers import Tokenizer, processors
+METASPACE = "▁"
+NUM_BYTE_TOKENS = 256
+FIRST_BYTE_ID = len(SPECIAL_TOKENS)  # <0x00> .. <0xFF> take ids 4-259, like Llama-2's 3-258
 
-    tok = Tokenizer.from_str(_trained_bpe_json(vocab_size))
+
+@functools.lru_cache(maxsize=1)
+def _trained_metaspace_json(vocab_size: int) -> str:
+    """Train the SentencePiece-style BPE once per process; returns its JSON (no post-processor).
+
+    The trainer knows nothing of byte fallback, so it learns `vocab_size - 256` pieces and the
+    256 byte tokens are then inserted right after the special tokens (merges name pieces by
+    text, so shifting ids keeps them valid).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=METASPACE, prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace(replacement=METASPACE, prepend_scheme="first")]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - NUM_BYTE_TOKENS,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=[METASPACE],
+        show_progress=False,
+    )
+    tok.train(_corpus_files(), trainer)
+    data = json.loads(tok.to_str())
+    data["model"]["vocab"] = _with_byte_tokens(data["model"]["vocab"])
+    return json.dumps(data, ensure_ascii=False)
+
+
+def _with_byte_tokens(vocab: dict[str, int]) -> dict[str, int]:
+    """Trained vocab -> specials, then <0x00>..<0xFF>, then the trained pieces (ids shifted)."""
+    byte_tokens = [f"<0x{b:02X}>" for b in range(NUM_BYTE_TOKENS)]
+    clash = sorted(set(byte_tokens) & set(vocab))
+    if clash:
+        raise RuntimeError(f"trained pieces clash with byte tokens: {clash}")
+    out = {t: i for t, i in vocab.items() if i < FIRST_BYTE_ID}
+    out.update({t: FIRST_BYTE_ID + b for b, t in enumerate(byte_tokens)})
+    out.update({t: i + NUM_BYTE_TOKENS for t, i in vocab.items() if i >= FIRST_BYTE_ID})
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_wordpiece_json(vocab_size: int) -> str:
+    """Train the BERT-style WordPiece once per process; returns its JSON (no post-processor)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="<unk>", continuing_subword_prefix="##"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        continuing_subword_prefix="##",
+        show_progress=False,
+    )
+    tok.train(_corpus_files(), trainer)
+    return str(tok.to_str())
+
+
+TOKENIZER_KINDS: dict[str, Callable[[int], str]] = {
+    "byte_level": _trained_bpe_json,
+    "metaspace": _trained_metaspace_json,
+    "wordpiece": _trained_wordpiece_json,
+}
+
+
+def _trained_tokenizer(kind: str, vocab_size: int) -> Any:
+    """The trained tokenizers.Tokenizer of `kind`, special tokens checked at ids 0-3."""
+    from tokenizers import Tokenizer
+
+    if kind not in TOKENIZER_KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(TOKENIZER_KINDS)}")
+    tok = Tokenizer.from_str(TOKENIZER_KINDS[kind](vocab_size))
+    for i, token in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(token) != i:
+            raise RuntimeError(f"special token {token} got id {tok.token_to_id(token)}, expected {i}")
+    if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise RuntimeError(f"{kind} tokenizer has {tok.get_vocab_size(True)} tokens, expected {vocab_size}")
+    return tok
+
+
+def write_tokenizer(
+    out: Path, spec: TokenizerSpec, vocab_size: int = VOCAB_SIZE, kind: str = "byte_level"
+) -> None:
+    """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json into `out`."""
+    from tokenizers import processors
+
+    tok = _trained_tokenizer(kind, vocab_size)
     single = " ".join((["<s>"] if spec.add_bos else []) + ["$A"] + (["</s>"] if spec.add_eos else []))
     pair = " ".join(
         (["<s>"] if spec.add_bos else []) + ["$A"] + (["</s>"] if spec.add_eos else []) + ["$B:1"]
@@ -209,21 +306,25 @@ def build_tiny_model(
     *,
     dtype: str = "float32",
     safetensors: bool = True,
+    tokenizer: str = "byte_level",
 ) -> Path:
     """Build the tiny `arch` model with its tokenizer into `out` (created); returns the path.
 
     With `safetensors=False` the weights are written as a `pytorch_model.bin` only, like old
-    hub repositories.
+    hub repositories. `tokenizer` picks the tokenizer kind (TOKENIZER_KINDS); the weights do
+    not depend on it.
     """
     import torch
     from transformers.utils import logging as hf_logging
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ValueError(f"unknown tokenizer kind {tokenizer!r}; choose one of {', '.join(TOKENIZER_KINDS)}")
     hf_logging.disable_progress_bar()
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(path, ARCHITECTURES[arch])
+    write_tokenizer(path, ARCHITECTURES[arch], kind=tokenizer)
     model = build_model(arch, dtype)
     model.save_pretrained(path)
     if not safetensors:
@@ -246,10 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--bin", action="store_true", help="write pytorch_model.bin instead of safetensors")
+    parser.add_argument("--tokenizer", choices=sorted(TOKENIZER_KINDS), default="byte_level")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    path = build_tiny_model(args.arch, args.out, dtype=args.dtype, safetensors=not args.bin)
-    logger.info("built tiny %s model in %s", args.arch, path)
+    path = build_tiny_model(
+        args.arch, args.out, dtype=args.dtype, safetensors=not args.bin, tokenizer=args.tokenizer
+    )
+    logger.info("built tiny %s model (%s tokenizer) in %s", args.arch, args.tokenizer, path)
     return 0
 
 
