@@ -1,0 +1,175 @@
+"""`text-generation-router`: the router process (external gRPC API + HTTP health/metrics).
+
+Normally started by text-generation-launcher; runnable alone against live shards:
+
+    text-generation-router --tokenizer-path DIR --master-shard-uds-path /tmp/text-generation-server-0
+
+Every option can also be set through the environment variable named in its help (TGIS names).
+This module and router/config.py are the only readers of the environment in this package.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from router import config as defaults
+from router.config import RouterConfig
+from router.logs import setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option(
+    "--tokenizer-path",
+    envvar="TOKENIZER_PATH",
+    required=True,
+    help="Directory with tokenizer.json [env TOKENIZER_PATH].",
+)
+@click.option(
+    "--master-shard-uds-path",
+    envvar="MASTER_SHARD_UDS_PATH",
+    default="",
+    help="Socket of shard 0 [env MASTER_SHARD_UDS_PATH]; "
+    "default text-generation-server-0 in the temp directory.",
+)
+@click.option(
+    "--max-concurrent-requests",
+    envvar="MAX_CONCURRENT_REQUESTS",
+    type=click.IntRange(min=1),
+    default=defaults.DEFAULT_MAX_CONCURRENT_REQUESTS,
+    help="Inputs in flight before 'Model is overloaded' [env MAX_CONCURRENT_REQUESTS].",
+)
+@click.option(
+    "--max-sequence-length",
+    envvar="MAX_SEQUENCE_LENGTH",
+    type=click.IntRange(min=2),
+    default=defaults.DEFAULT_MAX_SEQUENCE_LENGTH,
+    help="Input + generated tokens limit [env MAX_SEQUENCE_LENGTH].",
+)
+@click.option(
+    "--max-new-tokens",
+    envvar="MAX_NEW_TOKENS",
+    type=click.IntRange(min=1),
+    default=defaults.DEFAULT_MAX_NEW_TOKENS,
+    help="Largest max_new_tokens [env MAX_NEW_TOKENS].",
+)
+@click.option(
+    "--max-batch-size",
+    envvar="MAX_BATCH_SIZE",
+    type=click.IntRange(min=1),
+    default=defaults.DEFAULT_MAX_BATCH_SIZE,
+    help="Most requests in the running batch [env MAX_BATCH_SIZE].",
+)
+@click.option(
+    "--max-prefill-padding",
+    envvar="MAX_PREFILL_PADDING",
+    type=click.FloatRange(0.0, 1.0),
+    default=defaults.DEFAULT_MAX_PREFILL_PADDING,
+    help="Largest padding fraction of a prefill batch [env MAX_PREFILL_PADDING].",
+)
+@click.option(
+    "--max-waiting-tokens",
+    envvar="MAX_WAITING_TOKENS",
+    type=click.IntRange(min=1),
+    default=defaults.DEFAULT_MAX_WAITING_TOKENS,
+    help="Decode steps after which waiting requests always get to join [env MAX_WAITING_TOKENS].",
+)
+@click.option(
+    "--port",
+    "-p",
+    envvar="PORT",
+    type=click.IntRange(0, 65535),
+    default=defaults.DEFAULT_PORT,
+    help="HTTP port for /health and /metrics [env PORT].",
+)
+@click.option(
+    "--grpc-port",
+    "-g",
+    envvar="GRPC_PORT",
+    type=click.IntRange(0, 65535),
+    default=defaults.DEFAULT_GRPC_PORT,
+    help="gRPC port of the external API [env GRPC_PORT].",
+)
+@click.option(
+    "--tokenization-workers",
+    envvar="TOKENIZATION_WORKERS",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Tokenizer threads [env TOKENIZATION_WORKERS]; 0 = clamp(cpus - 1, 1, 8).",
+)
+@click.option(
+    "--output-special-tokens/--no-output-special-tokens",
+    envvar="OUTPUT_SPECIAL_TOKENS",
+    default=False,
+    help="Keep special tokens in output text [env OUTPUT_SPECIAL_TOKENS].",
+)
+@click.option(
+    "--default-include-stop-seqs/--no-default-include-stop-seqs",
+    envvar="DEFAULT_INCLUDE_STOP_SEQS",
+    default=False,
+    help="Keep a matched stop sequence in the output when the request does not say "
+    "[env DEFAULT_INCLUDE_STOP_SEQS].",
+)
+@click.option(
+    "--json-output/--no-json-output",
+    envvar="JSON_OUTPUT",
+    default=False,
+    help="Log JSON lines [env JSON_OUTPUT].",
+)
+@click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
+def main(
+    tokenizer_path: str,
+    master_shard_uds_path: str,
+    max_concurrent_requests: int,
+    max_sequence_length: int,
+    max_new_tokens: int,
+    max_batch_size: int,
+    max_prefill_padding: float,
+    max_waiting_tokens: int,
+    port: int,
+    grpc_port: int,
+    tokenization_workers: int,
+    output_special_tokens: bool,
+    default_include_stop_seqs: bool,
+    json_output: bool,
+    log_level: str,
+) -> None:
+    """Serve the TGIS gRPC API in front of running model shards."""
+    setup_logging(log_level, json_output)
+    if max_new_tokens >= max_sequence_length:
+        logger.warning(
+            "max_new_tokens (%d) must be < max_sequence_length (%d): lowering it to %d",
+            max_new_tokens,
+            max_sequence_length,
+            max_sequence_length - 1,
+        )
+        max_new_tokens = max_sequence_length - 1
+    try:
+        config = RouterConfig(
+            tokenizer_path=tokenizer_path,
+            master_shard_uds_path=master_shard_uds_path,
+            max_concurrent_requests=max_concurrent_requests,
+            max_sequence_length=max_sequence_length,
+            max_new_tokens=max_new_tokens,
+            max_batch_size=max_batch_size,
+            max_prefill_padding=max_prefill_padding,
+            max_waiting_tokens=max_waiting_tokens,
+            port=port,
+            grpc_port=grpc_port,
+            tokenization_workers=tokenization_workers,
+            output_special_tokens=output_special_tokens,
+            default_include_stop_seqs=default_include_stop_seqs,
+            json_output=json_output,
+        )
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    from router.server import run
+
+    run(config)
+
+
+if __name__ == "__main__":
+    main()

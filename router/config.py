@@ -1,0 +1,73 @@
+"""RouterConfig: the one configuration object of the router process.
+
+Built only by router/cli.py (click flags + their TGIS env vars); every other module receives the
+object. Validation happens in __post_init__ and raises ValueError with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+DEFAULT_MAX_CONCURRENT_REQUESTS = 512
+DEFAULT_MAX_SEQUENCE_LENGTH = 2048
+DEFAULT_MAX_NEW_TOKENS = 1024
+DEFAULT_MAX_BATCH_SIZE = 12
+DEFAULT_MAX_PREFILL_PADDING = 0.2
+DEFAULT_MAX_WAITING_TOKENS = 24
+DEFAULT_PORT = 3000
+DEFAULT_GRPC_PORT = 8033
+
+
+def default_master_shard_uds_path() -> str:
+    return os.path.join(tempfile.gettempdir(), "text-generation-server-0")
+
+
+def default_tokenization_workers(num_shards: int = 1) -> int:
+    """TGIS: clamp(cpus - shards, 1, 8)."""
+    return max(1, min(8, (os.cpu_count() or 1) - num_shards))
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    tokenizer_path: str  # directory holding tokenizer.json (or the file itself)
+    master_shard_uds_path: str = ""  # "" = default_master_shard_uds_path()
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_prefill_padding: float = DEFAULT_MAX_PREFILL_PADDING
+    max_waiting_tokens: int = DEFAULT_MAX_WAITING_TOKENS
+    port: int = DEFAULT_PORT  # HTTP: /health (and /metrics)
+    grpc_port: int = DEFAULT_GRPC_PORT
+    host: str = "0.0.0.0"  # a server in a container listens on every interface
+    tokenization_workers: int = 0  # 0 = default_tokenization_workers()
+    output_special_tokens: bool = False
+    default_include_stop_seqs: bool = False  # the launcher passes true (TGIS's default)
+    json_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer_path:
+            raise ValueError("a tokenizer path is required")
+        if self.max_sequence_length < 2:
+            raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens >= self.max_sequence_length:
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) must be < max_sequence_length "
+                f"({self.max_sequence_length})"
+            )
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        if not 0.0 <= self.max_prefill_padding <= 1.0:
+            raise ValueError(f"max_prefill_padding must be in [0, 1], got {self.max_prefill_padding}")
+        if self.max_waiting_tokens < 1:
+            raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
+        if not self.master_shard_uds_path:
+            object.__setattr__(self, "master_shard_uds_path", default_master_shard_uds_path())
+        if self.tokenization_workers <= 0:
+            object.__setattr__(self, "tokenization_workers", default_tokenization_workers())

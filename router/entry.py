@@ -1,0 +1,167 @@
+"""Entry: one input's life in the router, from queue to final answer.
+
+The servicer (grpc_server.py) creates an Entry and reads Outputs from it; the batcher is the
+only writer of its generation state: it feeds every token the shard returns through
+`on_token`, which decodes, applies the stopping rules and emits what the client may see.
+
+Text handling: streamed requests and requests with stop sequences decode incrementally (the
+stop sequences are matched on decoded text, even in the middle of a token); other unary
+requests decode all their ids once at the end (TGIS). Streams hold back text that a later
+stop-sequence cut could remove: with the stop sequence omitted from the output, the longest
+stop sequence's length in bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from router.detokenizer import Detokenizer, IncrementalDecoder
+from router.stopping import StopReason, check_stop, find_stop_sequence, held_back
+from router.validation import ValidatedRequest
+from text_generation_server.outputs import TokenInfo
+
+
+@dataclass(slots=True)
+class Output:
+    """What the client gets: a stream message, or (unary) the whole answer."""
+
+    generated_tokens: int = 0
+    text: str = ""  # stream: the new delta; unary: the whole generated text
+    tokens: list[TokenInfo] = field(default_factory=list)  # stream: this token; unary: all
+    input_tokens: list[TokenInfo] | None = None
+    stop_reason: StopReason = StopReason.NOT_FINISHED
+    stop_sequence: str = ""
+    error: str | None = None  # the request failed: "Request failed during generation: ..."
+
+    @property
+    def final(self) -> bool:
+        return self.stop_reason.finished or self.error is not None
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    request: ValidatedRequest
+    stream: bool
+    queued_at: float = field(default_factory=time.monotonic)
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    # Set by the servicer when its client went away; the batcher drops the entry.
+    cancelled: bool = False
+    # ---- owned by the batcher -------------------------------------------------------------
+    id: int = 0  # shard request id, assigned when scheduled
+    started_at: float | None = None
+    generated: int = 0
+    token_ids: list[int] = field(default_factory=list)  # generated ids, EOS excluded
+    tokens: list[TokenInfo] = field(default_factory=list)  # unary token details
+    input_tokens: list[TokenInfo] | None = None
+    stop_reason: StopReason = StopReason.NOT_FINISHED
+    _decoder: IncrementalDecoder | None = None
+    _text: str = ""  # incrementally decoded output so far
+    _sent: int = 0  # characters of _text already streamed
+    _hold_bytes: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason.finished
+
+    @property
+    def in_tokens(self) -> int:
+        """Tokens resident for this request now (input + soft prompt + generated)."""
+        return self.request.input_length + self.request.prefix_length + self.generated
+
+    @property
+    def out_tokens(self) -> int:
+        """Tokens this request may still generate."""
+        return self.request.stopping.max_new_tokens - self.generated
+
+    def start(self, request_id: int, detokenizer: Detokenizer, now: float) -> None:
+        self.id = request_id
+        self.started_at = now
+        st = self.request.stopping
+        if self.stream or st.stop_sequences:
+            self._decoder = detokenizer.incremental()
+        if self.stream and st.stop_sequences and not st.include_stop_sequence:
+            self._hold_bytes = max(len(s.encode()) for s in st.stop_sequences)
+
+    def on_input_tokens(self, tokens: list[TokenInfo]) -> None:
+        if self.stream:
+            self.outputs.put_nowait(Output(input_tokens=tokens))
+        else:
+            self.input_tokens = tokens
+
+    def on_token(self, token: TokenInfo, eos_token_id: int, detokenizer: Detokenizer, now: float) -> bool:
+        """Account one generated token; returns True when the request is finished."""
+        self.generated += 1
+        want_details = self.request.response.generated_tokens
+        if want_details and not self.stream:
+            self.tokens.append(token)
+        is_eos = token.token_id == eos_token_id
+        new_chars = 0
+        if not is_eos:
+            self.token_ids.append(token.token_id)
+            if self._decoder is not None:
+                delta = self._decoder.push(token.token_id)
+                self._text += delta
+                new_chars = len(delta)
+        st = self.request.stopping
+        reason = check_stop(
+            generated=self.generated,
+            token_id=token.token_id,
+            eos_token_id=eos_token_id,
+            min_new_tokens=st.min_new_tokens,
+            max_new_tokens=st.max_new_tokens,
+            capped=st.capped,
+            deadline=self.request.deadline,
+            now=now,
+        )
+        match = None
+        if not reason.finished and st.stop_sequences and self.generated >= st.min_new_tokens and new_chars:
+            match = find_stop_sequence(self._text, new_chars, st.stop_sequences)
+            if match is not None:
+                reason = StopReason.STOP_SEQUENCE
+                self._text = self._text[: match.end if st.include_stop_sequence else match.start]
+        token_list = [token] if want_details and self.stream else []
+        if reason.finished:
+            self._finish(reason, match.sequence if match else "", token_list, detokenizer)
+        elif self.stream:
+            end = len(self._text) - held_back(self._text, self._hold_bytes)
+            delta = self._text[self._sent : end] if end > self._sent else ""
+            self._sent = max(self._sent, end)
+            if delta or token_list:
+                self.outputs.put_nowait(Output(self.generated, delta, token_list))
+        return reason.finished
+
+    def _finish(
+        self, reason: StopReason, stop_sequence: str, tokens: list[TokenInfo], detokenizer: Detokenizer
+    ) -> None:
+        self.stop_reason = reason
+        if self._decoder is not None:
+            if reason is not StopReason.STOP_SEQUENCE:
+                self._text += self._decoder.flush()
+            text = self._text
+        else:
+            text = detokenizer.decode(self.token_ids)
+        text = text.rstrip("\ufffd")
+        if self.stream:
+            out = Output(self.generated, text[self._sent :], tokens, None, reason, stop_sequence)
+        else:
+            out = Output(self.generated, text, self.tokens, self.input_tokens, reason, stop_sequence)
+        self.outputs.put_nowait(out)
+
+    def fail(self, message: str, *, request_error: bool = False) -> None:
+        """Generation failed: the whole shard call (`message` = the call's error), or this
+        request alone (`request_error`, the shard's message, prefixed once tokens exist)."""
+        self.stop_reason = StopReason.ERROR
+        if request_error and self.generated:
+            message = f"Error after generating {self.generated} tokens: {message}"
+        self.outputs.put_nowait(Output(self.generated, error=f"Request failed during generation: {message}"))
+
+    def cancel(self) -> None:
+        """The client is gone (seen by the batcher)."""
+        self.stop_reason = StopReason.CANCELLED
+
+    def expire_in_queue(self) -> None:
+        """The deadline passed before the request was scheduled: TIME_LIMIT, 0 tokens."""
+        self.stop_reason = StopReason.TIME_LIMIT
+        self.outputs.put_nowait(Output(stop_reason=StopReason.TIME_LIMIT))

@@ -1,0 +1,122 @@
+"""The HTTP port (default 3000): GET /health (and the routes other modules register, /metrics).
+
+A deliberately small asyncio HTTP/1.1 server: probes and Prometheus send simple GETs, each
+answered and closed. /health follows TGIS: when the last shard step succeeded, every shard's
+Health RPC is asked; when generation health is unknown or bad, a real one-token prefill of
+"liveness" runs (batch and request id 2^64-1, never cached). 200 with an empty body when
+healthy; 503 {"error":"unhealthy"}; 503 {"error":"Healthcheck timed-out"} after 60 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from router.batcher import Batcher
+from router.shard_client import ShardCallError, ShardClient
+from router.tokenizer import TokenizerPool
+from text_generation_server.outputs import HEALTH_CHECK_BATCH_ID, GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 60.0
+LIVENESS_INPUT = "liveness"
+READ_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+
+
+Handler = Callable[[], Awaitable[HttpResponse]]
+REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+
+
+class HealthCheck:
+    def __init__(self, client: ShardClient, batcher: Batcher, tokenizer: TokenizerPool) -> None:
+        self.client = client
+        self.batcher = batcher
+        self.tokenizer = tokenizer
+
+    async def healthy(self) -> bool:
+        if self.batcher.generation_healthy:
+            try:
+                await self.client.health()
+            except ShardCallError as exc:
+                logger.warning("health check: %s", exc)
+                return False
+            return True
+        return await self._liveness_prefill()
+
+    async def _liveness_prefill(self) -> bool:
+        (ids,) = await self.tokenizer.encode_batch([LIVENESS_INPUT])
+        request = GenerationRequest(id=HEALTH_CHECK_BATCH_ID, input_ids=tuple(ids), max_new_tokens=1)
+        try:
+            output = await self.client.prefill(HEALTH_CHECK_BATCH_ID, [request], [])
+        except ShardCallError as exc:
+            logger.warning("health check prefill failed: %s", exc)
+            self.batcher.generation_healthy = False
+            return False
+        ok = not output.errors and len(output.generations) == 1
+        self.batcher.generation_healthy = ok
+        return ok
+
+    async def respond(self) -> HttpResponse:
+        try:
+            ok = await asyncio.wait_for(self.healthy(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return HttpResponse(503, b'{"error":"Healthcheck timed-out"}')
+        return HttpResponse(200) if ok else HttpResponse(503, b'{"error":"unhealthy"}')
+
+
+class HttpServer:
+    def __init__(self, routes: dict[str, Handler]) -> None:
+        self.routes = routes
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)
+            while (await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)) not in (b"\r\n", b"\n", b""):
+                pass  # headers are not needed
+            parts = request_line.decode("latin-1").split()
+            response = await self._route(parts)
+            head = (
+                f"HTTP/1.1 {response.status} {REASONS.get(response.status, '')}\r\n"
+                f"Content-Type: {response.content_type}\r\n"
+                f"Content-Length: {len(response.body)}\r\n"
+                "Connection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + response.body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def _route(self, parts: list[str]) -> HttpResponse:
+        if len(parts) < 2:
+            return HttpResponse(404)
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        handler = self.routes.get(target)
+        if handler is None:
+            return HttpResponse(404)
+        if method != "GET":
+            return HttpResponse(405)
+        return await handler()

@@ -1,0 +1,119 @@
+"""The waiting line: entries wait here until the batcher takes them into a batch.
+
+Servicers append (and remove entries whose client left or whose deadline passed); the batcher
+asks `next_batch` for entries that fit beside the running ones (TGIS's batch formation, §4):
+  1. nothing if fewer than `min_size` wait, or the batch could not grow by `min_size`;
+  2. the prefill budget is what the running batch leaves of the weight limit;
+  3. scan in arrival order: an entry whose peak weight would exceed the limit is skipped (the
+     scan then only looks at entries that arrived less than a second after it, so it is not
+     overtaken forever); an entry whose prefill weight exceeds the budget or whose padding
+     would exceed MAX_PREFILL_PADDING is skipped the same way; later entries that fit jump
+     the queue;
+  4. stop at MAX_BATCH_SIZE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.batch_weights import BatchWeights, Load
+from router.entry import Entry
+
+logger = logging.getLogger(__name__)
+
+QUEUE_JUMP_WINDOW_S = 1.0
+
+
+@dataclass(slots=True)
+class QueueCounters:
+    """Batch-formation events (exported as metrics by the operations layer)."""
+
+    queue_jumps: int = 0
+    granular_additions: int = 0
+    prefill_weight_exceeded: int = 0
+    prefill_padding_exceeded: int = 0
+
+
+class RequestQueue:
+    def __init__(self, weights: BatchWeights, max_batch_size: int, max_prefill_padding: float) -> None:
+        self.weights = weights
+        self.max_batch_size = max_batch_size
+        self.max_prefill_padding = max_prefill_padding
+        self.counters = QueueCounters()
+        self._entries: deque[Entry] = deque()
+        self._changed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def append(self, entries: Sequence[Entry]) -> None:
+        self._entries.extend(entries)
+        self._changed.set()
+
+    def remove(self, entry: Entry) -> bool:
+        """Take `entry` out if it is still waiting; False once the batcher took it."""
+        try:
+            self._entries.remove(entry)
+        except ValueError:
+            return False
+        return True
+
+    async def wait(self) -> None:
+        """Until the queue changes (new entries)."""
+        self._changed.clear()
+        await self._changed.wait()
+
+    def drop_cancelled(self) -> None:
+        for entry in [e for e in self._entries if e.cancelled]:
+            self._entries.remove(entry)
+
+    def next_batch(self, running: Sequence[Entry], min_size: int) -> list[Entry] | None:
+        """Entries to prefill now beside `running` (at least `min_size` of them if possible)."""
+        self.drop_cancelled()
+        if len(self._entries) < min_size or len(running) + min_size > self.max_batch_size:
+            return None
+        w = self.weights
+        running_loads: list[Load] = [(e.in_tokens, e.out_tokens) for e in running]
+        budget = w.limit if not running or w.limit == 0 else w.limit - w.initial_weight(running_loads)
+        if budget <= 0:
+            return None
+        chosen: list[Entry] = []
+        chosen_loads: list[Load] = []
+        cutoff: float | None = None
+        candidates = list(self._entries)
+        for index, entry in enumerate(candidates):
+            if cutoff is not None and entry.queued_at > cutoff:
+                break
+            load: Load = (entry.in_tokens, entry.out_tokens)
+            if w.max_weight([*running_loads, *chosen_loads, load]) > w.limit:
+                if w.exceeds([*running_loads, *chosen_loads], load):
+                    if len(chosen) + len(candidates) - index - 1 < min_size:
+                        return None
+                    cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
+                    continue
+                self.counters.granular_additions += 1
+            prefill = [*chosen_loads, load]
+            if w.prefill_weight(prefill) > budget:
+                self.counters.prefill_weight_exceeded += 1
+                cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
+                continue
+            if w.padding_fraction(prefill) > self.max_prefill_padding:
+                self.counters.prefill_padding_exceeded += 1
+                cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
+                continue
+            if cutoff is not None:
+                self.counters.queue_jumps += 1
+            chosen.append(entry)
+            chosen_loads.append(load)
+            if len(running) + len(chosen) >= self.max_batch_size:
+                break
+        if not chosen:
+            logger.debug("chose 0 of %d waiting entries", len(self._entries))
+            return None
+        for entry in chosen:
+            self._entries.remove(entry)
+        return chosen

@@ -1,0 +1,137 @@
+"""The router's side of the internal protocol: talking to the model shards.
+
+`ShardClient` is what the batcher and the health check need (typed, no protobuf);
+`GrpcShardClient` implements it over Unix-socket gRPC: it discovers every shard from shard 0,
+sends Prefill / NextToken / Health / ClearCache to all shards concurrently (tensor-parallel
+shards must all run every step) and uses shard 0's answer; ModelInfo comes from shard 0;
+PrefixLookup goes to all shards with a 5 s timeout. Failures become ShardCallError with TGIS's
+reasons (oom / connection / error) and messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+
+from text_generation_server import convert
+from text_generation_server.outputs import CachedBatchRef, GenerationRequest, ModelInfo, StepOutput
+from text_generation_server.pb import generate_pb2 as pb
+from text_generation_server.pb import generate_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+PREFIX_LOOKUP_TIMEOUT_S = 5.0
+OOM_MESSAGE = "GPU out of memory"
+CONNECTION_MESSAGE = "Could not connect to Text Generation server"
+GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+class ShardCallError(Exception):
+    """A shard call failed as a whole. reason: oom | connection | error (metric label)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ShardClient(Protocol):
+    async def model_info(self) -> ModelInfo: ...
+
+    async def prefill(
+        self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
+    ) -> StepOutput: ...
+
+    async def next_token(self, batches: Sequence[CachedBatchRef]) -> StepOutput | None: ...
+
+    async def prefix_lookup(self, prefix_id: str) -> int: ...
+
+    async def health(self) -> None: ...
+
+    async def clear_cache(self) -> None: ...
+
+
+def _call_error(error: grpc.aio.AioRpcError) -> ShardCallError:
+    code = error.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ShardCallError("oom", OOM_MESSAGE)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ShardCallError("connection", f"{CONNECTION_MESSAGE}: {error.details()}")
+    return ShardCallError("error", error.details() or code.name)
+
+
+class GrpcShardClient:
+    def __init__(
+        self,
+        stubs: Sequence[generate_pb2_grpc.TextGenerationServiceStub],
+        channels: Sequence[grpc.aio.Channel],
+    ):
+        self._stubs = list(stubs)
+        self._channels = list(channels)
+
+    @classmethod
+    async def connect(cls, master_uds_path: str) -> GrpcShardClient:
+        """Connect to shard 0 and, through its ServiceDiscovery, to every shard."""
+        master = grpc.aio.insecure_channel(f"unix://{master_uds_path}", options=GRPC_OPTIONS)
+        stub = generate_pb2_grpc.TextGenerationServiceStub(master)
+        try:
+            urls = list((await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest())).urls)
+        except grpc.aio.AioRpcError as exc:
+            await master.close()
+            raise _call_error(exc) from exc
+        channels = [master] + [grpc.aio.insecure_channel(url, options=GRPC_OPTIONS) for url in urls[1:]]
+        logger.info("connected to %d shard(s): %s", len(urls), ", ".join(urls))
+        return cls([generate_pb2_grpc.TextGenerationServiceStub(c) for c in channels], channels)
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def _all(self, method: str, request: object, timeout: float | None = None) -> object:
+        """Call `method` on every shard; shard 0's reply (the first error if any fails)."""
+        calls = [getattr(stub, method)(request, timeout=timeout) for stub in self._stubs]
+        try:
+            replies = await asyncio.gather(*calls)
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error(exc) from exc
+        return replies[0]
+
+    async def model_info(self) -> ModelInfo:
+        try:
+            reply = await self._stubs[0].ModelInfo(pb.ModelInfoRequest())
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error(exc) from exc
+        return convert.model_info_from_pb(reply)
+
+    async def prefill(
+        self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
+    ) -> StepOutput:
+        request = pb.PrefillRequest(
+            batch=pb.Batch(id=batch_id, requests=[convert.request_to_pb(r) for r in requests]),
+            to_prune=convert.cached_batches_to_pb(to_prune),
+        )
+        reply = await self._all("Prefill", request)
+        assert isinstance(reply, pb.PrefillResponse)
+        return convert.result_from_pb(reply.result, reply.input_tokens)
+
+    async def next_token(self, batches: Sequence[CachedBatchRef]) -> StepOutput | None:
+        request = pb.NextTokenRequest(batches=convert.cached_batches_to_pb(batches))
+        reply = await self._all("NextToken", request)
+        assert isinstance(reply, pb.NextTokenResponse)
+        return convert.result_from_pb(reply.result) if reply.HasField("result") else None
+
+    async def prefix_lookup(self, prefix_id: str) -> int:
+        reply = await self._all(
+            "PrefixLookup", pb.PrefixLookupRequest(prefix_id=prefix_id), PREFIX_LOOKUP_TIMEOUT_S
+        )
+        assert isinstance(reply, pb.PrefixLookupResponse)
+        return reply.prefix_length
+
+    async def health(self) -> None:
+        await self._all("Health", pb.HealthRequest())
+
+    async def clear_cache(self) -> None:
+        await self._all("ClearCache", pb.ClearCacheRequest())

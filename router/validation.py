@@ -1,0 +1,307 @@
+"""Parameter conversion and validation with TGIS's defaults, order and exact messages.
+
+grpc_server.py hands over the protobuf Parameters and the input texts; out come
+ValidatedRequests (typed, tokenized, with seeds and capped max_new_tokens) or a
+ValidationError whose message is TGIS's, byte for byte. Order (tgis-api §9.1): parameter
+checks 1-11, the guided-decoding extension, the soft-prompt lookup (12), tokenization (13),
+then the length checks of each input (14, 15) in request order.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from router.pb import generation_pb2 as pb
+from router.tokenizer import TokenizerPool
+from text_generation_server.outputs import (
+    GenerationRequest,
+    LengthPenalty,
+    RequestedDetails,
+    SamplingParams,
+)
+
+DEFAULT_MAX_NEW_TOKENS = 20
+MIN_TEMPERATURE = 0.05
+MAX_STOP_SEQUENCES = 6
+MAX_STOP_SEQUENCE_BYTES = 240
+STOP_SEQUENCES_MESSAGE = (
+    f"can specify at most {MAX_STOP_SEQUENCES} non-empty stop sequences, "
+    f"each not more than {MAX_STOP_SEQUENCE_BYTES} UTF8 bytes"
+)
+PREFIX_CACHE_CAPACITY = 256
+PREFIX_CACHE_TTL_S = 3600.0
+
+
+class ValidationError(ValueError):
+    """A request is invalid; str(error) is the client-facing message (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingSpec:
+    max_new_tokens: int  # after defaulting and capping
+    min_new_tokens: int = 0
+    stop_sequences: tuple[str, ...] = ()
+    include_stop_sequence: bool = False
+    capped: bool = False  # max_new_tokens was lowered to fit: hitting it is TOKEN_LIMIT
+    time_limit_ms: int = 0  # 0 = none
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseSpec:
+    input_text: bool = False
+    generated_tokens: bool = False
+    input_tokens: bool = False
+    token_logprobs: bool = False
+    token_ranks: bool = False
+    top_n_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    """One input ready to queue."""
+
+    text: str
+    input_ids: tuple[int, ...]  # full tokenization, special tokens included
+    input_length: int  # after truncation, without the prefix
+    truncate_input_tokens: int
+    prefix_id: str
+    prefix_length: int
+    sampling: SamplingParams  # with the seed actually used
+    stopping: StoppingSpec
+    response: ResponseSpec
+    received_at: float  # time.monotonic() at receipt
+    deadline: float | None = None  # time.monotonic() after which TIME_LIMIT applies
+
+    @property
+    def seed(self) -> int:
+        """The seed to report (0 for greedy)."""
+        return 0 if self.sampling.greedy else (self.sampling.seed or 0)
+
+    def shard_request(self, request_id: int) -> GenerationRequest:
+        r = self.response
+        return GenerationRequest(
+            id=request_id,
+            input_ids=self.input_ids,
+            max_new_tokens=self.stopping.max_new_tokens,
+            truncate_input_tokens=self.truncate_input_tokens,
+            params=self.sampling,
+            details=RequestedDetails(
+                input_tokens=r.input_tokens,
+                logprobs=r.token_logprobs,
+                ranks=r.token_ranks,
+                top_n_tokens=r.top_n_tokens,
+            ),
+            prefix_id=self.prefix_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Params:
+    """Parameters after TGIS's conversion (tgis-api §3), before validation."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingSpec = field(default_factory=lambda: StoppingSpec(DEFAULT_MAX_NEW_TOKENS))
+    response: ResponseSpec = field(default_factory=ResponseSpec)
+    truncate_input_tokens: int = 0
+    guided: str | None = None  # the guided-decoding oneof field in use, if it constrains output
+
+
+def _signed32(value: int) -> int:
+    return value - 2**32 if value >= 2**31 else value
+
+
+def convert_params(params: pb.Parameters | None, default_include_stop_seqs: bool) -> _Params:
+    if params is None:
+        return _Params()
+    stopping = StoppingSpec(DEFAULT_MAX_NEW_TOKENS)
+    if params.HasField("stopping"):
+        st = params.stopping
+        stopping = StoppingSpec(
+            max_new_tokens=st.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            min_new_tokens=st.min_new_tokens,
+            stop_sequences=tuple(st.stop_sequences),
+            include_stop_sequence=(
+                st.include_stop_sequence
+                if st.HasField("include_stop_sequence")
+                else default_include_stop_seqs
+            ),
+            time_limit_ms=st.time_limit_millis,
+        )
+    d = params.decoding
+    sampling = SamplingParams(
+        min_new_tokens=stopping.min_new_tokens,
+        repetition_penalty=d.repetition_penalty if d.repetition_penalty != 0.0 else 1.0,
+        length_penalty=(
+            LengthPenalty(d.length_penalty.start_index, d.length_penalty.decay_factor)
+            if d.HasField("length_penalty")
+            else None
+        ),
+    )
+    if params.method == pb.SAMPLE:  # GREEDY ignores the sampling message entirely
+        s = params.sampling
+        temperature = s.temperature if s.HasField("temperature") else 0.0
+        sampling = replace(
+            sampling,
+            temperature=temperature if temperature != 0.0 else 1.0,
+            top_k=_signed32(s.top_k),
+            top_p=s.top_p if s.top_p != 0.0 else 1.0,
+            typical_p=s.typical_p if s.typical_p > 0.0 else 1.0,  # negative acts as off
+            seed=s.seed if s.HasField("seed") else None,
+        )
+    r = params.response
+    guided = d.WhichOneof("guided")
+    if guided == "format" and d.format == pb.DecodingParameters.TEXT:
+        guided = None  # TEXT = no constraint
+    return _Params(
+        sampling=sampling,
+        stopping=stopping,
+        response=ResponseSpec(
+            input_text=r.input_text,
+            generated_tokens=r.generated_tokens,
+            input_tokens=r.input_tokens,
+            token_logprobs=r.token_logprobs,
+            token_ranks=r.token_ranks,
+            top_n_tokens=r.top_n_tokens,
+        ),
+        truncate_input_tokens=params.truncate_input_tokens,
+        guided=guided,
+    )
+
+
+def check_params(p: _Params, max_new_tokens: int) -> None:
+    """Checks 1-11 of tgis-api §9.1, in order, then the guided-decoding extension."""
+    s, st, r = p.sampling, p.stopping, p.response
+    if s.temperature != 0.0 and s.temperature < MIN_TEMPERATURE:
+        raise ValidationError(f"temperature must be >= {MIN_TEMPERATURE}")
+    if s.top_p <= 0.0 or s.top_p > 1.0:
+        raise ValidationError("top_p must be > 0.0 and <= 1.0")
+    if s.typical_p > 1.0:
+        raise ValidationError("typical_p must be <= 1.0")
+    if s.top_k < 0:
+        raise ValidationError("top_k must be strictly positive")
+    if st.max_new_tokens > max_new_tokens:
+        raise ValidationError(f"max_new_tokens must be <= {max_new_tokens}")
+    if st.min_new_tokens > st.max_new_tokens:
+        raise ValidationError("min_new_tokens must be <= max_new_tokens")
+    if s.repetition_penalty <= 0.0:
+        raise ValidationError("repetition_penalty must be > 0.0")
+    lp = s.length_penalty
+    if lp is not None and not 1.0 <= lp.decay_factor <= 10.0:
+        raise ValidationError("length_penalty must be >= 1.0 and <= 10.0")
+    if len(st.stop_sequences) > MAX_STOP_SEQUENCES:
+        raise ValidationError(STOP_SEQUENCES_MESSAGE)
+    wants_details = r.token_logprobs or r.token_ranks or r.top_n_tokens > 0
+    if wants_details and not (r.input_tokens or r.generated_tokens):
+        raise ValidationError("must request input and/or generated tokens to request extra token detail")
+    if any(not seq or len(seq.encode()) > MAX_STOP_SEQUENCE_BYTES for seq in st.stop_sequences):
+        raise ValidationError(STOP_SEQUENCES_MESSAGE)
+    if p.guided is not None:
+        raise ValidationError(f"guided decoding ({p.guided}) is not supported by this server")
+
+
+class PrefixLengths:
+    """Soft-prompt lengths by id, looked up once through the shards (LRU + TTL, as TGIS)."""
+
+    def __init__(self, lookup: Callable[[str], Awaitable[int]]) -> None:
+        self._lookup = lookup
+        self._entries: dict[str, tuple[int, float]] = {}
+
+    async def get(self, prefix_id: str) -> int:
+        now = time.monotonic()
+        hit = self._entries.pop(prefix_id, None)
+        if hit is not None and now - hit[1] < PREFIX_CACHE_TTL_S:
+            self._entries[prefix_id] = hit  # most recently used last
+            return hit[0]
+        length = await self._lookup(prefix_id)
+        self._entries[prefix_id] = (length, now)
+        while len(self._entries) > PREFIX_CACHE_CAPACITY:
+            del self._entries[next(iter(self._entries))]
+        return length
+
+
+class Validator:
+    def __init__(
+        self,
+        tokenizer: TokenizerPool,
+        prefixes: PrefixLengths,
+        *,
+        max_sequence_length: int,
+        max_new_tokens: int,
+        default_include_stop_seqs: bool,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.prefixes = prefixes
+        self.max_sequence_length = max_sequence_length
+        self.max_new_tokens = max_new_tokens
+        self.default_include_stop_seqs = default_include_stop_seqs
+
+    async def validate(
+        self,
+        texts: Sequence[str],
+        params: pb.Parameters | None,
+        prefix_id: str,
+        received_at: float,
+    ) -> list[ValidatedRequest]:
+        p = convert_params(params, self.default_include_stop_seqs)
+        check_params(p, self.max_new_tokens)
+        prefix_length = await self._prefix_length(prefix_id) if prefix_id else 0
+        try:
+            encodings = await self.tokenizer.encode_batch(texts)
+        except Exception as exc:
+            raise ValidationError(f"tokenizer error {exc}") from exc
+        deadline = received_at + p.stopping.time_limit_ms / 1000 if p.stopping.time_limit_ms else None
+        return [
+            self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline)
+            for text, ids in zip(texts, encodings, strict=True)
+        ]
+
+    async def _prefix_length(self, prefix_id: str) -> int:
+        try:
+            return await self.prefixes.get(prefix_id)
+        except Exception as exc:
+            raise ValidationError(f"can't retrieve prompt prefix with id '{prefix_id}': {exc}") from exc
+
+    def _finish(
+        self,
+        text: str,
+        ids: list[int],
+        p: _Params,
+        prefix_id: str,
+        prefix_length: int,
+        received_at: float,
+        deadline: float | None,
+    ) -> ValidatedRequest:
+        n = len(ids) if not p.truncate_input_tokens else min(len(ids), p.truncate_input_tokens)
+        limit = self.max_sequence_length
+        if n + prefix_length >= limit:
+            raise ValidationError(
+                f"input tokens ({n}) plus prefix length ({prefix_length}) must be < {limit}"
+            )
+        st = p.stopping
+        if n + prefix_length + st.min_new_tokens > limit:
+            raise ValidationError(
+                f"input tokens ({n}) plus prefix length ({prefix_length}) plus min_new_tokens "
+                f"({st.min_new_tokens}) must be <= {limit}"
+            )
+        stopping = st
+        if n + prefix_length + st.max_new_tokens > limit:
+            stopping = replace(st, max_new_tokens=limit - n - prefix_length, capped=True)
+        sampling = p.sampling
+        if not sampling.greedy and sampling.seed is None:
+            sampling = replace(sampling, seed=secrets.randbits(32))
+        return ValidatedRequest(
+            text=text,
+            input_ids=tuple(ids),
+            input_length=n,
+            truncate_input_tokens=p.truncate_input_tokens,
+            prefix_id=prefix_id,
+            prefix_length=prefix_length,
+            sampling=sampling,
+            stopping=stopping,
+            response=p.response,
+            received_at=received_at,
+            deadline=deadline,
+        )

@@ -1,0 +1,130 @@
+"""Test doubles for the router: an in-process shard that keeps batches like the real one.
+
+FakeShard implements router.shard_client.ShardClient without torch: a "model" that picks each
+request's next token with a script function, batches cached by id, pruning by completed ids,
+merging on NextToken, and a log of every call so tests can assert the protocol the batcher
+speaks. Failures and latency can be injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from router.shard_client import ShardCallError
+from text_generation_server.outputs import (
+    CachedBatchRef,
+    Generation,
+    GenerationRequest,
+    InputTokens,
+    MemoryScalingModel,
+    ModelInfo,
+    RequestError,
+    StepOutput,
+    TokenInfo,
+)
+
+EOS = 2
+UNLIMITED = MemoryScalingModel(0.0, 0.0, 0.0, 0.0, 0.0, 2**63 - 1)
+
+Script = Callable[[GenerationRequest, int], int]  # (request, tokens generated so far) -> next id
+
+
+def counting_script(first_id: int = 600) -> Script:
+    """Token ids first_id, first_id + 1, ... (never EOS)."""
+    return lambda request, step: first_id + step
+
+
+@dataclass
+class Call:
+    method: str
+    batch_id: int | None = None
+    request_ids: list[int] = field(default_factory=list)
+    refs: list[CachedBatchRef] = field(default_factory=list)
+
+
+@dataclass
+class FakeShard:
+    script: Script = field(default_factory=counting_script)
+    memory: MemoryScalingModel = UNLIMITED
+    seq2seq: bool = False
+    max_sequence_length: int = 512
+    latency_s: float = 0.0
+    calls: list[Call] = field(default_factory=list)
+    batches: dict[int, list[GenerationRequest]] = field(default_factory=dict)
+    generated: dict[int, int] = field(default_factory=dict)
+    fail_prefill: ShardCallError | None = None  # raised by the next prefill
+    fail_next_token: ShardCallError | None = None  # raised by the next next_token
+    request_errors: dict[int, str] = field(default_factory=dict)  # request id -> error at its next step
+
+    async def model_info(self) -> ModelInfo:
+        return ModelInfo(self.seq2seq, EOS, 2000, self.max_sequence_length, self.memory)
+
+    def _prune(self, refs: Sequence[CachedBatchRef]) -> list[list[GenerationRequest]]:
+        kept = []
+        for ref in refs:
+            rows = self.batches.pop(ref.batch_id)  # KeyError = the batcher referenced an unknown batch
+            rows = [r for r in rows if r.id not in ref.completed_ids]
+            if rows:
+                kept.append((ref.batch_id, rows))
+        return kept
+
+    async def _maybe_fail(self, method: str) -> None:
+        await asyncio.sleep(self.latency_s)
+        attribute = f"fail_{method}"
+        error = getattr(self, attribute)
+        if error is not None:
+            setattr(self, attribute, None)
+            raise error
+
+    def _step(self, batch_id: int, rows: list[GenerationRequest]) -> StepOutput:
+        output = StepOutput(batch_id=batch_id)
+        live = []
+        for request in rows:
+            if request.id in self.request_errors:
+                output.errors.append(RequestError(request.id, self.request_errors.pop(request.id)))
+                continue
+            step = self.generated.get(request.id, 0)
+            self.generated[request.id] = step + 1
+            token = TokenInfo(self.script(request, step), logprob=-0.5 if request.details.logprobs else 0.0)
+            output.generations.append(Generation(request.id, token))
+            live.append(request)
+        if live:
+            self.batches[batch_id] = live
+        else:
+            output.batch_id = None
+        return output
+
+    async def prefill(
+        self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
+    ) -> StepOutput:
+        self.calls.append(Call("prefill", batch_id, [r.id for r in requests], list(to_prune)))
+        for batch, rows in self._prune(to_prune):
+            self.batches[batch] = rows
+        await self._maybe_fail("prefill")
+        output = self._step(batch_id, list(requests))
+        output.input_tokens = [
+            InputTokens(r.id, tuple(TokenInfo(t) for t in r.input_ids))
+            for r in requests
+            if r.details.input_tokens
+        ]
+        return output
+
+    async def next_token(self, batches: Sequence[CachedBatchRef]) -> StepOutput | None:
+        self.calls.append(Call("next_token", refs=list(batches)))
+        kept = self._prune(batches)
+        assert not self.batches, f"stale batches left in the shard: {sorted(self.batches)}"
+        await self._maybe_fail("next_token")
+        if not kept:
+            return None
+        return self._step(kept[0][0], [r for _, rows in kept for r in rows])
+
+    async def prefix_lookup(self, prefix_id: str) -> int:
+        raise ShardCallError("error", f'prefix id "{prefix_id}" not found')
+
+    async def health(self) -> None:
+        self.calls.append(Call("health"))
+
+    async def clear_cache(self) -> None:
+        self.batches.clear()

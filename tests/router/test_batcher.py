@@ -1,0 +1,323 @@
+"""The continuous-batching loop against a fake shard, on CPU, in seconds: joins, pruning,
+budgets, batch size, cancellation, deadlines, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import pytest
+
+from router.batch_weights import BatchWeights
+from router.batcher import Batcher
+from router.detokenizer import Detokenizer
+from router.entry import Entry, Output
+from router.request_queue import RequestQueue
+from router.shard_client import ShardCallError
+from router.stopping import StopReason
+from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from tests.router.fakes import EOS, FakeShard
+from text_generation_server.outputs import MemoryScalingModel, SamplingParams
+
+
+def make_request(
+    prompt_len: int = 4,
+    max_new: int = 5,
+    *,
+    deadline_s: float | None = None,
+    stop: tuple[str, ...] = (),
+    include_stop: bool = False,
+    min_new: int = 0,
+    details: bool = False,
+    capped: bool = False,
+) -> ValidatedRequest:
+    now = time.monotonic()
+    return ValidatedRequest(
+        text="x" * prompt_len,
+        input_ids=tuple(range(10, 10 + prompt_len)),
+        input_length=prompt_len,
+        truncate_input_tokens=0,
+        prefix_id="",
+        prefix_length=0,
+        sampling=SamplingParams(min_new_tokens=min_new),
+        stopping=StoppingSpec(max_new, min_new, stop, include_stop, capped),
+        response=ResponseSpec(generated_tokens=details, input_tokens=details, token_logprobs=details),
+        received_at=now,
+        deadline=now + deadline_s if deadline_s is not None else None,
+    )
+
+
+@dataclass
+class Harness:
+    shard: FakeShard
+    queue: RequestQueue
+    batcher: Batcher
+
+    def submit(self, request: ValidatedRequest, stream: bool = False) -> Entry:
+        entry = Entry(request, stream)
+        self.queue.append([entry])
+        return entry
+
+    async def final(self, entry: Entry, timeout: float = 5) -> Output:
+        async def until_final() -> Output:
+            while not (out := await entry.outputs.get()).final:
+                pass
+            return out
+
+        return await asyncio.wait_for(until_final(), timeout)
+
+    async def all_outputs(self, entry: Entry, timeout: float = 5) -> list[Output]:
+        outs: list[Output] = []
+        while not outs or not outs[-1].final:
+            outs.append(await asyncio.wait_for(entry.outputs.get(), timeout))
+        return outs
+
+    def methods(self) -> list[str]:
+        return [c.method for c in self.shard.calls]
+
+
+@pytest.fixture
+async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
+    tasks = []
+
+    def build(
+        shard: FakeShard | None = None, *, max_batch_size: int = 8, max_waiting_tokens: int = 2, padding=1.0
+    ):
+        shard = shard or FakeShard()
+        weights = BatchWeights.from_model(shard.memory, padded=True)
+        queue = RequestQueue(weights, max_batch_size, padding)
+        batcher = Batcher(shard, queue, detokenizer, eos_token_id=EOS, max_waiting_tokens=max_waiting_tokens)
+        tasks.append(asyncio.create_task(batcher.run()))
+        return Harness(shard, queue, batcher)
+
+    yield build
+    for task in tasks:
+        task.cancel()
+
+
+async def test_single_request_runs_to_max_new_tokens(make_harness) -> None:
+    h = make_harness()
+    entry = h.submit(make_request(max_new=4))
+    out = await h.final(entry)
+    assert out.generated_tokens == 4 and out.stop_reason is StopReason.MAX_TOKENS
+    await asyncio.sleep(0.01)
+    # prefill = token 1; three steps = tokens 2-4; one more call drops the finished batch.
+    assert h.methods() == ["prefill", "next_token", "next_token", "next_token", "next_token"]
+    assert h.shard.calls[-1].refs[0].completed_ids == (entry.id,)
+    assert not h.shard.batches
+    assert h.batcher.generation_healthy
+
+
+async def test_capped_request_reports_token_limit(make_harness) -> None:
+    h = make_harness()
+    out = await h.final(h.submit(make_request(max_new=3, capped=True)))
+    assert out.stop_reason is StopReason.TOKEN_LIMIT and out.generated_tokens == 3
+
+
+async def test_new_requests_join_the_running_batch(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.005))
+    first = h.submit(make_request(max_new=30))
+    await asyncio.sleep(0.05)
+    second = h.submit(make_request(prompt_len=3, max_new=3))
+    out2 = await h.final(second)
+    out1 = await h.final(first)
+    assert out1.generated_tokens == 30 and out2.generated_tokens == 3
+    prefills = [c for c in h.shard.calls if c.method == "prefill"]
+    assert [c.request_ids for c in prefills] == [[first.id], [second.id]]
+    merged = [c for c in h.shard.calls if c.method == "next_token" and len(c.refs) == 2]
+    assert merged and {r.batch_id for r in merged[0].refs} == {prefills[0].batch_id, prefills[1].batch_id}
+    # The second request's completion is reported on the next call, and the batch goes on.
+    pruned = [c for c in h.shard.calls if any(second.id in r.completed_ids for r in c.refs)]
+    assert pruned and pruned[0].method == "next_token"
+
+
+async def test_prefill_prunes_finished_requests_first(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.005))
+    long = h.submit(make_request(max_new=40))
+    short = h.submit(make_request(max_new=2))
+    await h.final(short)
+    await asyncio.sleep(0.02)
+    late = h.submit(make_request(max_new=2))
+    await h.final(late)
+    await h.final(long)
+    late_prefill = next(c for c in h.shard.calls if c.method == "prefill" and late.id in c.request_ids)
+    # The short request finished some steps ago and was pruned by a NextToken already.
+    all_completed = {i for c in h.shard.calls for r in c.refs for i in r.completed_ids}
+    assert short.id in all_completed and late_prefill.batch_id is not None
+
+
+async def test_max_batch_size_holds_requests_back(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.002), max_batch_size=2)
+    entries = [h.submit(make_request(max_new=6)) for _ in range(3)]
+    outs = [await h.final(e) for e in entries]
+    assert all(o.generated_tokens == 6 for o in outs)
+    prefills = [c.request_ids for c in h.shard.calls if c.method == "prefill"]
+    assert prefills[0] == [entries[0].id, entries[1].id]
+    assert [entries[2].id] in prefills[1:]
+    # Never more than two live requests in the shard.
+    assert all(len(rows) <= 2 for rows in [h.shard.batches.get(b, []) for b in h.shard.batches])
+
+
+async def test_weight_limit_delays_a_request_that_would_not_fit(make_harness) -> None:
+    # Padded weight = (max_in + max_out) * bs tokens; the limit fits one request of 10 + 10.
+    memory = MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 25)
+    h = make_harness(FakeShard(memory=memory, latency_s=0.002))
+    first = h.submit(make_request(prompt_len=10, max_new=10))
+    await asyncio.sleep(0.01)
+    second = h.submit(make_request(prompt_len=10, max_new=10))
+    await h.final(first)
+    await h.final(second)
+    prefills = [c for c in h.shard.calls if c.method == "prefill"]
+    assert [c.request_ids for c in prefills] == [[first.id], [second.id]]
+    second_prefill = h.shard.calls.index(prefills[1])
+    # The second request started only once the first one had finished.
+    first_done = next(
+        i for i, c in enumerate(h.shard.calls) if any(first.id in r.completed_ids for r in c.refs)
+    )
+    assert first_done < second_prefill
+
+
+async def test_queue_jump_when_a_later_request_fits(make_harness) -> None:
+    memory = MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 60)
+    h = make_harness(FakeShard(memory=memory, latency_s=0.003))
+    running = h.submit(make_request(prompt_len=10, max_new=20))
+    await asyncio.sleep(0.01)
+    big = h.submit(make_request(prompt_len=30, max_new=20))  # would not fit beside `running`
+    small = h.submit(make_request(prompt_len=2, max_new=3))  # fits: jumps the queue
+    await h.final(small)
+    assert big.started_at is None, "the big request must still wait"
+    await h.final(big)
+    await h.final(running)
+    assert h.queue.counters.queue_jumps >= 1
+
+
+async def test_cancelled_request_leaves_at_the_next_step(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.005))
+    stay = h.submit(make_request(max_new=20))
+    leave = h.submit(make_request(max_new=20))
+    while leave.generated < 3:
+        await asyncio.sleep(0.001)
+    leave.cancelled = True
+    generated_then = leave.generated
+    await h.final(stay)
+    assert leave.stop_reason is StopReason.CANCELLED
+    assert leave.generated <= generated_then + 1
+    assert leave.outputs.empty(), "a cancelled unary request gets no output"
+    assert any(leave.id in r.completed_ids for c in h.shard.calls for r in c.refs)
+
+
+async def test_cancelled_while_queued_never_runs(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.005), max_batch_size=1)
+    busy = h.submit(make_request(max_new=5))
+    waiting = h.submit(make_request(max_new=5))
+    waiting.cancelled = True
+    await h.final(busy)
+    await asyncio.sleep(0.02)
+    assert waiting.id == 0 and len(h.queue) == 0
+
+
+async def test_deadline_stops_a_running_request(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.01))
+    entry = h.submit(make_request(max_new=200, min_new=200, deadline_s=0.05))
+    out = await h.final(entry)
+    assert out.stop_reason is StopReason.TIME_LIMIT
+    assert 1 <= out.generated_tokens < 200
+
+
+async def test_eos_and_min_new_tokens(make_harness) -> None:
+    script = lambda request, step: EOS if step >= 1 else 600  # noqa: E731
+    h = make_harness(FakeShard(script=script))
+    out = await h.final(h.submit(make_request(max_new=10)))
+    assert out.stop_reason is StopReason.EOS_TOKEN and out.generated_tokens == 2
+    # EOS is masked by the shard before min_new_tokens; the router does not stop on it either.
+    out = await h.final(h.submit(make_request(max_new=10, min_new=3)))
+    assert out.stop_reason is StopReason.EOS_TOKEN and out.generated_tokens == 3
+
+
+async def test_streamed_outputs_add_up_to_the_unary_text(make_harness, detokenizer) -> None:
+    h = make_harness()
+    unary = await h.final(h.submit(make_request(max_new=8)))
+    outs = await h.all_outputs(h.submit(make_request(max_new=8), stream=True))
+    assert "".join(o.text for o in outs) == unary.text
+    counts = [o.generated_tokens for o in outs]
+    assert counts == sorted(counts) and counts[-1] == 8
+    assert outs[-1].stop_reason is StopReason.MAX_TOKENS
+
+
+async def test_stop_sequence_cuts_the_text(make_harness, detokenizer) -> None:
+    h = make_harness()
+    full = await h.final(h.submit(make_request(max_new=8)))
+    assert len(full.text) > 6
+    stop = full.text[3:5]
+    first_at = full.text.find(stop)
+    cut = await h.final(h.submit(make_request(max_new=8, stop=(stop,), include_stop=False)))
+    assert cut.stop_reason is StopReason.STOP_SEQUENCE and cut.stop_sequence == stop
+    assert cut.text == full.text[:first_at]
+    kept = await h.final(h.submit(make_request(max_new=8, stop=(stop,), include_stop=True)))
+    assert kept.text == full.text[: first_at + len(stop)]
+    streamed = await h.all_outputs(h.submit(make_request(max_new=8, stop=(stop,)), stream=True))
+    assert "".join(o.text for o in streamed) == cut.text
+
+
+async def test_prefill_failure_fails_only_the_new_requests(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.005))
+    running = h.submit(make_request(max_new=30))
+    await asyncio.sleep(0.03)
+    h.shard.fail_prefill = ShardCallError("oom", "GPU out of memory")
+    doomed = h.submit(make_request(max_new=5))
+    out = await h.final(doomed)
+    assert out.error == "Request failed during generation: GPU out of memory"
+    assert (await h.final(running)).generated_tokens == 30
+
+
+async def test_step_failure_fails_the_batch_and_health(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.005))
+    entry = h.submit(make_request(max_new=30))
+    while entry.generated < 3:
+        await asyncio.sleep(0.001)
+    h.shard.fail_next_token = ShardCallError(
+        "connection", "Could not connect to Text Generation server: gone"
+    )
+    out = await h.final(entry)
+    assert out.error is not None and out.error.startswith(
+        "Request failed during generation: Could not connect"
+    )
+    assert h.batcher.generation_healthy is False
+    # The loop goes on serving.
+    assert (await h.final(h.submit(make_request(max_new=2)))).generated_tokens == 2
+
+
+async def test_per_request_error_spares_the_neighbours(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.005))
+    ok = h.submit(make_request(max_new=10))
+    bad = h.submit(make_request(max_new=10))
+    while bad.generated < 2:
+        await asyncio.sleep(0.001)
+    h.shard.request_errors[bad.id] = "Token decoding error: boom"
+    out = await h.final(bad)
+    assert (
+        out.error
+        == "Request failed during generation: Error after generating 2 tokens: Token decoding error: boom"
+    )
+    assert (await h.final(ok)).generated_tokens == 10
+
+
+async def test_join_size_shrinks_with_waiting_steps(make_harness) -> None:
+    h = make_harness(max_waiting_tokens=4)
+    assert h.batcher._join_size(1, 1) == 1
+    assert h.batcher._join_size(8, 1) == 6
+    assert h.batcher._join_size(8, 3) == 2
+    assert h.batcher._join_size(8, 4) == 1
+
+
+async def test_details_and_input_tokens(make_harness) -> None:
+    h = make_harness()
+    request = replace(make_request(max_new=3, details=True))
+    out = await h.final(h.submit(request))
+    assert [t.token_id for t in out.input_tokens] == list(request.input_ids)
+    assert len(out.tokens) == 3 and all(t.logprob == -0.5 for t in out.tokens)
+    streamed = await h.all_outputs(h.submit(request, stream=True))
+    assert streamed[0].input_tokens is not None
+    assert all(len(o.tokens) == 1 for o in streamed[1:])

@@ -1,0 +1,213 @@
+"""Parameter conversion and validation: TGIS's defaults, check order and exact messages."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from router.pb import generation_pb2 as pb
+from router.validation import (
+    STOP_SEQUENCES_MESSAGE,
+    PrefixLengths,
+    ValidationError,
+    Validator,
+    check_params,
+    convert_params,
+)
+
+MAX_SEQ = 200
+MAX_NEW = 169
+
+
+def params(**kwargs) -> pb.Parameters:
+    return pb.Parameters(**kwargs)
+
+
+def sample(**sampling) -> pb.Parameters:
+    return pb.Parameters(method=pb.SAMPLE, sampling=pb.SamplingParameters(**sampling))
+
+
+async def found(prefix_id: str) -> int:
+    if prefix_id == "known":
+        return 8
+    raise Exception(f'prefix id "{prefix_id}" not found')
+
+
+@pytest.fixture
+def validator(tokenizer_pool) -> Validator:
+    return Validator(
+        tokenizer_pool,
+        PrefixLengths(found),
+        max_sequence_length=MAX_SEQ,
+        max_new_tokens=MAX_NEW,
+        default_include_stop_seqs=True,
+    )
+
+
+def test_defaults_without_params() -> None:
+    p = convert_params(None, default_include_stop_seqs=True)
+    assert p.sampling.greedy and p.stopping.max_new_tokens == 20
+    assert p.stopping.include_stop_sequence is False  # no `stopping` message: stays false
+    assert p.sampling.repetition_penalty == 1.0 and p.sampling.length_penalty is None
+
+
+def test_greedy_ignores_sampling_entirely() -> None:
+    p = convert_params(
+        params(method=pb.GREEDY, sampling=pb.SamplingParameters(temperature=0.01, top_p=-3)), True
+    )
+    check_params(p, MAX_NEW)  # no error: the nonsense is ignored
+    assert p.sampling.greedy and p.sampling.top_p == 1.0
+
+
+def test_sample_defaults() -> None:
+    p = convert_params(params(method=pb.SAMPLE), True)
+    assert p.sampling.temperature == 1.0 and p.sampling.top_k == 0 and p.sampling.top_p == 1.0
+    assert p.sampling.seed is None
+
+
+def test_include_stop_sequence_default_comes_from_the_server() -> None:
+    with_stopping = params(stopping=pb.StoppingCriteria(stop_sequences=["x"]))
+    assert convert_params(with_stopping, True).stopping.include_stop_sequence is True
+    assert convert_params(with_stopping, False).stopping.include_stop_sequence is False
+    explicit = params(stopping=pb.StoppingCriteria(include_stop_sequence=False))
+    assert convert_params(explicit, True).stopping.include_stop_sequence is False
+
+
+@pytest.mark.parametrize(
+    ("p", "message"),
+    [
+        (sample(temperature=0.02), "temperature must be >= 0.05"),
+        (sample(temperature=-1.0), "temperature must be >= 0.05"),
+        (sample(top_p=1.5), "top_p must be > 0.0 and <= 1.0"),
+        (sample(top_p=-0.5), "top_p must be > 0.0 and <= 1.0"),
+        (sample(typical_p=1.01), "typical_p must be <= 1.0"),
+        (sample(top_k=2**32 - 1), "top_k must be strictly positive"),
+        (params(stopping=pb.StoppingCriteria(max_new_tokens=170)), "max_new_tokens must be <= 169"),
+        (params(stopping=pb.StoppingCriteria(min_new_tokens=30)), "min_new_tokens must be <= max_new_tokens"),
+        (
+            params(stopping=pb.StoppingCriteria(max_new_tokens=10, min_new_tokens=11)),
+            "min_new_tokens must be <= max_new_tokens",
+        ),
+        (params(decoding=pb.DecodingParameters(repetition_penalty=-1)), "repetition_penalty must be > 0.0"),
+        (
+            params(decoding=pb.DecodingParameters(length_penalty={"start_index": 1, "decay_factor": 0.5})),
+            "length_penalty must be >= 1.0 and <= 10.0",
+        ),
+        (params(stopping=pb.StoppingCriteria(stop_sequences=["a"] * 7)), STOP_SEQUENCES_MESSAGE),
+        (params(stopping=pb.StoppingCriteria(stop_sequences=["a", ""])), STOP_SEQUENCES_MESSAGE),
+        (params(stopping=pb.StoppingCriteria(stop_sequences=["é" * 121])), STOP_SEQUENCES_MESSAGE),
+        (
+            params(response=pb.ResponseOptions(token_logprobs=True)),
+            "must request input and/or generated tokens to request extra token detail",
+        ),
+        (
+            params(response=pb.ResponseOptions(top_n_tokens=2)),
+            "must request input and/or generated tokens to request extra token detail",
+        ),
+        (
+            params(decoding=pb.DecodingParameters(regex="a+")),
+            "guided decoding (regex) is not supported by this server",
+        ),
+    ],
+)
+def test_check_messages(p: pb.Parameters, message: str) -> None:
+    with pytest.raises(ValidationError) as error:
+        check_params(convert_params(p, True), MAX_NEW)
+    assert str(error.value) == message
+
+
+def test_checks_run_in_tgis_order() -> None:
+    both = sample(temperature=0.01, top_p=2.0)
+    with pytest.raises(ValidationError, match="temperature"):
+        check_params(convert_params(both, True), MAX_NEW)
+    stops_then_details = params(
+        stopping=pb.StoppingCriteria(stop_sequences=[""]), response=pb.ResponseOptions(token_ranks=True)
+    )
+    with pytest.raises(ValidationError, match="must request input"):
+        check_params(convert_params(stops_then_details, True), MAX_NEW)
+
+
+def test_text_format_is_no_constraint() -> None:
+    p = convert_params(params(decoding=pb.DecodingParameters(format=pb.DecodingParameters.TEXT)), True)
+    check_params(p, MAX_NEW)
+
+
+def test_max_new_tokens_limit_at_the_boundary() -> None:
+    check_params(convert_params(params(stopping=pb.StoppingCriteria(max_new_tokens=MAX_NEW)), True), MAX_NEW)
+
+
+async def test_length_checks_and_capping(validator: Validator, tokenizer_pool) -> None:
+    word = "hello "
+    text = word * 60
+    n = len(tokenizer_pool.encode_batch_sync([text])[0])
+    assert n > 100
+    (v,) = await validator.validate([text], params(stopping=pb.StoppingCriteria(max_new_tokens=150)), "", 0.0)
+    assert v.input_length == n and v.stopping.max_new_tokens == MAX_SEQ - n and v.stopping.capped
+    (v,) = await validator.validate([text], params(stopping=pb.StoppingCriteria(max_new_tokens=5)), "", 0.0)
+    assert v.stopping.max_new_tokens == 5 and not v.stopping.capped
+
+    long_text = word * 250
+    n_long = len(tokenizer_pool.encode_batch_sync([long_text])[0])
+    with pytest.raises(ValidationError) as error:
+        await validator.validate([long_text], None, "", 0.0)
+    assert str(error.value) == f"input tokens ({n_long}) plus prefix length (0) must be < {MAX_SEQ}"
+    # Truncation rescues it.
+    (v,) = await validator.validate([long_text], params(truncate_input_tokens=10), "", 0.0)
+    assert v.input_length == 10 and len(v.input_ids) == n_long
+
+    min_new = params(stopping=pb.StoppingCriteria(min_new_tokens=150, max_new_tokens=160))
+    with pytest.raises(ValidationError) as error:
+        await validator.validate([text], min_new, "", 0.0)
+    assert str(error.value) == (
+        f"input tokens ({n}) plus prefix length (0) plus min_new_tokens (150) must be <= {MAX_SEQ}"
+    )
+
+
+async def test_first_failing_input_gives_the_message(validator: Validator, tokenizer_pool) -> None:
+    long_text = "hello " * 250
+    n_long = len(tokenizer_pool.encode_batch_sync([long_text])[0])
+    with pytest.raises(ValidationError, match=rf"input tokens \({n_long}\)"):
+        await validator.validate(["short", long_text, "hello " * 300], None, "", 0.0)
+
+
+async def test_prefix_lookup(validator: Validator) -> None:
+    (v,) = await validator.validate(["hi"], None, "known", 0.0)
+    assert v.prefix_length == 8 and v.prefix_id == "known"
+    with pytest.raises(ValidationError) as error:
+        await validator.validate(["hi"], None, "invalid_prefix_id", 0.0)
+    assert str(error.value) == (
+        "can't retrieve prompt prefix with id 'invalid_prefix_id': prefix id \"invalid_prefix_id\" not found"
+    )
+
+
+async def test_seeds(validator: Validator) -> None:
+    texts = ["same"] * 5
+    sampled = await validator.validate(texts, sample(), "", 0.0)
+    seeds = [v.seed for v in sampled]
+    assert len(set(seeds)) == 5 and all(0 <= s < 2**32 for s in seeds)
+    (given,) = await validator.validate(["x"], sample(seed=11), "", 0.0)
+    assert given.seed == 11
+    (greedy,) = await validator.validate(["x"], params(sampling=pb.SamplingParameters(seed=11)), "", 0.0)
+    assert greedy.seed == 0
+
+
+async def test_deadline_counts_from_receipt(validator: Validator) -> None:
+    received = time.monotonic()
+    p = params(stopping=pb.StoppingCriteria(time_limit_millis=250))
+    (v,) = await validator.validate(["x"], p, "", received)
+    assert v.deadline == pytest.approx(received + 0.25)
+    (v,) = await validator.validate(["x"], None, "", received)
+    assert v.deadline is None
+
+
+async def test_prefix_lengths_are_cached() -> None:
+    calls = []
+
+    async def lookup(prefix_id: str) -> int:
+        calls.append(prefix_id)
+        return 3
+
+    cache = PrefixLengths(lookup)
+    assert await cache.get("a") == 3 and await cache.get("a") == 3
+    assert calls == ["a"]
