@@ -1,0 +1,401 @@
+"""LaunchConfig: what text-generation-launcher resolved from its flags, the environment and the
+model's files, and the command lines it derives from that.
+
+Owns the pure part of the launcher: the Hugging Face cache directory, the model directory, the
+engine name, dtype, number of shards and sequence limits, then the argv and environment of each
+shard process and of the router process. router/launcher.py (the click CLI, the only reader of the
+environment) passes the environment in as a mapping; router/supervisor.py runs the commands.
+
+    LaunchFlags (flags as given) + env --resolve_config--> LaunchConfig --> shard_command / shard_env
+                                                                        --> router_command
+
+Every failure is a LaunchError carrying one line for the operator. No torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from router import config as router_defaults
+from text_generation_server.config import (
+    DEFAULT_BATCH_SAFETY_MARGIN,
+    DEFAULT_DEPLOYMENT_FRAMEWORK,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_NEW_TOKENS,
+    DTYPES,
+    default_uds_path,
+)
+from text_generation_server.engines import ENGINES
+from text_generation_server.utils import hub
+from text_generation_server.utils.model_config import DEFAULT_MAX_SEQUENCE_LENGTH, context_length
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "bigscience/bloom-560m"
+DEFAULT_MASTER_ADDR = "localhost"
+DEFAULT_MASTER_PORT = 29500
+# Cache variables in order of preference; all that are set must name the same directory.
+CACHE_ENV_VARS = ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE")
+# TGIS's deprecated engine names -> the engine they stand for (used only when that engine exists).
+ENGINE_ALIASES = {"hf_custom_tp": "tgis_native"}
+# Engines that can split one model over several shards (tensor parallelism).
+TENSOR_PARALLEL_ENGINES = frozenset({"tgis_native"})
+# NVIDIA_VISIBLE_DEVICES values that are not a device list.
+NON_LIST_DEVICE_VALUES = frozenset({"all", "none", "void", "nodevfiles"})
+
+
+class LaunchError(Exception):
+    """A fatal launch problem; str() is the one line shown to the operator."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchFlags:
+    """The launcher's flags exactly as click parsed them (flag or env var)."""
+
+    model_name: str = DEFAULT_MODEL_NAME
+    revision: str | None = None
+    deployment_framework: str = DEFAULT_DEPLOYMENT_FRAMEWORK
+    dtype: str | None = None
+    dtype_str: str | None = None
+    quantize: str | None = None
+    num_shard: int | None = None
+    max_concurrent_requests: int = router_defaults.DEFAULT_MAX_CONCURRENT_REQUESTS
+    max_sequence_length: int | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_prefill_padding: float = router_defaults.DEFAULT_MAX_PREFILL_PADDING
+    batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN
+    max_waiting_tokens: int = router_defaults.DEFAULT_MAX_WAITING_TOKENS
+    port: int = router_defaults.DEFAULT_PORT
+    grpc_port: int = router_defaults.DEFAULT_GRPC_PORT
+    shard_uds_path: str | None = None
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    json_output: bool = False
+    output_special_tokens: bool = False
+    default_include_stop_seqs: bool = True
+    cuda_process_memory_fraction: float = 1.0
+    log_level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Everything needed to start the shards and the router; built by resolve_config()."""
+
+    model_name: str  # as given: hub id or directory (the shards resolve it the same way)
+    model_dir: Path  # the directory holding config.json
+    revision: str | None
+    cache_dir: str  # Hugging Face hub cache, passed to the shards as HF_HUB_CACHE
+    deployment_framework: str  # a key of the engine registry (aliases resolved)
+    dtype: str | None  # None: the engine's default
+    num_shard: int
+    max_concurrent_requests: int
+    max_sequence_length: int
+    max_new_tokens: int  # < max_sequence_length
+    max_batch_size: int
+    max_prefill_padding: float
+    batch_safety_margin: int  # percent of free memory the shards hold back
+    max_waiting_tokens: int
+    port: int  # HTTP /health and /metrics
+    grpc_port: int  # external gRPC API
+    shard_uds_path: str  # shard i listens on f"{shard_uds_path}-{i}"
+    master_addr: str
+    master_port: int
+    json_output: bool
+    output_special_tokens: bool
+    default_include_stop_seqs: bool
+    cuda_process_memory_fraction: float
+    log_level: str
+
+    def socket_path(self, rank: int) -> str:
+        return f"{self.shard_uds_path}-{rank}"
+
+
+# --- resolution ---------------------------------------------------------------------------------
+
+
+def resolve_cache_dir(env: Mapping[str, str]) -> str:
+    """HF_HUB_CACHE / TRANSFORMERS_CACHE / HUGGINGFACE_HUB_CACHE (must agree), else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    named = [(var, env[var]) for var in CACHE_ENV_VARS if env.get(var)]
+    if named:
+        if len({os.path.normpath(os.path.expanduser(value)) for _, value in named}) > 1:
+            listed = ", ".join(f"{var}={value}" for var, value in named)
+            raise LaunchError(f"cache directories disagree ({listed}): set only HF_HUB_CACHE")
+        var, value = named[0]
+        if var != "HF_HUB_CACHE":
+            logger.warning("%s is deprecated: use HF_HUB_CACHE", var)
+        return os.path.expanduser(value)
+    if env.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(env["HF_HOME"]), "hub")
+    home = env.get("HOME") or os.path.expanduser("~")
+    return os.path.join(home, ".cache", "huggingface", "hub")
+
+
+def resolve_model_dir(model_name: str, revision: str | None, cache_dir: str) -> Path:
+    """A local directory with config.json, or the snapshot of a hub id in the local cache."""
+    path = Path(model_name)
+    if path.is_absolute() and not path.is_dir():
+        raise LaunchError(f"model directory {model_name} does not exist")
+    try:
+        model_dir = hub.resolve_model_dir(model_name, revision, cache_dir=cache_dir)
+    except hub.ModelNotFoundError:
+        raise LaunchError(
+            f"model {model_name!r} (revision {revision or 'main'}) not found: it is not a local directory "
+            f"and not in the Hugging Face cache at {cache_dir} "
+            f"(run `text-generation-server download-weights {model_name}`)"
+        ) from None
+    if not (model_dir / "config.json").is_file():
+        raise LaunchError(f"model directory {model_dir} has no config.json")
+    return model_dir
+
+
+def resolve_engine(name: str, engines: Mapping[str, str] = ENGINES) -> str:
+    """The registry name for `name`; TGIS's alias hf_custom_tp counts only if tgis_native exists."""
+    target = ENGINE_ALIASES.get(name)
+    if target is not None and target in engines:
+        logger.warning("deployment framework %r is deprecated: use %r", name, target)
+        return target
+    if name not in engines:
+        raise LaunchError(
+            f"unknown deployment framework {name!r}; choose one of: {', '.join(sorted(engines))}"
+        )
+    return name
+
+
+def resolve_dtype(dtype: str | None, dtype_str: str | None) -> str | None:
+    """--dtype and --dtype-str name the same setting: they must agree when both are set."""
+    if dtype and dtype_str and dtype != dtype_str:
+        raise LaunchError(f"--dtype ({dtype}) and --dtype-str ({dtype_str}) disagree: set only one")
+    value = dtype or dtype_str or None
+    if value is not None and value not in DTYPES:
+        raise LaunchError(f"unsupported dtype {value!r}; choose one of: {', '.join(DTYPES)}")
+    return value
+
+
+def resolve_num_shard(num_shard: int | None, env: Mapping[str, str]) -> int:
+    """--num-shard / NUM_SHARD and NUM_GPUS must match if both are set; default: the number of
+    visible devices (CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES), else 1."""
+    num_gpus = _positive_int_env(env, "NUM_GPUS")
+    if num_shard is not None and num_gpus is not None and num_shard != num_gpus:
+        raise LaunchError(f"--num-shard/NUM_SHARD ({num_shard}) and NUM_GPUS ({num_gpus}) disagree")
+    if num_shard is not None:
+        return num_shard
+    if num_gpus is not None:
+        return num_gpus
+    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        value = env.get(var)
+        if value is None:
+            continue
+        if value.strip().lower() in NON_LIST_DEVICE_VALUES:
+            return 1
+        return max(1, len([d for d in value.split(",") if d.strip()]))
+    return 1
+
+
+def _positive_int_env(env: Mapping[str, str], var: str) -> int | None:
+    value = env.get(var, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise LaunchError(f"{var} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_num_shard(num_shard: int, engine: str) -> None:
+    if num_shard > 1 and engine not in TENSOR_PARALLEL_ENGINES:
+        raise LaunchError(
+            f"{num_shard} shards need tensor parallelism, which engine {engine!r} does not support: "
+            "run one shard (--num-shard 1) or choose an engine that supports tensor parallelism"
+        )
+
+
+def check_quantize(quantize: str | None) -> None:
+    if quantize:
+        raise LaunchError(f"quantization ({quantize}) is not supported by any engine yet: unset QUANTIZE")
+
+
+def model_sequence_length(model_dir: Path) -> int | None:
+    """The context length recorded in the model's config.json, if any."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"cannot read {model_dir / 'config.json'}: {exc}") from None
+    return context_length(config)
+
+
+def resolve_max_sequence_length(flag: int | None, model_max: int | None) -> int:
+    if flag is None:
+        return model_max or DEFAULT_MAX_SEQUENCE_LENGTH
+    if model_max is not None and flag > model_max:
+        logger.warning("--max-sequence-length %d is above the model's own limit of %d", flag, model_max)
+    return flag
+
+
+def resolve_max_new_tokens(max_new_tokens: int, max_sequence_length: int) -> int:
+    if max_new_tokens < max_sequence_length:
+        return max_new_tokens
+    logger.warning(
+        "--max-new-tokens (%d) must be < max sequence length (%d): lowering it to %d",
+        max_new_tokens,
+        max_sequence_length,
+        max_sequence_length - 1,
+    )
+    return max_sequence_length - 1
+
+
+def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
+    """Check and complete `flags`; raises LaunchError at the first problem."""
+    check_quantize(flags.quantize)
+    engine = resolve_engine(flags.deployment_framework)
+    dtype = resolve_dtype(flags.dtype, flags.dtype_str)
+    num_shard = resolve_num_shard(flags.num_shard, env)
+    check_num_shard(num_shard, engine)
+    cache_dir = resolve_cache_dir(env)
+    model_dir = resolve_model_dir(flags.model_name, flags.revision, cache_dir)
+    max_sequence_length = resolve_max_sequence_length(
+        flags.max_sequence_length, model_sequence_length(model_dir)
+    )
+    for var in ("MAX_BATCH_WEIGHT", "MAX_PREFILL_WEIGHT"):
+        if env.get(var):
+            logger.warning("%s is ignored: batch weights come from the shards' memory model", var)
+    return LaunchConfig(
+        model_name=flags.model_name,
+        model_dir=model_dir,
+        revision=flags.revision,
+        cache_dir=cache_dir,
+        deployment_framework=engine,
+        dtype=dtype,
+        num_shard=num_shard,
+        max_concurrent_requests=flags.max_concurrent_requests,
+        max_sequence_length=max_sequence_length,
+        max_new_tokens=resolve_max_new_tokens(flags.max_new_tokens, max_sequence_length),
+        max_batch_size=flags.max_batch_size,
+        max_prefill_padding=flags.max_prefill_padding,
+        batch_safety_margin=flags.batch_safety_margin,
+        max_waiting_tokens=flags.max_waiting_tokens,
+        port=flags.port,
+        grpc_port=flags.grpc_port,
+        shard_uds_path=flags.shard_uds_path or default_uds_path(),
+        master_addr=flags.master_addr,
+        master_port=flags.master_port,
+        json_output=flags.json_output,
+        output_special_tokens=flags.output_special_tokens,
+        default_include_stop_seqs=flags.default_include_stop_seqs,
+        cuda_process_memory_fraction=flags.cuda_process_memory_fraction,
+        log_level=flags.log_level,
+    )
+
+
+# --- child processes ----------------------------------------------------------------------------
+
+
+def script_command(script: str, module: str) -> list[str]:
+    """How to run a console script: the one beside this interpreter (same virtualenv), else the
+    one on PATH, else `python -m module`."""
+    beside = Path(sys.executable).parent / script
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return [str(beside)]
+    on_path = shutil.which(script)
+    return [on_path] if on_path else [sys.executable, "-m", module]
+
+
+def server_command() -> list[str]:
+    return script_command("text-generation-server", "text_generation_server.cli")
+
+
+def shard_command(config: LaunchConfig) -> list[str]:
+    argv = [
+        *server_command(),
+        "serve",
+        config.model_name,
+        config.deployment_framework,
+        "--uds-path",
+        config.shard_uds_path,
+        "--max-sequence-length",
+        str(config.max_sequence_length),
+        "--max-new-tokens",
+        str(config.max_new_tokens),
+        "--max-batch-size",
+        str(config.max_batch_size),
+    ]
+    if config.dtype:
+        argv += ["--dtype", config.dtype]
+    if config.revision:
+        argv += ["--revision", config.revision]
+    return argv
+
+
+def shard_env(config: LaunchConfig, rank: int, base: Mapping[str, str]) -> dict[str, str]:
+    """The inherited environment plus the rank, rendezvous, cache and memory settings of shard `rank`."""
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(config.num_shard),
+        LOCAL_SIZE=str(config.num_shard),
+        CROSS_SIZE="1",
+        CROSS_RANK="0",
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(config.master_port),
+        HF_HUB_OFFLINE="1",
+        HF_HUB_CACHE=config.cache_dir,
+        PYTHONUNBUFFERED="1",
+        JSON_OUTPUT="true" if config.json_output else "false",
+        LOG_LEVEL=config.log_level,
+        BATCH_SAFETY_MARGIN=str(config.batch_safety_margin),
+        CUDA_PROCESS_MEMORY_FRACTION=str(config.cuda_process_memory_fraction),
+        NCCL_ASYNC_ERROR_HANDLING="1",
+        TORCH_NCCL_AVOID_RECORD_STREAMS="1",
+        SAFETENSORS_FAST_GPU="1",
+    )
+    # TGIS: expandable segments unless configured; set-but-empty means "use torch's default".
+    alloc_conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    if alloc_conf is None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    elif not alloc_conf:
+        del env["PYTORCH_CUDA_ALLOC_CONF"]
+    return env
+
+
+def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) -> list[str]:
+    def switch(name: str, on: bool) -> str:
+        return f"--{name}" if on else f"--no-{name}"
+
+    return [
+        *script_command("text-generation-router", "router.cli"),
+        "--tokenizer-path",
+        str(tokenizer_dir),
+        "--master-shard-uds-path",
+        config.socket_path(0),
+        "--max-concurrent-requests",
+        str(config.max_concurrent_requests),
+        "--max-sequence-length",
+        str(config.max_sequence_length),
+        "--max-new-tokens",
+        str(config.max_new_tokens),
+        "--max-batch-size",
+        str(config.max_batch_size),
+        "--max-prefill-padding",
+        str(config.max_prefill_padding),
+        "--max-waiting-tokens",
+        str(config.max_waiting_tokens),
+        "--port",
+        str(config.port),
+        "--grpc-port",
+        str(config.grpc_port),
+        switch("output-special-tokens", config.output_special_tokens),
+        switch("default-include-stop-seqs", config.default_include_stop_seqs),
+        switch("json-output", config.json_output),
+    ]
+
+
+def router_env(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, str]:
+    return {**base, "PYTHONUNBUFFERED": "1", "LOG_LEVEL": config.log_level}
