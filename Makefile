@@ -55,10 +55,13 @@ $(DEMO_MODEL)/config.json: $(INSTALL_STAMP)
 
 demo-model: $(DEMO_MODEL)/config.json ## build the embedded demo model (tiny random Llama) offline
 
-run: install demo-model ## start the server on the embedded demo model
-	@echo "The external gRPC API (router + text-generation-launcher) arrives with the launcher issue."
-	@echo "Until then this starts the model shard alone (internal protocol; its socket is in the log)."
-	$(VENV)/bin/text-generation-server serve $(DEMO_MODEL)
+run: install demo-model ## start the server on the embedded demo model (gRPC :8033, HTTP :3000)
+	@echo "Starting the server on the demo model (a tiny random-weight Llama: its text is gibberish)."
+	@echo "From another shell:"
+	@echo "  $(PY) -m router.client generate 'def hello(world):' --max-new-tokens 20"
+	@echo "  $(PY) -m router.client generate 'import os' --stream --sample --seed 7"
+	@echo "  curl -i localhost:3000/health"
+	$(VENV)/bin/text-generation-launcher --model-name $(DEMO_MODEL) --max-sequence-length 512 --max-new-tokens 256
 
 clean: ## remove the virtualenv, generated code and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .cache *.egg-info
