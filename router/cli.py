@@ -119,6 +119,45 @@ logger = logging.getLogger(__name__)
     default=False,
     help="Log JSON lines [env JSON_OUTPUT].",
 )
+@click.option(
+    "--tls-cert-path",
+    envvar="TLS_CERT_PATH",
+    default=None,
+    help="gRPC TLS certificate (PEM) [env TLS_CERT_PATH].",
+)
+@click.option(
+    "--tls-key-path",
+    envvar="TLS_KEY_PATH",
+    default=None,
+    help="gRPC TLS private key (PEM) [env TLS_KEY_PATH].",
+)
+@click.option(
+    "--tls-client-ca-cert-path",
+    envvar="TLS_CLIENT_CA_CERT_PATH",
+    default=None,
+    help="Require client certificates signed by this CA (mTLS) [env TLS_CLIENT_CA_CERT_PATH].",
+)
+@click.option(
+    "--drain-timeout-secs",
+    "drain_timeout_s",
+    envvar="DRAIN_TIMEOUT_SECS",
+    type=click.FloatRange(min=0.0),
+    default=defaults.DEFAULT_DRAIN_TIMEOUT_S,
+    help="On SIGTERM, how long in-flight requests get to finish [env DRAIN_TIMEOUT_SECS].",
+)
+@click.option(
+    "--otlp-endpoint",
+    envvar=["OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"],
+    default=None,
+    help="Send OpenTelemetry traces to this OTLP/gRPC endpoint "
+    "[env OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT].",
+)
+@click.option(
+    "--otlp-service-name",
+    envvar="OTEL_SERVICE_NAME",
+    default=defaults.DEFAULT_OTLP_SERVICE_NAME,
+    help="Service name of the traces [env OTEL_SERVICE_NAME].",
+)
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
     tokenizer_path: str,
@@ -135,6 +174,12 @@ def main(
     output_special_tokens: bool,
     default_include_stop_seqs: bool,
     json_output: bool,
+    tls_cert_path: str | None,
+    tls_key_path: str | None,
+    tls_client_ca_cert_path: str | None,
+    drain_timeout_s: float,
+    otlp_endpoint: str | None,
+    otlp_service_name: str,
     log_level: str,
 ) -> None:
     """Serve the TGIS gRPC API in front of running model shards."""
@@ -163,6 +208,12 @@ def main(
             output_special_tokens=output_special_tokens,
             default_include_stop_seqs=default_include_stop_seqs,
             json_output=json_output,
+            tls_cert_path=tls_cert_path,
+            tls_key_path=tls_key_path,
+            tls_client_ca_cert_path=tls_client_ca_cert_path,
+            drain_timeout_s=drain_timeout_s,
+            otlp_endpoint=otlp_endpoint,
+            otlp_service_name=otlp_service_name,
         )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc

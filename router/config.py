@@ -18,6 +18,8 @@ DEFAULT_MAX_PREFILL_PADDING = 0.2
 DEFAULT_MAX_WAITING_TOKENS = 24
 DEFAULT_PORT = 3000
 DEFAULT_GRPC_PORT = 8033
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_OTLP_SERVICE_NAME = "text-generation-inference.router"
 
 
 def default_master_shard_uds_path() -> str:
@@ -46,6 +48,12 @@ class RouterConfig:
     output_special_tokens: bool = False
     default_include_stop_seqs: bool = False  # the launcher passes true (TGIS's default)
     json_output: bool = False
+    tls_cert_path: str | None = None  # gRPC TLS: server certificate (PEM)
+    tls_key_path: str | None = None  # and its private key
+    tls_client_ca_cert_path: str | None = None  # mTLS: clients must present a cert signed by this CA
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: time in-flight requests get to finish
+    otlp_endpoint: str | None = None  # OpenTelemetry collector (OTLP/gRPC); None = no tracing
+    otlp_service_name: str = DEFAULT_OTLP_SERVICE_NAME
 
     def __post_init__(self) -> None:
         if not self.tokenizer_path:
@@ -67,6 +75,12 @@ class RouterConfig:
             raise ValueError(f"max_prefill_padding must be in [0, 1], got {self.max_prefill_padding}")
         if self.max_waiting_tokens < 1:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
+        if bool(self.tls_cert_path) != bool(self.tls_key_path):
+            raise ValueError("tls: must provide both cert and key")
+        if self.tls_client_ca_cert_path and not self.tls_cert_path:
+            raise ValueError("tls: a client CA needs a server cert and key")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.master_shard_uds_path:
             object.__setattr__(self, "master_shard_uds_path", default_master_shard_uds_path())
         if self.tokenization_workers <= 0:

@@ -82,6 +82,12 @@ class LaunchFlags:
     output_special_tokens: bool = False
     default_include_stop_seqs: bool = True
     cuda_process_memory_fraction: float = 1.0
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    tls_client_ca_cert_path: str | None = None
+    drain_timeout_s: float = router_defaults.DEFAULT_DRAIN_TIMEOUT_S
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
     log_level: str = "info"
 
 
@@ -113,6 +119,12 @@ class LaunchConfig:
     default_include_stop_seqs: bool
     cuda_process_memory_fraction: float
     log_level: str
+    tls_cert_path: str | None = None  # passed to the router (checked readable here)
+    tls_key_path: str | None = None
+    tls_client_ca_cert_path: str | None = None
+    drain_timeout_s: float = router_defaults.DEFAULT_DRAIN_TIMEOUT_S
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
 
     def socket_path(self, rank: int) -> str:
         return f"{self.shard_uds_path}-{rank}"
@@ -258,6 +270,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     dtype = resolve_dtype(flags.dtype, flags.dtype_str)
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)
+    check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
     cache_dir = resolve_cache_dir(env)
     model_dir = resolve_model_dir(flags.model_name, flags.revision, cache_dir)
     max_sequence_length = resolve_max_sequence_length(
@@ -291,6 +304,12 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         default_include_stop_seqs=flags.default_include_stop_seqs,
         cuda_process_memory_fraction=flags.cuda_process_memory_fraction,
         log_level=flags.log_level,
+        tls_cert_path=flags.tls_cert_path,
+        tls_key_path=flags.tls_key_path,
+        tls_client_ca_cert_path=flags.tls_client_ca_cert_path,
+        drain_timeout_s=flags.drain_timeout_s,
+        otlp_endpoint=flags.otlp_endpoint,
+        otlp_service_name=flags.otlp_service_name,
     )
 
 
@@ -394,7 +413,34 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         switch("output-special-tokens", config.output_special_tokens),
         switch("default-include-stop-seqs", config.default_include_stop_seqs),
         switch("json-output", config.json_output),
+        "--drain-timeout-secs",
+        str(config.drain_timeout_s),
+        "--otlp-service-name",
+        config.otlp_service_name,
+        *_optional("--otlp-endpoint", config.otlp_endpoint),
+        *_optional("--tls-cert-path", config.tls_cert_path),
+        *_optional("--tls-key-path", config.tls_key_path),
+        *_optional("--tls-client-ca-cert-path", config.tls_client_ca_cert_path),
     ]
+
+
+def _optional(flag: str, value: str | None) -> list[str]:
+    return [flag, value] if value else []
+
+
+def check_tls_files(cert: str | None, key: str | None, client_ca: str | None) -> None:
+    """TGIS's startup checks: both cert and key, every file readable."""
+    if bool(cert) != bool(key):
+        raise LaunchError("tls: must provide both cert and key")
+    if client_ca and not cert:
+        raise LaunchError("tls: a client CA needs a server cert and key")
+    for what, path in (("cert", cert), ("key", key), ("client ca cert", client_ca)):
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as exc:
+                raise LaunchError(f"couldn't load {what} from {path}: {exc.strerror or exc}") from None
 
 
 def router_env(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, str]:

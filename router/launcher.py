@@ -47,6 +47,9 @@ from router.supervisor import ChildSpec, Supervisor, write_termination_log
 from text_generation_server.config import DEFAULT_DEPLOYMENT_FRAMEWORK, DEFAULT_MAX_BATCH_SIZE
 from text_generation_server.config import DEFAULT_MAX_NEW_TOKENS as SHARD_DEFAULT_MAX_NEW_TOKENS
 
+# What the router gets beyond its drain timeout to close its servers and exit.
+ROUTER_STOP_MARGIN_S = 10.0
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
@@ -143,7 +146,12 @@ def child_specs(
 
 def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     """Run the shards and the router until a signal or a failure; returns the exit code."""
-    supervisor = Supervisor(sys.stderr.buffer, termination_log_path(env))
+    # The router gets its drain timeout to finish in-flight requests, plus time to shut down.
+    supervisor = Supervisor(
+        sys.stderr.buffer,
+        termination_log_path(env),
+        router_grace_s=config.drain_timeout_s + ROUTER_STOP_MARGIN_S,
+    )
     scratch = tempfile.mkdtemp(prefix="tgis-tokenizer-")
     try:
         with supervisor.signals_handled():
@@ -314,6 +322,44 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     type=click.FloatRange(0.0, 1.0, min_open=True),
     default=1.0,
     help="Share of each GPU a shard may use, in (0, 1] [env CUDA_PROCESS_MEMORY_FRACTION].",
+)
+@click.option(
+    "--tls-cert-path",
+    envvar="TLS_CERT_PATH",
+    default=None,
+    help="gRPC TLS certificate (PEM) [env TLS_CERT_PATH].",
+)
+@click.option(
+    "--tls-key-path",
+    envvar="TLS_KEY_PATH",
+    default=None,
+    help="gRPC TLS private key (PEM) [env TLS_KEY_PATH].",
+)
+@click.option(
+    "--tls-client-ca-cert-path",
+    envvar="TLS_CLIENT_CA_CERT_PATH",
+    default=None,
+    help="Require client certificates signed by this CA (mTLS) [env TLS_CLIENT_CA_CERT_PATH].",
+)
+@click.option(
+    "--drain-timeout-secs",
+    "drain_timeout_s",
+    envvar="DRAIN_TIMEOUT_SECS",
+    type=click.FloatRange(min=0.0),
+    default=router_defaults.DEFAULT_DRAIN_TIMEOUT_S,
+    help="On SIGTERM, how long in-flight requests get to finish [env DRAIN_TIMEOUT_SECS].",
+)
+@click.option(
+    "--otlp-endpoint",
+    envvar=["OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"],
+    default=None,
+    help="OpenTelemetry OTLP/gRPC endpoint for traces [env OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT].",
+)
+@click.option(
+    "--otlp-service-name",
+    envvar="OTEL_SERVICE_NAME",
+    default=router_defaults.DEFAULT_OTLP_SERVICE_NAME,
+    help="Service name of the traces [env OTEL_SERVICE_NAME].",
 )
 @click.option(
     "--log-level", envvar="LOG_LEVEL", default="info", help="Log level of every process [env LOG_LEVEL]."
