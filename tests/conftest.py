@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-ARCHS = ("llama", "gpt2", "bloom", "gpt_neox", "t5")
+ARCHS = ("llama", "gpt2", "bloom", "gpt_neox", "t5", "mistral")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import torch
 
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelContext, ModelEngine
-from text_generation_server.engines.kv_cache import cache_bytes
+from text_generation_server.engines.kv_cache import cache_bytes, new_cache
 from text_generation_server.engines.padded import PaddedBatch
 from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
@@ -172,6 +172,7 @@ class HFTransformersEngine(ModelEngine):
                 out = self.model(
                     input_ids=torch.full((1, 2), ctx.pad_token_id, device=self.device),
                     decoder_input_ids=torch.full((1, 1), ctx.decoder_start_token_id or 0, device=self.device),
+                    past_key_values=new_cache(seq2seq=True),
                     use_cache=True,
                 )
                 hidden = out.encoder_last_hidden_state
@@ -180,7 +181,9 @@ class HFTransformersEngine(ModelEngine):
                 kv_out = cache_bytes(out.past_key_values.self_attention_cache)
             else:
                 out = self.model(
-                    input_ids=torch.full((1, 1), ctx.pad_token_id, device=self.device), use_cache=True
+                    input_ids=torch.full((1, 1), ctx.pad_token_id, device=self.device),
+                    past_key_values=new_cache(seq2seq=False),
+                    use_cache=True,
                 )
                 kv_in = kv_out = cache_bytes(out.past_key_values)
         width = _config_int(hf_config, ("hidden_size", "n_embd", "d_model"), 1024)

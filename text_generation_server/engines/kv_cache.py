@@ -30,6 +30,17 @@ def pad_left(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     return torch.nn.functional.pad(t, pad)
 
 
+def new_cache(seq2seq: bool) -> Cache:
+    """An empty cache of plain dynamic layers for a prefill.
+
+    NOTE: built without the model config on purpose: with a config, transformers gives models
+    that declare a sliding window (Mistral, Phi-3, Gemma 2, ...) sliding layers, which keep only
+    the last window of positions and cannot be cut and padded row by row. Attention masks still
+    apply the window, so the outputs are the same; the cache simply keeps every position.
+    """
+    return EncoderDecoderCache(DynamicCache(), DynamicCache()) if seq2seq else DynamicCache()
+
+
 def dynamic_layers(cache: DynamicCache) -> list[DynamicLayer]:
     """The cache's layers, which must all be plain DynamicLayers (no sliding windows)."""
     layers = []

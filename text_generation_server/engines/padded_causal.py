@@ -87,7 +87,7 @@ class CausalLMBatch(PaddedBatch):
         out = model(
             input_ids=self.input_ids,
             attention_mask=self.attention_mask,
-            past_key_values=self.past,
+            past_key_values=self.past if self.past is not None else kv_cache.new_cache(seq2seq=False),
             use_cache=True,
             **kwargs,
         )

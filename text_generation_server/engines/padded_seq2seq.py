@@ -93,6 +93,7 @@ class Seq2SeqLMBatch(PaddedBatch):
                 attention_mask=self.encoder_mask,
                 decoder_input_ids=self.decoder_input_ids,
                 decoder_attention_mask=self.decoder_mask,
+                past_key_values=kv_cache.new_cache(seq2seq=True),
                 use_cache=True,
             )
             self.encoder_hidden = out.encoder_last_hidden_state

@@ -60,8 +60,11 @@ ARCHITECTURES: dict[str, TokenizerSpec] = {
     "bloom": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True),
     "gpt_neox": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True),
     "t5": TokenizerSpec(add_bos=False, add_eos=True, has_pad=True),
+    # Sliding-window attention (window 8, shorter than the test prompts + outputs).
+    "mistral": TokenizerSpec(add_bos=True, add_eos=False, has_pad=True),
 }
 SEQ2SEQ_ARCHITECTURES = frozenset({"t5"})
+SLIDING_WINDOW = 8
 
 
 def _corpus_files() -> list[str]:
@@ -236,19 +239,21 @@ def _model_config(arch: str) -> Any:
         "eos_token_id": EOS_ID,
         "pad_token_id": pad,
     }
-    if arch == "llama":
-        return transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=MAX_POSITIONS,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
+    if arch in ("llama", "mistral"):
+        llama_like: dict[str, Any] = {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": MAX_POSITIONS,
+            "tie_word_embeddings": False,
             **common,
-        )
+        }
+        if arch == "mistral":
+            return transformers.MistralConfig(sliding_window=SLIDING_WINDOW, **llama_like)
+        return transformers.LlamaConfig(rms_norm_eps=1e-6, **llama_like)
     if arch == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=MAX_POSITIONS, **common)
     if arch == "bloom":
