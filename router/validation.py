@@ -9,11 +9,13 @@ then the length checks of each input (14, 15) in request order.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.tokenizer import TokenizerPool
 from text_generation_server.outputs import (
@@ -27,6 +29,7 @@ DEFAULT_MAX_NEW_TOKENS = 20
 MIN_TEMPERATURE = 0.05
 MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240
+MAX_TOP_N_TOKENS = 10
 STOP_SEQUENCES_MESSAGE = (
     f"can specify at most {MAX_STOP_SEQUENCES} non-empty stop sequences, "
     f"each not more than {MAX_STOP_SEQUENCE_BYTES} UTF8 bytes"
@@ -174,9 +177,10 @@ def convert_params(params: pb.Parameters | None, default_include_stop_seqs: bool
 def check_params(p: _Params, max_new_tokens: int) -> None:
     """Checks 1-11 of tgis-api §9.1, in order, then the guided-decoding extension."""
     s, st, r = p.sampling, p.stopping, p.response
-    if s.temperature != 0.0 and s.temperature < MIN_TEMPERATURE:
+    # NOTE: comparisons are written so that NaN and infinities fail them (TGIS lets NaN through).
+    if s.temperature != 0.0 and not (MIN_TEMPERATURE <= s.temperature < math.inf):
         raise ValidationError(f"temperature must be >= {MIN_TEMPERATURE}")
-    if s.top_p <= 0.0 or s.top_p > 1.0:
+    if not 0.0 < s.top_p <= 1.0:
         raise ValidationError("top_p must be > 0.0 and <= 1.0")
     if s.typical_p > 1.0:
         raise ValidationError("typical_p must be <= 1.0")
@@ -186,7 +190,7 @@ def check_params(p: _Params, max_new_tokens: int) -> None:
         raise ValidationError(f"max_new_tokens must be <= {max_new_tokens}")
     if st.min_new_tokens > st.max_new_tokens:
         raise ValidationError("min_new_tokens must be <= max_new_tokens")
-    if s.repetition_penalty <= 0.0:
+    if not 0.0 < s.repetition_penalty < math.inf:
         raise ValidationError("repetition_penalty must be > 0.0")
     lp = s.length_penalty
     if lp is not None and not 1.0 <= lp.decay_factor <= 10.0:
@@ -196,6 +200,8 @@ def check_params(p: _Params, max_new_tokens: int) -> None:
     wants_details = r.token_logprobs or r.token_ranks or r.top_n_tokens > 0
     if wants_details and not (r.input_tokens or r.generated_tokens):
         raise ValidationError("must request input and/or generated tokens to request extra token detail")
+    if r.top_n_tokens > MAX_TOP_N_TOKENS:  # not checked by TGIS; the adapter's limit and message
+        raise ValidationError(f"top_n_tokens ({r.top_n_tokens}) must be <= {MAX_TOP_N_TOKENS}")
     if any(not seq or len(seq.encode()) > MAX_STOP_SEQUENCE_BYTES for seq in st.stop_sequences):
         raise ValidationError(STOP_SEQUENCES_MESSAGE)
     if p.guided is not None:
@@ -205,8 +211,9 @@ def check_params(p: _Params, max_new_tokens: int) -> None:
 class PrefixLengths:
     """Soft-prompt lengths by id, looked up once through the shards (LRU + TTL, as TGIS)."""
 
-    def __init__(self, lookup: Callable[[str], Awaitable[int]]) -> None:
+    def __init__(self, lookup: Callable[[str], Awaitable[int]], metrics: Metrics) -> None:
         self._lookup = lookup
+        self._metrics = metrics
         self._entries: dict[str, tuple[int, float]] = {}
 
     async def get(self, prefix_id: str) -> int:
@@ -215,7 +222,12 @@ class PrefixLengths:
         if hit is not None and now - hit[1] < PREFIX_CACHE_TTL_S:
             self._entries[prefix_id] = hit  # most recently used last
             return hit[0]
-        length = await self._lookup(prefix_id)
+        try:
+            length = await self._lookup(prefix_id)
+        except Exception:
+            self._metrics.inc("tgi_prompt_load_failure")
+            raise
+        self._metrics.observe("tgi_prompt_load_duration", time.monotonic() - now)
         self._entries[prefix_id] = (length, now)
         while len(self._entries) > PREFIX_CACHE_CAPACITY:
             del self._entries[next(iter(self._entries))]
@@ -227,6 +239,7 @@ class Validator:
         self,
         tokenizer: TokenizerPool,
         prefixes: PrefixLengths,
+        metrics: Metrics,
         *,
         max_sequence_length: int,
         max_new_tokens: int,
@@ -234,6 +247,7 @@ class Validator:
     ) -> None:
         self.tokenizer = tokenizer
         self.prefixes = prefixes
+        self.metrics = metrics
         self.max_sequence_length = max_sequence_length
         self.max_new_tokens = max_new_tokens
         self.default_include_stop_seqs = default_include_stop_seqs
@@ -253,10 +267,17 @@ class Validator:
         except Exception as exc:
             raise ValidationError(f"tokenizer error {exc}") from exc
         deadline = received_at + p.stopping.time_limit_ms / 1000 if p.stopping.time_limit_ms else None
-        return [
+        for ids in encodings:
+            self.metrics.observe("tgi_request_raw_input_length", len(ids))
+        validated = [
             self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline)
             for text, ids in zip(texts, encodings, strict=True)
         ]
+        for v in validated:
+            self.metrics.observe("tgi_request_input_length", v.input_length)
+            self.metrics.observe("tgi_request_max_new_tokens", p.stopping.max_new_tokens)
+        self.metrics.observe("tgi_request_validation_duration", time.monotonic() - received_at)
+        return validated
 
     async def _prefix_length(self, prefix_id: str) -> int:
         try:

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.validation import (
     STOP_SEQUENCES_MESSAGE,
@@ -36,9 +37,11 @@ async def found(prefix_id: str) -> int:
 
 @pytest.fixture
 def validator(tokenizer_pool) -> Validator:
+    metrics = Metrics(max_sequence_length=MAX_SEQ, max_new_tokens=MAX_NEW)
     return Validator(
         tokenizer_pool,
-        PrefixLengths(found),
+        PrefixLengths(found, metrics),
+        metrics,
         max_sequence_length=MAX_SEQ,
         max_new_tokens=MAX_NEW,
         default_include_stop_seqs=True,
@@ -108,6 +111,29 @@ def test_include_stop_sequence_default_comes_from_the_server() -> None:
         (
             params(decoding=pb.DecodingParameters(regex="a+")),
             "guided decoding (regex) is not supported by this server",
+        ),
+        (sample(temperature=float("nan")), "temperature must be >= 0.05"),
+        (sample(temperature=float("inf")), "temperature must be >= 0.05"),
+        (sample(top_p=float("nan")), "top_p must be > 0.0 and <= 1.0"),
+        (
+            params(decoding=pb.DecodingParameters(repetition_penalty=float("inf"))),
+            "repetition_penalty must be > 0.0",
+        ),
+        (
+            params(decoding=pb.DecodingParameters(repetition_penalty=float("nan"))),
+            "repetition_penalty must be > 0.0",
+        ),
+        (
+            params(
+                decoding=pb.DecodingParameters(
+                    length_penalty={"start_index": 1, "decay_factor": float("nan")}
+                )
+            ),
+            "length_penalty must be >= 1.0 and <= 10.0",
+        ),
+        (
+            params(response=pb.ResponseOptions(generated_tokens=True, top_n_tokens=11)),
+            "top_n_tokens (11) must be <= 10",
         ),
     ],
 )
@@ -208,6 +234,6 @@ async def test_prefix_lengths_are_cached() -> None:
         calls.append(prefix_id)
         return 3
 
-    cache = PrefixLengths(lookup)
+    cache = PrefixLengths(lookup, Metrics())
     assert await cache.get("a") == 3 and await cache.get("a") == 3
     assert calls == ["a"]
