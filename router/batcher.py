@@ -14,6 +14,7 @@ entry.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -21,9 +22,9 @@ from dataclasses import dataclass, field
 
 from router.detokenizer import Detokenizer
 from router.entry import Entry
+from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.shard_client import ShardCallError, ShardClient
-from router.stopping import StopReason
 from text_generation_server.outputs import CachedBatchRef, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Batcher:
         client: ShardClient,
         queue: RequestQueue,
         detokenizer: Detokenizer,
+        metrics: Metrics,
         *,
         eos_token_id: int,
         max_waiting_tokens: int,
@@ -63,14 +65,24 @@ class Batcher:
         self.client = client
         self.queue = queue
         self.detokenizer = detokenizer
+        self.metrics = metrics
         self.eos_token_id = eos_token_id
         self.max_waiting_tokens = max_waiting_tokens
         self.generation_healthy: bool | None = None  # None until a first step ran
+        self.running = False  # the loop is alive (liveness)
+        self.last_shard_answer = 0.0  # time.monotonic() of the last successful shard call (readiness)
         self._next_batch_id = 1
         self._next_request_id = 1
 
     async def run(self) -> None:
         """Serve the queue forever."""
+        self.running = True
+        try:
+            await self._serve()
+        finally:
+            self.running = False
+
+    async def _serve(self) -> None:
         while True:
             entries = self.queue.next_batch([], 1)
             if entries is None:
@@ -78,6 +90,7 @@ class Batcher:
                 continue
             current, _ = await self._prefill(entries, [])
             await self._run_batch(current)
+            self.metrics.batch_state(0, 0, 0, 0.0)
 
     async def _run_batch(self, current: RunningBatch | None) -> None:
         """Run a busy period: decode steps with joins, until nothing is left."""
@@ -87,6 +100,7 @@ class Batcher:
             group = [current]
             live = [e for e in current.entries if e.id not in set(current.completed)]
             remaining = sum(e.out_tokens for e in live)
+            self._publish_state(live, remaining)
             now = time.monotonic()
             if remaining >= 2 and (earliest_next_join is None or now > earliest_next_join):
                 need = self._join_size(len(live), steps_since_join)
@@ -98,6 +112,8 @@ class Batcher:
                     took = time.monotonic() - start
                     if pruned and to_prune:
                         current = current.pruned()
+                    if added is not None and current is not None:
+                        self.metrics.inc("tgi_batch_concatenation_count")
                     steps_since_join = 1
                     earliest_next_join = time.monotonic() + took / 2
                     group = [b for b in (current, added) if b is not None]
@@ -107,6 +123,14 @@ class Batcher:
                     earliest_next_join = None
             current = await self._next_token(group)
             steps_since_join += 1
+
+    def _publish_state(self, live: Sequence[Entry], remaining: int) -> None:
+        weights = self.queue.weights
+        loads = [(e.in_tokens, e.out_tokens) for e in live]
+        usage = len(live) / self.queue.max_batch_size
+        if weights.limit:
+            usage = max(usage, weights.max_weight(loads) / weights.limit)
+        self.metrics.batch_state(len(live), weights.batch_tokens(loads), remaining, usage)
 
     def _join_size(self, running: int, steps_since_join: int) -> int:
         """How many waiting entries make a join worth a prefill now (TGIS's policy)."""
@@ -128,36 +152,49 @@ class Batcher:
             new.start(self._next_request_id, self.detokenizer, now)
             self._next_request_id += 1
         requests = [e.request.shard_request(e.id) for e in entries]
+        loads = [(e.in_tokens, e.out_tokens) for e in entries]
+        self.metrics.shard_call("prefill", len(entries), self.queue.weights.batch_tokens(loads))
         try:
             output = await self.client.prefill(batch_id, requests, [b.ref() for b in to_prune])
         except ShardCallError as exc:
-            self._fail(entries, exc)
+            self._fail("prefill", entries, exc)
             return None, False
-        self.generation_healthy = True
+        self._answered()
         by_id = {e.id: e for e in entries}
         for item in output.input_tokens:
             if (entry := by_id.get(item.request_id)) is not None:
                 entry.on_input_tokens(list(item.tokens))
-        return self._process(output, entries), True
+        return self._process("prefill", now, output, entries), True
 
     async def _next_token(self, batches: Sequence[RunningBatch]) -> RunningBatch | None:
+        live = [e for b in batches for e in b.entries if e.id not in set(b.completed)]
+        start = time.monotonic()
+        self.metrics.shard_call("next_token", len(live))
         try:
             output = await self.client.next_token([b.ref() for b in batches])
         except ShardCallError as exc:
-            self._fail([e for b in batches for e in b.entries if not e.finished], exc)
+            self._fail("next_token", [e for b in batches for e in b.entries if not e.finished], exc)
             return None
-        self.generation_healthy = True
-        if output is None:
+        self._answered()
+        if output is None:  # every request had completed: the shard dropped the batch
+            self.metrics.shard_call_succeeded("next_token", time.monotonic() - start, 0.0, 0.0)
             return None
-        return self._process(output, [e for b in batches for e in b.entries if e.id not in set(b.completed)])
+        return self._process("next_token", start, output, live)
 
-    def _fail(self, entries: Sequence[Entry], exc: ShardCallError) -> None:
+    def _answered(self) -> None:
+        self.generation_healthy = True
+        self.last_shard_answer = time.monotonic()
+
+    def _fail(self, method: str, entries: Sequence[Entry], exc: ShardCallError) -> None:
         logger.error("shard call failed (%s): %s", exc.reason, exc)
+        self.metrics.shard_call_failed(method, exc.reason)
         self.generation_healthy = False
         for entry in entries:
             entry.fail(str(exc))
 
-    def _process(self, output: StepOutput, entries: Sequence[Entry]) -> RunningBatch | None:
+    def _process(
+        self, method: str, started: float, output: StepOutput, entries: Sequence[Entry]
+    ) -> RunningBatch | None:
         """Hand every token to its entry; the batch (as cached in the shard) with its finished
         requests marked, or None when the shard cached nothing."""
         by_id = {e.id: e for e in entries}
@@ -173,27 +210,28 @@ class Batcher:
                 continue
             live.append(entry)
             if entry.cancelled:
-                entry.cancel()
-                logger.info("request %d cancelled after %d tokens", entry.id, entry.generated)
-            elif not entry.on_token(generation.token, self.eos_token_id, self.detokenizer, now):
-                continue
+                entry.cancel()  # counted by the servicer, which saw its client leave
+                logger.debug("request %d cancelled after %d tokens", entry.id, entry.generated)
+            else:
+                if entry.last_token_at is None:
+                    self.metrics.observe(
+                        "tgi_request_time_to_first_token_duration", now - entry.request.received_at
+                    )
+                else:
+                    self.metrics.observe("tgi_request_inter_token_duration", now - entry.last_token_at)
+                entry.last_token_at = now
+                try:
+                    if not entry.on_token(generation.token, self.eos_token_id, self.detokenizer, now):
+                        continue
+                except BaseException as exc:  # tokenizers panics are BaseExceptions
+                    if isinstance(exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
+                        raise
+                    logger.exception("request %d: decoding failed", entry.id)
+                    entry.fail_detokenization(str(exc) or type(exc).__name__)
             completed.append(entry.id)
-            _log_finished(entry)
+        self.metrics.shard_call_succeeded(
+            method, now - started, output.forward_ns / 1e9, time.monotonic() - now
+        )
         if output.batch_id is None:
             return None
         return RunningBatch(output.batch_id, live, completed)
-
-
-def _log_finished(entry: Entry) -> None:
-    if entry.stop_reason is StopReason.CANCELLED:
-        return
-    r = entry.request
-    logger.info(
-        "request %d: generated %d tokens before %s (input %d tokens, queue %.3fs, total %.3fs)",
-        entry.id,
-        entry.generated,
-        entry.stop_reason.name,
-        r.input_length,
-        (entry.started_at or entry.queued_at) - entry.queued_at,
-        time.monotonic() - r.received_at,
-    )

@@ -22,6 +22,8 @@ from router.stopping import StopReason, check_stop, find_stop_sequence, held_bac
 from router.validation import ValidatedRequest
 from text_generation_server.outputs import TokenInfo
 
+REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) valid UTF-8
+
 
 @dataclass(slots=True)
 class Output:
@@ -51,6 +53,7 @@ class Entry:
     # ---- owned by the batcher -------------------------------------------------------------
     id: int = 0  # shard request id, assigned when scheduled
     started_at: float | None = None
+    last_token_at: float | None = None
     generated: int = 0
     token_ids: list[int] = field(default_factory=list)  # generated ids, EOS excluded
     tokens: list[TokenInfo] = field(default_factory=list)  # unary token details
@@ -81,8 +84,10 @@ class Entry:
         st = self.request.stopping
         if self.stream or st.stop_sequences:
             self._decoder = detokenizer.incremental()
-        if self.stream and st.stop_sequences and not st.include_stop_sequence:
-            self._hold_bytes = max(len(s.encode()) for s in st.stop_sequences)
+        if self.stream and st.stop_sequences:
+            # TGIS: 1 byte when the stop sequence is kept, else the longest stop sequence's bytes.
+            longest = max(len(s.encode()) for s in st.stop_sequences)
+            self._hold_bytes = 1 if st.include_stop_sequence else longest
 
     def on_input_tokens(self, tokens: list[TokenInfo]) -> None:
         if self.stream:
@@ -126,6 +131,8 @@ class Entry:
             self._finish(reason, match.sequence if match else "", token_list, detokenizer)
         elif self.stream:
             end = len(self._text) - held_back(self._text, self._hold_bytes)
+            while end > self._sent and self._text[end - 1] == REPLACEMENT:
+                end -= 1  # a trailing run of U+FFFD is trimmed if the text ends there: keep it back
             delta = self._text[self._sent : end] if end > self._sent else ""
             self._sent = max(self._sent, end)
             if delta or token_list:
@@ -142,12 +149,18 @@ class Entry:
             text = self._text
         else:
             text = detokenizer.decode(self.token_ids)
-        text = text.rstrip("\ufffd")
+        text = text.rstrip(REPLACEMENT)
         if self.stream:
             out = Output(self.generated, text[self._sent :], tokens, None, reason, stop_sequence)
         else:
             out = Output(self.generated, text, self.tokens, self.input_tokens, reason, stop_sequence)
         self.outputs.put_nowait(out)
+
+    def fail_detokenization(self, message: str) -> None:
+        """Decoding this request's output failed (the batch goes on)."""
+        self.stop_reason = StopReason.ERROR
+        error = f"Request failed during detokenization: {message}"
+        self.outputs.put_nowait(Output(self.generated, error=error))
 
     def fail(self, message: str, *, request_error: bool = False) -> None:
         """Generation failed: the whole shard call (`message` = the call's error), or this

@@ -1,10 +1,17 @@
-"""The HTTP port (default 3000): GET /health (and the routes other modules register, /metrics).
+"""The HTTP port (default 3000): health probes and /metrics.
 
 A deliberately small asyncio HTTP/1.1 server: probes and Prometheus send simple GETs, each
-answered and closed. /health follows TGIS: when the last shard step succeeded, every shard's
-Health RPC is asked; when generation health is unknown or bad, a real one-token prefill of
-"liveness" runs (batch and request id 2^64-1, never cached). 200 with an empty body when
-healthy; 503 {"error":"unhealthy"}; 503 {"error":"Healthcheck timed-out"} after 60 s.
+answered and closed.
+
+  /health        TGIS's: when the last shard step succeeded, every shard's Health RPC is asked;
+                 when generation health is unknown or bad, a real one-token prefill of
+                 "liveness" runs (batch and request id 2^64-1, never cached). 200 with an empty
+                 body when healthy; 503 {"error":"unhealthy"}; 503 {"error":"Healthcheck
+                 timed-out"} after 60 s.
+  /health/live   liveness: the process answers and its batching loop runs (restart if not).
+  /health/ready  readiness: not draining, and the shards answered within READY_WINDOW_S (else
+                 a Health RPC decides).
+  /metrics       Prometheus text format (router/metrics.py).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -23,6 +31,7 @@ from text_generation_server.outputs import HEALTH_CHECK_BATCH_ID, GenerationRequ
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 60.0
+READY_WINDOW_S = 10.0
 LIVENESS_INPUT = "liveness"
 READ_TIMEOUT_S = 10.0
 
@@ -38,11 +47,21 @@ Handler = Callable[[], Awaitable[HttpResponse]]
 REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
+def metrics_route(exposition: Callable[[], bytes], content_type: str) -> Handler:
+    async def handler() -> HttpResponse:
+        return HttpResponse(200, exposition(), content_type)
+
+    return handler
+
+
 class HealthCheck:
-    def __init__(self, client: ShardClient, batcher: Batcher, tokenizer: TokenizerPool) -> None:
+    def __init__(
+        self, client: ShardClient, batcher: Batcher, tokenizer: TokenizerPool, draining: Callable[[], bool]
+    ) -> None:
         self.client = client
         self.batcher = batcher
         self.tokenizer = tokenizer
+        self.draining = draining
 
     async def healthy(self) -> bool:
         if self.batcher.generation_healthy:
@@ -73,6 +92,25 @@ class HealthCheck:
         except TimeoutError:
             return HttpResponse(503, b'{"error":"Healthcheck timed-out"}')
         return HttpResponse(200) if ok else HttpResponse(503, b'{"error":"unhealthy"}')
+
+    async def live(self) -> HttpResponse:
+        return (
+            HttpResponse(200)
+            if self.batcher.running
+            else HttpResponse(503, b'{"error":"batching loop stopped"}')
+        )
+
+    async def ready(self) -> HttpResponse:
+        if self.draining():
+            return HttpResponse(503, b'{"error":"draining"}')
+        if time.monotonic() - self.batcher.last_shard_answer <= READY_WINDOW_S:
+            return HttpResponse(200)
+        try:
+            await asyncio.wait_for(self.client.health(), READY_WINDOW_S)
+        except (ShardCallError, TimeoutError):
+            return HttpResponse(503, b'{"error":"shards not answering"}')
+        self.batcher.last_shard_answer = time.monotonic()
+        return HttpResponse(200)
 
 
 class HttpServer:

@@ -16,42 +16,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from router.batch_weights import BatchWeights, Load
 from router.entry import Entry
+from router.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
 QUEUE_JUMP_WINDOW_S = 1.0
 
 
-@dataclass(slots=True)
-class QueueCounters:
-    """Batch-formation events (exported as metrics by the operations layer)."""
-
-    queue_jumps: int = 0
-    granular_additions: int = 0
-    prefill_weight_exceeded: int = 0
-    prefill_padding_exceeded: int = 0
-
-
 class RequestQueue:
-    def __init__(self, weights: BatchWeights, max_batch_size: int, max_prefill_padding: float) -> None:
+    def __init__(
+        self, weights: BatchWeights, max_batch_size: int, max_prefill_padding: float, metrics: Metrics
+    ) -> None:
         self.weights = weights
         self.max_batch_size = max_batch_size
         self.max_prefill_padding = max_prefill_padding
-        self.counters = QueueCounters()
+        self.metrics = metrics
         self._entries: deque[Entry] = deque()
         self._changed = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _sized(self) -> None:
+        self.metrics.set("tgi_queue_size", len(self._entries))
+
     def append(self, entries: Sequence[Entry]) -> None:
         self._entries.extend(entries)
+        self._sized()
         self._changed.set()
 
     def remove(self, entry: Entry) -> bool:
@@ -60,6 +57,7 @@ class RequestQueue:
             self._entries.remove(entry)
         except ValueError:
             return False
+        self._sized()
         return True
 
     async def wait(self) -> None:
@@ -70,6 +68,7 @@ class RequestQueue:
     def drop_cancelled(self) -> None:
         for entry in [e for e in self._entries if e.cancelled]:
             self._entries.remove(entry)
+        self._sized()
 
     def next_batch(self, running: Sequence[Entry], min_size: int) -> list[Entry] | None:
         """Entries to prefill now beside `running` (at least `min_size` of them if possible)."""
@@ -95,18 +94,18 @@ class RequestQueue:
                         return None
                     cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
                     continue
-                self.counters.granular_additions += 1
+                self.metrics.inc("tgi_granular_batch_addition")
             prefill = [*chosen_loads, load]
             if w.prefill_weight(prefill) > budget:
-                self.counters.prefill_weight_exceeded += 1
+                self.metrics.inc("tgi_prefill_weight_limit_exceeded")
                 cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
                 continue
             if w.padding_fraction(prefill) > self.max_prefill_padding:
-                self.counters.prefill_padding_exceeded += 1
+                self.metrics.inc("tgi_prefill_padding_limit_exceeded")
                 cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
                 continue
             if cutoff is not None:
-                self.counters.queue_jumps += 1
+                self.metrics.inc("tgi_queue_jump")
             chosen.append(entry)
             chosen_loads.append(load)
             if len(running) + len(chosen) >= self.max_batch_size:
@@ -114,6 +113,9 @@ class RequestQueue:
         if not chosen:
             logger.debug("chose 0 of %d waiting entries", len(self._entries))
             return None
+        now = time.monotonic()
         for entry in chosen:
             self._entries.remove(entry)
+            self.metrics.observe("tgi_request_queue_duration", now - entry.queued_at)
+        self._sized()
         return chosen

@@ -2,9 +2,12 @@
 
 Startup (TGIS order): load the tokenizer, connect to shard 0 and discover the others, clear
 their caches, read ModelInfo, check that one maximal request fits the shard's memory model,
-then start the batching loop, the gRPC server and the HTTP server. A failure at any step ends
-the process with a one-line reason. Shutdown: stop accepting, let in-flight calls finish
-(grace period), cancel the batcher, close the shard connections.
+then start the batching loop, the gRPC server (TLS when configured; grpc.health.v1 and
+reflection beside fmaas.GenerationService) and the HTTP server. A failure at any step ends the
+process with a one-line reason.
+
+Shutdown (drain): health turns NOT_SERVING, new requests get UNAVAILABLE, requests in flight
+get up to DRAIN_TIMEOUT_SECS to finish, then the servers close and the process exits 0.
 """
 
 from __future__ import annotations
@@ -14,25 +17,33 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from router.batch_weights import BatchWeights
 from router.batcher import Batcher
 from router.config import RouterConfig
 from router.detokenizer import Detokenizer
 from router.grpc_server import ConcurrencyLimiter, GenerationServicer
-from router.http_server import HealthCheck, HttpServer
-from router.pb import generation_pb2_grpc
+from router.http_server import HealthCheck, HttpServer, metrics_route
+from router.metrics import CONTENT_TYPE, Metrics
+from router.pb import generation_pb2, generation_pb2_grpc
 from router.request_queue import RequestQueue
 from router.shard_client import GrpcShardClient, ShardCallError
+from router.tls import TlsConfigError, server_credentials
 from router.tokenizer import TokenizerPool, load_tokenizer
+from router.tracing import Tracing, TracingError
 from router.validation import PrefixLengths, Validator
 from text_generation_server.outputs import ModelInfo
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 30.0
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+DRAIN_POLL_S = 0.05
+SERVER_STOP_GRACE_S = 1.0
 
 
 class StartupError(Exception):
@@ -58,56 +69,112 @@ def check_model(info: ModelInfo, config: RouterConfig) -> None:
         )
 
 
-async def _serve(config: RouterConfig) -> None:
-    try:
-        tokenizer = load_tokenizer(config.tokenizer_path)
-    except Exception as exc:
-        raise StartupError(f"cannot load the tokenizer from {config.tokenizer_path}: {exc}") from exc
+async def _connect(config: RouterConfig) -> tuple[GrpcShardClient, ModelInfo]:
     try:
         client = await GrpcShardClient.connect(config.master_shard_uds_path)
         await client.clear_cache()
-        info = await client.model_info()
+        return client, await client.model_info()
     except ShardCallError as exc:
         raise StartupError(f"cannot reach the shards at {config.master_shard_uds_path}: {exc}") from exc
+
+
+async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
+    for service in ("", SERVICE_NAME):
+        await servicer.set(service, status)
+
+
+async def _drain(servicer: GenerationServicer, limiter: ConcurrencyLimiter, timeout_s: float) -> None:
+    """Refuse new requests and wait for the ones in flight (at most `timeout_s`)."""
+    servicer.draining = True
+    started = time.monotonic()
+    logger.info("draining: %d request(s) in flight, up to %.0f s", limiter.in_use, timeout_s)
+    while limiter.in_use and time.monotonic() - started < timeout_s:
+        await asyncio.sleep(DRAIN_POLL_S)
+    if limiter.in_use:
+        logger.warning("drain timeout: %d request(s) still in flight are cut off", limiter.in_use)
+    else:
+        logger.info("drained in %.2f s", time.monotonic() - started)
+
+
+async def _serve(config: RouterConfig) -> None:
+    try:
+        tokenizer = load_tokenizer(config.tokenizer_path)
+        credentials = server_credentials(
+            config.tls_cert_path, config.tls_key_path, config.tls_client_ca_cert_path
+        )
+        tracing = Tracing.setup(config.otlp_endpoint, config.otlp_service_name)
+    except (TlsConfigError, TracingError) as exc:
+        raise StartupError(str(exc)) from exc
+    except Exception as exc:
+        raise StartupError(f"cannot load the tokenizer from {config.tokenizer_path}: {exc}") from exc
+    client, info = await _connect(config)
     check_model(info, config)
     weights = BatchWeights.from_model(info.memory, info.batch_padding)
     check_capacity(weights, config.max_sequence_length)
 
+    metrics = Metrics(
+        max_sequence_length=config.max_sequence_length,
+        max_new_tokens=config.max_new_tokens,
+        max_batch_size=config.max_batch_size,
+    )
     pool = TokenizerPool(tokenizer, config.tokenization_workers)
     detokenizer = Detokenizer(
         tokenizer, skip_special_tokens=not config.output_special_tokens, seq2seq=info.seq2seq
     )
-    queue = RequestQueue(weights, config.max_batch_size, config.max_prefill_padding)
+    queue = RequestQueue(weights, config.max_batch_size, config.max_prefill_padding, metrics)
     batcher = Batcher(
         client,
         queue,
         detokenizer,
+        metrics,
         eos_token_id=info.eos_token_id,
         max_waiting_tokens=config.max_waiting_tokens,
     )
     validator = Validator(
         pool,
-        PrefixLengths(client.prefix_lookup),
+        PrefixLengths(client.prefix_lookup, metrics),
+        metrics,
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
         default_include_stop_seqs=config.default_include_stop_seqs,
     )
+    limiter = ConcurrencyLimiter(config.max_concurrent_requests)
     servicer = GenerationServicer(
         validator,
         queue,
         pool,
-        ConcurrencyLimiter(config.max_concurrent_requests),
+        limiter,
+        metrics,
+        tracing,
         seq2seq=info.seq2seq,
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
     )
     grpc_server = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, grpc_server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
+    )
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{config.host}:{config.grpc_port}"
-    if grpc_server.add_insecure_port(address) == 0:
+    bound = (
+        grpc_server.add_secure_port(address, credentials)
+        if credentials is not None
+        else grpc_server.add_insecure_port(address)
+    )
+    if bound == 0:
         raise StartupError(f"cannot listen for gRPC on {address}")
-    health = HealthCheck(client, batcher, pool)
-    http_server = HttpServer({"/health": health.respond})
+    health_check = HealthCheck(client, batcher, pool, lambda: servicer.draining)
+    http_server = HttpServer(
+        {
+            "/health": health_check.respond,
+            "/health/live": health_check.live,
+            "/health/ready": health_check.ready,
+            "/metrics": metrics_route(metrics.exposition, CONTENT_TYPE),
+        }
+    )
     try:
         await http_server.start(config.host, config.port)
     except OSError as exc:
@@ -115,10 +182,12 @@ async def _serve(config: RouterConfig) -> None:
 
     batching = asyncio.create_task(batcher.run(), name="batcher")
     await grpc_server.start()
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     logger.info(
-        "serving %s model: gRPC on %s, HTTP on %s:%d (max batch %d, max sequence %d, max new tokens %d)",
+        "serving %s model: gRPC on %s%s, HTTP on %s:%d (max batch %d, max sequence %d, max new tokens %d)",
         "encoder-decoder" if info.seq2seq else "decoder-only",
         address,
+        " (mTLS)" if config.tls_client_ca_cert_path else " (TLS)" if credentials else "",
         config.host,
         config.port,
         config.max_batch_size,
@@ -136,8 +205,10 @@ async def _serve(config: RouterConfig) -> None:
             batching.result()  # re-raise: the batching loop must never end
             raise StartupError("the batching loop ended")
         logger.info("shutting down")
+        await health_servicer.enter_graceful_shutdown()
+        await _drain(servicer, limiter, config.drain_timeout_s)
+        await grpc_server.stop(SERVER_STOP_GRACE_S)
         await http_server.stop()
-        await grpc_server.stop(SHUTDOWN_GRACE_S)
     finally:
         batching.cancel()
         stopping.cancel()
@@ -145,6 +216,7 @@ async def _serve(config: RouterConfig) -> None:
             await batching
         pool.close()
         await client.close()
+        tracing.shutdown()
 
 
 def run(config: RouterConfig) -> None:

@@ -27,7 +27,17 @@ logger = logging.getLogger(__name__)
 PREFIX_LOOKUP_TIMEOUT_S = 5.0
 OOM_MESSAGE = "GPU out of memory"
 CONNECTION_MESSAGE = "Could not connect to Text Generation server"
-GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+# Keepalive pings notice a shard that stopped answering (crashed, frozen) within about two
+# seconds even while a call waits on it; the shard's server accepts pings this often.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.ping_timeout_ms", 1000),
+]
 
 
 class ShardCallError(Exception):

@@ -14,6 +14,7 @@ from router.batch_weights import BatchWeights
 from router.batcher import Batcher
 from router.detokenizer import Detokenizer
 from router.entry import Entry, Output
+from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.shard_client import ShardCallError
 from router.stopping import StopReason
@@ -87,8 +88,11 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
     ):
         shard = shard or FakeShard()
         weights = BatchWeights.from_model(shard.memory, padded=True)
-        queue = RequestQueue(weights, max_batch_size, padding)
-        batcher = Batcher(shard, queue, detokenizer, eos_token_id=EOS, max_waiting_tokens=max_waiting_tokens)
+        metrics = Metrics(max_batch_size=max_batch_size)
+        queue = RequestQueue(weights, max_batch_size, padding, metrics)
+        batcher = Batcher(
+            shard, queue, detokenizer, metrics, eos_token_id=EOS, max_waiting_tokens=max_waiting_tokens
+        )
         tasks.append(asyncio.create_task(batcher.run()))
         return Harness(shard, queue, batcher)
 
@@ -190,7 +194,7 @@ async def test_queue_jump_when_a_later_request_fits(make_harness) -> None:
     assert big.started_at is None, "the big request must still wait"
     await h.final(big)
     await h.final(running)
-    assert h.queue.counters.queue_jumps >= 1
+    assert h.queue.metrics.counters["tgi_queue_jump"].get() >= 1
 
 
 async def test_cancelled_request_leaves_at_the_next_step(make_harness) -> None:

@@ -1,0 +1,231 @@
+"""Every Prometheus metric of the router, TGIS's `tgi_*` set plus a few of ours.
+
+The only module that creates metric objects. Other modules call the event methods of `Metrics`
+(or hand it plain values); `exposition()` renders GET /metrics. Names, kinds, labels and bucket
+layouts are TGIS's (tgis-internals §9). Counters are exported twice, as `name` and `name_total`,
+like TGIS's Rust exporter, which prometheus_client cannot do, hence TwinCounter. Every label has
+a closed set of values and every combination is exported from the start (at 0), so dashboards
+and rate() work before the first event.
+
+`METRICS` below is the documentation table; the README's metrics table is checked against it by
+tests/router/test_metrics.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from router.stopping import StopReason
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # 0.00015 s ... about 145.6 s
+TOKENIZE_BUCKETS = tuple(float(2**k) for k in range(6, 20))
+KINDS = ("single", "batch", "stream")
+METHODS = ("prefill", "next_token")
+MAKEUPS = ("single_only",)
+FAILURES = ("conc_limit", "queue_full", "validation", "generate", "cancelled", "timeout", "unknown")
+CALL_FAILURES = ("oom", "connection", "error")
+STOP_REASONS = tuple(r.name for r in StopReason)
+REJECTIONS = ("conc_limit", "draining")
+PHASES = ("queued", "running")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    kind: str  # counter | histogram | gauge
+    labels: Mapping[str, tuple[str, ...]]
+    description: str
+    buckets: str = ""  # how the histogram's buckets are laid out
+    tgis: bool = True  # False: ours, beyond TGIS
+
+
+def _spec(
+    name: str,
+    metric_type: str,
+    description: str,
+    buckets: str = "",
+    tgis: bool = True,
+    /,
+    **labels: tuple[str, ...],
+) -> MetricSpec:
+    return MetricSpec(name, metric_type, labels, description, buckets, tgis)
+
+
+DURATION = "duration: 0.0001 * 1.5^k s, k = 1..35"
+METRICS: tuple[MetricSpec, ...] = (
+    _spec("tgi_request_count", "counter", "Generate calls (a batch counts once)", kind=KINDS),
+    _spec("tgi_request_input_count", "counter", "Generate inputs (a batch of n counts n)"),
+    _spec("tgi_request_failure", "counter", "Failed requests by cause", err=FAILURES),
+    _spec("tgi_request_success", "counter", "Requests that finished with an answer", stop_reason=STOP_REASONS, kind=KINDS),
+    _spec("tgi_request_max_new_tokens", "histogram", "Requested max_new_tokens (after defaulting)", "max_new_tokens/64 * 1..64"),
+    _spec("tgi_request_input_length", "histogram", "Input tokens of accepted inputs", "max_sequence_length/64 * 1..64"),
+    _spec("tgi_request_raw_input_length", "histogram", "Input tokens before length validation (rejected ones too)", "default"),
+    _spec("tgi_request_mean_time_per_token_duration", "histogram", "Inference time / generated tokens per request (s)", DURATION),
+    _spec("tgi_request_validation_duration", "histogram", "Receipt to validated (s)", DURATION),
+    _spec("tgi_request_queue_duration", "histogram", "Time waiting in the queue (s)", DURATION),
+    _spec("tgi_request_generated_tokens", "histogram", "Tokens generated per request", "max_new_tokens/64 * 1..64"),
+    _spec("tgi_request_total_tokens", "histogram", "Input + generated tokens per request", "max_sequence_length/64 * 1..64"),
+    _spec("tgi_request_duration", "histogram", "End-to-end request time (s)", DURATION),
+    _spec("tgi_request_inference_duration", "histogram", "First scheduled to finished (s)", DURATION),
+    _spec("tgi_batch_concatenation_count", "counter", "New batches merged into a running one"),
+    _spec("tgi_batch_inference_count", "counter", "Shard calls started", method=METHODS),
+    _spec("tgi_batch_inference_success", "counter", "Shard calls that succeeded", method=METHODS),
+    _spec("tgi_batch_inference_failure", "counter", "Shard calls that failed", method=METHODS, reason=CALL_FAILURES),
+    _spec("tgi_batch_inference_batch_size", "histogram", "Requests per shard call", "1 .. max_batch_size", method=METHODS),
+    _spec("tgi_batch_inference_duration", "histogram", "Whole shard call incl. RPC (s)", DURATION, method=METHODS, makeup=MAKEUPS),
+    _spec("tgi_batch_inference_forward_duration", "histogram", "Model forward time reported by the shard (s)", DURATION, method=METHODS, makeup=MAKEUPS),
+    _spec("tgi_batch_inference_tokproc_duration", "histogram", "Router token processing per call (s)", DURATION, method=METHODS, makeup=MAKEUPS),
+    _spec("tgi_batch_next_tokens", "histogram", "Tokens of each prefill batch incl. padding", "default"),
+    _spec("tgi_batch_current_size", "gauge", "Requests in the running batch"),
+    _spec("tgi_batch_input_tokens", "gauge", "Tokens in the running batch incl. padding"),
+    _spec("tgi_batch_max_remaining_tokens", "gauge", "Sum of the tokens the running requests may still generate (TGIS's name)"),
+    _spec("tgi_queue_size", "gauge", "Requests waiting in the queue"),
+    _spec("tgi_queue_jump", "counter", "Requests admitted ahead of an older one that did not fit"),
+    _spec("tgi_granular_batch_addition", "counter", "Admissions that passed only the exact peak-weight check"),
+    _spec("tgi_prefill_weight_limit_exceeded", "counter", "Candidates skipped for prefill weight"),
+    _spec("tgi_prefill_padding_limit_exceeded", "counter", "Candidates skipped for prefill padding"),
+    _spec("tgi_prompt_load_failure", "counter", "Failed soft-prompt loads"),
+    _spec("tgi_prompt_load_duration", "histogram", "Soft-prompt load time (s)", DURATION),
+    _spec("tgi_tokenize_request_count", "counter", "Tokenize calls"),
+    _spec("tgi_tokenize_request_input_count", "counter", "Tokenize inputs"),
+    _spec("tgi_tokenize_request_tokens", "histogram", "Tokens returned per Tokenize call", "2^6 .. 2^19"),
+    _spec("tgi_tokenize_request_duration", "histogram", "Tokenize call time (s)", DURATION),
+    # ---- ours ----
+    _spec("tgi_request_time_to_first_token_duration", "histogram", "Receipt to first generated token (s)", DURATION, False),
+    _spec("tgi_request_inter_token_duration", "histogram", "Time between consecutive tokens of a request (s)", DURATION, False),
+    _spec("tgi_batch_capacity_usage", "gauge", "Used share of the running batch's tighter limit: weight (memory) or size", "", False),
+    _spec("tgi_queue_rejected", "counter", "Requests refused before queueing: over the concurrency limit, or draining", "", False, reason=REJECTIONS),
+    _spec("tgi_request_cancellation", "counter", "Requests whose client went away, by where they were", "", False, phase=PHASES),
+)  # fmt: skip
+
+
+class TwinCounter:
+    """A labelled counter exported as both `name` and `name_total` (same labels and values)."""
+
+    def __init__(self, spec: MetricSpec) -> None:
+        self.spec = spec
+        self._labels = tuple(spec.labels)
+        self._values = dict.fromkeys(itertools.product(*spec.labels.values()), 0.0)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = tuple(labels.get(name, "") for name in self._labels)
+        if key not in self._values or len(labels) != len(self._labels):
+            raise ValueError(f"{self.spec.name}: labels {labels} are not in {dict(self.spec.labels)}")
+        self._values[key] += amount
+
+    def get(self, **labels: str) -> float:
+        return self._values[tuple(labels[name] for name in self._labels)]
+
+    def expose(self) -> str:
+        lines = []
+        for name in (self.spec.name, f"{self.spec.name}_total"):
+            lines.append(f"# HELP {name} {self.spec.description}")
+            lines.append(f"# TYPE {name} counter")
+            for key, value in self._values.items():
+                labels = ",".join(f'{n}="{v}"' for n, v in zip(self._labels, key, strict=True))
+                lines.append(f"{name}{{{labels}}} {value!r}" if labels else f"{name} {value!r}")
+        return "\n".join(lines) + "\n"
+
+
+def _linear(limit: int, count: int = 64) -> tuple[float, ...]:
+    """TGIS's token buckets: limit/count * (1..count)."""
+    return tuple(limit / count * k for k in range(1, count + 1))
+
+
+class Metrics:
+    def __init__(
+        self, *, max_sequence_length: int = 2048, max_new_tokens: int = 1024, max_batch_size: int = 12
+    ) -> None:
+        disable_created_metrics()  # no *_created samples: TGIS has none
+        self.registry = CollectorRegistry()
+        self.counters: dict[str, TwinCounter] = {}
+        self.histograms: dict[str, Histogram] = {}
+        self.gauges: dict[str, Gauge] = {}
+        buckets = {
+            "max_new_tokens/64 * 1..64": _linear(max_new_tokens),
+            "max_sequence_length/64 * 1..64": _linear(max_sequence_length),
+            "1 .. max_batch_size": tuple(float(k) for k in range(1, max_batch_size + 1)),
+            "2^6 .. 2^19": TOKENIZE_BUCKETS,
+            DURATION: DURATION_BUCKETS,
+            "default": Histogram.DEFAULT_BUCKETS,
+        }
+        for spec in METRICS:
+            if spec.kind == "counter":
+                self.counters[spec.name] = TwinCounter(spec)
+            elif spec.kind == "histogram":
+                h = Histogram(
+                    spec.name,
+                    spec.description,
+                    list(spec.labels),
+                    registry=self.registry,
+                    buckets=buckets[spec.buckets],
+                )
+                if spec.labels:  # export every label combination from the start
+                    for combination in itertools.product(*spec.labels.values()):
+                        h.labels(*combination)
+                self.histograms[spec.name] = h
+            else:
+                self.gauges[spec.name] = Gauge(spec.name, spec.description, registry=self.registry)
+
+    def exposition(self) -> bytes:
+        twins = "".join(c.expose() for c in self.counters.values())
+        return twins.encode() + generate_latest(self.registry)
+
+    # ---- shorthands ------------------------------------------------------------------------
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        self.counters[name].inc(amount, **labels)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        h = self.histograms[name]
+        (h.labels(**labels) if labels else h).observe(value)
+
+    def set(self, name: str, value: float) -> None:
+        self.gauges[name].set(value)
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def batch_state(self, size: int, input_tokens: int, remaining: int, capacity_usage: float) -> None:
+        self.set("tgi_batch_current_size", size)
+        self.set("tgi_batch_input_tokens", input_tokens)
+        self.set("tgi_batch_max_remaining_tokens", remaining)
+        self.set("tgi_batch_capacity_usage", capacity_usage)
+
+    def shard_call(self, method: str, batch_size: int, prefill_tokens: int | None = None) -> None:
+        self.inc("tgi_batch_inference_count", method=method)
+        self.observe("tgi_batch_inference_batch_size", batch_size, method=method)
+        if prefill_tokens is not None:
+            self.observe("tgi_batch_next_tokens", prefill_tokens)
+
+    def shard_call_succeeded(
+        self, method: str, duration_s: float, forward_s: float, tokproc_s: float
+    ) -> None:
+        self.inc("tgi_batch_inference_success", method=method)
+        labels = {"method": method, "makeup": "single_only"}
+        self.observe("tgi_batch_inference_duration", duration_s, **labels)
+        self.observe("tgi_batch_inference_forward_duration", forward_s, **labels)
+        self.observe("tgi_batch_inference_tokproc_duration", tokproc_s, **labels)
+
+    def shard_call_failed(self, method: str, reason: str) -> None:
+        self.inc("tgi_batch_inference_failure", method=method, reason=reason)
+
+
+def markdown_table() -> str:
+    """The README's metrics table (tests/router/test_metrics.py keeps the README equal to it)."""
+    rows = ["| metric | kind | labels | meaning | buckets |", "|---|---|---|---|---|"]
+    for spec in METRICS:
+        labels = ", ".join(f"`{name}`={'/'.join(values)}" for name, values in spec.labels.items()) or "—"
+        name = f"`{spec.name}`" + ("" if spec.tgis else " (ours)")
+        rows.append(f"| {name} | {spec.kind} | {labels} | {spec.description} | {spec.buckets or '—'} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(markdown_table())

@@ -1,0 +1,129 @@
+"""Per-request token processing: streamed text always adds up to the unary text, whatever the
+tokens, stop sequences and tokenizer; decoding failures stay with their request."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from router.detokenizer import Detokenizer
+from router.entry import Entry, Output
+from router.stopping import StopReason
+from router.tokenizer import load_tokenizer
+from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from text_generation_server.outputs import SamplingParams, TokenInfo
+from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
+
+EOS = 2
+
+
+def request(stop: list[str], include: bool, max_new: int) -> ValidatedRequest:
+    return ValidatedRequest(
+        text="p",
+        input_ids=(1,),
+        input_length=1,
+        truncate_input_tokens=0,
+        prefix_id="",
+        prefix_length=0,
+        sampling=SamplingParams(),
+        stopping=StoppingSpec(max_new, 0, tuple(stop), include),
+        response=ResponseSpec(),
+        received_at=time.monotonic(),
+    )
+
+
+def feed(entry: Entry, ids: list[int], detokenizer: Detokenizer) -> list[Output]:
+    entry.start(1, detokenizer, time.monotonic())
+    for token in ids:
+        if entry.on_token(TokenInfo(token), EOS, detokenizer, time.monotonic()):
+            break
+    outputs = []
+    while not entry.outputs.empty():
+        outputs.append(entry.outputs.get_nowait())
+    return outputs
+
+
+@pytest.fixture(scope="module", params=["byte_level", "metaspace"])
+def detokenizer(request, tmp_path_factory) -> Detokenizer:
+    path = tmp_path_factory.mktemp(request.param)
+    write_tokenizer(path, ARCHITECTURES["llama"], kind=request.param)
+    return Detokenizer(load_tokenizer(str(path)))
+
+
+def test_stream_equals_unary_for_random_tokens_and_stop_sequences(detokenizer: Detokenizer) -> None:
+    vocab = 2000
+    rng = random.Random(7)
+    for _ in range(1500):
+        ids = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 20))]
+        full = detokenizer.decode(ids)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            if full and rng.random() < 0.8:
+                start = rng.randrange(len(full))
+                stops.append(full[start : start + rng.randint(1, 6)])
+            else:
+                stops.append(rng.choice(["zz", "é", " ", "\ufffd"]))
+        include = rng.random() < 0.5
+        (unary,) = feed(Entry(request(stops, include, len(ids)), stream=False), ids, detokenizer)
+        streamed = feed(Entry(request(stops, include, len(ids)), stream=True), ids, detokenizer)
+        context = (ids, stops, include)
+        assert "".join(o.text for o in streamed) == unary.text, context
+        assert streamed[-1].stop_reason == unary.stop_reason, context
+        assert streamed[-1].generated_tokens == unary.generated_tokens, context
+        counts = [o.generated_tokens for o in streamed]
+        assert counts == sorted(set(counts)), context
+        if unary.stop_reason is StopReason.MAX_TOKENS:
+            assert unary.text == full, context
+
+
+def test_decoding_failure_fails_only_its_request(tmp_path) -> None:
+    import asyncio
+
+    from router.batch_weights import BatchWeights
+    from router.batcher import Batcher
+    from router.metrics import Metrics
+    from router.request_queue import RequestQueue
+    from tests.router.fakes import FakeShard
+
+    write_tokenizer(tmp_path, ARCHITECTURES["llama"])
+    detokenizer = Detokenizer(load_tokenizer(str(tmp_path)))
+
+    class RaisingDecoder:
+        def push(self, token_id: int) -> str:
+            raise RuntimeError("lost the placeholder")
+
+        def flush(self) -> str:
+            return ""
+
+    class Broken(Detokenizer):
+        def incremental(self):  # type: ignore[override]
+            return RaisingDecoder()
+
+    broken = Broken(load_tokenizer(str(tmp_path)))
+
+    async def run() -> tuple[Output, Output]:
+        shard = FakeShard(latency_s=0.002)
+        metrics = Metrics()
+        queue = RequestQueue(BatchWeights.from_model(shard.memory, True), 8, 1.0, metrics)
+        batcher = Batcher(shard, queue, broken, metrics, eos_token_id=EOS, max_waiting_tokens=2)
+        task = asyncio.create_task(batcher.run())
+        fine = Entry(
+            request([], False, 4), stream=False
+        )  # unary without stop sequences: no incremental decode
+        doomed = Entry(request([], False, 4), stream=True)
+        queue.append([fine, doomed])
+        outs = []
+        for entry in (doomed, fine):
+            while not (out := await asyncio.wait_for(entry.outputs.get(), 5)).final:
+                pass
+            outs.append(out)
+        task.cancel()
+        return outs[0], outs[1]
+
+    failed, ok = asyncio.run(run())
+    assert failed.error == "Request failed during detokenization: lost the placeholder"
+    assert (
+        ok.error is None and ok.generated_tokens == 4 and ok.text == detokenizer.decode(list(range(600, 604)))
+    )

@@ -1,0 +1,91 @@
+"""The metrics module: exposition format, counter twins, closed label sets, the README table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.metrics import METRICS, Metrics, markdown_table
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def families(metrics: Metrics) -> dict[str, list]:
+    found: dict[str, list] = {}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        found.setdefault(family.name, []).append(family)
+    return found
+
+
+def test_every_metric_is_exported_with_its_kind() -> None:
+    metrics = Metrics(max_sequence_length=200, max_new_tokens=169, max_batch_size=8)
+    text = metrics.exposition().decode()
+    parsed = families(metrics)
+    for spec in METRICS:
+        assert spec.name in parsed, spec.name
+        assert all(f.type == spec.kind for f in parsed[spec.name]), spec.name
+        if spec.kind == "counter":
+            # Both names, as TGIS's exporter: `x` and `x_total`, each with its own TYPE line.
+            assert f"# TYPE {spec.name} counter" in text and f"# TYPE {spec.name}_total counter" in text
+            assert len(parsed[spec.name]) == 2
+    assert "_created" not in text
+
+
+def test_every_label_combination_starts_at_zero() -> None:
+    metrics = Metrics()
+    text = metrics.exposition().decode()
+    for reason in ("MAX_TOKENS", "EOS_TOKEN", "STOP_SEQUENCE", "TIME_LIMIT", "TOKEN_LIMIT", "CANCELLED"):
+        for kind in ("single", "batch", "stream"):
+            assert f'tgi_request_success{{stop_reason="{reason}",kind="{kind}"}} 0.0' in text
+    (histogram,) = families(metrics)["tgi_batch_inference_duration"]
+    counts = {
+        (s.labels["method"], s.labels["makeup"]): s.value
+        for s in histogram.samples
+        if s.name.endswith("_count")
+    }
+    assert counts == {("prefill", "single_only"): 0.0, ("next_token", "single_only"): 0.0}
+
+
+def test_counter_twins_move_together() -> None:
+    metrics = Metrics()
+    metrics.inc("tgi_request_failure", 2, err="validation")
+    text = metrics.exposition().decode()
+    assert 'tgi_request_failure{err="validation"} 2.0' in text
+    assert 'tgi_request_failure_total{err="validation"} 2.0' in text
+
+
+def test_labels_are_closed_sets() -> None:
+    metrics = Metrics()
+    with pytest.raises(ValueError, match="not in"):
+        metrics.inc("tgi_request_failure", err="bogus")
+    with pytest.raises(ValueError, match="not in"):
+        metrics.inc("tgi_request_count")
+
+
+def test_bucket_layouts() -> None:
+    text = Metrics(max_sequence_length=256, max_new_tokens=128, max_batch_size=4).exposition().decode()
+    input_buckets = re.findall(r'tgi_request_input_length_bucket\{le="([^"]+)"\}', text)
+    assert input_buckets[:2] == ["4.0", "8.0"] and len(input_buckets) == 65  # 64 + Inf
+    assert re.findall(r'tgi_batch_inference_batch_size_bucket\{le="([^"]+)",method="prefill"\}', text) == [
+        "1.0",
+        "2.0",
+        "3.0",
+        "4.0",
+        "+Inf",
+    ]
+    durations = re.findall(r'tgi_request_duration_bucket\{le="([^"]+)"\}', text)
+    assert float(durations[0]) == pytest.approx(0.00015) and len(durations) == 36
+    tokenize = re.findall(r'tgi_tokenize_request_tokens_bucket\{le="([^"]+)"\}', text)
+    assert tokenize[0] == "64.0" and tokenize[-2] == "524288.0"
+
+
+def test_readme_metrics_table_matches_the_code() -> None:
+    readme = README.read_text()
+    match = re.search(r"<!-- metrics-table -->\n(.*?)<!-- /metrics-table -->", readme, re.S)
+    assert match, "README.md lost its metrics table markers"
+    assert match.group(1) == markdown_table(), (
+        "README.md's metrics table is out of date: replace it with `python -m router.metrics`"
+    )
