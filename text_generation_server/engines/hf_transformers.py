@@ -172,7 +172,7 @@ class HFTransformersEngine(ModelEngine):
                 out = self.model(
                     input_ids=torch.full((1, 2), ctx.pad_token_id, device=self.device),
                     decoder_input_ids=torch.full((1, 1), ctx.decoder_start_token_id or 0, device=self.device),
-                    past_key_values=new_cache(seq2seq=True),
+                    past_key_values=new_cache(seq2seq=True, capacity=1),
                     use_cache=True,
                 )
                 hidden = out.encoder_last_hidden_state
@@ -182,7 +182,7 @@ class HFTransformersEngine(ModelEngine):
             else:
                 out = self.model(
                     input_ids=torch.full((1, 1), ctx.pad_token_id, device=self.device),
-                    past_key_values=new_cache(seq2seq=False),
+                    past_key_values=new_cache(seq2seq=False, capacity=1),
                     use_cache=True,
                 )
                 kv_in = kv_out = cache_bytes(out.past_key_values)

@@ -76,6 +76,12 @@ class PaddedBatch(Batch):
                 errors.append(RequestError(request.id, message))
         return valid, prompts, errors
 
+    def remaining(self, rows: Sequence[int] | None = None) -> int:
+        """The most tokens any of `rows` (default: all) may still generate."""
+        rows = range(len(self.requests)) if rows is None else rows
+        generated = self.chooser.generated
+        return max((self.requests[i].max_new_tokens - generated[i] for i in rows), default=0)
+
     @property
     def wants_input_logits(self) -> bool:
         """Some request wants details of its prompt tokens (needs logits at every position)."""

@@ -87,12 +87,15 @@ class CausalLMBatch(PaddedBatch):
         out = model(
             input_ids=self.input_ids,
             attention_mask=self.attention_mask,
-            past_key_values=self.past if self.past is not None else kv_cache.new_cache(seq2seq=False),
+            past_key_values=self.past if self.past is not None else self._prefill_cache(),
             use_cache=True,
             **kwargs,
         )
         self.past = out.past_key_values
         return out.logits
+
+    def _prefill_cache(self) -> Any:
+        return kv_cache.new_cache(seq2seq=False, capacity=self.input_ids.shape[1] + self.remaining())
 
     def append_tokens(self, next_ids: torch.Tensor) -> None:
         """Make `next_ids` [B] the pending tokens of the next step."""
@@ -106,7 +109,9 @@ class CausalLMBatch(PaddedBatch):
         index = torch.tensor(rows, device=self.context.device)
         lengths = [self.lengths[i] for i in rows]
         width = max(lengths)
-        kv_cache.select(self.past, index, keep_last=width - 1)
+        past = kv_cache.select(
+            self.past, index, keep_last=width - 1, capacity=width - 1 + self.remaining(rows)
+        )
         return type(self)(
             self.batch_id,
             [self.requests[i] for i in rows],
@@ -116,7 +121,7 @@ class CausalLMBatch(PaddedBatch):
             self.attention_mask.index_select(0, index)[:, -width:],
             self.position_ids.index_select(0, index),
             lengths,
-            self.past,
+            past,
         )
 
     @classmethod
@@ -132,5 +137,9 @@ class CausalLMBatch(PaddedBatch):
             torch.cat([pad_left(b.attention_mask, width) for b in batches]),
             torch.cat([b.position_ids for b in batches]),
             [n for b in batches for n in b.lengths],
-            kv_cache.concatenate([b.past for b in batches], length=width - 1),
+            kv_cache.concatenate(
+                [b.past for b in batches],
+                length=width - 1,
+                capacity=width - 1 + max(b.remaining() for b in batches),
+            ),
         )

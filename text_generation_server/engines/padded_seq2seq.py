@@ -93,7 +93,7 @@ class Seq2SeqLMBatch(PaddedBatch):
                 attention_mask=self.encoder_mask,
                 decoder_input_ids=self.decoder_input_ids,
                 decoder_attention_mask=self.decoder_mask,
-                past_key_values=kv_cache.new_cache(seq2seq=True),
+                past_key_values=kv_cache.new_cache(seq2seq=True, capacity=1 + self.remaining()),
                 use_cache=True,
             )
             self.encoder_hidden = out.encoder_last_hidden_state
@@ -122,7 +122,13 @@ class Seq2SeqLMBatch(PaddedBatch):
         encoder_lengths = [self.encoder_lengths[i] for i in rows]
         decoder_lengths = [self.decoder_lengths[i] for i in rows]
         enc_width, dec_width = max(encoder_lengths), max(decoder_lengths)
-        kv_cache.select(self.past, index, keep_last=dec_width - 1, cross_keep_last=enc_width)
+        past = kv_cache.select(
+            self.past,
+            index,
+            keep_last=dec_width - 1,
+            capacity=dec_width - 1 + self.remaining(rows),
+            cross_keep_last=enc_width,
+        )
         return type(self)(
             self.batch_id,
             [self.requests[i] for i in rows],
@@ -134,7 +140,7 @@ class Seq2SeqLMBatch(PaddedBatch):
             self.decoder_mask.index_select(0, index)[:, -dec_width:],
             decoder_lengths,
             encoder_hidden=self.encoder_hidden.index_select(0, index)[:, -enc_width:],
-            past=self.past,
+            past=past,
         )
 
     @classmethod
@@ -159,6 +165,9 @@ class Seq2SeqLMBatch(PaddedBatch):
             [n for b in batches for n in b.decoder_lengths],
             encoder_hidden=torch.cat(hidden),
             past=kv_cache.concatenate(
-                [b.past for b in batches], length=dec_width - 1, cross_length=enc_width
+                [b.past for b in batches],
+                length=dec_width - 1,
+                capacity=dec_width - 1 + max(b.remaining() for b in batches),
+                cross_length=enc_width,
             ),
         )
