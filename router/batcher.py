@@ -10,6 +10,12 @@ entry.py.
 
     idle:   wait for the queue -> PREFILL(new)
     busy:   [maybe PREFILL(new, prune=current)] -> NEXT_TOKEN(current [+ new]) -> ...
+
+Decode steps overlap with token processing: as soon as step k's tokens arrive, step k+1 is
+sent, and step k's tokens are decoded, checked and streamed while the shard computes. Requests
+that surely finish with step k (max_new_tokens reached, cancelled, deadline passed) are pruned
+in step k+1; those that stop on EOS or a stop sequence are known only after processing, so the
+shard computes one token too many for them, which is dropped, and they are pruned in step k+2.
 """
 
 from __future__ import annotations
@@ -28,6 +34,16 @@ from router.shard_client import ShardCallError, ShardClient
 from text_generation_server.outputs import CachedBatchRef, StepOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Step:
+    """A decode step whose tokens are not handed out yet."""
+
+    output: StepOutput
+    entries: list[Entry]  # the requests the call ran
+    started: float
+    call_s: float
 
 
 @dataclass(slots=True)
@@ -96,16 +112,22 @@ class Batcher:
         """Run a busy period: decode steps with joins, until nothing is left."""
         steps_since_join = 1
         earliest_next_join: float | None = None
+        unprocessed: _Step | None = None
         while current is not None:
-            group = [current]
+            if unprocessed is not None:
+                current.completed.extend(self._surely_finished(unprocessed, current))
             live = [e for e in current.entries if e.id not in set(current.completed)]
             remaining = sum(e.out_tokens for e in live)
             self._publish_state(live, remaining)
+            group = [current]
             now = time.monotonic()
             if remaining >= 2 and (earliest_next_join is None or now > earliest_next_join):
                 need = self._join_size(len(live), steps_since_join)
                 entries = self.queue.next_batch(live, need)
                 if entries:
+                    if unprocessed is not None:  # the prefill prunes: settle the last step first
+                        current.completed.extend(self._late_finishers(self._hand_out(unprocessed), current))
+                        unprocessed = None
                     start = time.monotonic()
                     to_prune = [current] if current.completed else []
                     added, pruned = await self._prefill(entries, to_prune)
@@ -121,8 +143,66 @@ class Batcher:
                         return
                 else:
                     earliest_next_join = None
-            current = await self._next_token(group)
+            current, unprocessed = await self._decode(group, unprocessed)
             steps_since_join += 1
+        if unprocessed is not None:
+            self._hand_out(unprocessed)
+
+    async def _decode(
+        self, group: Sequence[RunningBatch], unprocessed: _Step | None
+    ) -> tuple[RunningBatch | None, _Step | None]:
+        """Send one NextToken over `group`; hand out `unprocessed` while it runs. Returns the
+        batch as the shard now caches it and this step's tokens, still to be handed out."""
+        entries = [e for b in group for e in b.entries if e.id not in set(b.completed)]
+        started = time.monotonic()
+        self.metrics.shard_call("next_token", len(entries))
+        call = asyncio.ensure_future(self.client.next_token([b.ref() for b in group]))
+        late = self._hand_out(unprocessed) if unprocessed is not None else []
+        try:
+            output = await call
+        except ShardCallError as exc:
+            self._fail("next_token", [e for b in group for e in b.entries if not e.finished], exc)
+            return None, None
+        finally:
+            call.cancel()  # only matters when this coroutine itself is cancelled
+        self._answered()
+        call_s = time.monotonic() - started
+        if output is None:  # every request had completed: the shard dropped the batch
+            self.metrics.shard_call_succeeded("next_token", call_s, 0.0, 0.0)
+            return None, None
+        step = _Step(output, entries, started, call_s)
+        if output.batch_id is None:  # every request failed in the shard
+            return None, step
+        rows = {g.request_id for g in output.generations}
+        batch = RunningBatch(output.batch_id, [e for e in entries if e.id in rows])
+        batch.completed.extend(self._late_finishers(late, batch))
+        return batch, step
+
+    @staticmethod
+    def _late_finishers(finished: Sequence[int], batch: RunningBatch) -> list[int]:
+        """Of the requests that finished when their tokens were handed out, those the batch
+        still holds and that are not already marked."""
+        rows = {e.id for e in batch.entries}
+        marked = set(batch.completed)
+        return [i for i in finished if i in rows and i not in marked]
+
+    @staticmethod
+    def _surely_finished(step: _Step, batch: RunningBatch) -> list[int]:
+        """Requests of `batch` that finish with `step`'s tokens whatever those are: known before
+        the tokens are handed out."""
+        now = time.monotonic()
+        done = []
+        for entry in batch.entries:
+            st = entry.request.stopping
+            deadline = entry.request.deadline
+            if (
+                entry.finished
+                or entry.cancelled
+                or entry.generated + 1 >= st.max_new_tokens
+                or (deadline is not None and now > deadline)
+            ) and entry.id not in batch.completed:
+                done.append(entry.id)
+        return done
 
     def _publish_state(self, live: Sequence[Entry], remaining: int) -> None:
         weights = self.queue.weights
@@ -164,22 +244,12 @@ class Batcher:
         for item in output.input_tokens:
             if (entry := by_id.get(item.request_id)) is not None:
                 entry.on_input_tokens(list(item.tokens))
-        return self._process("prefill", now, output, entries), True
-
-    async def _next_token(self, batches: Sequence[RunningBatch]) -> RunningBatch | None:
-        live = [e for b in batches for e in b.entries if e.id not in set(b.completed)]
-        start = time.monotonic()
-        self.metrics.shard_call("next_token", len(live))
-        try:
-            output = await self.client.next_token([b.ref() for b in batches])
-        except ShardCallError as exc:
-            self._fail("next_token", [e for b in batches for e in b.entries if not e.finished], exc)
-            return None
-        self._answered()
-        if output is None:  # every request had completed: the shard dropped the batch
-            self.metrics.shard_call_succeeded("next_token", time.monotonic() - start, 0.0, 0.0)
-            return None
-        return self._process("next_token", start, output, live)
+        step = _Step(output, entries, now, time.monotonic() - now)
+        finished = self._hand_out(step, "prefill")
+        if output.batch_id is None:
+            return None, True
+        rows = {g.request_id for g in output.generations}
+        return RunningBatch(output.batch_id, [e for e in entries if e.id in rows], finished), True
 
     def _answered(self) -> None:
         self.generation_healthy = True
@@ -192,24 +262,23 @@ class Batcher:
         for entry in entries:
             entry.fail(str(exc))
 
-    def _process(
-        self, method: str, started: float, output: StepOutput, entries: Sequence[Entry]
-    ) -> RunningBatch | None:
-        """Hand every token to its entry; the batch (as cached in the shard) with its finished
-        requests marked, or None when the shard cached nothing."""
-        by_id = {e.id: e for e in entries}
+    def _hand_out(self, step: _Step, method: str = "next_token") -> list[int]:
+        """Give every token of `step` to its request; returns the ids of the requests that
+        finished (those still in the shard's batch, for pruning)."""
+        output = step.output
+        by_id = {e.id: e for e in step.entries}
         now = time.monotonic()
         for error in output.errors:
             if (entry := by_id.pop(error.request_id, None)) is not None:
                 entry.fail(error.message, request_error=True)
-        completed = []
-        live = []
+        finished = []
         for generation in output.generations:
             entry = by_id.get(generation.request_id)
             if entry is None:
                 continue
-            live.append(entry)
-            if entry.cancelled:
+            if entry.finished:
+                pass  # one token past its end (it finished when the step was already sent)
+            elif entry.cancelled:
                 entry.cancel()  # counted by the servicer, which saw its client leave
                 logger.debug("request %d cancelled after %d tokens", entry.id, entry.generated)
             else:
@@ -228,10 +297,8 @@ class Batcher:
                         raise
                     logger.exception("request %d: decoding failed", entry.id)
                     entry.fail_detokenization(str(exc) or type(exc).__name__)
-            completed.append(entry.id)
+            finished.append(entry.id)
         self.metrics.shard_call_succeeded(
-            method, now - started, output.forward_ns / 1e9, time.monotonic() - now
+            method, step.call_s, output.forward_ns / 1e9, time.monotonic() - now
         )
-        if output.batch_id is None:
-            return None
-        return RunningBatch(output.batch_id, live, completed)
+        return finished
