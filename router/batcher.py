@@ -104,8 +104,12 @@ class Batcher:
             if entries is None:
                 await self.queue.wait()
                 continue
-            current, _ = await self._prefill(entries, [])
-            await self._run_batch(current)
+            self.queue.busy = True
+            try:
+                current, _ = await self._prefill(entries, [])
+                await self._run_batch(current)
+            finally:
+                self.queue.busy = False
             self.metrics.batch_state(0, 0, 0, 0.0)
 
     async def _run_batch(self, current: RunningBatch | None) -> None:

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 OVERLOADED = "Model is overloaded"
 DRAINING = "The server is shutting down"
 LOGGED_TEXT_CHARS = 32
+QUEUE_DEADLINE_POLL_S = 0.01  # how often an expired but still queued entry checks again
 
 
 class ConcurrencyLimiter:
@@ -156,17 +157,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return output
 
     async def _next_output(self, entry: Entry) -> Output:
-        """The entry's next output; answers TIME_LIMIT itself when the deadline passes while the
-        entry still waits in the queue."""
+        """The entry's next output. When its deadline passes while it still waits in the queue
+        behind running requests, it is answered TIME_LIMIT with 0 tokens (TGIS services its
+        queue only while a step is in flight; an idle server runs the request, which then stops
+        with TIME_LIMIT after one token)."""
         deadline = entry.request.deadline
-        if deadline is None or entry.started_at is not None:
-            return await entry.outputs.get()
-        try:
-            return await asyncio.wait_for(entry.outputs.get(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            if self.queue.remove(entry):
-                entry.expire_in_queue()
-            return await entry.outputs.get()
+        while deadline is not None and entry.started_at is None:
+            wait_s = max(deadline - time.monotonic(), 0.0) or QUEUE_DEADLINE_POLL_S
+            try:
+                return await asyncio.wait_for(entry.outputs.get(), wait_s)
+            except TimeoutError:
+                if self.queue.busy and self.queue.remove(entry):
+                    entry.expire_in_queue()
+        return await entry.outputs.get()
 
     def _abandon(self, entries: Sequence[Entry], call: CallInfo) -> None:
         """The call ended (answered, failed or cancelled): unfinished entries are dropped."""

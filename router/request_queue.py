@@ -37,6 +37,7 @@ class RequestQueue:
         self.max_batch_size = max_batch_size
         self.max_prefill_padding = max_prefill_padding
         self.metrics = metrics
+        self.busy = False  # the batcher is running requests (set by it): expiry in the queue applies
         self._entries: deque[Entry] = deque()
         self._changed = asyncio.Event()
 

@@ -4,7 +4,8 @@ Called by router/launcher.py with ChildSpecs (argv + env, built by router/launch
 
     start shards -> wait for every shard's socket file -> start router -> wait for the first event
       a child exited on its own -> write the reason to the termination log, stop the others, exit 1
-      SIGTERM / SIGINT          -> stop the router (grace 30 s), then the shards (grace 10 s), exit 0
+      SIGTERM / SIGINT          -> stop the router (grace: its drain timeout + 10 s, given by the
+                                   launcher), then the shards (grace 10 s), exit 0
 
 Each child has a reader thread (its stdout + stderr lines, kept whole, copied to our stderr with
 the child's prefix) and a waiter thread (posts ChildExited to the event queue). The main thread
