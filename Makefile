@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 .PHONY: help install gen-protos protos lint typecheck test run demo-model clean
 
 help: ## list the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
 $(INSTALL_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ router/pb/generation_pb2.py: proto/generation.proto $(INSTALL_STAMP)
 		--python_out=. --pyi_out=. --grpc_python_out=. proto/generation.proto
 
 gen-protos: $(PB_TARGETS) ## generate the Python gRPC code from proto/
-protos: gen-protos
+protos: gen-protos ## alias of gen-protos
 
 lint: install ## ruff check + format check
 	$(VENV)/bin/ruff check .
@@ -62,6 +62,30 @@ run: install demo-model ## start the server on the embedded demo model (gRPC :80
 	@echo "  $(PY) -m router.client generate 'import os' --stream --sample --seed 7"
 	@echo "  curl -i localhost:3000/health"
 	$(VENV)/bin/text-generation-launcher --model-name $(DEMO_MODEL) --max-sequence-length 512 --max-new-tokens 256
+
+integration-tests: install ## run only the integration tests (the real launcher on tiny models)
+	$(PY) -m pytest integration_tests $(PYTEST_ARGS)
+
+# Container image (Dockerfile.ubi). CONTAINER_TOOL: docker or podman, whichever is on PATH.
+CONTAINER_TOOL ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+IMAGE ?= text-gen-server
+IMAGE_TAG ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo dev)
+BUILD_TARGET ?= release
+BUILD_ARGS ?=
+
+build: ## build the image from Dockerfile.ubi (BUILD_TARGET=cpu-tests runs the tests in it)
+	@if [ -z "$(CONTAINER_TOOL)" ]; then \
+		echo "make build: neither docker nor podman found on PATH (or set CONTAINER_TOOL)" >&2; exit 1; fi
+	$(CONTAINER_TOOL) build -f Dockerfile.ubi --target $(BUILD_TARGET) -t $(IMAGE):$(IMAGE_TAG) \
+		--build-arg GIT_COMMIT=$(shell git rev-parse HEAD 2>/dev/null || echo unknown) $(BUILD_ARGS) .
+
+.PHONY: integration-tests build
+
+BENCH_ARGS ?=
+
+.PHONY: bench
+bench: install ## benchmark suite on the reference model into benchmarks/results/ (BENCH_ARGS="--concurrency sweep")
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean: ## remove the virtualenv, generated code and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .cache *.egg-info

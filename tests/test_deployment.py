@@ -427,7 +427,7 @@ def test_dockerfile_release_stage() -> None:
     labels = " ".join(i.args for i in release.all("LABEL"))
     for key in ("title", "description", "version", "revision", "licenses"):
         assert f"org.opencontainers.image.{key}=" in labels, key
-    assert f'licenses="{PYPROJECT["project"]["license"]["text"]}"' in labels
+    assert f'licenses="{PYPROJECT["project"]["license"]}"' in labels
     # No toolchain in what the release image is made of (base + release).
     installs = " ".join(i.args for s in ("base", "release") for i in DOCKERFILE.stages[s].all("RUN"))
     assert not re.search(r"\b(gcc|g\+\+|clang|cmake|make|[\w.+-]+-devel)\b", installs), installs

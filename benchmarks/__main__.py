@@ -1,0 +1,328 @@
+"""`python -m benchmarks`: the benchmark suite in one command (see benchmarks/README.md).
+
+Starts our server on the reference model (built offline when missing), warms up, measures every
+point, stops it; runs the engine-only and HF generate baselines at the same batch sizes; runs the
+vLLM-CPU peer when installed; writes results.json, results.md and PNG plots into
+benchmarks/results/<timestamp>/ and prints the table and where it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+from pathlib import Path
+
+from benchmarks.server import DEFAULT_VLLM_SCRIPT, parse_cpus
+from benchmarks.suite import DEFAULT_CONCURRENCY, SWEEP, SYSTEMS, BenchConfig, run
+from benchmarks.workload import WORKLOADS, WorkloadSpec
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+logger = logging.getLogger("benchmarks")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    if text.strip() == "sweep":
+        return SWEEP
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers or 'sweep', got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive rates, got {text!r}")
+    return values
+
+
+def _systems(text: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in values if v not in SYSTEMS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    return values
+
+
+def _env(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _cpus(text: str) -> set[int]:
+    try:
+        return parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only when it says something (not None, False or empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is argparse.SUPPRESS or default in (None, False, (), []) or "default" in text:
+            return text
+        if isinstance(default, tuple):
+            return f"{text} (default: {','.join(map(str, default))})"
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=_HelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model directory (config.json, safetensors, tokenizer.json); default: the reference "
+        "model tiny-llama-512x8, built offline into .cache/bench-models/ when missing",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype for our server and the baselines; default: the server's own default "
+        "(float32 on CPU); the dtype actually used is recorded",
+    )
+
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="fixed",
+        help="fixed lengths, mixed lengths (uniform ±range-ratio), or shared-prefix prompts",
+    )
+    g.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens (exact, special tokens included)"
+    )
+    g.add_argument(
+        "--output-len", type=int, default=128, help="generated tokens (exact: min = max new tokens)"
+    )
+    g.add_argument("--range-ratio", type=float, default=0.5, help="mixed: lengths in [len·(1−r), len·(1+r)]")
+    g.add_argument(
+        "--prefix-len", type=int, default=0, help="shared-prefix: prefix tokens (0 = input-len / 2)"
+    )
+    g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and Poisson arrivals")
+
+    g = p.add_argument_group("load")
+    g.add_argument(
+        "--concurrency",
+        type=_ints,
+        default=DEFAULT_CONCURRENCY,
+        metavar="C[,C...]|sweep",
+        help=f"closed-loop concurrency points; 'sweep' = {','.join(map(str, SWEEP))}",
+    )
+    g.add_argument(
+        "--request-rate",
+        type=_floats,
+        default=(),
+        metavar="R[,R...]",
+        help="Poisson mode instead: request rates in req/s (baselines are skipped)",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="Poisson mode: most requests in flight (default: unbounded)",
+    )
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="measured requests per point (default: max(16, 4·c); 32 in Poisson mode)",
+    )
+    g.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="warm-up rounds per point, each c full requests at concurrency c (0 = none)",
+    )
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    g = p.add_argument_group("systems")
+    g.add_argument(
+        "--systems",
+        type=_systems,
+        default=SYSTEMS,
+        metavar="LIST",
+        help="what to run: ours (our server over gRPC), engine (engine-only loop), generate "
+        "(HF generate), vllm (vLLM-CPU peer; skipped with a message when not installed)",
+    )
+    g.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="our server's --max-batch-size (default: the largest concurrency; in Poisson mode "
+        "without --max-concurrency, 32)",
+    )
+    g.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra launcher argument, repeatable (e.g. --server-arg=--max-waiting-tokens=10)",
+    )
+    g.add_argument(
+        "--server-env",
+        type=_env,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for our server and the baselines, repeatable (e.g. OMP_NUM_THREADS=1)",
+    )
+    g.add_argument(
+        "--server-cpus",
+        type=_cpus,
+        default=None,
+        metavar="LIST",
+        help="pin servers and baselines to these CPUs (e.g. 0-1); default: all",
+    )
+    g.add_argument(
+        "--client-cpus",
+        type=_cpus,
+        default=None,
+        metavar="LIST",
+        help="pin the load generator to these CPUs (e.g. 1); default: none",
+    )
+    g.add_argument(
+        "--grpc-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="measure an already running server of ours instead of starting one",
+    )
+    g.add_argument(
+        "--openai-url",
+        default=None,
+        metavar="URL",
+        help="also measure an already running OpenAI-compatible server (e.g. http://127.0.0.1:8080)",
+    )
+    g.add_argument("--openai-model", default=None, help="model name for --openai-url (default: its first)")
+    g.add_argument(
+        "--openai-prompt",
+        choices=["text", "ids"],
+        default="text",
+        help="send OpenAI prompts as text or as token-id lists",
+    )
+    g.add_argument(
+        "--vllm-script",
+        type=Path,
+        default=DEFAULT_VLLM_SCRIPT,
+        help="the peer script (install | serve | bench)",
+    )
+    g.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra `vllm serve` argument, repeatable (e.g. --vllm-arg=--enforce-eager)",
+    )
+    g.add_argument("--vllm-dtype", default=None, help="vLLM's --dtype (default: the dtype our server used)")
+    g.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds for a server to become healthy"
+    )
+    g.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per point and per baseline batch size (perf.md asks for 3); statistics "
+        "are the medians over runs, counts the sums",
+    )
+
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: benchmarks/results/<UTC timestamp>)",
+    )
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    workload = WorkloadSpec(
+        kind=args.workload,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        seed=args.seed,
+    )
+    out = args.out or RESULTS_DIR / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    return BenchConfig(
+        out_dir=out,
+        model_dir=args.model.resolve() if args.model else None,
+        workload=workload,
+        concurrency=args.concurrency,
+        request_rates=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        num_prompts=args.num_prompts,
+        warmup_rounds=args.warmup_rounds,
+        systems=args.systems,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        server_args=tuple(args.server_arg),
+        server_env=dict(args.server_env),
+        server_cpus=args.server_cpus,
+        client_cpus=args.client_cpus,
+        grpc_address=args.grpc_address,
+        openai_url=args.openai_url,
+        openai_model=args.openai_model,
+        openai_prompt=args.openai_prompt,
+        vllm_script=args.vllm_script,
+        vllm_args=tuple(args.vllm_arg),
+        vllm_dtype=args.vllm_dtype,
+        startup_timeout_s=args.startup_timeout,
+        request_timeout_s=args.request_timeout,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+        plots=not args.no_plots,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    try:
+        paths = run(cfg)
+    except (RuntimeError, OSError) as exc:
+        logger.error("benchmark failed: %s", exc)
+        return 1
+    sys.stdout.write(paths["markdown"].read_text())
+    sys.stdout.write(f"\nresults: {cfg.out_dir}\n")
+    for kind, path in paths.items():
+        sys.stdout.write(f"  {kind}: {path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The reference model of the benchmarks, built offline and deterministically.
+
+tiny-llama-512x8: a Llama with hidden 512, 8 layers, 8 heads / 2 KV heads (head dim 64), FFN
+1376, vocabulary 8192, untied embeddings, about 30.5 M parameters, random weights drawn from a
+fixed seed and saved in bfloat16 (exact in float32 too). Its tokenizer is a byte-level BPE
+trained on this Python's standard-library sources, with the training recipe of the tiny test
+models (text_generation_server/testing/tiny_models.py) at vocabulary 8192.
+
+The build imports torch and transformers, so the harness runs it in a child process
+(`ensure_reference_model`) and stays light itself:
+
+    python -m benchmarks.reference_model --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+NAME = "tiny-llama-512x8"
+RECIPE_VERSION = 1  # bump when the recipe changes: cached builds are then rebuilt
+SHAPE: dict[str, Any] = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 1376,
+    "vocab_size": 8192,
+    "max_position_embeddings": 2048,
+}
+SEED = 1234
+INIT_STD = 0.02
+SAVED_DTYPE = "bfloat16"
+STAMP_FILE = "reference_model.json"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = REPO_ROOT / ".cache" / "bench-models" / NAME
+
+
+def build(out: Path) -> dict[str, Any]:
+    """Write config, weights and tokenizer into `out`; returns what the stamp file records."""
+    import torch
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    from text_generation_server.testing import tiny_models
+
+    hf_logging.disable_progress_bar()
+    out.mkdir(parents=True, exist_ok=True)
+    tiny_models.write_tokenizer(out, tiny_models.ARCHITECTURES["llama"], vocab_size=SHAPE["vocab_size"])
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    tokenizer_config["model_max_length"] = SHAPE["max_position_embeddings"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+
+    config = transformers.LlamaConfig(
+        **SHAPE,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tiny_models.BOS_ID,
+        eos_token_id=tiny_models.EOS_ID,
+        pad_token_id=tiny_models.PAD_ID,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if param.ndim >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+            elif name.endswith("weight"):
+                param.fill_(1.0)  # RMSNorm scales
+            else:
+                param.zero_()
+    params = sum(p.numel() for p in model.parameters())
+    model.to(getattr(torch, SAVED_DTYPE)).save_pretrained(out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    stamp = {
+        "name": NAME,
+        "recipe_version": RECIPE_VERSION,
+        "architecture": "llama",
+        **SHAPE,
+        "parameters": params,
+        "saved_dtype": SAVED_DTYPE,
+        "seed": SEED,
+        "init_std": INIT_STD,
+        "tokenizer": "byte-level BPE trained on the Python standard library",
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    (out / STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+    return stamp
+
+
+def is_built(path: Path) -> bool:
+    try:
+        stamp = json.loads((path / STAMP_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(stamp.get("recipe_version") == RECIPE_VERSION and (path / "config.json").exists())
+
+
+def ensure_reference_model(path: Path = DEFAULT_DIR) -> Path:
+    """The reference model directory, built first (in a child process) when missing or stale."""
+    if is_built(path):
+        logger.info("reference model %s: %s", NAME, path)
+        return path
+    logger.info("building the reference model %s into %s", NAME, path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.reference_model", "--out", str(path)],
+        check=True,
+        cwd=REPO_ROOT,
+        env=env,
+    )
+    if not is_built(path):
+        raise RuntimeError(f"building the reference model into {path} left no {STAMP_FILE}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help="output directory (created)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    stamp = build(args.out)
+    logger.info("built %s (%d parameters) in %s", NAME, stamp["parameters"], args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

