@@ -145,7 +145,7 @@ def serve(
     cuda_process_memory_fraction: float,
 ) -> None:
     """Load MODEL_NAME with DEPLOYMENT_FRAMEWORK and serve it over a Unix socket."""
-    from text_generation_server.engines import get_engine_class
+    from text_generation_server.server import load_engine
     from text_generation_server.server import serve as serve_forever
 
     try:
@@ -166,10 +166,10 @@ def serve(
             batch_safety_margin=batch_safety_margin,
             cuda_process_memory_fraction=cuda_process_memory_fraction,
         )
-        engine = get_engine_class(config.deployment_framework)(config)
+        engine, worker = load_engine(config)
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:
         raise click.ClickException(str(exc)) from exc
-    asyncio.run(serve_forever(engine, config))
+    asyncio.run(serve_forever(engine, config, worker))
 
 
 @app.command("download-weights")

@@ -54,12 +54,36 @@ STATUS_OF_ERROR: dict[type[ShardError], grpc.StatusCode] = {
 }
 
 
+def worker_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-worker")
+
+
+def load_engine(config: ServerConfig) -> tuple[ModelEngine, ThreadPoolExecutor]:
+    """Load the configured engine on the worker thread that will run its steps.
+
+    NOTE: torch's OpenMP thread pools belong to the thread that first runs parallel work: a
+    model loaded on one thread and stepped on another ran up to 1.8x slower per decode step
+    here (two pools competing for two cores), so loading happens on the step thread too.
+    """
+    from text_generation_server.engines import get_engine_class
+
+    engine_class = get_engine_class(config.deployment_framework)
+    executor = worker_thread()
+    try:
+        return executor.submit(engine_class, config).result(), executor
+    except BaseException:
+        executor.shutdown(wait=False)
+        raise
+
+
 class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
-    def __init__(self, engine: ModelEngine, config: ServerConfig) -> None:
+    def __init__(
+        self, engine: ModelEngine, config: ServerConfig, executor: ThreadPoolExecutor | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
         self.batches = BatchManager(engine, config.max_batch_size)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-worker")
+        self.executor = executor or worker_thread()
 
     async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` on the worker thread; exceptions end the call with their status code."""
@@ -119,9 +143,12 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-async def start_server(engine: ModelEngine, config: ServerConfig) -> tuple[grpc.aio.Server, ShardServicer]:
-    """Bind the socket and start serving (the socket appearing is the readiness signal)."""
-    servicer = ShardServicer(engine, config)
+async def start_server(
+    engine: ModelEngine, config: ServerConfig, executor: ThreadPoolExecutor | None = None
+) -> tuple[grpc.aio.Server, ShardServicer]:
+    """Bind the socket and start serving (the socket appearing is the readiness signal).
+    `executor`: the engine's worker thread (see load_engine); a new one when None."""
+    servicer = ShardServicer(engine, config, executor)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
     path = config.socket_path
@@ -133,9 +160,11 @@ async def start_server(engine: ModelEngine, config: ServerConfig) -> tuple[grpc.
     return server, servicer
 
 
-async def serve(engine: ModelEngine, config: ServerConfig, grace_s: float = 5.0) -> None:
+async def serve(
+    engine: ModelEngine, config: ServerConfig, executor: ThreadPoolExecutor, grace_s: float = 5.0
+) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully and remove the socket."""
-    server, servicer = await start_server(engine, config)
+    server, servicer = await start_server(engine, config, executor)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
