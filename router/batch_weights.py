@@ -76,6 +76,14 @@ class BatchWeights:
         quadratic = size * longest * self.quadratic0 + size * longest**2 * self.quadratic1
         return math.floor(max(linear, quadratic))
 
+    def prefill_tokens(self, loads: Sequence[Load]) -> int:
+        """Prompt positions a prefill of `loads` computes (padded: every row as long as the longest)."""
+        if not loads:
+            return 0
+        if self.padded:
+            return len(loads) * max(i for i, _ in loads)
+        return sum(i for i, _ in loads)
+
     def padding_fraction(self, loads: Sequence[Load]) -> float:
         if not loads or not self.padded:
             return 0.0

@@ -71,6 +71,16 @@ logger = logging.getLogger(__name__)
     help="Largest padding fraction of a prefill batch [env MAX_PREFILL_PADDING].",
 )
 @click.option(
+    "--max-batch-prefill-tokens",
+    envvar="MAX_BATCH_PREFILL_TOKENS",
+    type=click.IntRange(min=0),
+    default=defaults.DEFAULT_MAX_BATCH_PREFILL_TOKENS,
+    help=(
+        "Most prompt tokens one prefill computes (padded: batch size x longest prompt); the rest "
+        "joins at later steps; one request always fits; 0 = no limit [env MAX_BATCH_PREFILL_TOKENS]."
+    ),
+)
+@click.option(
     "--max-waiting-tokens",
     envvar="MAX_WAITING_TOKENS",
     type=click.IntRange(min=1),
@@ -167,6 +177,7 @@ def main(
     max_new_tokens: int,
     max_batch_size: int,
     max_prefill_padding: float,
+    max_batch_prefill_tokens: int,
     max_waiting_tokens: int,
     port: int,
     grpc_port: int,
@@ -201,6 +212,7 @@ def main(
             max_new_tokens=max_new_tokens,
             max_batch_size=max_batch_size,
             max_prefill_padding=max_prefill_padding,
+            max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_waiting_tokens=max_waiting_tokens,
             port=port,
             grpc_port=grpc_port,

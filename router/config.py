@@ -15,6 +15,7 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 2048
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEFAULT_MAX_BATCH_SIZE = 12
 DEFAULT_MAX_PREFILL_PADDING = 0.2
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048
 DEFAULT_MAX_WAITING_TOKENS = 24
 DEFAULT_PORT = 3000
 DEFAULT_GRPC_PORT = 8033
@@ -40,6 +41,7 @@ class RouterConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_prefill_padding: float = DEFAULT_MAX_PREFILL_PADDING
+    max_batch_prefill_tokens: int = DEFAULT_MAX_BATCH_PREFILL_TOKENS  # 0 = no limit
     max_waiting_tokens: int = DEFAULT_MAX_WAITING_TOKENS
     port: int = DEFAULT_PORT  # HTTP: /health (and /metrics)
     grpc_port: int = DEFAULT_GRPC_PORT
@@ -73,6 +75,8 @@ class RouterConfig:
             raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
         if not 0.0 <= self.max_prefill_padding <= 1.0:
             raise ValueError(f"max_prefill_padding must be in [0, 1], got {self.max_prefill_padding}")
+        if self.max_batch_prefill_tokens < 0:
+            raise ValueError(f"max_batch_prefill_tokens must be >= 0, got {self.max_batch_prefill_tokens}")
         if self.max_waiting_tokens < 1:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
         if bool(self.tls_cert_path) != bool(self.tls_key_path):

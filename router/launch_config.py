@@ -71,6 +71,7 @@ class LaunchFlags:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_prefill_padding: float = router_defaults.DEFAULT_MAX_PREFILL_PADDING
+    max_batch_prefill_tokens: int = router_defaults.DEFAULT_MAX_BATCH_PREFILL_TOKENS
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN
     max_waiting_tokens: int = router_defaults.DEFAULT_MAX_WAITING_TOKENS
     port: int = router_defaults.DEFAULT_PORT
@@ -107,6 +108,7 @@ class LaunchConfig:
     max_new_tokens: int  # < max_sequence_length
     max_batch_size: int
     max_prefill_padding: float
+    max_batch_prefill_tokens: int  # 0 = no limit
     batch_safety_margin: int  # percent of free memory the shards hold back
     max_waiting_tokens: int
     port: int  # HTTP /health and /metrics
@@ -292,6 +294,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         max_new_tokens=resolve_max_new_tokens(flags.max_new_tokens, max_sequence_length),
         max_batch_size=flags.max_batch_size,
         max_prefill_padding=flags.max_prefill_padding,
+        max_batch_prefill_tokens=flags.max_batch_prefill_tokens,
         batch_safety_margin=flags.batch_safety_margin,
         max_waiting_tokens=flags.max_waiting_tokens,
         port=flags.port,
@@ -404,6 +407,8 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         str(config.max_batch_size),
         "--max-prefill-padding",
         str(config.max_prefill_padding),
+        "--max-batch-prefill-tokens",
+        str(config.max_batch_prefill_tokens),
         "--max-waiting-tokens",
         str(config.max_waiting_tokens),
         "--port",

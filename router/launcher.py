@@ -245,6 +245,16 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     help="Largest padding fraction of a prefill batch [env MAX_PREFILL_PADDING].",
 )
 @click.option(
+    "--max-batch-prefill-tokens",
+    envvar="MAX_BATCH_PREFILL_TOKENS",
+    type=click.IntRange(min=0),
+    default=router_defaults.DEFAULT_MAX_BATCH_PREFILL_TOKENS,
+    help=(
+        "Most prompt tokens one prefill computes (padded: batch size x longest prompt); the rest "
+        "joins at later steps; one request always fits; 0 = no limit [env MAX_BATCH_PREFILL_TOKENS]."
+    ),
+)
+@click.option(
     "--batch-safety-margin",
     envvar="BATCH_SAFETY_MARGIN",
     type=click.IntRange(0, 99),

@@ -9,7 +9,17 @@ asks `next_batch` for entries that fit beside the running ones (TGIS's batch for
      overtaken forever); an entry whose prefill weight exceeds the budget or whose padding
      would exceed MAX_PREFILL_PADDING is skipped the same way; later entries that fit jump
      the queue;
-  4. stop at MAX_BATCH_SIZE.
+  4. stop at MAX_BATCH_SIZE, or before the prefill would compute more than
+     MAX_BATCH_PREFILL_TOKENS prompt positions (not in TGIS; the first entry always fits).
+
+Why the token limit: a prefill stalls every running request for its whole duration, and on
+CPU it is compute-bound (~35 ms per 128-token prompt of the 30 M reference model). Requests
+that arrive together (a burst, or a closed-loop client whose requests all finish at one
+step) would otherwise be prefilled in one call that every one of them waits for, and stay in
+lockstep afterwards; taking at most MAX_BATCH_PREFILL_TOKENS per call lets the first ones
+start decoding while the rest join at later steps. Measured at 32 concurrent 128/128
+requests: p50 TTFT 1081 -> 621 ms with 2048 (median of 3 alternating runs; throughput within
+the run-to-run noise, 661 vs 644 tok/s).
 """
 
 from __future__ import annotations
@@ -31,11 +41,17 @@ QUEUE_JUMP_WINDOW_S = 1.0
 
 class RequestQueue:
     def __init__(
-        self, weights: BatchWeights, max_batch_size: int, max_prefill_padding: float, metrics: Metrics
+        self,
+        weights: BatchWeights,
+        max_batch_size: int,
+        max_prefill_padding: float,
+        metrics: Metrics,
+        max_prefill_tokens: int = 0,  # 0 = no limit
     ) -> None:
         self.weights = weights
         self.max_batch_size = max_batch_size
         self.max_prefill_padding = max_prefill_padding
+        self.max_prefill_tokens = max_prefill_tokens
         self.metrics = metrics
         self.busy = False  # the batcher is running requests (set by it): expiry in the queue applies
         self._entries: deque[Entry] = deque()
@@ -97,6 +113,8 @@ class RequestQueue:
                     continue
                 self.metrics.inc("tgi_granular_batch_addition")
             prefill = [*chosen_loads, load]
+            if chosen and self.max_prefill_tokens and w.prefill_tokens(prefill) > self.max_prefill_tokens:
+                break  # the rest waits for a later step (and keeps its place in line)
             if w.prefill_weight(prefill) > budget:
                 self.metrics.inc("tgi_prefill_weight_limit_exceeded")
                 cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S

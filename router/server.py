@@ -121,7 +121,13 @@ async def _serve(config: RouterConfig) -> None:
     detokenizer = Detokenizer(
         tokenizer, skip_special_tokens=not config.output_special_tokens, seq2seq=info.seq2seq
     )
-    queue = RequestQueue(weights, config.max_batch_size, config.max_prefill_padding, metrics)
+    queue = RequestQueue(
+        weights,
+        config.max_batch_size,
+        config.max_prefill_padding,
+        metrics,
+        max_prefill_tokens=config.max_batch_prefill_tokens,
+    )
     batcher = Batcher(
         client,
         queue,

@@ -84,12 +84,17 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
     tasks = []
 
     def build(
-        shard: FakeShard | None = None, *, max_batch_size: int = 8, max_waiting_tokens: int = 2, padding=1.0
+        shard: FakeShard | None = None,
+        *,
+        max_batch_size: int = 8,
+        max_waiting_tokens: int = 2,
+        padding=1.0,
+        max_prefill_tokens: int = 0,
     ):
         shard = shard or FakeShard()
         weights = BatchWeights.from_model(shard.memory, padded=True)
         metrics = Metrics(max_batch_size=max_batch_size)
-        queue = RequestQueue(weights, max_batch_size, padding, metrics)
+        queue = RequestQueue(weights, max_batch_size, padding, metrics, max_prefill_tokens=max_prefill_tokens)
         batcher = Batcher(
             shard, queue, detokenizer, metrics, eos_token_id=EOS, max_waiting_tokens=max_waiting_tokens
         )
@@ -162,6 +167,22 @@ async def test_max_batch_size_holds_requests_back(make_harness) -> None:
     assert [entries[2].id] in prefills[1:]
     # Never more than two live requests in the shard.
     assert all(len(rows) <= 2 for rows in [h.shard.batches.get(b, []) for b in h.shard.batches])
+
+
+async def test_prefill_token_limit_splits_a_burst_in_arrival_order(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.002), max_prefill_tokens=25, max_waiting_tokens=1)
+    # Padded prefill tokens = batch size x longest prompt: 10 + 10 fit in 25, a third does not.
+    burst = [h.submit(make_request(prompt_len=10, max_new=6)) for _ in range(5)]
+    huge = h.submit(make_request(prompt_len=40, max_new=3))  # alone over the limit: still runs
+    outs = [await h.final(e) for e in [*burst, huge]]
+    assert all(o.generated_tokens == 6 for o in outs[:5]) and outs[5].generated_tokens == 3
+    prefills = [c.request_ids for c in h.shard.calls if c.method == "prefill"]
+    assert prefills == [
+        [burst[0].id, burst[1].id],
+        [burst[2].id, burst[3].id],
+        [burst[4].id],
+        [huge.id],
+    ]
 
 
 async def test_weight_limit_delays_a_request_that_would_not_fit(make_harness) -> None:
