@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if args.log_level != "DEBUG":
+        logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per request otherwise
     try:
         cfg = config_from_args(args)
     except ValueError as exc:

@@ -161,6 +161,10 @@ class Batcher:
         started = time.monotonic()
         self.metrics.shard_call("next_token", len(entries))
         call = asyncio.ensure_future(self.client.next_token([b.ref() for b in group]))
+        # The call's send is scheduled; one turn of the loop runs it before the hand-out below
+        # wakes every stream of the batch. Otherwise the request waits behind all of their
+        # writes: router send -> shard receive was 5.6 ms of a 48 ms step at 32 streams.
+        await asyncio.sleep(0)
         late = self._hand_out(unprocessed) if unprocessed is not None else []
         try:
             output = await call

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Sequence
+from typing import Any, Protocol
 
 import grpc
 
@@ -55,7 +55,10 @@ class ShardClient(Protocol):
         self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
     ) -> StepOutput: ...
 
-    async def next_token(self, batches: Sequence[CachedBatchRef]) -> StepOutput | None: ...
+    def next_token(self, batches: Sequence[CachedBatchRef]) -> Awaitable[StepOutput | None]:
+        """Start one decode step; await the result. The call is under way (its send scheduled
+        ahead of anything the caller schedules next) when this returns."""
+        ...
 
     async def prefix_lookup(self, prefix_id: str) -> int: ...
 
@@ -100,14 +103,22 @@ class GrpcShardClient:
         for channel in self._channels:
             await channel.close()
 
-    async def _all(self, method: str, request: object, timeout: float | None = None) -> object:
-        """Call `method` on every shard; shard 0's reply (the first error if any fails)."""
-        calls = [getattr(stub, method)(request, timeout=timeout) for stub in self._stubs]
+    def _start(self, method: str, request: object, timeout: float | None = None) -> list[Any]:
+        """Start `method` on every shard (grpc.aio schedules each send at once)."""
+        return [getattr(stub, method)(request, timeout=timeout) for stub in self._stubs]
+
+    @staticmethod
+    async def _first_reply(calls: list[Any]) -> object:
+        """Shard 0's reply (the first error if any call fails)."""
         try:
             replies = await asyncio.gather(*calls)
         except grpc.aio.AioRpcError as exc:
             raise _call_error(exc) from exc
         return replies[0]
+
+    async def _all(self, method: str, request: object, timeout: float | None = None) -> object:
+        """Call `method` on every shard; shard 0's reply (the first error if any fails)."""
+        return await self._first_reply(self._start(method, request, timeout))
 
     async def model_info(self) -> ModelInfo:
         try:
@@ -127,9 +138,12 @@ class GrpcShardClient:
         assert isinstance(reply, pb.PrefillResponse)
         return convert.result_from_pb(reply.result, reply.input_tokens)
 
-    async def next_token(self, batches: Sequence[CachedBatchRef]) -> StepOutput | None:
+    def next_token(self, batches: Sequence[CachedBatchRef]) -> Awaitable[StepOutput | None]:
         request = pb.NextTokenRequest(batches=convert.cached_batches_to_pb(batches))
-        reply = await self._all("NextToken", request)
+        return self._next_token_result(self._start("NextToken", request))
+
+    async def _next_token_result(self, calls: list[Any]) -> StepOutput | None:
+        reply = await self._first_reply(calls)
         assert isinstance(reply, pb.NextTokenResponse)
         return convert.result_from_pb(reply.result) if reply.HasField("result") else None
 
