@@ -236,6 +236,25 @@ def check_quantize(quantize: str | None) -> None:
         raise LaunchError(f"quantization ({quantize}) is not supported by any engine yet: unset QUANTIZE")
 
 
+# TGIS switches that change how the shard runs the model. Each is read as TGIS reads it (on when
+# "true"); none is implemented yet, so asking for one fails instead of starting a server that
+# silently does something else.
+UNSUPPORTED_SWITCHES = {
+    "FLASH_ATTENTION": "the tgis_native engine's flash attention, which this server does not have yet "
+    "(hf_transformers already runs attention through torch SDPA)",
+    "PAGED_ATTENTION": "the tgis_native engine's paged attention, which this server does not have yet",
+    "PT2_COMPILE": "torch.compile of the model, which this server does not support yet",
+}
+OFF_VALUES = ("", "false", "0", "no", "off")
+
+
+def check_unsupported_switches(env: Mapping[str, str]) -> None:
+    for var, what in UNSUPPORTED_SWITCHES.items():
+        value = env.get(var, "")
+        if value.strip().lower() not in OFF_VALUES:
+            raise LaunchError(f"{var}={value} asks for {what}: unset {var}")
+
+
 def model_sequence_length(model_dir: Path) -> int | None:
     """The context length recorded in the model's config.json, if any."""
     try:
@@ -268,6 +287,7 @@ def resolve_max_new_tokens(max_new_tokens: int, max_sequence_length: int) -> int
 def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     """Check and complete `flags`; raises LaunchError at the first problem."""
     check_quantize(flags.quantize)
+    check_unsupported_switches(env)
     engine = resolve_engine(flags.deployment_framework)
     dtype = resolve_dtype(flags.dtype, flags.dtype_str)
     num_shard = resolve_num_shard(flags.num_shard, env)

@@ -210,6 +210,15 @@ def test_quantize_is_refused() -> None:
         lc.check_quantize("gptq")
 
 
+@pytest.mark.parametrize("var", ["FLASH_ATTENTION", "PAGED_ATTENTION", "PT2_COMPILE"])
+def test_tgis_switches_we_lack_are_refused(var: str) -> None:
+    for off in ("", "false", "False", "0"):
+        lc.check_unsupported_switches({var: off})
+    for on in ("true", "TRUE", "1"):
+        with pytest.raises(LaunchError, match=rf"^{var}={on} asks for .*: unset {var}$"):
+            lc.check_unsupported_switches({var: on})
+
+
 def test_shard_command_and_env_are_accepted_by_the_shard_cli(tiny_model: Callable[..., Path]) -> None:
     from text_generation_server.cli import serve
 
@@ -432,6 +441,7 @@ def run_launcher(args: list[str], env: Mapping[str, str]) -> subprocess.Complete
             "--num-shard/NUM_SHARD (1) and NUM_GPUS (2) disagree",
         ),
         ("bad flag value", {"MAX_BATCH_SIZE": "zero"}, "Invalid value for '--max-batch-size'"),
+        ("tgis switch", {"PT2_COMPILE": "true"}, "PT2_COMPILE=true asks for torch.compile"),
         ("port in use", {}, "is not available: Address already in use"),
     ],
 )
