@@ -14,6 +14,7 @@ import logging
 
 import click
 
+from router import cli_options as options
 from router import config as defaults
 from router.config import RouterConfig
 from router.logs import setup_logging
@@ -35,13 +36,7 @@ logger = logging.getLogger(__name__)
     help="Socket of shard 0 [env MASTER_SHARD_UDS_PATH]; "
     "default text-generation-server-0 in the temp directory.",
 )
-@click.option(
-    "--max-concurrent-requests",
-    envvar="MAX_CONCURRENT_REQUESTS",
-    type=click.IntRange(min=1),
-    default=defaults.DEFAULT_MAX_CONCURRENT_REQUESTS,
-    help="Inputs in flight before 'Model is overloaded' [env MAX_CONCURRENT_REQUESTS].",
-)
+@options.max_concurrent_requests
 @click.option(
     "--max-sequence-length",
     envvar="MAX_SEQUENCE_LENGTH",
@@ -49,60 +44,13 @@ logger = logging.getLogger(__name__)
     default=defaults.DEFAULT_MAX_SEQUENCE_LENGTH,
     help="Input + generated tokens limit [env MAX_SEQUENCE_LENGTH].",
 )
-@click.option(
-    "--max-new-tokens",
-    envvar="MAX_NEW_TOKENS",
-    type=click.IntRange(min=1),
-    default=defaults.DEFAULT_MAX_NEW_TOKENS,
-    help="Largest max_new_tokens [env MAX_NEW_TOKENS].",
-)
-@click.option(
-    "--max-batch-size",
-    envvar="MAX_BATCH_SIZE",
-    type=click.IntRange(min=1),
-    default=defaults.DEFAULT_MAX_BATCH_SIZE,
-    help="Most requests in the running batch [env MAX_BATCH_SIZE].",
-)
-@click.option(
-    "--max-prefill-padding",
-    envvar="MAX_PREFILL_PADDING",
-    type=click.FloatRange(0.0, 1.0),
-    default=defaults.DEFAULT_MAX_PREFILL_PADDING,
-    help="Largest padding fraction of a prefill batch [env MAX_PREFILL_PADDING].",
-)
-@click.option(
-    "--max-batch-prefill-tokens",
-    envvar="MAX_BATCH_PREFILL_TOKENS",
-    type=click.IntRange(min=0),
-    default=defaults.DEFAULT_MAX_BATCH_PREFILL_TOKENS,
-    help=(
-        "Most prompt tokens one prefill computes (padded: batch size x longest prompt); the rest "
-        "joins at later steps; one request always fits; 0 = no limit [env MAX_BATCH_PREFILL_TOKENS]."
-    ),
-)
-@click.option(
-    "--max-waiting-tokens",
-    envvar="MAX_WAITING_TOKENS",
-    type=click.IntRange(min=1),
-    default=defaults.DEFAULT_MAX_WAITING_TOKENS,
-    help="Decode steps after which waiting requests always get to join [env MAX_WAITING_TOKENS].",
-)
-@click.option(
-    "--port",
-    "-p",
-    envvar="PORT",
-    type=click.IntRange(0, 65535),
-    default=defaults.DEFAULT_PORT,
-    help="HTTP port for /health and /metrics [env PORT].",
-)
-@click.option(
-    "--grpc-port",
-    "-g",
-    envvar="GRPC_PORT",
-    type=click.IntRange(0, 65535),
-    default=defaults.DEFAULT_GRPC_PORT,
-    help="gRPC port of the external API [env GRPC_PORT].",
-)
+@options.max_new_tokens
+@options.max_batch_size
+@options.max_prefill_padding
+@options.max_batch_prefill_tokens
+@options.max_waiting_tokens
+@options.port
+@options.grpc_port
 @click.option(
     "--tokenization-workers",
     envvar="TOKENIZATION_WORKERS",
@@ -129,45 +77,12 @@ logger = logging.getLogger(__name__)
     default=False,
     help="Log JSON lines [env JSON_OUTPUT].",
 )
-@click.option(
-    "--tls-cert-path",
-    envvar="TLS_CERT_PATH",
-    default=None,
-    help="gRPC TLS certificate (PEM) [env TLS_CERT_PATH].",
-)
-@click.option(
-    "--tls-key-path",
-    envvar="TLS_KEY_PATH",
-    default=None,
-    help="gRPC TLS private key (PEM) [env TLS_KEY_PATH].",
-)
-@click.option(
-    "--tls-client-ca-cert-path",
-    envvar="TLS_CLIENT_CA_CERT_PATH",
-    default=None,
-    help="Require client certificates signed by this CA (mTLS) [env TLS_CLIENT_CA_CERT_PATH].",
-)
-@click.option(
-    "--drain-timeout-secs",
-    "drain_timeout_s",
-    envvar="DRAIN_TIMEOUT_SECS",
-    type=click.FloatRange(min=0.0),
-    default=defaults.DEFAULT_DRAIN_TIMEOUT_S,
-    help="On SIGTERM, how long in-flight requests get to finish [env DRAIN_TIMEOUT_SECS].",
-)
-@click.option(
-    "--otlp-endpoint",
-    envvar=["OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"],
-    default=None,
-    help="Send OpenTelemetry traces to this OTLP/gRPC endpoint "
-    "[env OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT].",
-)
-@click.option(
-    "--otlp-service-name",
-    envvar="OTEL_SERVICE_NAME",
-    default=defaults.DEFAULT_OTLP_SERVICE_NAME,
-    help="Service name of the traces [env OTEL_SERVICE_NAME].",
-)
+@options.tls_cert_path
+@options.tls_key_path
+@options.tls_client_ca_cert_path
+@options.drain_timeout
+@options.otlp_endpoint
+@options.otlp_service_name
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
     tokenizer_path: str,

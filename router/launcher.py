@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 import click
 
-from router import config as router_defaults
+from router import cli_options as options
 from router.launch_config import (
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_MASTER_ADDR,
@@ -44,8 +44,7 @@ from router.launch_config import (
 )
 from router.logs import setup_logging
 from router.supervisor import ChildSpec, Supervisor, write_termination_log
-from text_generation_server.config import DEFAULT_DEPLOYMENT_FRAMEWORK, DEFAULT_MAX_BATCH_SIZE
-from text_generation_server.config import DEFAULT_MAX_NEW_TOKENS as SHARD_DEFAULT_MAX_NEW_TOKENS
+from text_generation_server.config import DEFAULT_DEPLOYMENT_FRAMEWORK
 
 # What the router gets beyond its drain timeout to close its servers and exit.
 ROUTER_STOP_MARGIN_S = 10.0
@@ -208,13 +207,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     help="Shard processes; must match NUM_GPUS if both are set; default: visible CUDA devices, "
     "else 1 [env NUM_SHARD].",
 )
-@click.option(
-    "--max-concurrent-requests",
-    envvar="MAX_CONCURRENT_REQUESTS",
-    type=click.IntRange(min=1),
-    default=router_defaults.DEFAULT_MAX_CONCURRENT_REQUESTS,
-    help="Inputs in flight before 'Model is overloaded' [env MAX_CONCURRENT_REQUESTS].",
-)
+@options.max_concurrent_requests
 @click.option(
     "--max-sequence-length",
     envvar="MAX_SEQUENCE_LENGTH",
@@ -223,37 +216,10 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     help="Input + generated tokens; default from the model's config.json, else 2048 "
     "[env MAX_SEQUENCE_LENGTH].",
 )
-@click.option(
-    "--max-new-tokens",
-    envvar="MAX_NEW_TOKENS",
-    type=click.IntRange(min=1),
-    default=SHARD_DEFAULT_MAX_NEW_TOKENS,
-    help="Largest max_new_tokens [env MAX_NEW_TOKENS].",
-)
-@click.option(
-    "--max-batch-size",
-    envvar="MAX_BATCH_SIZE",
-    type=click.IntRange(min=1),
-    default=DEFAULT_MAX_BATCH_SIZE,
-    help="Most requests in one batch [env MAX_BATCH_SIZE].",
-)
-@click.option(
-    "--max-prefill-padding",
-    envvar="MAX_PREFILL_PADDING",
-    type=click.FloatRange(0.0, 1.0),
-    default=router_defaults.DEFAULT_MAX_PREFILL_PADDING,
-    help="Largest padding fraction of a prefill batch [env MAX_PREFILL_PADDING].",
-)
-@click.option(
-    "--max-batch-prefill-tokens",
-    envvar="MAX_BATCH_PREFILL_TOKENS",
-    type=click.IntRange(min=0),
-    default=router_defaults.DEFAULT_MAX_BATCH_PREFILL_TOKENS,
-    help=(
-        "Most prompt tokens one prefill computes (padded: batch size x longest prompt); the rest "
-        "joins at later steps; one request always fits; 0 = no limit [env MAX_BATCH_PREFILL_TOKENS]."
-    ),
-)
+@options.max_new_tokens
+@options.max_batch_size
+@options.max_prefill_padding
+@options.max_batch_prefill_tokens
 @click.option(
     "--batch-safety-margin",
     envvar="BATCH_SAFETY_MARGIN",
@@ -261,29 +227,9 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     default=DEFAULT_BATCH_SAFETY_MARGIN,
     help="Percent of free memory the shards hold back [env BATCH_SAFETY_MARGIN].",
 )
-@click.option(
-    "--max-waiting-tokens",
-    envvar="MAX_WAITING_TOKENS",
-    type=click.IntRange(min=1),
-    default=router_defaults.DEFAULT_MAX_WAITING_TOKENS,
-    help="Decode steps after which waiting requests join [env MAX_WAITING_TOKENS].",
-)
-@click.option(
-    "--port",
-    "-p",
-    envvar="PORT",
-    type=click.IntRange(0, 65535),
-    default=router_defaults.DEFAULT_PORT,
-    help="HTTP port for /health and /metrics [env PORT].",
-)
-@click.option(
-    "--grpc-port",
-    "-g",
-    envvar="GRPC_PORT",
-    type=click.IntRange(0, 65535),
-    default=router_defaults.DEFAULT_GRPC_PORT,
-    help="gRPC port of the external API [env GRPC_PORT].",
-)
+@options.max_waiting_tokens
+@options.port
+@options.grpc_port
 @click.option(
     "--shard-uds-path",
     envvar="SHARD_UDS_PATH",
@@ -333,44 +279,12 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     default=1.0,
     help="Share of each GPU a shard may use, in (0, 1] [env CUDA_PROCESS_MEMORY_FRACTION].",
 )
-@click.option(
-    "--tls-cert-path",
-    envvar="TLS_CERT_PATH",
-    default=None,
-    help="gRPC TLS certificate (PEM) [env TLS_CERT_PATH].",
-)
-@click.option(
-    "--tls-key-path",
-    envvar="TLS_KEY_PATH",
-    default=None,
-    help="gRPC TLS private key (PEM) [env TLS_KEY_PATH].",
-)
-@click.option(
-    "--tls-client-ca-cert-path",
-    envvar="TLS_CLIENT_CA_CERT_PATH",
-    default=None,
-    help="Require client certificates signed by this CA (mTLS) [env TLS_CLIENT_CA_CERT_PATH].",
-)
-@click.option(
-    "--drain-timeout-secs",
-    "drain_timeout_s",
-    envvar="DRAIN_TIMEOUT_SECS",
-    type=click.FloatRange(min=0.0),
-    default=router_defaults.DEFAULT_DRAIN_TIMEOUT_S,
-    help="On SIGTERM, how long in-flight requests get to finish [env DRAIN_TIMEOUT_SECS].",
-)
-@click.option(
-    "--otlp-endpoint",
-    envvar=["OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"],
-    default=None,
-    help="OpenTelemetry OTLP/gRPC endpoint for traces [env OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT].",
-)
-@click.option(
-    "--otlp-service-name",
-    envvar="OTEL_SERVICE_NAME",
-    default=router_defaults.DEFAULT_OTLP_SERVICE_NAME,
-    help="Service name of the traces [env OTEL_SERVICE_NAME].",
-)
+@options.tls_cert_path
+@options.tls_key_path
+@options.tls_client_ca_cert_path
+@options.drain_timeout
+@options.otlp_endpoint
+@options.otlp_service_name
 @click.option(
     "--log-level", envvar="LOG_LEVEL", default="info", help="Log level of every process [env LOG_LEVEL]."
 )
