@@ -42,6 +42,16 @@ def _new_result(prompt: Prompt) -> RequestResult:
     return RequestResult(expected_input_len=prompt.input_len, expected_output_len=prompt.output_len)
 
 
+def _finished(result: RequestResult) -> RequestResult:
+    """Close `result` after its stream: no generated tokens is a failure, and a failed
+    request ends when it failed."""
+    if not result.error and result.messages == 0:
+        result.error = "the stream ended without generated tokens"
+    if result.error:
+        result.end = time.perf_counter()
+    return result
+
+
 class GrpcClient:
     name = "grpc"
 
@@ -85,11 +95,7 @@ class GrpcClient:
                 result.output_len = message.generated_token_count
         except grpc.aio.AioRpcError as exc:
             result.error = f"{exc.code().name}: {exc.details()}"[:ERROR_CHARS]
-        if not result.error and result.messages == 0:
-            result.error = "the stream ended without generated tokens"
-        if result.error:
-            result.end = time.perf_counter()
-        return result
+        return _finished(result)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -158,11 +164,7 @@ class OpenAIClient:
         if not result.error and not result.output_len:  # no usage chunk: one token per chunk
             result.output_len = chunks
             result.input_len = result.input_len or prompt.input_len
-        if not result.error and result.messages == 0:
-            result.error = "the stream ended without generated tokens"
-        if result.error:
-            result.end = time.perf_counter()
-        return result
+        return _finished(result)
 
     async def close(self) -> None:
         await self.http.aclose()
