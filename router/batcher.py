@@ -61,9 +61,14 @@ class RunningBatch:
     def ref(self) -> CachedBatchRef:
         return CachedBatchRef(self.batch_id, tuple(self.completed))
 
+    def live(self) -> list[Entry]:
+        """The entries not marked completed."""
+        done = set(self.completed)
+        return [e for e in self.entries if e.id not in done]
+
     def pruned(self) -> RunningBatch | None:
         """This batch once the shard dropped the completed requests."""
-        live = [e for e in self.entries if e.id not in set(self.completed)]
+        live = self.live()
         return RunningBatch(self.batch_id, live) if live else None
 
 
@@ -120,7 +125,7 @@ class Batcher:
         while current is not None:
             if unprocessed is not None:
                 current.completed.extend(self._surely_finished(unprocessed, current))
-            live = [e for e in current.entries if e.id not in set(current.completed)]
+            live = current.live()
             remaining = sum(e.out_tokens for e in live)
             self._publish_state(live, remaining)
             group = [current]
@@ -157,7 +162,7 @@ class Batcher:
     ) -> tuple[RunningBatch | None, _Step | None]:
         """Send one NextToken over `group`; hand out `unprocessed` while it runs. Returns the
         batch as the shard now caches it and this step's tokens, still to be handed out."""
-        entries = [e for b in group for e in b.entries if e.id not in set(b.completed)]
+        entries = [e for b in group for e in b.live()]
         started = time.monotonic()
         self.metrics.shard_call("next_token", len(entries))
         call = asyncio.ensure_future(self.client.next_token([b.ref() for b in group]))
