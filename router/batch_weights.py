@@ -60,11 +60,7 @@ class BatchWeights:
         return math.floor(sum(i + o for i, o in loads) * self.per_token)
 
     def initial_weight(self, loads: Sequence[Load]) -> int:
-        if not loads:
-            return 0
-        if self.padded:
-            return math.floor(max(i for i, _ in loads) * len(loads) * self.per_token)
-        return math.floor(sum(i for i, _ in loads) * self.per_token)
+        return math.floor(self.batch_tokens(loads) * self.per_token)
 
     def prefill_weight(self, loads: Sequence[Load]) -> int:
         if not loads:
@@ -76,22 +72,14 @@ class BatchWeights:
         quadratic = size * longest * self.quadratic0 + size * longest**2 * self.quadratic1
         return math.floor(max(linear, quadratic))
 
-    def prefill_tokens(self, loads: Sequence[Load]) -> int:
-        """Prompt positions a prefill of `loads` computes (padded: every row as long as the longest)."""
-        if not loads:
-            return 0
-        if self.padded:
-            return len(loads) * max(i for i, _ in loads)
-        return sum(i for i, _ in loads)
-
     def padding_fraction(self, loads: Sequence[Load]) -> float:
         if not loads or not self.padded:
             return 0.0
-        area = max(i for i, _ in loads) * len(loads)
+        area = self.batch_tokens(loads)
         return (area - sum(i for i, _ in loads)) / area if area else 0.0
 
     def batch_tokens(self, loads: Sequence[Load]) -> int:
-        """Tokens of a prefill batch, padding included."""
+        """Prompt positions a prefill of `loads` computes (padded: every row as long as the longest)."""
         if not loads:
             return 0
         return max(i for i, _ in loads) * len(loads) if self.padded else sum(i for i, _ in loads)

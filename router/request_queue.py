@@ -113,7 +113,7 @@ class RequestQueue:
                     continue
                 self.metrics.inc("tgi_granular_batch_addition")
             prefill = [*chosen_loads, load]
-            if chosen and self.max_prefill_tokens and w.prefill_tokens(prefill) > self.max_prefill_tokens:
+            if chosen and self.max_prefill_tokens and w.batch_tokens(prefill) > self.max_prefill_tokens:
                 break  # the rest waits for a later step (and keeps its place in line)
             if w.prefill_weight(prefill) > budget:
                 self.metrics.inc("tgi_prefill_weight_limit_exceeded")
