@@ -27,13 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.detokenizer import Detokenizer
-from router.entry import Entry
+from router.entry import Entry, Failure
 from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.shard_client import ShardCallError, ShardClient
 from text_generation_server.outputs import CachedBatchRef, StepOutput
 
 logger = logging.getLogger(__name__)
+
+# ShardCallError.reason -> what the requests of the failed call report
+CALL_FAILURES = {"connection": Failure.SHARD_UNAVAILABLE, "oom": Failure.OUT_OF_MEMORY}
 
 
 @dataclass(slots=True)
@@ -272,8 +275,9 @@ class Batcher:
         logger.error("shard call failed (%s): %s", exc.reason, exc)
         self.metrics.shard_call_failed(method, exc.reason)
         self.generation_healthy = False
+        failure = CALL_FAILURES.get(exc.reason, Failure.ENGINE_FAULT)
         for entry in entries:
-            entry.fail(str(exc))
+            entry.fail(str(exc), failure)
 
     def _hand_out(self, step: _Step, method: str = "next_token") -> list[int]:
         """Give every token of `step` to its request; returns the ids of the requests that
@@ -283,7 +287,7 @@ class Batcher:
         now = time.monotonic()
         for error in output.errors:
             if (entry := by_id.pop(error.request_id, None)) is not None:
-                entry.fail(error.message, request_error=True)
+                entry.fail(error.message, Failure.ENGINE_FAULT, request_error=True)
         finished = []
         for generation in output.generations:
             entry = by_id.get(generation.request_id)

@@ -14,6 +14,7 @@ stop sequence's length in bytes.
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +24,16 @@ from router.validation import ValidatedRequest
 from text_generation_server.outputs import TokenInfo
 
 REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) valid UTF-8
+
+
+class Failure(enum.Enum):
+    """Why a request failed after it was accepted; the value names its gRPC status code, one a
+    client can act on: retry elsewhere (UNAVAILABLE), later (RESOURCE_EXHAUSTED), or report a
+    bug (INTERNAL)."""
+
+    SHARD_UNAVAILABLE = "UNAVAILABLE"  # a shard is gone or stopped answering
+    OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # the shard ran out of memory for the batch
+    ENGINE_FAULT = "INTERNAL"  # the engine failed the call or this request, or decoding failed
 
 
 @dataclass(slots=True)
@@ -36,6 +47,7 @@ class Output:
     stop_reason: StopReason = StopReason.NOT_FINISHED
     stop_sequence: str = ""
     error: str | None = None  # the request failed: "Request failed during generation: ..."
+    failure: Failure = Failure.ENGINE_FAULT  # what kind of failure, when `error` is set
 
     @property
     def final(self) -> bool:
@@ -160,15 +172,16 @@ class Entry:
         """Decoding this request's output failed (the batch goes on)."""
         self.stop_reason = StopReason.ERROR
         error = f"Request failed during detokenization: {message}"
-        self.outputs.put_nowait(Output(self.generated, error=error))
+        self.outputs.put_nowait(Output(self.generated, error=error, failure=Failure.ENGINE_FAULT))
 
-    def fail(self, message: str, *, request_error: bool = False) -> None:
+    def fail(self, message: str, failure: Failure, *, request_error: bool = False) -> None:
         """Generation failed: the whole shard call (`message` = the call's error), or this
         request alone (`request_error`, the shard's message, prefixed once tokens exist)."""
         self.stop_reason = StopReason.ERROR
         if request_error and self.generated:
             message = f"Error after generating {self.generated} tokens: {message}"
-        self.outputs.put_nowait(Output(self.generated, error=f"Request failed during generation: {message}"))
+        error = f"Request failed during generation: {message}"
+        self.outputs.put_nowait(Output(self.generated, error=error, failure=failure))
 
     def cancel(self) -> None:
         """The client is gone (seen by the batcher)."""

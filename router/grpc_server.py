@@ -2,10 +2,13 @@
 
 Protobuf stops here: requests are validated into ValidatedRequests, queued as Entries, and the
 Entries' Outputs are turned into GenerationResponses. Errors become status codes in this module
-only: validation -> INVALID_ARGUMENT with TGIS's message, the concurrency limit ->
-RESOURCE_EXHAUSTED "Model is overloaded", draining -> UNAVAILABLE, generation failures -> UNKNOWN
-"Request failed during generation: ...". Admission takes one permit per input without waiting.
-Request-level metrics and the one log line per finished request (TGIS's) are emitted here.
+only (README "Errors" lists them all): validation -> INVALID_ARGUMENT with TGIS's message, the
+concurrency limit -> RESOURCE_EXHAUSTED "Model is overloaded", a full tokenization lane ->
+RESOURCE_EXHAUSTED "Server too busy: ...", draining -> UNAVAILABLE, generation failures ->
+"Request failed during generation: ..." with the code of their Failure (UNAVAILABLE for a
+shard that is gone, RESOURCE_EXHAUSTED for out of memory, INTERNAL for an engine fault).
+Admission takes one permit per input without waiting. Request-level metrics and the one log
+line per finished request (TGIS's) are emitted here.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from typing import Any, NoReturn
 import grpc
 
 from router.entry import Entry, Output
+from router.logs import clip
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc
 from router.request_queue import RequestQueue
 from router.stopping import StopReason
-from router.tokenizer import TokenizerPool
+from router.tokenizer import TokenizedText, TokenizerBusy, TokenizerError, TokenizerPool
 from router.tracing import Span, Tracing, correlation_id
 from router.validation import ValidatedRequest, ValidationError, Validator
 from text_generation_server.outputs import TokenInfo
@@ -36,6 +40,7 @@ OVERLOADED = "Model is overloaded"
 DRAINING = "The server is shutting down"
 LOGGED_TEXT_CHARS = 32
 QUEUE_DEADLINE_POLL_S = 0.01  # how often an expired but still queued entry checks again
+MAX_TOKENIZE_TEXTS = 4096  # texts in one Tokenize call (bytes are capped by gRPC's 4 MiB)
 
 
 class ConcurrencyLimiter:
@@ -122,16 +127,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self.limiter.release(count)
                 self._abandon(entries, call)
             if failed is not None:
-                self.metrics.inc("tgi_request_failure", err="generate")
-                span.set_error(failed)
-                await self._abort(context, grpc.StatusCode.UNKNOWN, failed)
+                await self._fail_call(context, span, failed)
             return pb.BatchedGenerationResponse(
                 responses=[self._unary_response(e.request, o) for e, o in zip(entries, outputs, strict=True)]
             )
 
     async def _final_outputs(
         self, entries: Sequence[Entry], call: CallInfo
-    ) -> tuple[list[Output], str | None]:
+    ) -> tuple[list[Output], Output | None]:
         """Every entry's final output, or (as TGIS) the first failure as soon as one happens; the
         other entries are then abandoned by the caller."""
         tasks: list[asyncio.Future[Output]] = [asyncio.ensure_future(self._final_output(e)) for e in entries]
@@ -144,7 +147,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     output = task.result()
                     self._finished(entries[index], output, call, index + 1, len(entries))
                     if output.error is not None:
-                        return [], output.error
+                        return [], output
             return [t.result() for t in tasks], None
         finally:
             for task in tasks:
@@ -173,14 +176,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def _abandon(self, entries: Sequence[Entry], call: CallInfo) -> None:
         """The call ended (answered, failed or cancelled): unfinished entries are dropped."""
-        for entry in entries:
+        for index, entry in enumerate(entries, 1):
             if entry.finished:
                 continue
             entry.cancelled = True
             queued = self.queue.remove(entry)
             self.metrics.inc("tgi_request_cancellation", phase="queued" if queued else "running")
             self.metrics.inc("tgi_request_failure", err="cancelled")
-            self._log(entry, call, StopReason.CANCELLED, entry.generated, "")
+            self._log(entry, call, StopReason.CANCELLED, entry.generated, "", index, len(entries))
 
     def _unary_response(self, request: ValidatedRequest, output: Output) -> pb.GenerationResponse:
         text = output.text
@@ -230,9 +233,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     output = await self._next_output(entry)
                     if output.error is not None:
                         self._finished(entry, output, call)
-                        self.metrics.inc("tgi_request_failure", err="generate")
-                        span.set_error(output.error)
-                        await self._abort(context, grpc.StatusCode.UNKNOWN, output.error)
+                        await self._fail_call(context, span, output)
                     text_bytes += len(output.text.encode())
                     head = (head + output.text)[:LOGGED_TEXT_CHARS]
                     yield self._stream_message(validated, output)
@@ -270,6 +271,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.metrics.inc("tgi_request_failure", err="conc_limit")
             await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, OVERLOADED)
 
+    async def _fail_call(self, context: Any, span: Span, failed: Output) -> NoReturn:
+        """End the call with a request's generation failure, under its Failure's status code."""
+        assert failed.error is not None
+        self.metrics.inc("tgi_request_failure", err="generate")
+        span.set_error(failed.error)
+        await self._abort(context, grpc.StatusCode[failed.failure.value], failed.error)
+
     async def _validate(
         self, request: Any, texts: Sequence[str], received_at: float, context: Any
     ) -> list[ValidatedRequest]:
@@ -282,6 +290,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except ValidationError as exc:
             self.metrics.inc("tgi_request_failure", err="validation")
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TokenizerBusy as exc:
+            self.metrics.inc("tgi_queue_rejected", reason="tokenizer_busy")
+            self.metrics.inc("tgi_request_failure", err="queue_full")
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     @staticmethod
     async def _abort(context: Any, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -368,7 +380,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             fields,
             r.input_length,
             entry.id,
-            call.correlation_id or "-",
+            clip(call.correlation_id or "-"),
         )
 
     def _token_infos(self, tokens: Sequence[TokenInfo], request: ValidatedRequest) -> list[pb.TokenInfo]:
@@ -393,22 +405,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.metrics.inc("tgi_tokenize_request_input_count", len(request.requests))
         if self.draining:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, DRAINING)
+        texts = [r.text for r in request.requests]
+        if len(texts) > MAX_TOKENIZE_TEXTS:
+            message = f"a Tokenize call may carry at most {MAX_TOKENIZE_TEXTS} texts, got {len(texts)}"
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message)
         try:
-            results = await self.tokenizer.tokenize([r.text for r in request.requests])
-        except Exception as exc:
-            await self._abort(context, grpc.StatusCode.UNKNOWN, str(exc))
-        response = pb.BatchedTokenizeResponse()
-        truncate = request.truncate_input_tokens
-        total = 0
-        for result in results:
-            count = min(len(result.ids), truncate) if truncate else len(result.ids)
-            total += count
-            item = response.responses.add(token_count=count)
-            if request.return_tokens:
-                item.tokens.extend(result.tokens[len(result.tokens) - count :])
-            if request.return_offsets:
-                for start, end in result.offsets[len(result.offsets) - count :]:
-                    item.offsets.add(start=start, end=end)
+            # The answer is built on the worker thread too: for a long text it is millions of
+            # pieces and offsets, which would otherwise stall the event loop.
+            response, total = await self.tokenizer.run_tokenize_job(
+                texts,
+                lambda: _tokenize_response(
+                    self.tokenizer.tokenize_sync(texts, offsets=request.return_offsets), request
+                ),
+            )
+        except TokenizerBusy as exc:
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except TokenizerError as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"tokenizer error {clip(str(exc))}")
         self.metrics.observe("tgi_tokenize_request_tokens", total)
         self.metrics.observe("tgi_tokenize_request_duration", time.monotonic() - started)
         return response
@@ -421,3 +434,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             max_sequence_length=self.max_sequence_length,
             max_new_tokens=self.max_new_tokens,
         )
+
+
+def _tokenize_response(
+    results: Sequence[TokenizedText], request: pb.BatchedTokenizeRequest
+) -> tuple[pb.BatchedTokenizeResponse, int]:
+    """The Tokenize answer (left truncation to `truncate_input_tokens`) and its token total."""
+    response = pb.BatchedTokenizeResponse()
+    truncate = request.truncate_input_tokens
+    total = 0
+    for result in results:
+        count = min(len(result.ids), truncate) if truncate else len(result.ids)
+        total += count
+        item = response.responses.add(token_count=count)
+        if request.return_tokens:
+            item.tokens.extend(result.tokens[len(result.tokens) - count :])
+        if request.return_offsets:
+            for start, end in result.offsets[len(result.offsets) - count :]:
+                item.offsets.add(start=start, end=end)
+    return response, total

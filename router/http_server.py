@@ -12,18 +12,23 @@ answered and closed.
   /health/ready  readiness: not draining, and the shards answered within READY_WINDOW_S (else
                  a Health RPC decides).
   /metrics       Prometheus text format (router/metrics.py).
+
+Anything else gets a JSON error body, {"error": ..., "error_type": ...} as TGI's REST API
+answers: 404 for an unknown path, 405 for a method other than GET, 400 for a malformed line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from router.batcher import Batcher
+from router.logs import clip
 from router.shard_client import ShardCallError, ShardClient
 from router.tokenizer import TokenizerPool
 from text_generation_server.outputs import HEALTH_CHECK_BATCH_ID, GenerationRequest
@@ -44,7 +49,14 @@ class HttpResponse:
 
 
 Handler = Callable[[], Awaitable[HttpResponse]]
-REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    503: "Service Unavailable",
+}
+MAX_ECHOED_PATH = 64
 
 
 def metrics_route(exposition: Callable[[], bytes], content_type: str) -> Handler:
@@ -137,7 +149,8 @@ class HttpServer:
                 f"HTTP/1.1 {response.status} {REASONS.get(response.status, '')}\r\n"
                 f"Content-Type: {response.content_type}\r\n"
                 f"Content-Length: {len(response.body)}\r\n"
-                "Connection: close\r\n\r\n"
+                + ("Allow: GET\r\n" if response.status == 405 else "")
+                + "Connection: close\r\n\r\n"
             )
             writer.write(head.encode() + response.body)
             await writer.drain()
@@ -150,11 +163,17 @@ class HttpServer:
 
     async def _route(self, parts: list[str]) -> HttpResponse:
         if len(parts) < 2:
-            return HttpResponse(404)
+            return _error(400, "malformed request line", "bad_request")
         method, target = parts[0], parts[1].split("?", 1)[0]
         handler = self.routes.get(target)
         if handler is None:
-            return HttpResponse(404)
+            return _error(404, f"no route {clip(target, MAX_ECHOED_PATH)}", "not_found")
         if method != "GET":
-            return HttpResponse(405)
+            message = f"{clip(method, MAX_ECHOED_PATH)} is not allowed, use GET"
+            return _error(405, message, "method_not_allowed")
         return await handler()
+
+
+def _error(status: int, message: str, error_type: str) -> HttpResponse:
+    """An error answer in TGI's JSON shape ({"error", "error_type"}), which HTTP clients parse."""
+    return HttpResponse(status, json.dumps({"error": message, "error_type": error_type}).encode())

@@ -1,4 +1,5 @@
-"""Logging setup shared by the launcher, the router and the shards: plain lines or JSON lines."""
+"""Logging setup shared by the launcher, the router and the shards: plain lines or JSON lines;
+`clip` bounds the client strings that error messages and log lines echo."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ import sys
 import time
 
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+MAX_ECHO_CHARS = 256  # a client string longer than this is shortened where it is echoed
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text`, or its first `limit` characters and how long it was, so that echoing a client's
+    string can never make an error message or a log line large (gRPC clients refuse status
+    messages over their 16 KiB metadata limit)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...({len(text)} characters)"
 
 
 class JsonFormatter(logging.Formatter):

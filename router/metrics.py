@@ -30,7 +30,7 @@ MAKEUPS = ("single_only",)
 FAILURES = ("conc_limit", "queue_full", "validation", "generate", "cancelled", "timeout", "unknown")
 CALL_FAILURES = ("oom", "connection", "error")
 STOP_REASONS = tuple(r.name for r in StopReason)
-REJECTIONS = ("conc_limit", "draining")
+REJECTIONS = ("conc_limit", "draining", "tokenizer_busy")
 PHASES = ("queued", "running")
 
 
@@ -99,7 +99,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_request_time_to_first_token_duration", "histogram", "Receipt to first generated token (s)", DURATION, False),
     _spec("tgi_request_inter_token_duration", "histogram", "Time between consecutive tokens of a request (s)", DURATION, False),
     _spec("tgi_batch_capacity_usage", "gauge", "Used share of the running batch's tighter limit: weight (memory) or size", "", False),
-    _spec("tgi_queue_rejected", "counter", "Requests refused before queueing: over the concurrency limit, or draining", "", False, reason=REJECTIONS),
+    _spec("tgi_queue_rejected", "counter", "Requests refused before queueing: over the concurrency limit, draining, or too much text waiting for tokenization", "", False, reason=REJECTIONS),
     _spec("tgi_request_cancellation", "counter", "Requests whose client went away, by where they were", "", False, phase=PHASES),
 )  # fmt: skip
 

@@ -3,7 +3,7 @@
 Startup (TGIS order): load the tokenizer, connect to shard 0 and discover the others, clear
 their caches, read ModelInfo, check that one maximal request fits the shard's memory model,
 then start the batching loop, the gRPC server (TLS when configured; grpc.health.v1 and
-reflection beside fmaas.GenerationService) and the HTTP server. A failure at any step ends the
+reflection v1 + v1alpha beside fmaas.GenerationService) and the HTTP server. A failure at any step ends the
 process with a one-line reason.
 
 Shutdown (drain): health turns NOT_SERVING, new requests get UNAVAILABLE, requests in flight
@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from router.batch_weights import BatchWeights
 from router.batcher import Batcher
@@ -30,8 +30,10 @@ from router.detokenizer import Detokenizer
 from router.grpc_server import ConcurrencyLimiter, GenerationServicer
 from router.http_server import HealthCheck, HttpServer, metrics_route
 from router.metrics import CONTENT_TYPE, Metrics
-from router.pb import generation_pb2, generation_pb2_grpc
+from router.pb import generation_pb2
+from router.reflection import enable_server_reflection
 from router.request_queue import RequestQueue
+from router.rpc_handlers import add_servicer
 from router.shard_client import GrpcShardClient, ShardCallError
 from router.tls import TlsConfigError, server_credentials
 from router.tokenizer import TokenizerPool, load_tokenizer
@@ -41,7 +43,9 @@ from text_generation_server.outputs import ModelInfo
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+SERVICE_NAME = SERVICE.full_name
+PUBLISHED_API_FILE = "generation.proto"  # the API's file name as TGIS clients know it
 DRAIN_POLL_S = 0.05
 SERVER_STOP_GRACE_S = 1.0
 
@@ -157,11 +161,15 @@ async def _serve(config: RouterConfig) -> None:
         max_new_tokens=config.max_new_tokens,
     )
     grpc_server = grpc.aio.server()
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, grpc_server)
+    add_servicer(servicer, SERVICE, grpc_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
+    enable_server_reflection(
+        (
+            (generation_pb2.DESCRIPTOR, PUBLISHED_API_FILE),
+            (health_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR.name),
+        ),
+        grpc_server,
     )
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{config.host}:{config.grpc_port}"
@@ -226,6 +234,9 @@ async def _serve(config: RouterConfig) -> None:
 
 
 def run(config: RouterConfig) -> None:
+    # The tokenizer's own thread pool would let one long prompt hold the threads every other
+    # request's tokenization needs; the router parallelizes by request instead (tokenizer.py).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         asyncio.run(_serve(config))
     except StartupError as exc:

@@ -22,6 +22,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlparse
 
+from router.logs import clip
+
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
     from opentelemetry.sdk.trace import TracerProvider
@@ -90,13 +92,14 @@ class _OtelSpan:
 
 
 def _text_values(metadata: Metadata | None, keys: Iterable[str]) -> dict[str, str]:
-    """The first value of each wanted metadata key, as text (gRPC keys are lower-case)."""
+    """The first value of each wanted metadata key, as text (gRPC keys are lower-case), clipped."""
     wanted = set(keys)
     found: dict[str, str] = {}
     for key, value in metadata or ():
         key = key.lower()
         if key in wanted and key not in found:
-            found[key] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            found[key] = clip(text)  # they end up in log lines and span attributes
     return found
 
 

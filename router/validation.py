@@ -4,7 +4,9 @@ grpc_server.py hands over the protobuf Parameters and the input texts; out come
 ValidatedRequests (typed, tokenized, with seeds and capped max_new_tokens) or a
 ValidationError whose message is TGIS's, byte for byte. Order (tgis-api §9.1): parameter
 checks 1-11, the guided-decoding extension, the soft-prompt lookup (12), tokenization (13),
-then the length checks of each input (14, 15) in request order.
+then the length checks of each input (14, 15) in request order, each input first refused if it
+has no tokens at all (and no soft prompt). An input whose size in bytes alone proves check 14
+fails is not tokenized (input_bound.py): its message then says "at least N" tokens.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from router.input_bound import min_tokens
+from router.logs import clip
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
-from router.tokenizer import TokenizerPool
+from router.tokenizer import TokenizerError, TokenizerPool
 from text_generation_server.outputs import (
     GenerationRequest,
     LengthPenalty,
@@ -34,6 +38,7 @@ STOP_SEQUENCES_MESSAGE = (
     f"can specify at most {MAX_STOP_SEQUENCES} non-empty stop sequences, "
     f"each not more than {MAX_STOP_SEQUENCE_BYTES} UTF8 bytes"
 )
+EMPTY_INPUT_MESSAGE = "input must not be empty: the text has no tokens"
 PREFIX_CACHE_CAPACITY = 256
 PREFIX_CACHE_TTL_S = 3600.0
 
@@ -66,8 +71,8 @@ class ResponseSpec:
 class ValidatedRequest:
     """One input ready to queue."""
 
-    text: str
-    input_ids: tuple[int, ...]  # full tokenization, special tokens included
+    text: str  # the prompt, kept only when the response echoes it (input_text); else ""
+    input_ids: tuple[int, ...]  # what the shard needs of the tokenization (see shard_input_ids)
     input_length: int  # after truncation, without the prefix
     truncate_input_tokens: int
     prefix_id: str
@@ -110,6 +115,14 @@ class _Params:
     response: ResponseSpec = field(default_factory=ResponseSpec)
     truncate_input_tokens: int = 0
     guided: str | None = None  # the guided-decoding oneof field in use, if it constrains output
+
+
+def shard_input_ids(ids: list[int], truncate_input_tokens: int) -> tuple[int, ...]:
+    """The ids to send: all of them, or for a truncated input its last `truncate_input_tokens`
+    + 1, so that the shard still sees a longer input, truncates it and puts BOS back exactly as
+    it would with the whole list, while a long prompt's ids are not kept and sent."""
+    keep = truncate_input_tokens
+    return tuple(ids[-(keep + 1) :] if 0 < keep < len(ids) - 1 else ids)
 
 
 def _signed32(value: int) -> int:
@@ -262,28 +275,51 @@ class Validator:
         p = convert_params(params, self.default_include_stop_seqs)
         check_params(p, self.max_new_tokens)
         prefix_length = await self._prefix_length(prefix_id) if prefix_id else 0
+        # Inputs that are surely too long (check 14 on a lower bound of their length) are not
+        # tokenized; their error is raised in request order below, like every length error.
+        too_long = [self._surely_too_long(t, p.truncate_input_tokens, prefix_length) for t in texts]
         try:
-            encodings = await self.tokenizer.encode_batch(texts)
-        except Exception as exc:
-            raise ValidationError(f"tokenizer error {exc}") from exc
-        deadline = received_at + p.stopping.time_limit_ms / 1000 if p.stopping.time_limit_ms else None
-        for ids in encodings:
+            encoded = await self.tokenizer.encode_batch(
+                [text for text, error in zip(texts, too_long, strict=True) if error is None]
+            )
+        except TokenizerError as exc:
+            raise ValidationError(f"tokenizer error {clip(str(exc))}") from exc
+        for ids in encoded:
             self.metrics.observe("tgi_request_raw_input_length", len(ids))
-        validated = [
-            self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline)
-            for text, ids in zip(texts, encodings, strict=True)
-        ]
+        deadline = received_at + p.stopping.time_limit_ms / 1000 if p.stopping.time_limit_ms else None
+        remaining = iter(encoded)
+        validated = []
+        for text, error in zip(texts, too_long, strict=True):
+            if error is not None:
+                raise ValidationError(error)
+            ids = next(remaining)
+            validated.append(self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline))
         for v in validated:
             self.metrics.observe("tgi_request_input_length", v.input_length)
             self.metrics.observe("tgi_request_max_new_tokens", p.stopping.max_new_tokens)
         self.metrics.observe("tgi_request_validation_duration", time.monotonic() - received_at)
         return validated
 
+    def _surely_too_long(self, text: str, truncate: int, prefix_length: int) -> str | None:
+        """Check 14's message when the input's length bound alone fails it, else None."""
+        at_least = min_tokens(text, self.tokenizer.max_token_bytes)
+        limit = self.max_sequence_length
+        if truncate and at_least >= truncate:
+            at_least = truncate  # then exactly: the input keeps its last `truncate` tokens
+            shown = str(truncate)
+        else:
+            shown = f"at least {at_least}"
+        if at_least + prefix_length < limit:
+            return None
+        return f"input tokens ({shown}) plus prefix length ({prefix_length}) must be < {limit}"
+
     async def _prefix_length(self, prefix_id: str) -> int:
         try:
             return await self.prefixes.get(prefix_id)
         except Exception as exc:
-            raise ValidationError(f"can't retrieve prompt prefix with id '{prefix_id}': {exc}") from exc
+            raise ValidationError(
+                f"can't retrieve prompt prefix with id '{clip(prefix_id)}': {clip(str(exc))}"
+            ) from exc
 
     def _finish(
         self,
@@ -297,6 +333,8 @@ class Validator:
     ) -> ValidatedRequest:
         n = len(ids) if not p.truncate_input_tokens else min(len(ids), p.truncate_input_tokens)
         limit = self.max_sequence_length
+        if n + prefix_length == 0:  # a model cannot start from nothing (no BOS, no soft prompt)
+            raise ValidationError(EMPTY_INPUT_MESSAGE)
         if n + prefix_length >= limit:
             raise ValidationError(
                 f"input tokens ({n}) plus prefix length ({prefix_length}) must be < {limit}"
@@ -314,8 +352,8 @@ class Validator:
         if not sampling.greedy and sampling.seed is None:
             sampling = replace(sampling, seed=secrets.randbits(32))
         return ValidatedRequest(
-            text=text,
-            input_ids=tuple(ids),
+            text=text if p.response.input_text else "",
+            input_ids=shard_input_ids(ids, p.truncate_input_tokens),
             input_length=n,
             truncate_input_tokens=p.truncate_input_tokens,
             prefix_id=prefix_id,

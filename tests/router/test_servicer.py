@@ -1,8 +1,10 @@
-"""The external servicer on a fake shard: failures of a batched call, draining, metrics labels."""
+"""The external servicer on a fake shard: failures of a batched call and their status codes,
+draining, metrics labels, Tokenize's lanes and limits."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -10,10 +12,12 @@ import pytest
 
 from router.batch_weights import BatchWeights
 from router.batcher import Batcher
-from router.grpc_server import DRAINING, ConcurrencyLimiter, GenerationServicer
+from router.grpc_server import DRAINING, MAX_TOKENIZE_TEXTS, ConcurrencyLimiter, GenerationServicer
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.request_queue import RequestQueue
+from router.shard_client import CONNECTION_MESSAGE, OOM_MESSAGE, ShardCallError
+from router.tokenizer import BUSY_MESSAGE, TokenizerPool
 from router.tracing import Tracing
 from router.validation import PrefixLengths, Validator
 from tests.router.fakes import EOS, FakeShard
@@ -69,16 +73,20 @@ def batch(texts: list[str], max_new: int) -> pb.BatchedGenerationRequest:
     )
 
 
-async def test_a_failing_input_fails_the_call_at_once(servicer) -> None:
+async def test_a_failing_input_fails_the_call_at_once(servicer, caplog) -> None:
     s, shard = servicer
+    caplog.set_level(logging.INFO, "router.grpc_server")
     # The second input fails at its prefill; the first would need 150 steps (0.3 s or more).
     shard.request_errors[2] = "boom"
     start = time.monotonic()
     with pytest.raises(Aborted) as error:
         await s.Generate(batch(["first", "second"], 150), FakeContext())
     elapsed = time.monotonic() - start
-    assert error.value.code == grpc.StatusCode.UNKNOWN
+    assert error.value.code == grpc.StatusCode.INTERNAL  # an engine fault
     assert error.value.details == "Request failed during generation: boom"
+    # The abandoned sibling is logged as what it was: the first of two.
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("Sub-request 1 from batch of 2 generated") for line in lines), lines
     assert elapsed < 0.2, f"waited {elapsed:.2f} s for the other input"
     assert s.metrics.counters["tgi_request_failure"].get(err="generate") == 1
     # The abandoned input left the batch and its permit came back.
@@ -102,3 +110,98 @@ async def test_success_counts_by_kind(servicer) -> None:
     assert [r.generated_token_count for r in reply.responses] == [4, 4]
     assert s.metrics.counters["tgi_request_success"].get(stop_reason="MAX_TOKENS", kind="batch") == 2
     assert s.metrics.counters["tgi_request_count"].get(kind="batch") == 1
+
+
+async def _stream(s: GenerationServicer, text: str, max_new: int) -> list[pb.GenerationResponse]:
+    request = pb.SingleGenerationRequest(
+        request={"text": text}, params={"stopping": {"max_new_tokens": max_new}}
+    )
+    return [m async for m in s.GenerateStream(request, FakeContext())]
+
+
+CALL_FAILURES = [
+    (ShardCallError("connection", f"{CONNECTION_MESSAGE}: Socket closed"), grpc.StatusCode.UNAVAILABLE),
+    (ShardCallError("oom", OOM_MESSAGE), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ShardCallError("error", "engine exploded"), grpc.StatusCode.INTERNAL),
+]
+
+
+@pytest.mark.parametrize("step", ["prefill", "next_token"])
+@pytest.mark.parametrize("kind", ["single", "batch", "stream"])
+@pytest.mark.parametrize(("failure", "code"), CALL_FAILURES, ids=["gone", "oom", "fault"])
+async def test_shard_call_failures_have_actionable_codes(servicer, step, kind, failure, code) -> None:
+    """The same status through unary, batch and stream: never UNKNOWN."""
+    s, shard = servicer
+    setattr(shard, f"fail_{step}", failure)
+    with pytest.raises(Aborted) as error:
+        if kind == "stream":
+            await _stream(s, "hello", 5)
+        else:
+            await s.Generate(batch(["hello"] if kind == "single" else ["hello", "there"], 5), FakeContext())
+    assert error.value.code == code
+    assert error.value.details == f"Request failed during generation: {failure}"
+    assert s.limiter.in_use == 0
+    # The server goes on: the next request is answered.
+    reply = await s.Generate(batch(["again"], 3), FakeContext())
+    assert reply.responses[0].generated_token_count == 3
+
+
+async def test_generation_does_not_wait_behind_tokenize(servicer) -> None:
+    """A Tokenize of a few MiB runs in its own lane: a small Generate started after it is
+    validated, run and answered while the Tokenize is still working."""
+    s, _ = servicer
+    big = "hello world, " * 200_000  # 2.6 MB: about a second of tokenization
+    tokenize = asyncio.ensure_future(
+        s.Tokenize(pb.BatchedTokenizeRequest(requests=[{"text": big}], return_offsets=True), FakeContext())
+    )
+    await asyncio.sleep(0.05)  # it has started
+    reply = await s.Generate(batch(["small"], 3), FakeContext())
+    assert reply.responses[0].generated_token_count == 3
+    assert not tokenize.done(), "the Generate waited for the Tokenize"
+    answer = await tokenize
+    assert answer.responses[0].token_count > 100_000
+
+
+async def test_tokenize_limits(servicer, tokenizer_dir) -> None:
+    s, _ = servicer
+    with pytest.raises(Aborted) as error:
+        await s.Tokenize(
+            pb.BatchedTokenizeRequest(requests=[{"text": ""}] * (MAX_TOKENIZE_TEXTS + 1)), FakeContext()
+        )
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details == f"a Tokenize call may carry at most {MAX_TOKENIZE_TEXTS} texts, got 4097"
+    # A lane holding its budget refuses more at once, and frees it when its job ends.
+    from router.tokenizer import load_tokenizer
+
+    s.tokenizer = TokenizerPool(load_tokenizer(str(tokenizer_dir)), 1, tokenize_budget_bytes=4096)
+    try:
+        first = asyncio.ensure_future(
+            s.Tokenize(pb.BatchedTokenizeRequest(requests=[{"text": "a" * 3000}]), FakeContext())
+        )
+        await asyncio.sleep(0)
+        with pytest.raises(Aborted) as error:
+            await s.Tokenize(pb.BatchedTokenizeRequest(requests=[{"text": "b" * 2000}]), FakeContext())
+        assert (error.value.code, error.value.details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY_MESSAGE)
+        await first
+        again = await s.Tokenize(pb.BatchedTokenizeRequest(requests=[{"text": "b" * 2000}]), FakeContext())
+        assert again.responses[0].token_count > 0
+    finally:
+        s.tokenizer.close()
+
+
+async def test_a_tokenizer_panic_is_the_inputs_error(servicer, monkeypatch) -> None:
+    s, _ = servicer
+
+    class PanicException(BaseException):  # what pyo3 raises for a Rust panic
+        pass
+
+    def panic(texts, *, offsets):
+        raise PanicException("index out of bounds")
+
+    monkeypatch.setattr(s.tokenizer, "tokenize_sync", panic)
+    with pytest.raises(Aborted) as error:
+        await s.Tokenize(pb.BatchedTokenizeRequest(requests=[{"text": "x"}]), FakeContext())
+    assert (error.value.code, error.value.details) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tokenizer error index out of bounds",
+    )

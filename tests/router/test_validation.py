@@ -9,13 +9,17 @@ import pytest
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.validation import (
+    EMPTY_INPUT_MESSAGE,
     STOP_SEQUENCES_MESSAGE,
     PrefixLengths,
     ValidationError,
     Validator,
     check_params,
     convert_params,
+    shard_input_ids,
 )
+from text_generation_server.engines.inputs import truncated_input_ids
+from text_generation_server.outputs import GenerationRequest
 
 MAX_SEQ = 200
 MAX_NEW = 169
@@ -180,7 +184,10 @@ async def test_length_checks_and_capping(validator: Validator, tokenizer_pool) -
     assert str(error.value) == f"input tokens ({n_long}) plus prefix length (0) must be < {MAX_SEQ}"
     # Truncation rescues it.
     (v,) = await validator.validate([long_text], params(truncate_input_tokens=10), "", 0.0)
-    assert v.input_length == 10 and len(v.input_ids) == n_long
+    assert v.input_length == 10
+    # Only what the shard's truncation needs is kept and sent: the last 10 ids and one more.
+    full = tokenizer_pool.encode_batch_sync([long_text])[0]
+    assert v.input_ids == tuple(full[-11:])
 
     min_new = params(stopping=pb.StoppingCriteria(min_new_tokens=150, max_new_tokens=160))
     with pytest.raises(ValidationError) as error:
@@ -237,3 +244,96 @@ async def test_prefix_lengths_are_cached() -> None:
     cache = PrefixLengths(lookup, Metrics())
     assert await cache.get("a") == 3 and await cache.get("a") == 3
     assert calls == ["a"]
+
+
+@pytest.mark.parametrize("bos", [None, 1])
+@pytest.mark.parametrize("length", [0, 1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("keep", [0, 1, 2, 3, 4, 8])
+def test_shard_input_ids_truncate_like_the_whole_list(length: int, keep: int, bos: int | None) -> None:
+    ids = list(range(100, 100 + length))
+    sent = shard_input_ids(ids, keep)
+    assert len(sent) <= max(keep + 1, 1) or keep == 0
+    whole = GenerationRequest(id=1, input_ids=tuple(ids), max_new_tokens=1, truncate_input_tokens=keep)
+    short = GenerationRequest(id=1, input_ids=sent, max_new_tokens=1, truncate_input_tokens=keep)
+    assert truncated_input_ids(short, bos) == truncated_input_ids(whole, bos)
+
+
+@pytest.fixture
+def no_bos_validator(tmp_path) -> Validator:
+    """Validation with a tokenizer that adds no BOS (GPT-2's, BLOOM's): "" has no tokens."""
+    from router.tokenizer import TokenizerPool, load_tokenizer
+    from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
+
+    write_tokenizer(tmp_path, ARCHITECTURES["gpt2"])
+    pool = TokenizerPool(load_tokenizer(str(tmp_path)), workers=1)
+    metrics = Metrics(max_sequence_length=MAX_SEQ, max_new_tokens=MAX_NEW)
+    yield Validator(
+        pool,
+        PrefixLengths(found, metrics),
+        metrics,
+        max_sequence_length=MAX_SEQ,
+        max_new_tokens=MAX_NEW,
+        default_include_stop_seqs=True,
+    )
+    pool.close()
+
+
+async def test_an_input_without_tokens_is_invalid(no_bos_validator: Validator) -> None:
+    for texts in ([""], ["", "Hello"], ["Hello", ""]):
+        with pytest.raises(ValidationError) as error:
+            await no_bos_validator.validate(texts, None, "", 0.0)
+        assert str(error.value) == EMPTY_INPUT_MESSAGE
+    # In request order with the other per-input checks: the too-long first input speaks first.
+    with pytest.raises(ValidationError, match=r"^input tokens \(\d+\) plus prefix length"):
+        await no_bos_validator.validate(["hello " * 250, ""], None, "", 0.0)
+    (v,) = await no_bos_validator.validate(["Hello"], None, "", 0.0)
+    assert v.input_length > 0
+
+
+async def test_surely_too_long_inputs_are_not_tokenized(
+    validator: Validator, tokenizer_pool, monkeypatch
+) -> None:
+    per_token = tokenizer_pool.max_token_bytes
+    assert per_token is not None  # byte-level BPE: the bound applies
+    huge = "x" * (per_token * (MAX_SEQ + 10))
+    seen: list[list[str]] = []
+    encode = tokenizer_pool.encode_batch
+
+    async def recording(texts):
+        seen.append(list(texts))
+        return await encode(texts)
+
+    monkeypatch.setattr(tokenizer_pool, "encode_batch", recording)
+    with pytest.raises(ValidationError) as error:
+        await validator.validate([huge], None, "", 0.0)
+    assert (
+        str(error.value)
+        == f"input tokens (at least {MAX_SEQ + 10}) plus prefix length (0) must be < {MAX_SEQ}"
+    )
+    assert seen == [[]]
+    # Truncated to at least the limit: the count is then exact, as TGIS would report it.
+    with pytest.raises(ValidationError) as error:
+        await validator.validate([huge], params(truncate_input_tokens=MAX_SEQ + 5), "", 0.0)
+    assert str(error.value) == f"input tokens ({MAX_SEQ + 5}) plus prefix length (0) must be < {MAX_SEQ}"
+    # Truncated below the limit: it is tokenized and accepted.
+    (v,) = await validator.validate([huge], params(truncate_input_tokens=50), "", 0.0)
+    assert v.input_length == 50 and len(v.input_ids) == 51
+    # A short input before it keeps request order: the huge one still fails, the short one is
+    # tokenized alone.
+    seen.clear()
+    with pytest.raises(ValidationError, match="at least"):
+        await validator.validate(["short", huge], None, "", 0.0)
+    assert seen == [["short"]]
+
+
+async def test_echoed_prefix_ids_are_clipped(validator: Validator) -> None:
+    long_id = "p" * 20_000
+    with pytest.raises(ValidationError) as error:
+        await validator.validate(["hi"], None, long_id, 0.0)
+    message = str(error.value)
+    assert message.startswith("can't retrieve prompt prefix with id 'ppp")
+    assert "(20000 characters)" in message and len(message) < 1000
+    # A short id keeps TGIS's exact text.
+    with pytest.raises(ValidationError) as error:
+        await validator.validate(["hi"], None, "nope", 0.0)
+    assert str(error.value) == "can't retrieve prompt prefix with id 'nope': prefix id \"nope\" not found"
