@@ -19,8 +19,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from integration_tests.servers import Server, launch
@@ -189,12 +190,34 @@ def test_grpc_health_reflection_and_probes(metrics_server: Server) -> None:
             health.Check(health_pb2.HealthCheckRequest(service=service)).status
             == health_pb2.HealthCheckResponse.SERVING
         )
-    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-    (answer,) = reflection.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
-    )
-    names = {service.name for service in answer.list_services_response.service}
-    assert {"fmaas.GenerationService", "grpc.health.v1.Health"} <= names
+    # Reflection answers v1alpha and v1 (same messages, other package); the API's file is
+    # published as TGIS clients know it.
+    for version in ("v1alpha", "v1"):
+        ask = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        listed, described = ask(
+            iter(
+                [
+                    reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="fmaas.GenerationService"),
+                ]
+            )
+        )
+        names = {service.name for service in listed.list_services_response.service}
+        assert {
+            "fmaas.GenerationService",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= names, version
+        (file,) = described.file_descriptor_response.file_descriptor_proto
+        proto = descriptor_pb2.FileDescriptorProto.FromString(file)
+        assert (proto.name, proto.package) == ("generation.proto", "fmaas"), version
+        methods = [m.name for m in proto.service[0].method]
+        assert methods == ["Generate", "GenerateStream", "Tokenize", "ModelInfo"]
     for path in ("/health", "/health/live", "/health/ready"):
         with urllib.request.urlopen(f"http://127.0.0.1:{s.http_port}{path}", timeout=10) as r:
             assert r.status == 200, path
@@ -398,10 +421,16 @@ def _outcomes_when(s: Server, requests: int, break_shard) -> list[tuple[str, flo
         stub = s.aio_stub()
 
         async def one(i: int) -> tuple[str, float]:
+            """Unary, batch and stream calls in turn: a failure must look the same in each."""
+            texts = [f"x{i}"] if i % 3 == 0 else [f"x{i}", f"y{i}"]
             try:
-                await stub.Generate(
-                    pb.BatchedGenerationRequest(requests=[{"text": f"x{i}"}], params=long_params())
-                )
+                if i % 3 == 2:
+                    request = pb.SingleGenerationRequest(request={"text": texts[0]}, params=long_params())
+                    async for _ in stub.GenerateStream(request):
+                        pass
+                else:
+                    requests = [{"text": t} for t in texts]
+                    await stub.Generate(pb.BatchedGenerationRequest(requests=requests, params=long_params()))
             except grpc.aio.AioRpcError as error:
                 return error.code().name, time.monotonic()
             return "OK", time.monotonic()
@@ -417,8 +446,9 @@ def _outcomes_when(s: Server, requests: int, break_shard) -> list[tuple[str, flo
 
 def test_a_dead_shard_fails_in_flight_requests_promptly(root) -> None:
     s = launch("llama", root)
-    outcomes = _outcomes_when(s, 4, _shard_process(s).kill)
-    assert all(code != "OK" for code, _ in outcomes), outcomes
+    outcomes = _outcomes_when(s, 6, _shard_process(s).kill)
+    # A status a client can act on (retry elsewhere), the same through unary, batch and stream.
+    assert all(code == "UNAVAILABLE" for code, _ in outcomes), outcomes
     assert max(after for _, after in outcomes) < 3.0, outcomes
     assert s.process.wait(60) == 1
     termination = (root / "llama-termination.log").read_text()
@@ -431,10 +461,10 @@ def test_a_frozen_shard_fails_in_flight_requests_promptly(root) -> None:
     s = launch("llama", root)
     shard = _shard_process(s)
     try:
-        outcomes = _outcomes_when(s, 2, shard.suspend)
+        outcomes = _outcomes_when(s, 3, shard.suspend)
     finally:
         shard.kill()
-    assert all(code != "OK" for code, _ in outcomes), outcomes
+    assert all(code == "UNAVAILABLE" for code, _ in outcomes), outcomes
     assert max(after for _, after in outcomes) < 5.0, outcomes
     s.process.wait(60)
     logger.info("errors reached the clients %.2f s after the freeze", max(a for _, a in outcomes))

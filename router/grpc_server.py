@@ -415,7 +415,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             response, total = await self.tokenizer.run_tokenize_job(
                 texts,
                 lambda: _tokenize_response(
-                    self.tokenizer.tokenize_sync(texts, offsets=request.return_offsets), request
+                    self.tokenizer.tokenize_sync(
+                        texts, tokens=request.return_tokens, offsets=request.return_offsets
+                    ),
+                    request,
                 ),
             )
         except TokenizerBusy as exc:

@@ -149,18 +149,19 @@ class TokenizerPool:
         """Token ids of generation inputs (special tokens added)."""
         return await self._run("generate", texts, self.encode_batch_sync, texts)
 
-    def tokenize_sync(self, texts: Sequence[str], *, offsets: bool) -> list[TokenizedText]:
-        """Ids, pieces and (if asked) UTF-8 byte offsets: the Tokenize RPC's work."""
+    def tokenize_sync(self, texts: Sequence[str], *, tokens: bool, offsets: bool) -> list[TokenizedText]:
+        """Ids, and if asked pieces and UTF-8 byte offsets: the Tokenize RPC's work. What is not
+        asked for is not built (for a long text each is millions of Python objects)."""
         texts = list(texts)
-        if not offsets:
-            return [
-                TokenizedText(e.ids, e.tokens, [])
-                for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=True)
-            ]
-        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=True)
+        if offsets:
+            encodings = self.tokenizer.encode_batch(texts, add_special_tokens=True)
+        else:
+            encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=True)
         return [
-            TokenizedText(e.ids, e.tokens, _byte_offsets(t, e.offsets))
-            for t, e in zip(texts, encodings, strict=True)
+            TokenizedText(
+                e.ids, e.tokens if tokens else [], _byte_offsets(text, e.offsets) if offsets else []
+            )
+            for text, e in zip(texts, encodings, strict=True)
         ]
 
     async def run_tokenize_job(self, texts: Sequence[str], job: Callable[[], R]) -> R:

@@ -195,7 +195,7 @@ async def test_a_tokenizer_panic_is_the_inputs_error(servicer, monkeypatch) -> N
     class PanicException(BaseException):  # what pyo3 raises for a Rust panic
         pass
 
-    def panic(texts, *, offsets):
+    def panic(texts, *, tokens, offsets):
         raise PanicException("index out of bounds")
 
     monkeypatch.setattr(s.tokenizer, "tokenize_sync", panic)
