@@ -66,6 +66,12 @@ run: install demo-model ## start the server on the embedded demo model (gRPC :80
 integration-tests: install ## run only the integration tests (the real launcher on tiny models)
 	$(PY) -m pytest integration_tests $(PYTEST_ARGS)
 
+FUZZ_SECONDS ?= 600
+
+.PHONY: fuzz-soak
+fuzz-soak: install ## hostile-client soak: random and garbage requests for FUZZ_SECONDS (default 600)
+	$(PY) -m integration_tests.fuzz --seconds $(FUZZ_SECONDS)
+
 # Container image (Dockerfile.ubi). CONTAINER_TOOL: docker or podman, whichever is on PATH.
 CONTAINER_TOOL ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
 IMAGE ?= text-gen-server

@@ -52,7 +52,7 @@ def enable_server_reflection(files: Sequence[tuple[FileDescriptor, str]], server
     """Reflection over every service of `files` (each published under the name given with it)
     plus both reflection services, on v1 and v1alpha. The files must not import others."""
     pool = descriptor_pool.DescriptorPool()
-    names = []
+    names: list[str] = []
     for file, name in files:
         pool.Add(_file_proto(file, name))
         names.extend(service.full_name for service in file.services_by_name.values())

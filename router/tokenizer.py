@@ -151,15 +151,18 @@ class TokenizerPool:
 
     def tokenize_sync(self, texts: Sequence[str], *, tokens: bool, offsets: bool) -> list[TokenizedText]:
         """Ids, and if asked pieces and UTF-8 byte offsets: the Tokenize RPC's work. What is not
-        asked for is not built (for a long text each is millions of Python objects)."""
+        asked for is not built (for a long text each is millions of Python objects); offsets
+        need the tokenizer's slower path, pieces come from the vocabulary."""
         texts = list(texts)
         if offsets:
             encodings = self.tokenizer.encode_batch(texts, add_special_tokens=True)
-        else:
+        else:  # its Encodings carry no offsets and no token strings
             encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=True)
         return [
             TokenizedText(
-                e.ids, e.tokens if tokens else [], _byte_offsets(text, e.offsets) if offsets else []
+                e.ids,
+                [self.piece(i) for i in e.ids] if tokens else [],
+                _byte_offsets(text, e.offsets) if offsets else [],
             )
             for text, e in zip(texts, encodings, strict=True)
         ]

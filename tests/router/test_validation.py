@@ -39,17 +39,21 @@ async def found(prefix_id: str) -> int:
     raise Exception(f'prefix id "{prefix_id}" not found')
 
 
-@pytest.fixture
-def validator(tokenizer_pool) -> Validator:
+def make_validator(pool) -> Validator:
     metrics = Metrics(max_sequence_length=MAX_SEQ, max_new_tokens=MAX_NEW)
     return Validator(
-        tokenizer_pool,
+        pool,
         PrefixLengths(found, metrics),
         metrics,
         max_sequence_length=MAX_SEQ,
         max_new_tokens=MAX_NEW,
         default_include_stop_seqs=True,
     )
+
+
+@pytest.fixture
+def validator(tokenizer_pool) -> Validator:
+    return make_validator(tokenizer_pool)
 
 
 def test_defaults_without_params() -> None:
@@ -266,15 +270,7 @@ def no_bos_validator(tmp_path) -> Validator:
 
     write_tokenizer(tmp_path, ARCHITECTURES["gpt2"])
     pool = TokenizerPool(load_tokenizer(str(tmp_path)), workers=1)
-    metrics = Metrics(max_sequence_length=MAX_SEQ, max_new_tokens=MAX_NEW)
-    yield Validator(
-        pool,
-        PrefixLengths(found, metrics),
-        metrics,
-        max_sequence_length=MAX_SEQ,
-        max_new_tokens=MAX_NEW,
-        default_include_stop_seqs=True,
-    )
+    yield make_validator(pool)
     pool.close()
 
 
