@@ -9,6 +9,7 @@ validation.py (encode), grpc_server.py (Tokenize), detokenization (vocabulary pi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 from collections.abc import Callable, Sequence
@@ -182,8 +183,11 @@ class TokenizerPool:
             lane.held_bytes -= cost
             if cost >= TRIM_AFTER_BYTES:
                 # Later, so that what the caller builds from the result is freed first.
-                bulk = self._lanes["bulk"].executor
-                loop.call_later(TRIM_DELAY_S, lambda: bulk.submit(release_free_memory))
+                loop.call_later(TRIM_DELAY_S, self._release_memory)
+
+    def _release_memory(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the pool was closed meanwhile
+            self._lanes["bulk"].executor.submit(release_free_memory)
 
     def close(self) -> None:
         for lane in self._lanes.values():
