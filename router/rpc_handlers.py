@@ -9,6 +9,7 @@ log line at WARNING, before the servicer sees anything (so no metric counts it, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -41,8 +42,10 @@ def _unary(impl: Callable[..., Any], cls: type[Message], method: str) -> Callabl
 def _server_streaming(impl: Callable[..., Any], cls: type[Message], method: str) -> Callable[..., Any]:
     async def handle(raw: bytes, context: Any) -> AsyncIterator[Any]:
         request = await _parse(raw, cls, method, context)
-        async for message in impl(request, context):
-            yield message
+        # Closed with this handler (a client that leaves), so its cleanup runs at once.
+        async with contextlib.aclosing(impl(request, context)) as messages:
+            async for message in messages:
+                yield message
 
     return handle
 
