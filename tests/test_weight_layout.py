@@ -1,4 +1,5 @@
-"""Column-major linear weights: same model outputs, fast strides, tied embeddings left alone."""
+"""Linear weight layouts on CPU: every layout gives the model's outputs, tied embeddings are left
+alone, the measured choice follows its rule, and a pinned layout that cannot apply is refused."""
 
 from __future__ import annotations
 
@@ -8,40 +9,74 @@ import pytest
 import torch
 import transformers
 
-from text_generation_server.engines.weight_layout import column_major_linears
+from text_generation_server.engines.weight_layout import (
+    LinearLayout,
+    OneDnnLinear,
+    choose_linear_layouts,
+    pick,
+)
 
 
-def _load(path) -> torch.nn.Module:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def _load(path, dtype=torch.float32) -> torch.nn.Module:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval()
 
 
+FP32_LAYOUTS = [LinearLayout.COLUMN_MAJOR, LinearLayout.ONEDNN, LinearLayout.AUTO]
+
+
+@pytest.mark.parametrize("layout", FP32_LAYOUTS, ids=lambda layout: layout.value)
 @pytest.mark.parametrize("arch", ["llama", "bloom", "gpt_neox"])
-def test_same_logits_and_column_major_strides(tiny_model, arch: str) -> None:
+def test_every_layout_gives_the_same_logits(tiny_model, arch: str, layout: LinearLayout) -> None:
     model = _load(tiny_model(arch))
     relaid = copy.deepcopy(model)
-    changed = column_major_linears(relaid)
+    choices = choose_linear_layouts(relaid, max_batch_size=8, layout=layout)
+    assert choices and all(
+        c.layout in (layout, LinearLayout.PLAIN) or layout is LinearLayout.AUTO for c in choices
+    )
     linears = [m for m in relaid.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [m for m in relaid.modules() if isinstance(m, OneDnnLinear)]
     embeddings = [m.weight for m in relaid.modules() if isinstance(m, torch.nn.Embedding)]
-    assert changed > 0
-    for module in linears:
-        if module.weight.is_contiguous():  # only a weight tied to an embedding stays row-major
-            assert any(module.weight is e for e in embeddings)
-        else:
-            assert module.weight.t().is_contiguous()
+    if layout is LinearLayout.COLUMN_MAJOR:
+        for module in linears:  # only a weight tied to an embedding stays row-major
+            assert module.weight.t().is_contiguous() or any(module.weight is e for e in embeddings)
+    if layout is LinearLayout.ONEDNN:
+        assert packed and all(any(m.weight is e for e in embeddings) for m in linears)
     ids = torch.randint(3, 100, (4, 9))
     with torch.inference_mode():
-        torch.testing.assert_close(relaid(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(relaid(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_tied_embedding_keeps_row_major(tiny_model) -> None:
+def test_onednn_in_bfloat16(tiny_model) -> None:
+    model = _load(tiny_model("llama"), torch.bfloat16)
+    relaid = copy.deepcopy(model)
+    choose_linear_layouts(relaid, max_batch_size=8, layout=LinearLayout.ONEDNN)
+    assert any(isinstance(m, OneDnnLinear) for m in relaid.modules())
+    ids = torch.randint(3, 100, (2, 7))
+    with torch.inference_mode():
+        torch.testing.assert_close(relaid(ids).logits, model(ids).logits, rtol=2e-2, atol=2e-2)
+
+
+def test_tied_embedding_keeps_its_layout(tiny_model) -> None:
     model = _load(tiny_model("bloom"))  # BLOOM ties lm_head to the word embeddings
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    column_major_linears(model)
-    assert model.get_input_embeddings().weight.is_contiguous()
+    for layout in (LinearLayout.COLUMN_MAJOR, LinearLayout.ONEDNN):
+        choose_linear_layouts(model, 8, layout)
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert model.get_input_embeddings().weight.is_contiguous()
 
 
-def test_other_dtypes_untouched(tiny_model) -> None:
-    model = _load(tiny_model("llama")).to(torch.bfloat16)
-    assert column_major_linears(model) == 0
-    assert all(p.is_contiguous() for p in model.parameters())
+def test_a_pinned_layout_that_cannot_apply_is_refused(tiny_model) -> None:
+    model = _load(tiny_model("llama"), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"column-major is not available for torch\.bfloat16"):
+        choose_linear_layouts(model, 8, LinearLayout.COLUMN_MAJOR)
+
+
+def test_the_measured_choice_needs_a_clear_win() -> None:
+    plain, column, onednn = LinearLayout.PLAIN, LinearLayout.COLUMN_MAJOR, LinearLayout.ONEDNN
+    # Faster at both sizes: taken.
+    assert pick({plain: (40, 280), column: (38, 270), onednn: (36, 120)}) is onednn
+    # Slower at M = 1 but much faster at M = 32: the geometric mean decides.
+    assert pick({plain: (15, 103), onednn: (19, 50)}) is onednn
+    # Within noise of the loaded layout: stays plain.
+    assert pick({plain: (40, 100), column: (39, 98)}) is plain
+    assert pick({plain: (10, 50), onednn: (30, 60)}) is plain

@@ -24,6 +24,7 @@ from text_generation_server.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DTYPES,
     ESTIMATE_MEMORY_MODES,
+    LINEAR_LAYOUTS,
     ServerConfig,
 )
 
@@ -106,6 +107,14 @@ def app(log_level: str, json_output: bool) -> None:
     help="transformers attention implementation, e.g. sdpa or eager [env TRANSFORMERS_ATTN_IMPL].",
 )
 @click.option(
+    "--linear-layout",
+    envvar="LINEAR_LAYOUT",
+    type=click.Choice(LINEAR_LAYOUTS),
+    default="auto",
+    help="Layout of linear weights on CPU: auto measures each shape and picks the fastest "
+    "[env LINEAR_LAYOUT].",
+)
+@click.option(
     "--estimate-memory",
     envvar="ESTIMATE_MEMORY",
     type=click.Choice(ESTIMATE_MEMORY_MODES),
@@ -140,6 +149,7 @@ def serve(
     world_size: int,
     trust_remote_code: bool,
     attn_implementation: str | None,
+    linear_layout: str,
     estimate_memory: str,
     batch_safety_margin: int,
     cuda_process_memory_fraction: float,
@@ -162,6 +172,7 @@ def serve(
             world_size=world_size,
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
+            linear_layout=linear_layout,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,
             cuda_process_memory_fraction=cuda_process_memory_fraction,

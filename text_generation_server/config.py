@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 
 DTYPES = ("float16", "bfloat16", "float32")
+LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
 DEFAULT_BATCH_SAFETY_MARGIN = 20
 DEFAULT_MAX_NEW_TOKENS = 1024
@@ -37,6 +38,7 @@ class ServerConfig:
     world_size: int = 1
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
+    linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN  # % of free memory held back
     cuda_process_memory_fraction: float = 1.0  # share of the GPU this process may use
@@ -52,6 +54,9 @@ class ServerConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.linear_layout not in LINEAR_LAYOUTS:
+            choices = ", ".join(LINEAR_LAYOUTS)
+            raise ValueError(f"unknown LINEAR_LAYOUT {self.linear_layout!r}; choose one of {choices}")
         if self.estimate_memory not in ESTIMATE_MEMORY_MODES:
             choices = ", ".join(ESTIMATE_MEMORY_MODES)
             raise ValueError(f"unknown ESTIMATE_MEMORY {self.estimate_memory!r}; choose one of {choices}")

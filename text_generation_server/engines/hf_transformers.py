@@ -22,7 +22,7 @@ from text_generation_server.engines.kv_cache import cache_bytes, new_cache
 from text_generation_server.engines.padded import PaddedBatch
 from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
-from text_generation_server.engines.weight_layout import column_major_linears
+from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
 from text_generation_server.outputs import (
     Generation,
@@ -102,8 +102,6 @@ class HFTransformersEngine(ModelEngine):
             ),
         )
         self.model.to(self.device).eval()
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            column_major_linears(self.model)
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
         )
@@ -116,6 +114,8 @@ class HFTransformersEngine(ModelEngine):
             max_batch_size=config.max_batch_size,
             safety_margin=config.batch_safety_margin,
         )
+        if self.device.type == "cpu":  # after the steps above, which read the loaded weights
+            choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
         self.info = ModelInfo(
             seq2seq=self.seq2seq,
             eos_token_id=self.context.eos_token_id,
