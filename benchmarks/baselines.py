@@ -93,7 +93,7 @@ def generate_runner(model_dir: Path, dtype: str | None) -> tuple[Runner, str]:
     from text_generation_server.engines.hf_transformers import select_device, select_dtype
 
     device = select_device(0)
-    torch_dtype = select_dtype(dtype, device)
+    torch_dtype, _ = select_dtype(dtype, device)
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch_dtype, local_files_only=True
     )

@@ -198,8 +198,11 @@ async def _serve(config: RouterConfig) -> None:
     await grpc_server.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     logger.info(
-        "serving %s model: gRPC on %s%s, HTTP on %s:%d (max batch %d, max sequence %d, max new tokens %d)",
+        "serving %s model in %s (%s): gRPC on %s%s, HTTP on %s:%d "
+        "(max batch %d, max sequence %d, max new tokens %d)",
         "encoder-decoder" if info.seq2seq else "decoder-only",
+        info.dtype or "?",
+        info.dtype_reason or "?",
         address,
         " (mTLS)" if config.tls_client_ca_cert_path else " (TLS)" if credentials else "",
         config.host,

@@ -10,7 +10,8 @@ from text_generation_server.outputs import GenerationRequest
 
 
 def test_nan_row_fails_alone_and_inf_is_not_nan(tiny_model) -> None:
-    engine = HFTransformersEngine(ServerConfig(model_name=str(tiny_model("llama")), max_batch_size=4))
+    config = ServerConfig(model_name=str(tiny_model("llama")), max_batch_size=4, dtype="float32")
+    engine = HFTransformersEngine(config)
     poisoned: dict[int, float] = {}
 
     def poison(_module, _inputs, output: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,10 @@ def shard(request, tiny_model, tmp_path_factory) -> Iterator[Shard]:
 
     path = tiny_model(request.param)
     socket_dir = tmp_path_factory.mktemp("sock")
-    config = ServerConfig(model_name=str(path), uds_path=str(socket_dir / "shard"), max_batch_size=8)
+    # float32: the oracle's exactness (the CPU default may be bfloat16, utils/cpu.py)
+    config = ServerConfig(
+        model_name=str(path), uds_path=str(socket_dir / "shard"), max_batch_size=8, dtype="float32"
+    )
     engine = HFTransformersEngine(config)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     with running_shard(engine, config) as stub:

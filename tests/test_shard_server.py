@@ -51,6 +51,7 @@ def shard(tiny_model, tmp_path_factory) -> Iterator[tuple[HookedEngine, Any, Ser
         max_batch_size=MAX_BATCH,
         max_sequence_length=MAX_SEQ,
         max_new_tokens=MAX_NEW,
+        dtype="float32",
     )
     engine = HookedEngine(HFTransformersEngine(config))
     with running_shard(engine, config) as stub:

@@ -24,7 +24,8 @@ def llama(tiny_model, tmp_path_factory) -> Iterator[tuple[HFTransformersEngine, 
     import transformers
 
     path = tiny_model("llama")
-    config = ServerConfig(model_name=str(path), uds_path=str(tmp_path_factory.mktemp("s") / "shard"))
+    socket = str(tmp_path_factory.mktemp("s") / "shard")
+    config = ServerConfig(model_name=str(path), uds_path=socket, dtype="float32")
     engine = HFTransformersEngine(config)
     with running_shard(engine, config) as stub:
         yield engine, stub, transformers.AutoTokenizer.from_pretrained(path)
@@ -115,7 +116,7 @@ def test_encoder_input_tokens(tiny_model, tmp_path) -> None:
     import transformers
 
     path = tiny_model("t5")
-    config = ServerConfig(model_name=str(path), uds_path=str(tmp_path / "shard"))
+    config = ServerConfig(model_name=str(path), uds_path=str(tmp_path / "shard"), dtype="float32")
     engine = HFTransformersEngine(config)
     ids = transformers.AutoTokenizer.from_pretrained(path)(PROMPT_A)["input_ids"]
     with running_shard(engine, config) as stub:

@@ -96,6 +96,8 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         batch_padding=info.batch_padding,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
+        dtype=info.dtype,
+        dtype_reason=info.dtype_reason,
         memory_scaling_model=pb.MemoryScalingModel(
             prefill_linear_coef0=info.memory.prefill_linear_coef0,
             prefill_quadratic_coef0=info.memory.prefill_quadratic_coef0,
@@ -183,4 +185,6 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
             weight_limit=m.weight_limit,
         ),
         batch_padding=info.batch_padding,
+        dtype=info.dtype,
+        dtype_reason=info.dtype_reason,
     )

@@ -147,3 +147,5 @@ class ModelInfo:
     max_sequence_length: int
     memory: MemoryScalingModel
     batch_padding: bool = True
+    dtype: str = ""  # what the weights and activations are in ("bfloat16", ...)
+    dtype_reason: str = ""  # why that dtype ("the CPU has AMX-BF16", "asked for ...")

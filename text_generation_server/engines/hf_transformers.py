@@ -18,6 +18,7 @@ import torch
 
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelContext, ModelEngine
+from text_generation_server.engines.cpu_attention import use_decode_packed_sdpa
 from text_generation_server.engines.kv_cache import cache_bytes, new_cache
 from text_generation_server.engines.padded import PaddedBatch
 from text_generation_server.engines.padded_causal import CausalLMBatch
@@ -37,6 +38,7 @@ from text_generation_server.sampling.token_details import (
     generated_token_infos,
     input_token_infos,
 )
+from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 from text_generation_server.utils.hub import resolve_model_dir
 from text_generation_server.utils.model_config import DEFAULT_MAX_SEQUENCE_LENGTH, context_length
 
@@ -51,12 +53,18 @@ def select_device(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def select_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name is None:
-        return torch.float16 if device.type == "cuda" else torch.float32
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
+def select_dtype(
+    name: str | None, device: torch.device, flags: frozenset[str] | None = None
+) -> tuple[torch.dtype, str]:
+    """The dtype to load in, and why: the one asked for, else float16 on CUDA, else by the CPU's
+    instructions (utils/cpu.py; `flags` defaults to this machine's)."""
+    if name is not None:
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype)
+        return dtype, "asked for (DTYPE_STR / --dtype)"
+    if device.type == "cuda":
+        return torch.float16, "the default on CUDA"
+    return default_cpu_dtype(cpu_flags() if flags is None else flags)
 
 
 def _config_int(hf_config: Any, names: Sequence[str], default: int) -> int:
@@ -81,7 +89,7 @@ class HFTransformersEngine(ModelEngine):
         hf_logging.disable_progress_bar()
         model_dir = resolve_model_dir(config.model_name, config.revision)
         self.device = select_device(config.rank)
-        self.dtype = select_dtype(config.dtype, self.device)
+        self.dtype, self.dtype_reason = select_dtype(config.dtype, self.device)
         hf_config = transformers.AutoConfig.from_pretrained(
             model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
         )
@@ -90,7 +98,14 @@ class HFTransformersEngine(ModelEngine):
         load_kwargs: dict[str, Any] = {}
         if config.attn_implementation:
             load_kwargs["attn_implementation"] = config.attn_implementation
-        logger.info("loading %s (%s, %s) from %s", config.model_name, self.dtype, self.device, model_dir)
+        logger.info(
+            "loading %s (%s: %s; %s) from %s",
+            config.model_name,
+            str(self.dtype).removeprefix("torch."),
+            self.dtype_reason,
+            self.device,
+            model_dir,
+        )
         self.model: Any = cast(
             Any,
             auto.from_pretrained(
@@ -102,6 +117,8 @@ class HFTransformersEngine(ModelEngine):
             ),
         )
         self.model.to(self.device).eval()
+        if self.device.type == "cpu" and use_decode_packed_sdpa(self.model):
+            logger.info("attention: SDPA, with GQA decode steps on the packed-query kernel")
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
         )
@@ -122,6 +139,8 @@ class HFTransformersEngine(ModelEngine):
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
             memory=memory_model,
+            dtype=str(self.dtype).removeprefix("torch."),
+            dtype_reason=self.dtype_reason,
         )
 
     def _context(self, config: ServerConfig, hf_config: Any, tokenizer: Any) -> ModelContext:
