@@ -9,11 +9,13 @@ benchmarks/results/<timestamp>/ and prints the table and where it is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import sys
 from pathlib import Path
 
+from benchmarks import compare
 from benchmarks.server import DEFAULT_VLLM_SCRIPT, parse_cpus
 from benchmarks.suite import DEFAULT_CONCURRENCY, SWEEP, SYSTEMS, BenchConfig, run
 from benchmarks.workload import WORKLOADS, WorkloadSpec
@@ -97,10 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=["float32", "bfloat16", "float16", "best"],
         default=None,
         help="dtype for our server and the baselines; default: the server's own default "
-        "(float32 on CPU); the dtype actually used is recorded",
+        "(by the CPU: bfloat16 with AMX-BF16 or AVX512-BF16, else float32); the dtype actually used "
+        "is recorded. best: run everything in float32 and in bfloat16 (OUT/float32/, "
+        "OUT/bfloat16/) and write OUT/best.md with each system at its fastest dtype",
     )
 
     g = p.add_argument_group("workload")
@@ -302,6 +306,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def run_best(cfg: BenchConfig, vllm_dtype: str | None) -> dict[str, Path]:
+    """The suite once per dtype, then the best-against-best report (compare.py)."""
+    paths: dict[str, Path] = {}
+    for dtype in compare.DTYPES:
+        one = dataclasses.replace(
+            cfg, out_dir=cfg.out_dir / dtype, dtype=dtype, vllm_dtype=vllm_dtype or dtype
+        )
+        paths.update({f"{dtype}_{kind}": path for kind, path in run(one).items()})
+    best = compare.write(cfg.out_dir, compare.load(cfg.out_dir))
+    return {"markdown": best["best_markdown"], **best, **paths}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -315,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", exc)
         return 2
     try:
-        paths = run(cfg)
+        paths = run_best(cfg, args.vllm_dtype) if cfg.dtype == "best" else run(cfg)
     except (RuntimeError, OSError) as exc:
         logger.error("benchmark failed: %s", exc)
         return 1

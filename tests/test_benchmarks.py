@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from benchmarks.stats import POINT_FIELDS, RequestResult, summarize
 from benchmarks.workload import WORKLOADS, PromptMaker, WorkloadSpec, build_workload
+from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INPUT_LEN, OUTPUT_LEN, PROMPTS = 16, 8, 4
@@ -105,7 +106,8 @@ def test_smoke_json_has_every_field_and_sane_numbers(smoke_run: Path) -> None:
     meta = results["metadata"]
     for key in ("date", "git", "model", "dtype", "threads", "pinning", "workload", "host", "options"):
         assert key in meta, key
-    assert meta["dtype"] == "float32"  # the server's CPU default, read back from its log
+    # The server's CPU default (by this CPU's instructions), read back from its log.
+    assert meta["dtype"] == str(default_cpu_dtype(cpu_flags())[0]).removeprefix("torch.")
     assert meta["model"]["vocab_size"] == 2000 and meta["model"]["parameters"] > 0
 
     ours = results["systems"]["ours"]
@@ -136,7 +138,7 @@ def test_smoke_json_has_every_field_and_sane_numbers(smoke_run: Path) -> None:
 
     for key in ("engine_only", "hf_generate"):
         baseline = results["baselines"][key]
-        assert baseline["dtype"] == "float32"
+        assert baseline["dtype"] == meta["dtype"]  # the baselines run in the dtype the server resolved
         assert [p["batch_size"] for p in baseline["points"]] == list(CONCURRENCY)
         for point in baseline["points"]:
             assert point["output_tokens"] == point["batch_size"] * OUTPUT_LEN
