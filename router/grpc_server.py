@@ -31,7 +31,7 @@ from router.request_queue import RequestQueue
 from router.stopping import StopReason
 from router.tokenizer import TokenizedText, TokenizerBusy, TokenizerError, TokenizerPool
 from router.tracing import Span, Tracing, correlation_id
-from router.validation import ValidatedRequest, ValidationError, Validator
+from router.validation import ValidatedRequest, ValidationError, Validator, tokenizer_error_message
 from text_generation_server.outputs import TokenInfo
 
 logger = logging.getLogger(__name__)
@@ -424,7 +424,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except TokenizerBusy as exc:
             await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except TokenizerError as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"tokenizer error {clip(str(exc))}")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, tokenizer_error_message(exc))
         self.metrics.observe("tgi_tokenize_request_tokens", total)
         self.metrics.observe("tgi_tokenize_request_duration", time.monotonic() - started)
         return response

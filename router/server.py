@@ -3,8 +3,8 @@
 Startup (TGIS order): load the tokenizer, connect to shard 0 and discover the others, clear
 their caches, read ModelInfo, check that one maximal request fits the shard's memory model,
 then start the batching loop, the gRPC server (TLS when configured; grpc.health.v1 and
-reflection v1 + v1alpha beside fmaas.GenerationService) and the HTTP server. A failure at any step ends the
-process with a one-line reason.
+reflection v1 + v1alpha beside fmaas.GenerationService) and the HTTP server. A failure at any
+step ends the process with a one-line reason.
 
 Shutdown (drain): health turns NOT_SERVING, new requests get UNAVAILABLE, requests in flight
 get up to DRAIN_TIMEOUT_SECS to finish, then the servers close and the process exits 0.

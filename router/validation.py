@@ -117,6 +117,11 @@ class _Params:
     guided: str | None = None  # the guided-decoding oneof field in use, if it constrains output
 
 
+def tokenizer_error_message(exc: Exception) -> str:
+    """TGIS's message for an input the tokenizer fails on (check 13), the detail clipped."""
+    return f"tokenizer error {clip(str(exc))}"
+
+
 def shard_input_ids(ids: list[int], truncate_input_tokens: int) -> tuple[int, ...]:
     """The ids to send: all of them, or for a truncated input its last `truncate_input_tokens`
     + 1, so that the shard still sees a longer input, truncates it and puts BOS back exactly as
@@ -283,7 +288,7 @@ class Validator:
                 [text for text, error in zip(texts, too_long, strict=True) if error is None]
             )
         except TokenizerError as exc:
-            raise ValidationError(f"tokenizer error {clip(str(exc))}") from exc
+            raise ValidationError(tokenizer_error_message(exc)) from exc
         for ids in encoded:
             self.metrics.observe("tgi_request_raw_input_length", len(ids))
         deadline = received_at + p.stopping.time_limit_ms / 1000 if p.stopping.time_limit_ms else None

@@ -90,6 +90,7 @@ class HFTransformersEngine(ModelEngine):
         model_dir = resolve_model_dir(config.model_name, config.revision)
         self.device = select_device(config.rank)
         self.dtype, self.dtype_reason = select_dtype(config.dtype, self.device)
+        dtype_name = str(self.dtype).removeprefix("torch.")
         hf_config = transformers.AutoConfig.from_pretrained(
             model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
         )
@@ -101,7 +102,7 @@ class HFTransformersEngine(ModelEngine):
         logger.info(
             "loading %s (%s: %s; %s) from %s",
             config.model_name,
-            str(self.dtype).removeprefix("torch."),
+            dtype_name,
             self.dtype_reason,
             self.device,
             model_dir,
@@ -139,7 +140,7 @@ class HFTransformersEngine(ModelEngine):
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
             memory=memory_model,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=dtype_name,
             dtype_reason=self.dtype_reason,
         )
 

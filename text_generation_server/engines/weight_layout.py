@@ -93,12 +93,15 @@ def _median_us(fn: Callable[[], object]) -> float:
     return samples[len(samples) // 2] * 1e6
 
 
-def _forward(layout: LinearLayout, weight: torch.Tensor, batch_hint: int) -> Callable[[torch.Tensor], object]:
-    if layout is LinearLayout.ONEDNN:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    laid = weight.t().contiguous().t() if layout is LinearLayout.COLUMN_MAJOR else weight
-    return lambda x: torch.nn.functional.linear(x, laid)
+def laid_out(linear: torch.nn.Linear, layout: LinearLayout, batch_hint: int) -> torch.nn.Module:
+    """`linear` in `layout`: the same module (column-major strides set in place) or its oneDNN
+    replacement. The one place a layout is made, for timing and for the model alike."""
+    if layout is LinearLayout.COLUMN_MAJOR and linear.weight.is_contiguous():
+        with torch.no_grad():
+            linear.weight.data = linear.weight.data.t().contiguous().t()
+    elif layout is LinearLayout.ONEDNN:
+        return OneDnnLinear(linear, batch_hint)
+    return linear
 
 
 def _tune(shape: tuple[int, int], dtype: torch.dtype, large_m: int) -> Choice:
@@ -108,10 +111,11 @@ def _tune(shape: tuple[int, int], dtype: torch.dtype, large_m: int) -> Choice:
     times: dict[LinearLayout, tuple[float, float]] = {}
     with torch.inference_mode():
         for layout in _candidates(dtype):
-            forward = _forward(layout, weight, large_m)
-            one, large = (_median_us(functools.partial(forward, x)) for x in inputs)
+            probe = torch.nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+            probe.weight.data = weight.clone()
+            module = laid_out(probe, layout, large_m)
+            one, large = (_median_us(functools.partial(module, x)) for x in inputs)
             times[layout] = (one, large)
-
     return Choice(shape, dtype, pick(times), times)
 
 
@@ -142,16 +146,6 @@ def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.n
     return found
 
 
-def _apply(
-    parent: torch.nn.Module, name: str, linear: torch.nn.Linear, layout: LinearLayout, hint: int
-) -> None:
-    if layout is LinearLayout.COLUMN_MAJOR and linear.weight.is_contiguous():
-        with torch.no_grad():
-            linear.weight.data = linear.weight.data.t().contiguous().t()
-    elif layout is LinearLayout.ONEDNN:
-        setattr(parent, name, OneDnnLinear(linear, hint))
-
-
 def choose_linear_layouts(
     model: torch.nn.Module, max_batch_size: int, layout: LinearLayout = LinearLayout.AUTO
 ) -> list[Choice]:
@@ -171,7 +165,9 @@ def choose_linear_layouts(
                 choices[key] = Choice(shape, dtype, layout, {})
             else:
                 raise ValueError(f"linear layout {layout.value} is not available for {dtype}")
-        _apply(parent, name, linear, choices[key].layout, large_m)
+        module = laid_out(linear, choices[key].layout, large_m)
+        if module is not linear:
+            setattr(parent, name, module)
     for c in choices.values():
         measured = ", ".join(f"{k.value} {t[0]:.0f}/{t[1]:.0f} us" for k, t in c.times_us.items())
         logger.info(
