@@ -419,6 +419,7 @@ def _outcomes_when(s: Server, requests: int, break_shard) -> list[tuple[str, flo
 
     async def run() -> list[tuple[str, float]]:
         stub = s.aio_stub()
+        generating = asyncio.Event()  # a stream got its first token: the batch is running
 
         async def one(i: int) -> tuple[str, float]:
             """Unary, batch and stream calls in turn: a failure must look the same in each."""
@@ -426,8 +427,9 @@ def _outcomes_when(s: Server, requests: int, break_shard) -> list[tuple[str, flo
             try:
                 if i % 3 == 2:
                     request = pb.SingleGenerationRequest(request={"text": texts[0]}, params=long_params())
-                    async for _ in stub.GenerateStream(request):
-                        pass
+                    async for message in stub.GenerateStream(request):
+                        if message.generated_token_count:
+                            generating.set()
                 else:
                     requests = [{"text": t} for t in texts]
                     await stub.Generate(pb.BatchedGenerationRequest(requests=requests, params=long_params()))
@@ -435,8 +437,10 @@ def _outcomes_when(s: Server, requests: int, break_shard) -> list[tuple[str, flo
                 return error.code().name, time.monotonic()
             return "OK", time.monotonic()
 
+        assert requests >= 3, "the third call is the stream that says when generation runs"
         calls = [asyncio.ensure_future(one(i)) for i in range(requests)]
-        await asyncio.sleep(0.3)
+        # Break it mid-generation, however fast the engine is (a fixed sleep raced 169 tokens).
+        await asyncio.wait_for(generating.wait(), 60)
         break_shard()
         broken = time.monotonic()
         return [(code, at - broken) for code, at in await asyncio.gather(*calls)]

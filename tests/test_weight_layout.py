@@ -47,6 +47,21 @@ def test_every_layout_gives_the_same_logits(tiny_model, arch: str, layout: Linea
         torch.testing.assert_close(relaid(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_onednn_in_a_seq2seq_model(tiny_model) -> None:
+    """T5 reads its Linear weights' dtype in forward: packed modules must still answer it."""
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(tiny_model("t5"), dtype=torch.float32).eval()
+    relaid = copy.deepcopy(model)
+    choose_linear_layouts(relaid, max_batch_size=8, layout=LinearLayout.ONEDNN)
+    assert any(isinstance(m, OneDnnLinear) for m in relaid.modules())
+    ids = torch.randint(3, 100, (2, 7))
+    decoder = torch.zeros((2, 3), dtype=torch.long)
+    with torch.inference_mode():
+        got = relaid(input_ids=ids, decoder_input_ids=decoder).logits
+        torch.testing.assert_close(
+            got, model(input_ids=ids, decoder_input_ids=decoder).logits, rtol=1e-4, atol=1e-4
+        )
+
+
 def test_onednn_in_bfloat16(tiny_model) -> None:
     model = _load(tiny_model("llama"), torch.bfloat16)
     relaid = copy.deepcopy(model)

@@ -57,6 +57,9 @@ class OneDnnLinear(torch.nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
+        # Model code reads `weight.dtype` (T5 casts activations to it): shape and dtype without
+        # data, so that anything computing with it fails loudly instead of reading garbage.
+        self.weight = torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
