@@ -5,7 +5,8 @@ The shard server keeps batches in a cache keyed by batch id and only ever:
   - builds one from requests            (Batch.from_requests, per-request errors beside it),
   - drops finished requests             (prune, without recomputing anything),
   - merges several into one             (Batch.concatenate, cached under the first id),
-  - hands it to its engine for a step   (ModelEngine.generate_token).
+  - hands it to its engine for a step   (ModelEngine.generate_token), also ahead of the router's
+                                        call while some request may still generate (remaining).
 Engines define the concrete classes (e.g. left-padded rectangles with a KV cache).
 """
 
@@ -40,6 +41,10 @@ class Batch(ABC):
     @abstractmethod
     def prune(self, completed_ids: set[int]) -> Self | None:
         """Drop the given requests; returns None when nothing is left."""
+
+    @abstractmethod
+    def remaining(self) -> int:
+        """The most tokens any request of the batch may still generate (0: all are done)."""
 
     @property
     @abstractmethod

@@ -5,6 +5,16 @@ prunes finished requests, merges batches, and runs the engine. Every call valida
 input before changing anything, so a rejected call (ShardError) leaves the cache as it was.
 A call that fails inside the engine loses the batches it was running (the router fails them).
 
+Running ahead: after answering a call, the server has `run_ahead` step every cached batch
+whose requests may still generate, while the answer travels to the router and the router
+hands the tokens out. The router's next NextToken then finds the step done and is answered at
+once, so the round trip (about a millisecond at batch size 1, more with a large batch) is no
+longer between two forwards. The tokens are those the router's call would have produced:
+every request keeps its own sampling state, and a step computed ahead of a prune gives
+the requests pruned by that call one token too many, which is dropped here (the router already
+drops tokens past a request's end). A step that fails ahead is reported by the next call that
+references its batch, with the error the call itself would have raised.
+
 Not thread-safe: server.py calls it from its single worker thread only.
 """
 
@@ -12,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from text_generation_server.batch import Batch
 from text_generation_server.engines.base import ModelEngine
@@ -26,11 +37,38 @@ from text_generation_server.outputs import (
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class Ahead:
+    """A decode step run before the router asked for it: the output still to deliver and the
+    batch after the step (None when no request is left in it), or the error the step raised."""
+
+    output: StepOutput
+    batch: Batch | None
+    error: Exception | None = None
+
+    @property
+    def request_ids(self) -> list[int]:
+        return self.output.request_ids
+
+    def prune(self, completed_ids: set[int]) -> Ahead | None:
+        """Drop the given requests; None when nothing is left to deliver."""
+        if self.error is not None:
+            return self
+        output = self.output.without(completed_ids)
+        if not output.generations and not output.errors:
+            return None
+        batch = self.batch.prune(completed_ids) if self.batch is not None else None
+        return Ahead(output, batch)
+
+
+Cached = Batch | Ahead
+
+
 class BatchManager:
     def __init__(self, engine: ModelEngine, max_batch_size: int) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
-        self._cache: dict[int, Batch] = {}
+        self._cache: dict[int, Cached] = {}
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -89,14 +127,14 @@ class BatchManager:
 
     # ---- calls ------------------------------------------------------------------------------
 
-    def _take(self, refs: Sequence[CachedBatchRef]) -> list[Batch]:
-        """Pop the referenced batches, pruned; fully completed ones are dropped."""
+    def _take(self, refs: Sequence[CachedBatchRef]) -> list[tuple[int, Cached]]:
+        """Pop the referenced batches, pruned, with their ids; fully completed ones are dropped."""
         kept = []
         for ref in refs:
-            batch = self._cache.pop(ref.batch_id)
-            pruned = batch.prune(set(ref.completed_ids)) if ref.completed_ids else batch
+            cached = self._cache.pop(ref.batch_id)
+            pruned = cached.prune(set(ref.completed_ids)) if ref.completed_ids else cached
             if pruned is not None:
-                kept.append(pruned)
+                kept.append((ref.batch_id, pruned))
         return kept
 
     def _store(self, output: StepOutput, batch: Batch | None) -> StepOutput:
@@ -105,14 +143,24 @@ class BatchManager:
             output.batch_id = batch.batch_id
         return output
 
+    def _drop_stale(self) -> None:
+        """Drop the cached batches no call referenced (the router no longer tracks them)."""
+        if not self._cache:
+            return
+        logger.warning("dropping stale cached batches %s", sorted(self._cache))
+        for cached in self._cache.values():
+            if isinstance(cached, Ahead) and cached.error is not None:
+                logger.warning("a step run ahead on a stale batch had failed: %r", cached.error)
+        self._cache.clear()
+
     def prefill(
         self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
     ) -> StepOutput:
         """Prune `to_prune`, then build batch `batch_id` and run its first step."""
         self._check_refs(to_prune)
         self._check_new(batch_id, requests, to_prune)
-        for pruned in self._take(to_prune):
-            self._cache[pruned.batch_id] = pruned
+        for pruned_id, pruned in self._take(to_prune):
+            self._cache[pruned_id] = pruned
         batch, errors = self.engine.new_batch(batch_id, requests)
         if batch is None:
             return StepOutput(errors=errors)
@@ -121,7 +169,8 @@ class BatchManager:
         return self._store(output, survivor)
 
     def next_token(self, refs: Sequence[CachedBatchRef]) -> StepOutput | None:
-        """Prune and merge the referenced batches and run one decode step.
+        """Prune and merge the referenced batches and run one decode step (or deliver the step
+        run ahead on them).
 
         Returns None when every referenced request had completed. Cached batches that are not
         referenced are stale (the router no longer tracks them) and are dropped.
@@ -134,12 +183,40 @@ class BatchManager:
                 f"merging batches {[r.batch_id for r in refs]} gives {total} requests, "
                 f"more than max_batch_size ({self.max_batch_size})"
             )
-        batches = self._take(refs)
-        if self._cache:
-            logger.warning("dropping stale cached batches %s", sorted(self._cache))
-            self._cache.clear()
-        if not batches:
+        taken = [cached for _, cached in self._take(refs)]
+        self._drop_stale()
+        if not taken:
             return None
+        for cached in taken:
+            if isinstance(cached, Ahead) and cached.error is not None:
+                raise cached.error  # the referenced batches are lost, as when the step fails now
+        fresh = [c for c in taken if isinstance(c, Batch)]
+        stepped = self._step(fresh) if fresh else None
+        parts: list[tuple[StepOutput, Batch | None]] = []
+        for cached in taken:  # in the order of the refs: the merged batch keeps the first id
+            if isinstance(cached, Ahead):
+                parts.append((cached.output, cached.batch))
+            elif cached is fresh[0]:
+                assert stepped is not None
+                parts.append(stepped)
+        survivors = [b for _, b in parts if b is not None]
+        merged = None
+        if survivors:
+            merged = survivors[0] if len(survivors) == 1 else self.engine.concatenate(survivors)
+        return self._store(StepOutput.merged([o for o, _ in parts]), merged)
+
+    def _step(self, batches: Sequence[Batch]) -> tuple[StepOutput, Batch | None]:
         batch = batches[0] if len(batches) == 1 else self.engine.concatenate(batches)
-        output, survivor = self.engine.generate_token(batch, first=False)
-        return self._store(output, survivor)
+        return self.engine.generate_token(batch, first=False)
+
+    def run_ahead(self) -> None:
+        """Run the next decode step of every cached batch whose requests may still generate."""
+        for batch_id, cached in list(self._cache.items()):
+            if isinstance(cached, Ahead) or cached.remaining() <= 0:
+                continue
+            try:
+                output, survivor = self.engine.generate_token(cached, first=False)
+            except Exception as exc:  # reported by the next call that references the batch
+                self._cache[batch_id] = Ahead(StepOutput(), None, exc)
+            else:
+                self._cache[batch_id] = Ahead(output, survivor)

@@ -115,6 +115,13 @@ def app(log_level: str, json_output: bool) -> None:
     "[env LINEAR_LAYOUT].",
 )
 @click.option(
+    "--run-ahead/--no-run-ahead",
+    envvar="RUN_AHEAD",
+    default=True,
+    help="Run the next decode step of the cached batches while the router handles the last "
+    "answer, so that the round trip is not between two forwards [env RUN_AHEAD].",
+)
+@click.option(
     "--estimate-memory",
     envvar="ESTIMATE_MEMORY",
     type=click.Choice(ESTIMATE_MEMORY_MODES),
@@ -150,6 +157,7 @@ def serve(
     trust_remote_code: bool,
     attn_implementation: str | None,
     linear_layout: str,
+    run_ahead: bool,
     estimate_memory: str,
     batch_safety_margin: int,
     cuda_process_memory_fraction: float,
@@ -173,6 +181,7 @@ def serve(
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
             linear_layout=linear_layout,
+            run_ahead=run_ahead,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,
             cuda_process_memory_fraction=cuda_process_memory_fraction,

@@ -39,6 +39,7 @@ class ServerConfig:
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
+    run_ahead: bool = True  # step cached batches while the router handles the last answer
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN  # % of free memory held back
     cuda_process_memory_fraction: float = 1.0  # share of the GPU this process may use

@@ -8,6 +8,7 @@ Flow: PrefillRequest -> list[GenerationRequest] -> Batch.from_requests -> engine
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # Batch id of the router's health-check prefill: answered, never cached.
@@ -123,6 +124,31 @@ class StepOutput:
     input_tokens: list[InputTokens] = field(default_factory=list)
     batch_id: int | None = None  # id the batch is cached under; None = nothing cached
     forward_ns: int = 0
+
+    @property
+    def request_ids(self) -> list[int]:
+        """The requests this output answers (a token or an error each)."""
+        return [g.request_id for g in self.generations] + [e.request_id for e in self.errors]
+
+    def without(self, completed_ids: set[int]) -> StepOutput:
+        """This output less the answers to `completed_ids`."""
+        return StepOutput(
+            [g for g in self.generations if g.request_id not in completed_ids],
+            [e for e in self.errors if e.request_id not in completed_ids],
+            list(self.input_tokens),
+            self.batch_id,
+            self.forward_ns,
+        )
+
+    @classmethod
+    def merged(cls, outputs: Sequence[StepOutput]) -> StepOutput:
+        """One output answering every request of `outputs` (forward time summed)."""
+        return cls(
+            [g for o in outputs for g in o.generations],
+            [e for o in outputs for e in o.errors],
+            [t for o in outputs for t in o.input_tokens],
+            forward_ns=sum(o.forward_ns for o in outputs),
+        )
 
 
 @dataclass(frozen=True, slots=True)

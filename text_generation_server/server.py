@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -84,14 +85,34 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
         self.config = config
         self.batches = BatchManager(engine, config.max_batch_size)
         self.executor = executor or worker_thread()
+        self.run_ahead = config.run_ahead
 
-    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn` on the worker thread; exceptions end the call with their status code."""
+    async def _run(
+        self,
+        context: grpc.aio.ServicerContext,
+        fn: Callable[..., T],
+        *args: Any,
+        then_run_ahead: bool = False,
+    ) -> T:
+        """Run `fn` on the worker thread; exceptions end the call with their status code.
+        `then_run_ahead`: once `fn` returns, the worker goes on with the next decode step of the
+        cached batches (BatchManager.run_ahead) while the answer is sent."""
         loop = asyncio.get_running_loop()
+        job = (
+            functools.partial(self._then_run_ahead, fn, *args)
+            if then_run_ahead
+            else functools.partial(fn, *args)
+        )
         try:
-            return await loop.run_in_executor(self.executor, fn, *args)
+            return await loop.run_in_executor(self.executor, job)
         except Exception as exc:  # every failure must become a status code
             await self._abort(context, exc)
+
+    def _then_run_ahead(self, fn: Callable[..., T], *args: Any) -> T:
+        result = fn(*args)
+        with contextlib.suppress(RuntimeError):  # the executor is shutting down
+            self.executor.submit(self.batches.run_ahead)
+        return result
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
@@ -122,7 +143,9 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
         requests = [convert.request_from_pb(r) for r in request.batch.requests]
         to_prune = convert.cached_batches_from_pb(request.to_prune)
-        output = await self._run(context, self.batches.prefill, request.batch.id, requests, to_prune)
+        output = await self._run(
+            context, self.batches.prefill, request.batch.id, requests, to_prune, then_run_ahead=self.run_ahead
+        )
         return pb.PrefillResponse(
             result=convert.result_to_pb(output),
             input_tokens=convert.input_tokens_to_pb(output.input_tokens),
@@ -130,7 +153,7 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def NextToken(self, request: pb.NextTokenRequest, context: Any) -> pb.NextTokenResponse:
         refs = convert.cached_batches_from_pb(request.batches)
-        output = await self._run(context, self.batches.next_token, refs)
+        output = await self._run(context, self.batches.next_token, refs, then_run_ahead=self.run_ahead)
         if output is None:
             return pb.NextTokenResponse()
         return pb.NextTokenResponse(result=convert.result_to_pb(output))

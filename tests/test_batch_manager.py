@@ -1,0 +1,182 @@
+"""BatchManager running ahead: a decode step run before the router's call must deliver exactly
+what the call would have computed, drop what the call prunes, and report its failure to the call."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from text_generation_server.batch_manager import BatchManager
+from text_generation_server.config import ServerConfig
+from text_generation_server.engines.base import ModelEngine
+from text_generation_server.engines.hf_transformers import HFTransformersEngine
+from text_generation_server.outputs import CachedBatchRef, GenerationRequest, SamplingParams, StepOutput
+
+
+class CountingEngine(ModelEngine):
+    """A real engine that counts its steps and can be made to fail the next one."""
+
+    def __init__(self, inner: HFTransformersEngine) -> None:
+        self.inner = inner
+        self.info = inner.info
+        self.steps = 0
+        self.fail_next: Exception | None = None
+
+    def new_batch(self, batch_id, requests):
+        return self.inner.new_batch(batch_id, requests)
+
+    def generate_token(self, batch, first):
+        self.steps += 1
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        return self.inner.generate_token(batch, first)
+
+
+@pytest.fixture(scope="module")
+def inner_engine(tiny_model) -> HFTransformersEngine:
+    config = ServerConfig(
+        model_name=str(tiny_model("llama")), max_batch_size=8, max_new_tokens=32, dtype="float32"
+    )
+    return HFTransformersEngine(config)
+
+
+@pytest.fixture
+def engine(inner_engine) -> CountingEngine:
+    return CountingEngine(inner_engine)
+
+
+def request(request_id: int, max_new: int, **params: Any) -> GenerationRequest:
+    prompt = tuple(5 + (request_id * 7 + i * 3) % 90 for i in range(3 + request_id))
+    return GenerationRequest(request_id, prompt, max_new, params=SamplingParams(**params))
+
+
+def summary(output: StepOutput | None) -> Any:
+    if output is None:
+        return None
+    tokens = sorted((g.request_id, g.token.token_id) for g in output.generations)
+    errors = sorted((e.request_id, e.message) for e in output.errors)
+    return output.batch_id, tokens, errors
+
+
+def drive(manager: BatchManager, ahead: str) -> list[Any]:
+    """Play a router: two batches that join, greedy and seeded sampling rows, requests that
+    finish at different steps and are pruned by the next call; returns every call's answer.
+    `ahead`: when the manager runs ahead: never, always (after every call, as the server does),
+    or not after the join (the merged call finds one batch stepped ahead and one not)."""
+    answers: list[Any] = []
+    generated: dict[int, int] = {}
+    limits: dict[int, int] = {}
+    live: dict[int, list[int]] = {}  # batch id -> its live requests
+
+    def absorb(output: StepOutput | None, join: bool = False) -> None:
+        answers.append(summary(output))
+        if ahead == "always" or (ahead == "not after the join" and not join):
+            manager.run_ahead()
+        if output is None:
+            return
+        for g in output.generations:
+            generated[g.request_id] = generated.get(g.request_id, 0) + 1
+
+    def refs(batch_ids: list[int]) -> list[CachedBatchRef]:
+        out = []
+        for bid in batch_ids:
+            done = tuple(r for r in live[bid] if generated[r] >= limits[r])
+            out.append(CachedBatchRef(bid, done))
+            live[bid] = [r for r in live[bid] if r not in done]
+        return out
+
+    def prefill(batch_id: int, requests: list[GenerationRequest], prune: list[int]) -> None:
+        limits.update({r.id: r.max_new_tokens for r in requests})
+        output = manager.prefill(batch_id, requests, refs(prune))
+        live[batch_id] = [g.request_id for g in output.generations]
+        absorb(output, join=bool(prune))
+
+    def step(batch_ids: list[int]) -> int | None:
+        output = manager.next_token(refs(batch_ids))
+        absorb(output)
+        if output is None or output.batch_id is None:
+            return None
+        live[output.batch_id] = [g.request_id for g in output.generations]
+        return output.batch_id
+
+    prefill(1, [request(1, 6), request(2, 9, temperature=0.9, top_k=20, seed=7), request(3, 3)], [])
+    running = step([1])
+    running = step([1])
+    assert running == 1
+    prefill(2, [request(4, 5, repetition_penalty=1.3), request(5, 2, temperature=1.1, seed=3)], [1])
+    current: int | None = step([1, 2])
+    while current is not None:
+        current = step([current])
+    return answers
+
+
+@pytest.mark.parametrize("ahead", ["always", "not after the join"])
+def test_running_ahead_gives_the_tokens_of_the_calls(engine, ahead) -> None:
+    expected = drive(BatchManager(engine, 8), "never")
+    assert len(expected) > 8 and expected[-1] is None  # the run went to its end
+    steps = engine.steps
+    assert drive(BatchManager(engine, 8), ahead) == expected
+    if ahead == "always":  # the joining batch had a step of its own before the merge
+        assert engine.steps - steps == steps + 1
+
+
+def test_the_call_after_a_step_run_ahead_does_not_step_again(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 5)], [])
+    manager.run_ahead()
+    steps = engine.steps
+    output = manager.next_token([CachedBatchRef(1)])
+    assert engine.steps == steps and [g.request_id for g in output.generations] == [1]
+    manager.run_ahead()
+    assert engine.steps == steps + 1
+
+
+def test_a_pruned_request_loses_its_token_run_ahead(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 5), request(2, 5)], [])
+    manager.run_ahead()
+    output = manager.next_token([CachedBatchRef(1, (2,))])
+    assert [g.request_id for g in output.generations] == [1]
+    manager.run_ahead()
+    assert [g.request_id for g in manager.next_token([CachedBatchRef(1)]).generations] == [1]
+    # every request completed: nothing is delivered and nothing stays cached
+    manager.run_ahead()
+    assert manager.next_token([CachedBatchRef(1, (1,))]) is None and len(manager) == 0
+
+
+def test_nothing_runs_ahead_once_every_request_reached_its_limit(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 2)], [])
+    manager.run_ahead()  # token 2 of 2
+    manager.next_token([CachedBatchRef(1)])
+    steps = engine.steps
+    manager.run_ahead()
+    assert engine.steps == steps
+
+
+def test_a_step_that_fails_ahead_fails_the_next_call_that_references_it(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 6)], [])
+    failure = RuntimeError("engine fault")
+    engine.fail_next = failure
+    manager.run_ahead()
+    manager.prefill(2, [request(2, 6)], [CachedBatchRef(1)])  # pruning keeps the failure
+    with pytest.raises(RuntimeError) as info:
+        manager.next_token([CachedBatchRef(1), CachedBatchRef(2)])
+    assert info.value is failure
+    assert len(manager) == 0  # the call's batches are lost, as when the step fails in the call
+
+
+def test_a_failed_step_on_a_stale_batch_is_logged_when_dropped(engine, caplog) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 6)], [])
+    manager.prefill(2, [request(2, 6)], [])
+    engine.fail_next = RuntimeError("engine fault")
+    manager.run_ahead()  # batch 1 fails, batch 2 runs
+    with caplog.at_level(logging.WARNING):
+        output = manager.next_token([CachedBatchRef(2)])
+    assert [g.request_id for g in output.generations] == [2]
+    assert "had failed: RuntimeError('engine fault')" in caplog.text
