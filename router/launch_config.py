@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router import config as router_defaults
+from router.cpu_placement import PlacementError, ShardPlacement, shard_placements
 from text_generation_server.config import (
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
@@ -83,6 +84,8 @@ class LaunchFlags:
     output_special_tokens: bool = False
     default_include_stop_seqs: bool = True
     cuda_process_memory_fraction: float = 1.0
+    shard_threads: int | None = None
+    shard_cpus: str | None = None
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
     tls_client_ca_cert_path: str | None = None
@@ -127,6 +130,7 @@ class LaunchConfig:
     drain_timeout_s: float = router_defaults.DEFAULT_DRAIN_TIMEOUT_S
     otlp_endpoint: str | None = None
     otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
+    placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
 
     def socket_path(self, rank: int) -> str:
         return f"{self.shard_uds_path}-{rank}"
@@ -298,6 +302,12 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     max_sequence_length = resolve_max_sequence_length(
         flags.max_sequence_length, model_sequence_length(model_dir)
     )
+    try:
+        placements = shard_placements(
+            num_shard, flags.shard_threads, flags.shard_cpus, env.get("OMP_NUM_THREADS")
+        )
+    except PlacementError as exc:
+        raise LaunchError(str(exc)) from None
     for var in ("MAX_BATCH_WEIGHT", "MAX_PREFILL_WEIGHT"):
         if env.get(var):
             logger.warning("%s is ignored: batch weights come from the shards' memory model", var)
@@ -333,6 +343,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         drain_timeout_s=flags.drain_timeout_s,
         otlp_endpoint=flags.otlp_endpoint,
         otlp_service_name=flags.otlp_service_name,
+        placements=tuple(placements),
     )
 
 
@@ -398,6 +409,11 @@ def shard_env(config: LaunchConfig, rank: int, base: Mapping[str, str]) -> dict[
         TORCH_NCCL_AVOID_RECORD_STREAMS="1",
         SAFETENSORS_FAST_GPU="1",
     )
+    if rank < len(config.placements):
+        placement = config.placements[rank]
+        env["OMP_NUM_THREADS"] = str(placement.threads)
+        if placement.cpus is not None:
+            env["CPU_AFFINITY"] = ",".join(str(c) for c in sorted(placement.cpus))
     # TGIS: expandable segments unless configured; set-but-empty means "use torch's default".
     alloc_conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
     if alloc_conf is None:

@@ -279,6 +279,22 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     default=1.0,
     help="Share of each GPU a shard may use, in (0, 1] [env CUDA_PROCESS_MEMORY_FRACTION].",
 )
+@click.option(
+    "--shard-threads",
+    envvar="SHARD_THREADS",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Intra-op (OpenMP) threads of each shard; default: OMP_NUM_THREADS if set, else the "
+    "shard's CPUs (SHARD_CPUS slice, else usable CPUs within the CPU quota / NUM_SHARD) "
+    "[env SHARD_THREADS].",
+)
+@click.option(
+    "--shard-cpus",
+    envvar="SHARD_CPUS",
+    default=None,
+    help="Pin the shards to these CPUs (e.g. 0-7,16-23), split evenly in order, one slice per "
+    "rank; default: not pinned [env SHARD_CPUS].",
+)
 @options.tls_cert_path
 @options.tls_key_path
 @options.tls_client_ca_cert_path
@@ -306,6 +322,9 @@ def main(**flags: Any) -> None:
         config.max_sequence_length,
         config.max_new_tokens,
     )
+    for rank, placement in enumerate(config.placements):
+        pinned = f", pinned to CPUs {sorted(placement.cpus)}" if placement.cpus is not None else ""
+        logger.info("shard %d: %d intra-op threads (%s)%s", rank, placement.threads, placement.reason, pinned)
     sys.exit(launch(config, env))
 
 

@@ -34,7 +34,8 @@ def wait_for_socket(proc: subprocess.Popen, path: Path, timeout_s: float = 60) -
 
 def test_serve_until_sigterm(tiny_model, tmp_path) -> None:
     uds = tmp_path / "tgs"
-    env = {**os.environ, "MAX_BATCH_SIZE": "2", "MAX_SEQUENCE_LENGTH": "100"}
+    cpu = min(os.sched_getaffinity(0))
+    env = {**os.environ, "MAX_BATCH_SIZE": "2", "MAX_SEQUENCE_LENGTH": "100", "CPU_AFFINITY": str(cpu)}
     proc = subprocess.Popen(
         shard_command(str(tiny_model("gpt2")), "hf_transformers", "--uds-path", str(uds)),
         env=env,
@@ -54,6 +55,8 @@ def test_serve_until_sigterm(tiny_model, tmp_path) -> None:
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             result = stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=requests[:2]))).result
             assert len(result.tokens) == 2
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():  # every thread inherited the pinning
+            assert os.sched_getaffinity(int(task.name)) == {cpu}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not socket.exists(), "the socket is removed on shutdown"
@@ -69,6 +72,13 @@ def test_serve_until_sigterm(tiny_model, tmp_path) -> None:
         ("gpt2", "nope", [], "unknown deployment framework 'nope'; choose one of: hf_transformers"),
         ("no-such/model", "hf_transformers", [], "model 'no-such/model' not found"),
         ("gpt2", "hf_transformers", ["--dtype", "int3"], "Invalid value for '--dtype'"),
+        ("gpt2", "hf_transformers", ["--cpu-affinity", "0-x"], "CPU_AFFINITY: '0-x' is not a CPU number"),
+        (
+            "gpt2",
+            "hf_transformers",
+            ["--cpu-affinity", "99999"],
+            "CPU_AFFINITY names CPUs this process may not",
+        ),
     ],
 )
 def test_bad_configuration_fails_fast(tiny_model, tmp_path, model, engine, extra, message) -> None:

@@ -12,7 +12,9 @@ This module and config.py are the only readers of the environment in this packag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 
 import click
 
@@ -42,6 +44,23 @@ logger = logging.getLogger(__name__)
 def app(log_level: str, json_output: bool) -> None:
     """Model shard of the TGIS-compatible inference server."""
     setup_logging(log_level, json_output)
+
+
+def pin_to(cpu_list: str) -> None:
+    """Restrict this process (its threads, and every thread it starts later) to the CPUs of
+    `cpu_list`."""
+    from router.cpu_placement import PlacementError, check_allowed, parse_cpu_list
+
+    try:
+        cpus = parse_cpu_list(cpu_list, "CPU_AFFINITY")
+        check_allowed(cpus, "CPU_AFFINITY")
+    except PlacementError as exc:
+        raise click.ClickException(str(exc)) from exc
+    # Threads that imports already started keep their own mask: pin each of them too.
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task), cpus)
+    logger.info("pinned to CPUs %s", cpu_list)
 
 
 @app.command()
@@ -115,6 +134,13 @@ def app(log_level: str, json_output: bool) -> None:
     "[env LINEAR_LAYOUT].",
 )
 @click.option(
+    "--cpu-affinity",
+    envvar="CPU_AFFINITY",
+    default=None,
+    help="Pin this shard to these CPUs (e.g. 0-7) before anything loads; the launcher sets it "
+    "from SHARD_CPUS [env CPU_AFFINITY].",
+)
+@click.option(
     "--run-ahead/--no-run-ahead",
     envvar="RUN_AHEAD",
     default=True,
@@ -157,6 +183,7 @@ def serve(
     trust_remote_code: bool,
     attn_implementation: str | None,
     linear_layout: str,
+    cpu_affinity: str | None,
     run_ahead: bool,
     estimate_memory: str,
     batch_safety_margin: int,
@@ -166,6 +193,8 @@ def serve(
     from text_generation_server.server import load_engine
     from text_generation_server.server import serve as serve_forever
 
+    if cpu_affinity:
+        pin_to(cpu_affinity)
     try:
         config = ServerConfig(
             model_name=model_name,
