@@ -129,6 +129,8 @@ class Batcher:
             if unprocessed is not None:
                 current.completed.extend(self._surely_finished(unprocessed, current))
             live = current.live()
+            if not live:  # only the call that drops the batch is left: nothing runs any more, so
+                self.queue.busy = False  # a waiting request is scheduled, not expired in the queue
             remaining = sum(e.out_tokens for e in live)
             self._publish_state(live, remaining)
             group = [current]

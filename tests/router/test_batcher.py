@@ -243,6 +243,14 @@ async def test_cancelled_while_queued_never_runs(make_harness) -> None:
     assert waiting.id == 0 and len(h.queue) == 0
 
 
+async def test_the_call_that_only_drops_a_finished_batch_does_not_count_as_busy(make_harness) -> None:
+    # A request queued meanwhile must not expire there (TGIS: an idle server schedules it).
+    h = make_harness(FakeShard(latency_s=0.05))
+    await h.final(h.submit(make_request(max_new=1)))  # finished by its prefill
+    assert h.shard.calls[-1].method == "next_token"  # the drop call is in flight
+    assert not h.queue.busy
+
+
 async def test_deadline_stops_a_running_request(make_harness) -> None:
     h = make_harness(FakeShard(latency_s=0.01))
     entry = h.submit(make_request(max_new=200, min_new=200, deadline_s=0.05))
