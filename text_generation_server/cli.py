@@ -48,14 +48,11 @@ def app(log_level: str, json_output: bool) -> None:
 
 def pin_to(cpu_list: str) -> None:
     """Restrict this process (its threads, and every thread it starts later) to the CPUs of
-    `cpu_list`."""
-    from router.cpu_placement import PlacementError, check_allowed, parse_cpu_list
+    `cpu_list`; a list it cannot use raises PlacementError (a ValueError)."""
+    from router.cpu_placement import check_allowed, parse_cpu_list
 
-    try:
-        cpus = parse_cpu_list(cpu_list, "CPU_AFFINITY")
-        check_allowed(cpus, "CPU_AFFINITY")
-    except PlacementError as exc:
-        raise click.ClickException(str(exc)) from exc
+    cpus = parse_cpu_list(cpu_list, "CPU_AFFINITY")
+    check_allowed(cpus, "CPU_AFFINITY")
     # Threads that imports already started keep their own mask: pin each of them too.
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
@@ -193,8 +190,6 @@ def serve(
     from text_generation_server.server import load_engine
     from text_generation_server.server import serve as serve_forever
 
-    if cpu_affinity:
-        pin_to(cpu_affinity)
     try:
         config = ServerConfig(
             model_name=model_name,
@@ -211,10 +206,13 @@ def serve(
             attn_implementation=attn_implementation,
             linear_layout=linear_layout,
             run_ahead=run_ahead,
+            cpu_affinity=cpu_affinity,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,
             cuda_process_memory_fraction=cuda_process_memory_fraction,
         )
+        if config.cpu_affinity:
+            pin_to(config.cpu_affinity)  # before anything loads
         engine, worker = load_engine(config)
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:
         raise click.ClickException(str(exc)) from exc

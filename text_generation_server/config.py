@@ -40,6 +40,7 @@ class ServerConfig:
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
     run_ahead: bool = True  # step cached batches while the router handles the last answer
+    cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN  # % of free memory held back
     cuda_process_memory_fraction: float = 1.0  # share of the GPU this process may use

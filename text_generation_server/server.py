@@ -85,7 +85,6 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
         self.config = config
         self.batches = BatchManager(engine, config.max_batch_size)
         self.executor = executor or worker_thread()
-        self.run_ahead = config.run_ahead
 
     async def _run(
         self,
@@ -144,7 +143,12 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
         requests = [convert.request_from_pb(r) for r in request.batch.requests]
         to_prune = convert.cached_batches_from_pb(request.to_prune)
         output = await self._run(
-            context, self.batches.prefill, request.batch.id, requests, to_prune, then_run_ahead=self.run_ahead
+            context,
+            self.batches.prefill,
+            request.batch.id,
+            requests,
+            to_prune,
+            then_run_ahead=self.config.run_ahead,
         )
         return pb.PrefillResponse(
             result=convert.result_to_pb(output),
@@ -153,7 +157,7 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def NextToken(self, request: pb.NextTokenRequest, context: Any) -> pb.NextTokenResponse:
         refs = convert.cached_batches_from_pb(request.batches)
-        output = await self._run(context, self.batches.next_token, refs, then_run_ahead=self.run_ahead)
+        output = await self._run(context, self.batches.next_token, refs, then_run_ahead=self.config.run_ahead)
         if output is None:
             return pb.NextTokenResponse()
         return pb.NextTokenResponse(result=convert.result_to_pb(output))
