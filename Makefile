@@ -8,7 +8,7 @@ PIP_INSTALL := $(PIP) install --quiet --disable-pip-version-check -c constraints
 
 INSTALL_STAMP := $(VENV)/.installed
 PROTO_STAMP := $(VENV)/.protos
-PB_TARGETS := text_generation_server/pb/generate_pb2.py router/pb/generation_pb2.py
+PB_TARGETS := text_generation_common/pb/generate_pb2.py router/pb/generation_pb2.py
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -27,8 +27,8 @@ install: $(INSTALL_STAMP) gen-protos ## create .venv and install everything (tor
 
 # Generated code lives in the packages' git-ignored pb/ folders; imports are rewritten by the
 # proto_path mapping so that the modules import each other as package members.
-text_generation_server/pb/generate_pb2.py: proto/generate.proto $(INSTALL_STAMP)
-	$(PY) -m grpc_tools.protoc -Itext_generation_server/pb=proto \
+text_generation_common/pb/generate_pb2.py: proto/generate.proto $(INSTALL_STAMP)
+	$(PY) -m grpc_tools.protoc -Itext_generation_common/pb=proto \
 		--python_out=. --pyi_out=. --grpc_python_out=. proto/generate.proto
 
 router/pb/generation_pb2.py: proto/generation.proto $(INSTALL_STAMP)
@@ -95,5 +95,5 @@ bench: install ## benchmark suite on the reference model into benchmarks/results
 
 clean: ## remove the virtualenv, generated code and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .cache *.egg-info
-	find router/pb text_generation_server/pb -type f ! -name __init__.py -delete
+	find router/pb text_generation_common/pb -type f ! -name __init__.py -delete
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -49,9 +49,9 @@ Runner = Callable[[list[list[int]], int], dict[str, float]]
 
 
 def engine_runner(model_dir: Path, dtype: str | None, max_batch: int, max_new: int) -> tuple[Runner, str]:
+    from text_generation_common.messages import GenerationRequest, SamplingParams
     from text_generation_server.config import ServerConfig
     from text_generation_server.engines.hf_transformers import HFTransformersEngine
-    from text_generation_server.outputs import GenerationRequest, SamplingParams
 
     config = ServerConfig(
         model_name=str(model_dir), dtype=dtype, max_batch_size=max_batch, max_new_tokens=max(max_new, 1)

@@ -4,7 +4,7 @@ ManagedServer  a child process in its own session (so that whatever it spawns ca
                its process group and nothing else), stdout+stderr to a log file, optional CPU
                pinning; ready when GET health_url answers 200; stopped with SIGTERM to its pid,
                then SIGKILL to the group it leads if anything is left after the grace time.
-our_server     text-generation-launcher (`python -m router.launcher`) on free ports, shard
+our_server     text-generation-launcher (`python -m launcher.cli`) on free ports, shard
                sockets under a private temporary path.
 vllm_peer      ../shared/tools/peer-vllm-cpu.sh serve MODEL_DIR PORT (its own virtualenv);
                `vllm_installed` says whether it can run and, if not, why.
@@ -219,7 +219,7 @@ def our_server(
     grpc_port, http_port = free_port(), free_port()
     uds_dir = tempfile.mkdtemp(prefix="bench-shard-")
     command = [
-        sys.executable, "-m", "router.launcher",
+        sys.executable, "-m", "launcher.cli",
         "--model-name", str(model_dir),
         "--port", str(http_port),
         "--grpc-port", str(grpc_port),

@@ -105,7 +105,7 @@ def launch(name: str, root: Path, *extra: str, env: dict[str, str] | None = None
     grpc_port, http_port = free_port(), free_port()
     log_path = root / f"{name}-{grpc_port}.log"
     command = [
-        sys.executable, "-m", "router.launcher",
+        sys.executable, "-m", "launcher.cli",
         "--model-name", str(path),
         "--port", str(http_port),
         "--grpc-port", str(grpc_port),

@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from text_generation_server.outputs import MemoryScalingModel
+from text_generation_common.messages import MemoryScalingModel
 
 Load = tuple[int, int]  # (in, out) tokens of one request
 

@@ -31,7 +31,7 @@ from router.entry import Entry, Failure
 from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.shard_client import ShardCallError, ShardClient
-from text_generation_server.outputs import CachedBatchRef, StepOutput
+from text_generation_common.messages import CachedBatchRef, StepOutput
 
 logger = logging.getLogger(__name__)
 

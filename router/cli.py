@@ -17,7 +17,7 @@ import click
 from router import cli_options as options
 from router import config as defaults
 from router.config import RouterConfig
-from router.logs import setup_logging
+from text_generation_common.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 

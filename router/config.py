@@ -7,13 +7,17 @@ object. Validation happens in __post_init__ and raises ValueError with a one-lin
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 
+from text_generation_common.defaults import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MAX_SEQUENCE_LENGTH,
+    default_uds_path,
+    shard_socket_path,
+)
+
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
-DEFAULT_MAX_SEQUENCE_LENGTH = 2048
-DEFAULT_MAX_NEW_TOKENS = 1024
-DEFAULT_MAX_BATCH_SIZE = 12
 DEFAULT_MAX_PREFILL_PADDING = 0.2
 DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048
 DEFAULT_MAX_WAITING_TOKENS = 24
@@ -24,7 +28,7 @@ DEFAULT_OTLP_SERVICE_NAME = "text-generation-inference.router"
 
 
 def default_master_shard_uds_path() -> str:
-    return os.path.join(tempfile.gettempdir(), "text-generation-server-0")
+    return shard_socket_path(default_uds_path(), 0)
 
 
 def default_tokenization_workers(num_shards: int = 1) -> int:

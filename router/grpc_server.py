@@ -23,7 +23,6 @@ from typing import Any, NoReturn
 import grpc
 
 from router.entry import Entry, Output
-from router.logs import clip
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc
@@ -32,7 +31,8 @@ from router.stopping import StopReason
 from router.tokenizer import TokenizedText, TokenizerBusy, TokenizerError, TokenizerPool
 from router.tracing import Span, Tracing, correlation_id
 from router.validation import ValidatedRequest, ValidationError, Validator, tokenizer_error_message
-from text_generation_server.outputs import TokenInfo
+from text_generation_common.logs import clip
+from text_generation_common.messages import TokenInfo
 
 logger = logging.getLogger(__name__)
 

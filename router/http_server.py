@@ -28,10 +28,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from router.batcher import Batcher
-from router.logs import clip
 from router.shard_client import ShardCallError, ShardClient
 from router.tokenizer import TokenizerPool
-from text_generation_server.outputs import HEALTH_CHECK_BATCH_ID, GenerationRequest
+from text_generation_common.logs import clip
+from text_generation_common.messages import HEALTH_CHECK_BATCH_ID, GenerationRequest
 
 logger = logging.getLogger(__name__)
 

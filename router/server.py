@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,7 +40,7 @@ from router.tls import TlsConfigError, server_credentials
 from router.tokenizer import TokenizerPool, load_tokenizer
 from router.tracing import Tracing, TracingError
 from router.validation import PrefixLengths, Validator
-from text_generation_server.outputs import ModelInfo
+from text_generation_common.messages import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,33 @@ async def _drain(servicer: GenerationServicer, limiter: ConcurrencyLimiter, time
         logger.info("drained in %.2f s", time.monotonic() - started)
 
 
-async def _serve(config: RouterConfig) -> None:
+@dataclass(slots=True)
+class Router:
+    """The router's components, wired and not yet serving (built by `build`)."""
+
+    config: RouterConfig
+    info: ModelInfo
+    client: GrpcShardClient
+    pool: TokenizerPool
+    tracing: Tracing
+    batcher: Batcher
+    servicer: GenerationServicer
+    limiter: ConcurrencyLimiter
+    grpc_server: grpc.aio.Server
+    grpc_address: str
+    secure: bool
+    health_servicer: health.aio.HealthServicer
+    http_server: HttpServer
+
+    async def close(self) -> None:
+        self.pool.close()
+        await self.client.close()
+        self.tracing.shutdown()
+
+
+async def build(config: RouterConfig) -> Router:
+    """Load the tokenizer, connect to the shards, check the model and wire every component;
+    binds the gRPC port (not started). StartupError at the first problem."""
     try:
         tokenizer = load_tokenizer(config.tokenizer_path)
         credentials = server_credentials(
@@ -171,7 +198,6 @@ async def _serve(config: RouterConfig) -> None:
         ),
         grpc_server,
     )
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{config.host}:{config.grpc_port}"
     bound = (
         grpc_server.add_secure_port(address, credentials)
@@ -189,28 +215,35 @@ async def _serve(config: RouterConfig) -> None:
             "/metrics": metrics_route(metrics.exposition, CONTENT_TYPE),
         }
     )
+    return Router(
+        config,
+        info,
+        client,
+        pool,
+        tracing,
+        batcher,
+        servicer,
+        limiter,
+        grpc_server,
+        address,
+        credentials is not None,
+        health_servicer,
+        http_server,
+    )
+
+
+async def serve(router: Router) -> None:
+    """Start the batching loop and both servers; serve until SIGTERM/SIGINT, then drain."""
+    config = router.config
+    await _set_health(router.health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
-        await http_server.start(config.host, config.port)
+        await router.http_server.start(config.host, config.port)
     except OSError as exc:
         raise StartupError(f"cannot listen for HTTP on {config.host}:{config.port}: {exc}") from exc
-
-    batching = asyncio.create_task(batcher.run(), name="batcher")
-    await grpc_server.start()
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    logger.info(
-        "serving %s model in %s (%s): gRPC on %s%s, HTTP on %s:%d "
-        "(max batch %d, max sequence %d, max new tokens %d)",
-        "encoder-decoder" if info.seq2seq else "decoder-only",
-        info.dtype or "?",
-        info.dtype_reason or "?",
-        address,
-        " (mTLS)" if config.tls_client_ca_cert_path else " (TLS)" if credentials else "",
-        config.host,
-        config.port,
-        config.max_batch_size,
-        config.max_sequence_length,
-        config.max_new_tokens,
-    )
+    batching = asyncio.create_task(router.batcher.run(), name="batcher")
+    await router.grpc_server.start()
+    await _set_health(router.health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    _log_serving(router)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -222,18 +255,41 @@ async def _serve(config: RouterConfig) -> None:
             batching.result()  # re-raise: the batching loop must never end
             raise StartupError("the batching loop ended")
         logger.info("shutting down")
-        await health_servicer.enter_graceful_shutdown()
-        await _drain(servicer, limiter, config.drain_timeout_s)
-        await grpc_server.stop(SERVER_STOP_GRACE_S)
-        await http_server.stop()
+        await router.health_servicer.enter_graceful_shutdown()
+        await _drain(router.servicer, router.limiter, config.drain_timeout_s)
+        await router.grpc_server.stop(SERVER_STOP_GRACE_S)
+        await router.http_server.stop()
     finally:
         batching.cancel()
         stopping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await batching
-        pool.close()
-        await client.close()
-        tracing.shutdown()
+
+
+def _log_serving(router: Router) -> None:
+    config, info = router.config, router.info
+    logger.info(
+        "serving %s model in %s (%s): gRPC on %s%s, HTTP on %s:%d "
+        "(max batch %d, max sequence %d, max new tokens %d)",
+        "encoder-decoder" if info.seq2seq else "decoder-only",
+        info.dtype or "?",
+        info.dtype_reason or "?",
+        router.grpc_address,
+        " (mTLS)" if config.tls_client_ca_cert_path else " (TLS)" if router.secure else "",
+        config.host,
+        config.port,
+        config.max_batch_size,
+        config.max_sequence_length,
+        config.max_new_tokens,
+    )
+
+
+async def _build_and_serve(config: RouterConfig) -> None:
+    router = await build(config)
+    try:
+        await serve(router)
+    finally:
+        await router.close()
 
 
 def run(config: RouterConfig) -> None:
@@ -241,7 +297,7 @@ def run(config: RouterConfig) -> None:
     # request's tokenization needs; the router parallelizes by request instead (tokenizer.py).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        asyncio.run(_serve(config))
+        asyncio.run(_build_and_serve(config))
     except StartupError as exc:
         logger.error("%s", exc)
         sys.exit(1)

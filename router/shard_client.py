@@ -17,10 +17,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from text_generation_server import convert
-from text_generation_server.outputs import CachedBatchRef, GenerationRequest, ModelInfo, StepOutput
-from text_generation_server.pb import generate_pb2 as pb
-from text_generation_server.pb import generate_pb2_grpc
+from text_generation_common import convert
+from text_generation_common.messages import CachedBatchRef, GenerationRequest, ModelInfo, StepOutput
+from text_generation_common.pb import generate_pb2 as pb
+from text_generation_common.pb import generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

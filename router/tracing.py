@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlparse
 
-from router.logs import clip
+from text_generation_common.logs import clip
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator

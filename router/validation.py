@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from router.input_bound import min_tokens
-from router.logs import clip
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.tokenizer import TokenizerError, TokenizerPool
-from text_generation_server.outputs import (
+from text_generation_common.logs import clip
+from text_generation_common.messages import (
     GenerationRequest,
     LengthPenalty,
     RequestedDetails,

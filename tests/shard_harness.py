@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from text_generation_common.pb import generate_pb2 as pb
+from text_generation_common.pb import generate_pb2_grpc
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
-from text_generation_server.pb import generate_pb2 as pb
-from text_generation_server.pb import generate_pb2_grpc
 from text_generation_server.server import start_server
 
 

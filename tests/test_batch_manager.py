@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from text_generation_common.messages import CachedBatchRef, GenerationRequest, SamplingParams, StepOutput
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import HFTransformersEngine
-from text_generation_server.outputs import CachedBatchRef, GenerationRequest, SamplingParams, StepOutput
 
 
 class CountingEngine(ModelEngine):

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from tests.shard_harness import make_request
-from text_generation_server.pb import generate_pb2 as pb
-from text_generation_server.pb import generate_pb2_grpc
+from text_generation_common.pb import generate_pb2 as pb
+from text_generation_common.pb import generate_pb2_grpc
 
 
 def shard_command(*args: str) -> list[str]:

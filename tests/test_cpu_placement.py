@@ -1,4 +1,4 @@
-"""Intra-op threads and CPU pinning of the shards: the rules of router/cpu_placement.py, the
+"""Intra-op threads and CPU pinning of the shards: the rules of text_generation_common/cpu_placement.py, the
 cgroup quota readers on fake cgroup trees, and the launcher passing the result to each shard."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from router import launch_config as lc
-from router.cpu_placement import (
+from launcher import config as lc
+from launcher.config import LaunchError, LaunchFlags
+from text_generation_common.cpu_placement import (
     PlacementError,
     cgroup_cpu_quota,
     parse_cpu_list,
     shard_placements,
     usable_cpus,
 )
-from router.launch_config import LaunchError, LaunchFlags
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 

@@ -26,11 +26,8 @@ import click
 import pytest
 import yaml
 
-from router import cli as router_cli
-from router import launcher
-from router.config import DEFAULT_GRPC_PORT, DEFAULT_PORT
-from router.http_server import READY_WINDOW_S
-from router.launch_config import (
+from launcher import cli as launcher_cli
+from launcher.config import (
     CACHE_ENV_VARS,
     LaunchConfig,
     LaunchError,
@@ -41,7 +38,10 @@ from router.launch_config import (
     shard_command,
     shard_env,
 )
-from router.supervisor import SHARD_GRACE_S
+from launcher.supervisor import SHARD_GRACE_S
+from router import cli as router_cli
+from router.config import DEFAULT_GRPC_PORT, DEFAULT_PORT
+from router.http_server import READY_WINDOW_S
 from tests.deployment_tools import (
     REPO,
     Renderer,
@@ -94,7 +94,7 @@ def envvars(command: click.Command) -> set[str]:
 SERVE = shard_cli.app.commands["serve"]
 # The launcher's flags and other env, plus the shard's flags it passes through in the environment
 # it gives the shards (not RANK and WORLD_SIZE: it sets those per shard).
-KNOWN_ENV = envvars(launcher.main) | LAUNCHER_OTHER_ENV | (envvars(SERVE) - {"RANK", "WORLD_SIZE"})
+KNOWN_ENV = envvars(launcher_cli.main) | LAUNCHER_OTHER_ENV | (envvars(SERVE) - {"RANK", "WORLD_SIZE"})
 
 
 def http_routes() -> set[str]:
@@ -165,7 +165,7 @@ def resolve(env: dict[str, str], args: list[str], tmp_path: Path) -> LaunchConfi
         if var in env:
             (tmp_path / var).write_text("pem")
             env[var] = str(tmp_path / var)
-    config = resolve_config(LaunchFlags(**parse(launcher.main, args, env)), env)
+    config = resolve_config(LaunchFlags(**parse(launcher_cli.main, args, env)), env)
     # The children the launcher would start must accept their command lines and environments.
     child_env = shard_env(config, 0, env)
     overridden = {k for k in env if k in child_env and child_env[k] != env[k] and k in KNOWN_ENV}
@@ -226,7 +226,7 @@ def test_env_is_known_to_the_launcher_and_resolves(rendered: dict[str, list[dict
             continue
         assert (config.port, config.grpc_port) == (DEFAULT_PORT, DEFAULT_GRPC_PORT), key
         grace = pod["terminationGracePeriodSeconds"]
-        needed = config.drain_timeout_s + launcher.ROUTER_STOP_MARGIN_S + SHARD_GRACE_S
+        needed = config.drain_timeout_s + launcher_cli.ROUTER_STOP_MARGIN_S + SHARD_GRACE_S
         assert grace > needed, f"{key}: grace {grace} s <= drain + router + shard stop {needed} s"
         gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         assert config.num_shard == max(gpus, 1), key
@@ -236,7 +236,7 @@ def test_env_is_known_to_the_launcher_and_resolves(rendered: dict[str, list[dict
 
 
 def test_env_outside_the_flags_is_read_by_the_launcher() -> None:
-    source = "".join((REPO / "router" / name).read_text() for name in ("launch_config.py", "launcher.py"))
+    source = "".join((REPO / "launcher" / name).read_text() for name in ("config.py", "cli.py"))
     for var in LAUNCHER_OTHER_ENV:
         assert f'"{var}"' in source, var
     readme = (DEPLOYMENT / "README.md").read_text()
@@ -469,7 +469,7 @@ def test_copy_sources_exist_and_are_in_the_context() -> None:
                 assert not dockerignore_excludes(rules, source), f"COPY {source} is in .dockerignore"
     for path in (".venv", ".git", ".cache/demo-model", "router/pb/generation_pb2.py", "a/__pycache__/x.pyc"):
         assert dockerignore_excludes(rules, path), path
-    for path in ("router/pb/__init__.py", "text_generation_server/pb/__init__.py", "pyproject.toml"):
+    for path in ("router/pb/__init__.py", "text_generation_common/pb/__init__.py", "pyproject.toml"):
         assert not dockerignore_excludes(rules, path), path
 
 

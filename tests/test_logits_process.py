@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from text_generation_server.outputs import LengthPenalty, SamplingParams
+from text_generation_common.messages import LengthPenalty, SamplingParams
 from text_generation_server.sampling import logits_process as lp
 from text_generation_server.sampling.chooser import TokenChooser
 

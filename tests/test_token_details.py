@@ -10,9 +10,9 @@ import torch
 from transformers.generation import logits_process as hf
 
 from tests.shard_harness import Driver, make_request, running_shard
+from text_generation_common.messages import RequestedDetails
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.hf_transformers import HFTransformersEngine
-from text_generation_server.outputs import RequestedDetails
 from text_generation_server.sampling.token_details import _top_tokens, generated_token_infos
 
 PROMPT_A = "def hello(world):\n    return world"

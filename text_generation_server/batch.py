@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Self
 
-from text_generation_server.outputs import GenerationRequest, RequestError
+from text_generation_common.messages import GenerationRequest, RequestError
 
 
 class Batch(ABC):

@@ -24,15 +24,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from text_generation_server.batch import Batch
-from text_generation_server.engines.base import ModelEngine
-from text_generation_server.errors import BatchNotFoundError, InvalidBatchError
-from text_generation_server.outputs import (
+from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,
     CachedBatchRef,
     GenerationRequest,
     StepOutput,
 )
+from text_generation_server.batch import Batch
+from text_generation_server.engines.base import ModelEngine
+from text_generation_server.errors import BatchNotFoundError, InvalidBatchError
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import os
 
 import click
 
-from router.logs import setup_logging
+from text_generation_common.logs import setup_logging
 from text_generation_server.config import (
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
@@ -49,7 +49,7 @@ def app(log_level: str, json_output: bool) -> None:
 def pin_to(cpu_list: str) -> None:
     """Restrict this process (its threads, and every thread it starts later) to the CPUs of
     `cpu_list`; a list it cannot use raises PlacementError (a ValueError)."""
-    from router.cpu_placement import check_allowed, parse_cpu_list
+    from text_generation_common.cpu_placement import check_allowed, parse_cpu_list
 
     cpus = parse_cpu_list(cpu_list, "CPU_AFFINITY")
     check_allowed(cpus, "CPU_AFFINITY")

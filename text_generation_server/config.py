@@ -6,22 +6,20 @@ everything else receives the object. Validation happens here, in __post_init__.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 
-DTYPES = ("float16", "bfloat16", "float32")
+from text_generation_common.defaults import (
+    DEFAULT_BATCH_SAFETY_MARGIN,
+    DEFAULT_DEPLOYMENT_FRAMEWORK,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_NEW_TOKENS,
+    DTYPES,
+    default_uds_path,
+    shard_socket_path,
+)
+
 LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
-DEFAULT_BATCH_SAFETY_MARGIN = 20
-DEFAULT_MAX_NEW_TOKENS = 1024
-DEFAULT_MAX_BATCH_SIZE = 12
-DEFAULT_DEPLOYMENT_FRAMEWORK = "hf_transformers"
-
-
-def default_uds_path() -> str:
-    """Socket base path; shard `rank` listens on `{base}-{rank}`."""
-    return os.path.join(tempfile.gettempdir(), "text-generation-server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +74,7 @@ class ServerConfig:
     @property
     def socket_path(self) -> str:
         """The Unix socket this shard listens on."""
-        return f"{self.uds_path}-{self.rank}"
+        return shard_socket_path(self.uds_path, self.rank)
 
     def shard_urls(self) -> list[str]:
-        return [f"unix://{self.uds_path}-{rank}" for rank in range(self.world_size)]
+        return [f"unix://{shard_socket_path(self.uds_path, rank)}" for rank in range(self.world_size)]

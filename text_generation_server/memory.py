@@ -19,7 +19,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from text_generation_server.outputs import MemoryScalingModel
+from text_generation_common.messages import MemoryScalingModel
 
 logger = logging.getLogger(__name__)
 

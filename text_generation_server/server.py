@@ -23,7 +23,9 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from text_generation_server import convert
+from text_generation_common import convert
+from text_generation_common.pb import generate_pb2 as pb
+from text_generation_common.pb import generate_pb2_grpc
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
@@ -34,8 +36,6 @@ from text_generation_server.errors import (
     ShardError,
     is_out_of_memory,
 )
-from text_generation_server.pb import generate_pb2 as pb
-from text_generation_server.pb import generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.shard_client import ShardCallError
-from text_generation_server.outputs import (
+from text_generation_common.messages import (
     CachedBatchRef,
     Generation,
     GenerationRequest,

@@ -20,7 +20,7 @@ from router.shard_client import ShardCallError
 from router.stopping import StopReason
 from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
 from tests.router.fakes import EOS, FakeShard
-from text_generation_server.outputs import MemoryScalingModel, SamplingParams
+from text_generation_common.messages import MemoryScalingModel, SamplingParams
 
 
 def make_request(

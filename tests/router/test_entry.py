@@ -13,7 +13,7 @@ from router.entry import Entry, Output
 from router.stopping import StopReason
 from router.tokenizer import load_tokenizer
 from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
-from text_generation_server.outputs import SamplingParams, TokenInfo
+from text_generation_common.messages import SamplingParams, TokenInfo
 from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
 
 EOS = 2

@@ -8,7 +8,7 @@ import pytest
 
 from router.batch_weights import BatchWeights
 from router.stopping import StopReason, check_stop, find_stop_sequence, held_back
-from text_generation_server.outputs import MemoryScalingModel
+from text_generation_common.messages import MemoryScalingModel
 
 
 def test_stop_sequence_must_touch_the_new_text() -> None:

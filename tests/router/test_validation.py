@@ -18,8 +18,8 @@ from router.validation import (
     convert_params,
     shard_input_ids,
 )
+from text_generation_common.messages import GenerationRequest
 from text_generation_server.engines.inputs import truncated_input_ids
-from text_generation_server.outputs import GenerationRequest
 
 MAX_SEQ = 200
 MAX_NEW = 169

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from text_generation_common.messages import GenerationRequest, ModelInfo, RequestError, StepOutput
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
-from text_generation_server.outputs import GenerationRequest, ModelInfo, RequestError, StepOutput
 
 
 @dataclass(frozen=True, slots=True)

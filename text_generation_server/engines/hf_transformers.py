@@ -16,6 +16,16 @@ from typing import Any, cast
 
 import torch
 
+from text_generation_common.defaults import DEFAULT_MAX_SEQUENCE_LENGTH
+from text_generation_common.messages import (
+    Generation,
+    GenerationRequest,
+    InputTokens,
+    ModelInfo,
+    RequestError,
+    StepOutput,
+)
+from text_generation_common.model_config import context_length
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelContext, ModelEngine
 from text_generation_server.engines.cpu_attention import use_decode_packed_sdpa
@@ -25,14 +35,6 @@ from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
-from text_generation_server.outputs import (
-    Generation,
-    GenerationRequest,
-    InputTokens,
-    ModelInfo,
-    RequestError,
-    StepOutput,
-)
 from text_generation_server.sampling.token_details import (
     encoder_input_token_infos,
     generated_token_infos,
@@ -40,7 +42,6 @@ from text_generation_server.sampling.token_details import (
 )
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 from text_generation_server.utils.hub import resolve_model_dir
-from text_generation_server.utils.model_config import DEFAULT_MAX_SEQUENCE_LENGTH, context_length
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
+from text_generation_common.messages import GenerationRequest
 from text_generation_server.engines.base import ModelContext
-from text_generation_server.outputs import GenerationRequest
 
 
 def truncated_input_ids(request: GenerationRequest, bos_token_id: int | None) -> list[int]:

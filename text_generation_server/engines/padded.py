@@ -12,10 +12,10 @@ from typing import Any, Self
 
 import torch
 
+from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.batch import Batch
 from text_generation_server.engines.base import ModelContext
 from text_generation_server.engines.inputs import request_error, truncated_input_ids
-from text_generation_server.outputs import GenerationRequest, RequestError
 from text_generation_server.sampling.chooser import TokenChooser
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from text_generation_server.outputs import SamplingParams
+from text_generation_common.messages import SamplingParams
 from text_generation_server.sampling import logits_process as lp
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from text_generation_server.outputs import (
+from text_generation_common.messages import (
     FIRST_INPUT_TOKEN_LOGPROB,
     RequestedDetails,
     TokenInfo,

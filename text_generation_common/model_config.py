@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 2048
 # config.json keys that hold a model's context length, most specific first.
 SEQUENCE_LENGTH_KEYS = (
     "max_sequence_length",

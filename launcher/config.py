@@ -3,8 +3,8 @@ model's files, and the command lines it derives from that.
 
 Owns the pure part of the launcher: the Hugging Face cache directory, the model directory, the
 engine name, dtype, number of shards and sequence limits, then the argv and environment of each
-shard process and of the router process. router/launcher.py (the click CLI, the only reader of the
-environment) passes the environment in as a mapping; router/supervisor.py runs the commands.
+shard process and of the router process. launcher/cli.py (the click CLI, the only reader of the
+environment) passes the environment in as a mapping; launcher/supervisor.py runs the commands.
 
     LaunchFlags (flags as given) + env --resolve_config--> LaunchConfig --> shard_command / shard_env
                                                                         --> router_command
@@ -24,18 +24,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router import config as router_defaults
-from router.cpu_placement import PlacementError, ShardPlacement, shard_placements
-from text_generation_server.config import (
+from text_generation_common.cpu_placement import PlacementError, ShardPlacement, shard_placements
+from text_generation_common.defaults import (
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MAX_SEQUENCE_LENGTH,
     DTYPES,
     default_uds_path,
+    shard_socket_path,
 )
+from text_generation_common.model_config import context_length
 from text_generation_server.engines import ENGINES
 from text_generation_server.utils import hub
-from text_generation_server.utils.model_config import DEFAULT_MAX_SEQUENCE_LENGTH, context_length
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ class LaunchConfig:
     placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
 
     def socket_path(self, rank: int) -> str:
-        return f"{self.shard_uds_path}-{rank}"
+        return shard_socket_path(self.shard_uds_path, rank)
 
 
 # --- resolution ---------------------------------------------------------------------------------

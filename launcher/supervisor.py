@@ -1,6 +1,6 @@
 """Supervisor: runs the launcher's child processes (N shards, then the router) and owns their lifecycle.
 
-Called by router/launcher.py with ChildSpecs (argv + env, built by router/launch_config.py):
+Called by launcher/cli.py with ChildSpecs (argv + env, built by launcher/config.py):
 
     start shards -> wait for every shard's socket file -> start router -> wait for the first event
       a child exited on its own -> write the reason to the termination log, stop the others, exit 1
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO
 
-from router.launch_config import LaunchError
+from launcher.config import LaunchError
 
 logger = logging.getLogger(__name__)
 

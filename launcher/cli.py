@@ -4,8 +4,8 @@
 
 Every option can also be set through the TGIS environment variable named in its help. This click
 CLI is the launcher's only reader of the environment: it resolves a LaunchConfig
-(router/launch_config.py), checks that the ports are free, finds or writes a fast tokenizer, and
-hands the shard and router commands to the Supervisor (router/supervisor.py).
+(launcher/config.py), checks that the ports are free, finds or writes a fast tokenizer, and
+hands the shard and router commands to the Supervisor (launcher/supervisor.py).
 
 Bad configuration fails before anything starts, with one log line on stderr (no traceback), the
 same line in the termination log, and exit code 1 (2 for a malformed flag).
@@ -26,8 +26,7 @@ from typing import Any, NoReturn
 
 import click
 
-from router import cli_options as options
-from router.launch_config import (
+from launcher.config import (
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
@@ -42,9 +41,10 @@ from router.launch_config import (
     shard_command,
     shard_env,
 )
-from router.logs import setup_logging
-from router.supervisor import ChildSpec, Supervisor, write_termination_log
-from text_generation_server.config import DEFAULT_DEPLOYMENT_FRAMEWORK
+from launcher.supervisor import ChildSpec, Supervisor, write_termination_log
+from router import cli_options as options
+from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
+from text_generation_common.logs import setup_logging
 
 # What the router gets beyond its drain timeout to close its servers and exit.
 ROUTER_STOP_MARGIN_S = 10.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from text_generation_server.outputs import (
+from text_generation_common.messages import (
     CachedBatchRef,
     Generation,
     GenerationRequest,
@@ -25,7 +25,7 @@ from text_generation_server.outputs import (
     TokenInfo,
     TopToken,
 )
-from text_generation_server.pb import generate_pb2 as pb
+from text_generation_common.pb import generate_pb2 as pb
 
 
 def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
