@@ -35,8 +35,8 @@ from text_generation_common.defaults import (
     default_uds_path,
     shard_socket_path,
 )
+from text_generation_common.engines import ENGINES, EngineSpec
 from text_generation_common.model_config import context_length
-from text_generation_server.engines import ENGINES
 from text_generation_server.utils import hub
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,6 @@ DEFAULT_MASTER_PORT = 29500
 CACHE_ENV_VARS = ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE")
 # TGIS's deprecated engine names -> the engine they stand for (used only when that engine exists).
 ENGINE_ALIASES = {"hf_custom_tp": "tgis_native"}
-# Engines that can split one model over several shards (tensor parallelism).
-TENSOR_PARALLEL_ENGINES = frozenset({"tgis_native"})
 # NVIDIA_VISIBLE_DEVICES values that are not a device list.
 NON_LIST_DEVICE_VALUES = frozenset({"all", "none", "void", "nodevfiles"})
 
@@ -177,7 +175,7 @@ def resolve_model_dir(model_name: str, revision: str | None, cache_dir: str) -> 
     return model_dir
 
 
-def resolve_engine(name: str, engines: Mapping[str, str] = ENGINES) -> str:
+def resolve_engine(name: str, engines: Mapping[str, EngineSpec] = ENGINES) -> str:
     """The registry name for `name`; TGIS's alias hf_custom_tp counts only if tgis_native exists."""
     target = ENGINE_ALIASES.get(name)
     if target is not None and target in engines:
@@ -229,8 +227,9 @@ def _positive_int_env(env: Mapping[str, str], var: str) -> int | None:
     return int(value)
 
 
-def check_num_shard(num_shard: int, engine: str) -> None:
-    if num_shard > 1 and engine not in TENSOR_PARALLEL_ENGINES:
+def check_num_shard(num_shard: int, engine: str, engines: Mapping[str, EngineSpec] = ENGINES) -> None:
+    """More than one shard needs an engine whose registry entry says it shards (tensor parallel)."""
+    if num_shard > 1 and not engines[engine].capabilities.tensor_parallel:
         raise LaunchError(
             f"{num_shard} shards need tensor parallelism, which engine {engine!r} does not support: "
             "run one shard (--num-shard 1) or choose an engine that supports tensor parallelism"

@@ -11,6 +11,15 @@ entry.py.
     idle:   wait for the queue -> PREFILL(new)
     busy:   [maybe PREFILL(new, prune=current)] -> NEXT_TOKEN(current [+ new]) -> ...
 
+Every live request of a call must come back with a token, an error, or a pending entry (still
+running, no token this step: its prompt is only partly computed under chunked prefill); one the
+shard answers with none of these fails with MISSING_ANSWER rather than vanish. Engines with
+chunked prefill get MAX_BATCH_PREFILL_TOKENS as the per-step prompt-token budget of each call.
+
+The batcher is the one owner of model calls: the /health deep check's one-token prefill
+(`probe`) runs between the loop's own calls, so every shard (every tensor-parallel rank) sees
+all calls in one order.
+
 Decode steps overlap with token processing: as soon as step k's tokens arrive, step k+1 is
 sent, and step k's tokens are decoded, checked and streamed while the shard computes. Requests
 that surely finish with step k (max_new_tokens reached, cancelled, deadline passed) are pruned
@@ -29,14 +38,20 @@ from dataclasses import dataclass, field
 from router.detokenizer import Detokenizer
 from router.entry import Entry, Failure
 from router.metrics import Metrics
-from router.request_queue import RequestQueue
+from router.request_queue import RequestQueue, entry_load
 from router.shard_client import ShardCallError, ShardClient
-from text_generation_common.messages import CachedBatchRef, StepOutput
+from text_generation_common.messages import (
+    HEALTH_CHECK_BATCH_ID,
+    CachedBatchRef,
+    GenerationRequest,
+    StepOutput,
+)
 
 logger = logging.getLogger(__name__)
 
 # ShardCallError.reason -> what the requests of the failed call report
 CALL_FAILURES = {"connection": Failure.SHARD_UNAVAILABLE, "oom": Failure.OUT_OF_MEMORY}
+MISSING_ANSWER = "the shard returned neither a token nor an error for this request"
 
 
 @dataclass(slots=True)
@@ -97,6 +112,37 @@ class Batcher:
         self.last_shard_answer = 0.0  # time.monotonic() of the last successful shard call (readiness)
         self._next_batch_id = 1
         self._next_request_id = 1
+        self._probes: list[tuple[GenerationRequest, asyncio.Future[bool]]] = []
+        self._ended = False  # the loop ran and stopped: nothing will answer a probe
+
+    @property
+    def token_budget(self) -> int:
+        """The prompt tokens a call may compute (chunked prefill); 0 = whole prompts."""
+        return self.queue.max_prefill_tokens if self.queue.chunked_prefill else 0
+
+    async def probe(self, request: GenerationRequest) -> bool:
+        """Run `request` as a one-token prefill of the health-check batch (never cached) between
+        the loop's own calls; True when it produced its token."""
+        if self._ended:
+            return False
+        future = asyncio.get_running_loop().create_future()
+        self._probes.append((request, future))
+        self.queue.poke()
+        return await future
+
+    async def _run_probes(self) -> None:
+        while self._probes:
+            request, future = self._probes.pop(0)
+            try:
+                output = await self.client.prefill(HEALTH_CHECK_BATCH_ID, [request], [])
+            except ShardCallError as exc:
+                logger.warning("health check prefill failed: %s", exc)
+                ok = False
+            else:
+                ok = not output.errors and len(output.generations) == 1
+            self.generation_healthy = ok
+            if not future.done():
+                future.set_result(ok)
 
     async def run(self) -> None:
         """Serve the queue forever."""
@@ -105,9 +151,13 @@ class Batcher:
             await self._serve()
         finally:
             self.running = False
+            self._ended = True
+            for _, future in self._probes:
+                future.cancel()
 
     async def _serve(self) -> None:
         while True:
+            await self._run_probes()
             entries = self.queue.next_batch([], 1)
             if entries is None:
                 await self.queue.wait()
@@ -126,6 +176,7 @@ class Batcher:
         earliest_next_join: float | None = None
         unprocessed: _Step | None = None
         while current is not None:
+            await self._run_probes()
             if unprocessed is not None:
                 current.completed.extend(self._surely_finished(unprocessed, current))
             live = current.live()
@@ -170,7 +221,7 @@ class Batcher:
         entries = [e for b in group for e in b.live()]
         started = time.monotonic()
         self.metrics.shard_call("next_token", len(entries))
-        call = asyncio.ensure_future(self.client.next_token([b.ref() for b in group]))
+        call = asyncio.ensure_future(self.client.next_token([b.ref() for b in group], self.token_budget))
         # The call's send is scheduled; one turn of the loop runs it before the hand-out below
         # wakes every stream of the batch. Otherwise the request waits behind all of their
         # writes: router send -> shard receive was 5.6 ms of a 48 ms step at 32 streams.
@@ -191,7 +242,7 @@ class Batcher:
         step = _Step(output, entries, started, call_s)
         if output.batch_id is None:  # every request failed in the shard
             return None, step
-        rows = {g.request_id for g in output.generations}
+        rows = output.running_ids
         batch = RunningBatch(output.batch_id, [e for e in entries if e.id in rows])
         batch.completed.extend(self._late_finishers(late, batch))
         return batch, step
@@ -210,25 +261,24 @@ class Batcher:
         the tokens are handed out."""
         now = time.monotonic()
         done = []
+        got_token = {g.request_id for g in step.output.generations}
         for entry in batch.entries:
             st = entry.request.stopping
             deadline = entry.request.deadline
             if (
                 entry.finished
                 or entry.cancelled
-                or entry.generated + 1 >= st.max_new_tokens
+                or (entry.id in got_token and entry.generated + 1 >= st.max_new_tokens)
                 or (deadline is not None and now > deadline)
             ) and entry.id not in batch.completed:
                 done.append(entry.id)
         return done
 
     def _publish_state(self, live: Sequence[Entry], remaining: int) -> None:
-        weights = self.queue.weights
-        loads = [(e.in_tokens, e.out_tokens) for e in live]
-        usage = len(live) / self.queue.max_batch_size
-        if weights.limit:
-            usage = max(usage, weights.max_weight(loads) / weights.limit)
-        self.metrics.batch_state(len(live), weights.batch_tokens(loads), remaining, usage)
+        capacity = self.queue.capacity
+        loads = [entry_load(e) for e in live]
+        usage = max(len(live) / self.queue.max_batch_size, capacity.usage(loads))
+        self.metrics.batch_state(len(live), capacity.prefill_tokens(loads), remaining, usage)
 
     def _join_size(self, running: int, steps_since_join: int) -> int:
         """How many waiting entries make a join worth a prefill now (TGIS's policy)."""
@@ -250,10 +300,12 @@ class Batcher:
             new.start(self._next_request_id, self.detokenizer, now)
             self._next_request_id += 1
         requests = [e.request.shard_request(e.id) for e in entries]
-        loads = [(e.in_tokens, e.out_tokens) for e in entries]
-        self.metrics.shard_call("prefill", len(entries), self.queue.weights.batch_tokens(loads))
+        loads = [entry_load(e) for e in entries]
+        self.metrics.shard_call("prefill", len(entries), self.queue.capacity.prefill_tokens(loads))
         try:
-            output = await self.client.prefill(batch_id, requests, [b.ref() for b in to_prune])
+            output = await self.client.prefill(
+                batch_id, requests, [b.ref() for b in to_prune], self.token_budget
+            )
         except ShardCallError as exc:
             self._fail("prefill", entries, exc)
             return None, False
@@ -266,7 +318,7 @@ class Batcher:
         finished = self._hand_out(step, "prefill")
         if output.batch_id is None:
             return None, True
-        rows = {g.request_id for g in output.generations}
+        rows = output.running_ids
         return RunningBatch(output.batch_id, [e for e in entries if e.id in rows], finished), True
 
     def _answered(self) -> None:
@@ -290,6 +342,11 @@ class Batcher:
         for error in output.errors:
             if (entry := by_id.pop(error.request_id, None)) is not None:
                 entry.fail(error.message, Failure.ENGINE_FAULT, request_error=True)
+        for missing in set(by_id) - set(output.request_ids):
+            entry = by_id.pop(missing)
+            logger.error("request %d: %s", entry.id, MISSING_ANSWER)
+            if not entry.finished:
+                entry.fail(MISSING_ANSWER, Failure.ENGINE_FAULT, request_error=True)
         finished = []
         for generation in output.generations:
             entry = by_id.get(generation.request_id)

@@ -282,11 +282,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: Any, texts: Sequence[str], received_at: float, context: Any
     ) -> list[ValidatedRequest]:
         prefix_id = request.prefix_id if request.HasField("prefix_id") else ""
-        if not prefix_id and request.HasField("adapter_id"):
-            prefix_id = request.adapter_id
+        adapter_id = request.adapter_id if request.HasField("adapter_id") else ""
         params = request.params if request.HasField("params") else None
         try:
-            return await self.validator.validate(texts, params, prefix_id, received_at)
+            return await self.validator.validate(texts, params, prefix_id, received_at, adapter_id)
         except ValidationError as exc:
             self.metrics.inc("tgi_request_failure", err="validation")
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))

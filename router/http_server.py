@@ -5,7 +5,8 @@ answered and closed.
 
   /health        TGIS's: when the last shard step succeeded, every shard's Health RPC is asked;
                  when generation health is unknown or bad, a real one-token prefill of
-                 "liveness" runs (batch and request id 2^64-1, never cached). 200 with an empty
+                 "liveness" runs (batch and request id 2^64-1, never cached), through the
+                 batcher, which owns every model call. 200 with an empty
                  body when healthy; 503 {"error":"unhealthy"}; 503 {"error":"Healthcheck
                  timed-out"} after 60 s.
   /health/live   liveness: the process answers and its batching loop runs (restart if not).
@@ -88,15 +89,7 @@ class HealthCheck:
     async def _liveness_prefill(self) -> bool:
         (ids,) = await self.tokenizer.encode_batch([LIVENESS_INPUT])
         request = GenerationRequest(id=HEALTH_CHECK_BATCH_ID, input_ids=tuple(ids), max_new_tokens=1)
-        try:
-            output = await self.client.prefill(HEALTH_CHECK_BATCH_ID, [request], [])
-        except ShardCallError as exc:
-            logger.warning("health check prefill failed: %s", exc)
-            self.batcher.generation_healthy = False
-            return False
-        ok = not output.errors and len(output.generations) == 1
-        self.batcher.generation_healthy = ok
-        return ok
+        return await self.batcher.probe(request)
 
     async def respond(self) -> HttpResponse:
         try:

@@ -2,15 +2,17 @@
 
 Servicers append (and remove entries whose client left or whose deadline passed); the batcher
 asks `next_batch` for entries that fit beside the running ones (TGIS's batch formation, §4):
-  1. nothing if fewer than `min_size` wait, or the batch could not grow by `min_size`;
-  2. the prefill budget is what the running batch leaves of the weight limit;
-  3. scan in arrival order: an entry whose peak weight would exceed the limit is skipped (the
-     scan then only looks at entries that arrived less than a second after it, so it is not
-     overtaken forever); an entry whose prefill weight exceeds the budget or whose padding
-     would exceed MAX_PREFILL_PADDING is skipped the same way; later entries that fit jump
-     the queue;
-  4. stop at MAX_BATCH_SIZE, or before the prefill would compute more than
+  1. nothing if fewer than `min_size` wait, or the batch could not grow by `min_size`, or the
+     capacity policy (capacity.py) has no room beside the running requests;
+  2. scan in arrival order, asking the capacity policy about each entry: one that would never
+     fit is skipped (the scan then only looks at entries that arrived less than a second after
+     it, so it is not overtaken forever); one whose prefill does not fit now (TGIS weights:
+     prefill weight over what the running batch leaves, or padding over MAX_PREFILL_PADDING)
+     is skipped the same way; later entries that fit jump the queue;
+  3. stop at MAX_BATCH_SIZE, or before the prefill would compute more than
      MAX_BATCH_PREFILL_TOKENS prompt positions (not in TGIS; the first entry always fits).
+     Engines with chunked prefill take a prompt while the ones before it leave any of that
+     budget, and compute at most the budget per step (the batcher sends it with each call).
 
 Why the token limit: a prefill stalls every running request for its whole duration, and on
 CPU it is compute-bound (~35 ms per 128-token prompt of the 30 M reference model). Requests
@@ -30,28 +32,37 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from router.batch_weights import BatchWeights, Load
+from router.capacity import Admission, Capacity, Load
 from router.entry import Entry
 from router.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
 QUEUE_JUMP_WINDOW_S = 1.0
+# Capacity refusals counted under TGIS's metric names.
+REFUSAL_METRICS = {
+    Admission.PREFILL_TOO_BIG: "tgi_prefill_weight_limit_exceeded",
+    Admission.TOO_MUCH_PADDING: "tgi_prefill_padding_limit_exceeded",
+}
+
+
+def entry_load(entry: Entry) -> Load:
+    return Load(entry.in_tokens, entry.out_tokens)
 
 
 class RequestQueue:
     def __init__(
         self,
-        weights: BatchWeights,
+        capacity: Capacity,
         max_batch_size: int,
-        max_prefill_padding: float,
         metrics: Metrics,
         max_prefill_tokens: int = 0,  # 0 = no limit
+        chunked_prefill: bool = False,  # the engine computes at most max_prefill_tokens per step
     ) -> None:
-        self.weights = weights
+        self.capacity = capacity
         self.max_batch_size = max_batch_size
-        self.max_prefill_padding = max_prefill_padding
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill = chunked_prefill and max_prefill_tokens > 0
         self.metrics = metrics
         self.busy = False  # the batcher is running requests (set by it): expiry in the queue applies
         self._entries: deque[Entry] = deque()
@@ -77,10 +88,24 @@ class RequestQueue:
         self._sized()
         return True
 
+    def poke(self) -> None:
+        """Wake the batcher waiting in `wait` (it has other work: a health probe)."""
+        self._changed.set()
+
     async def wait(self) -> None:
-        """Until the queue changes (new entries)."""
+        """Until the queue changes (new entries) or is poked."""
         self._changed.clear()
         await self._changed.wait()
+
+    def _over_token_budget(self, prefill: Sequence[Load], before: Sequence[Load]) -> bool:
+        """Would prefilling `prefill` break MAX_BATCH_PREFILL_TOKENS? With chunked prefill, a
+        prompt may join while the ones before it leave some of the budget: the shard computes
+        the rest at later steps."""
+        if not self.max_prefill_tokens:
+            return False
+        if self.chunked_prefill:
+            return self.capacity.prefill_tokens(before) >= self.max_prefill_tokens
+        return self.capacity.prefill_tokens(prefill) > self.max_prefill_tokens
 
     def drop_cancelled(self) -> None:
         for entry in [e for e in self._entries if e.cancelled]:
@@ -92,10 +117,9 @@ class RequestQueue:
         self.drop_cancelled()
         if len(self._entries) < min_size or len(running) + min_size > self.max_batch_size:
             return None
-        w = self.weights
-        running_loads: list[Load] = [(e.in_tokens, e.out_tokens) for e in running]
-        budget = w.limit if not running or w.limit == 0 else w.limit - w.initial_weight(running_loads)
-        if budget <= 0:
+        capacity = self.capacity
+        running_loads = [entry_load(e) for e in running]
+        if not capacity.can_grow(running_loads):
             return None
         chosen: list[Entry] = []
         chosen_loads: list[Load] = []
@@ -104,23 +128,19 @@ class RequestQueue:
         for index, entry in enumerate(candidates):
             if cutoff is not None and entry.queued_at > cutoff:
                 break
-            load: Load = (entry.in_tokens, entry.out_tokens)
-            if w.max_weight([*running_loads, *chosen_loads, load]) > w.limit:
-                if w.exceeds([*running_loads, *chosen_loads], load):
-                    if len(chosen) + len(candidates) - index - 1 < min_size:
-                        return None
-                    cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
-                    continue
-                self.metrics.inc("tgi_granular_batch_addition")
-            prefill = [*chosen_loads, load]
-            if chosen and self.max_prefill_tokens and w.batch_tokens(prefill) > self.max_prefill_tokens:
-                break  # the rest waits for a later step (and keeps its place in line)
-            if w.prefill_weight(prefill) > budget:
-                self.metrics.inc("tgi_prefill_weight_limit_exceeded")
+            load = entry_load(entry)
+            verdict = capacity.admit(running_loads, chosen_loads, load)
+            if verdict is Admission.NEVER_FITS:
+                if len(chosen) + len(candidates) - index - 1 < min_size:
+                    return None
                 cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
                 continue
-            if w.padding_fraction(prefill) > self.max_prefill_padding:
-                self.metrics.inc("tgi_prefill_padding_limit_exceeded")
+            if verdict is Admission.FITS_AT_PEAK:
+                self.metrics.inc("tgi_granular_batch_addition")
+            if chosen and self._over_token_budget([*chosen_loads, load], chosen_loads):
+                break  # the rest waits for a later step (and keeps its place in line)
+            if verdict not in (Admission.FITS, Admission.FITS_AT_PEAK):
+                self.metrics.inc(REFUSAL_METRICS[verdict])
                 cutoff = cutoff if cutoff is not None else entry.queued_at + QUEUE_JUMP_WINDOW_S
                 continue
             if cutoff is not None:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from router.batch_weights import BatchWeights
 from router.batcher import Batcher
+from router.capacity import CapacityError, capacity_for
 from router.config import RouterConfig
 from router.detokenizer import Detokenizer
 from router.grpc_server import ConcurrencyLimiter, GenerationServicer
@@ -53,17 +53,6 @@ SERVER_STOP_GRACE_S = 1.0
 
 class StartupError(Exception):
     """The router cannot start; the message is the one-line reason."""
-
-
-def check_capacity(weights: BatchWeights, max_sequence_length: int) -> None:
-    """One request of max_sequence_length tokens must fit (TGIS refuses to start otherwise)."""
-    longest = [(max_sequence_length, 1)]
-    prefill = weights.prefill_weight(longest)
-    if prefill > weights.limit or weights.initial_weight(longest) > weights.limit:
-        raise StartupError(
-            f"The provided max_sequence length ({max_sequence_length}) results in a prefill batch weight "
-            f"that exceeds the estimated capacity ({prefill} > {weights.limit})"
-        )
 
 
 def check_model(info: ModelInfo, config: RouterConfig) -> None:
@@ -140,8 +129,11 @@ async def build(config: RouterConfig) -> Router:
         raise StartupError(f"cannot load the tokenizer from {config.tokenizer_path}: {exc}") from exc
     client, info = await _connect(config)
     check_model(info, config)
-    weights = BatchWeights.from_model(info.memory, info.batch_padding)
-    check_capacity(weights, config.max_sequence_length)
+    try:  # one request of max_sequence_length tokens must fit (TGIS refuses to start otherwise)
+        capacity = capacity_for(info, config.max_prefill_padding)
+        capacity.check_fits_alone(config.max_sequence_length)
+    except CapacityError as exc:
+        raise StartupError(str(exc)) from exc
 
     metrics = Metrics(
         max_sequence_length=config.max_sequence_length,
@@ -153,11 +145,11 @@ async def build(config: RouterConfig) -> Router:
         tokenizer, skip_special_tokens=not config.output_special_tokens, seq2seq=info.seq2seq
     )
     queue = RequestQueue(
-        weights,
+        capacity,
         config.max_batch_size,
-        config.max_prefill_padding,
         metrics,
         max_prefill_tokens=config.max_batch_prefill_tokens,
+        chunked_prefill=info.chunked_prefill,
     )
     batcher = Batcher(
         client,
@@ -206,7 +198,7 @@ async def build(config: RouterConfig) -> Router:
     )
     if bound == 0:
         raise StartupError(f"cannot listen for gRPC on {address}")
-    health_check = HealthCheck(client, batcher, pool, lambda: servicer.draining)
+    health_check = HealthCheck(client, batcher, pool, lambda: servicer.draining)  # probes via batcher
     http_server = HttpServer(
         {
             "/health": health_check.respond,

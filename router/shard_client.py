@@ -52,15 +52,22 @@ class ShardClient(Protocol):
     async def model_info(self) -> ModelInfo: ...
 
     async def prefill(
-        self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
+        self,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        to_prune: Sequence[CachedBatchRef],
+        token_budget: int = 0,
     ) -> StepOutput: ...
 
-    def next_token(self, batches: Sequence[CachedBatchRef]) -> Awaitable[StepOutput | None]:
+    def next_token(
+        self, batches: Sequence[CachedBatchRef], token_budget: int = 0
+    ) -> Awaitable[StepOutput | None]:
         """Start one decode step; await the result. The call is under way (its send scheduled
-        ahead of anything the caller schedules next) when this returns."""
+        ahead of anything the caller schedules next) when this returns. `token_budget`: most
+        prompt tokens of pending requests to compute (chunked prefill); 0 = all."""
         ...
 
-    async def prefix_lookup(self, prefix_id: str) -> int: ...
+    async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int: ...
 
     async def health(self) -> None: ...
 
@@ -128,18 +135,27 @@ class GrpcShardClient:
         return convert.model_info_from_pb(reply)
 
     async def prefill(
-        self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
+        self,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        to_prune: Sequence[CachedBatchRef],
+        token_budget: int = 0,
     ) -> StepOutput:
         request = pb.PrefillRequest(
             batch=pb.Batch(id=batch_id, requests=[convert.request_to_pb(r) for r in requests]),
             to_prune=convert.cached_batches_to_pb(to_prune),
+            token_budget=token_budget,
         )
         reply = await self._all("Prefill", request)
         assert isinstance(reply, pb.PrefillResponse)
         return convert.result_from_pb(reply.result, reply.input_tokens)
 
-    def next_token(self, batches: Sequence[CachedBatchRef]) -> Awaitable[StepOutput | None]:
-        request = pb.NextTokenRequest(batches=convert.cached_batches_to_pb(batches))
+    def next_token(
+        self, batches: Sequence[CachedBatchRef], token_budget: int = 0
+    ) -> Awaitable[StepOutput | None]:
+        request = pb.NextTokenRequest(
+            batches=convert.cached_batches_to_pb(batches), token_budget=token_budget
+        )
         return self._next_token_result(self._start("NextToken", request))
 
     async def _next_token_result(self, calls: list[Any]) -> StepOutput | None:
@@ -147,10 +163,15 @@ class GrpcShardClient:
         assert isinstance(reply, pb.NextTokenResponse)
         return convert.result_from_pb(reply.result) if reply.HasField("result") else None
 
-    async def prefix_lookup(self, prefix_id: str) -> int:
-        reply = await self._all(
-            "PrefixLookup", pb.PrefixLookupRequest(prefix_id=prefix_id), PREFIX_LOOKUP_TIMEOUT_S
+    async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
+        """The virtual-token count of soft prompt `prefix_id` (`adapter`: of the adapter stored
+        under that id, 0 for kinds without virtual tokens)."""
+        lookup = (
+            pb.PrefixLookupRequest(adapter_id=prefix_id)
+            if adapter
+            else pb.PrefixLookupRequest(prefix_id=prefix_id)
         )
+        reply = await self._all("PrefixLookup", lookup, PREFIX_LOOKUP_TIMEOUT_S)
         assert isinstance(reply, pb.PrefixLookupResponse)
         return reply.prefix_length
 

@@ -47,6 +47,9 @@ class ValidationError(ValueError):
     """A request is invalid; str(error) is the client-facing message (INVALID_ARGUMENT)."""
 
 
+TWO_ADAPTERS_MESSAGE = "prefix_id and adapter_id name different adapters: set only one of them"
+
+
 @dataclass(frozen=True, slots=True)
 class StoppingSpec:
     max_new_tokens: int  # after defaulting and capping
@@ -75,13 +78,14 @@ class ValidatedRequest:
     input_ids: tuple[int, ...]  # what the shard needs of the tokenization (see shard_input_ids)
     input_length: int  # after truncation, without the prefix
     truncate_input_tokens: int
-    prefix_id: str
-    prefix_length: int
+    prefix_id: str  # TGIS soft prompt
+    prefix_length: int  # virtual tokens of the soft prompt or adapter
     sampling: SamplingParams  # with the seed actually used
     stopping: StoppingSpec
     response: ResponseSpec
     received_at: float  # time.monotonic() at receipt
     deadline: float | None = None  # time.monotonic() after which TIME_LIMIT applies
+    adapter_id: str = ""  # adapter of any stored kind (then prefix_id is "")
 
     @property
     def seed(self) -> int:
@@ -103,6 +107,7 @@ class ValidatedRequest:
                 top_n_tokens=r.top_n_tokens,
             ),
             prefix_id=self.prefix_id,
+            adapter_id=self.adapter_id,
         )
 
 
@@ -229,24 +234,26 @@ def check_params(p: _Params, max_new_tokens: int) -> None:
 class PrefixLengths:
     """Soft-prompt lengths by id, looked up once through the shards (LRU + TTL, as TGIS)."""
 
-    def __init__(self, lookup: Callable[[str], Awaitable[int]], metrics: Metrics) -> None:
+    def __init__(self, lookup: Callable[[str, bool], Awaitable[int]], metrics: Metrics) -> None:
         self._lookup = lookup
         self._metrics = metrics
-        self._entries: dict[str, tuple[int, float]] = {}
+        self._entries: dict[tuple[bool, str], tuple[int, float]] = {}
 
-    async def get(self, prefix_id: str) -> int:
+    async def get(self, prefix_id: str, adapter: bool = False) -> int:
+        """Virtual tokens of soft prompt `prefix_id` (`adapter`: of the adapter of that id)."""
         now = time.monotonic()
-        hit = self._entries.pop(prefix_id, None)
+        key = (adapter, prefix_id)
+        hit = self._entries.pop(key, None)
         if hit is not None and now - hit[1] < PREFIX_CACHE_TTL_S:
-            self._entries[prefix_id] = hit  # most recently used last
+            self._entries[key] = hit  # most recently used last
             return hit[0]
         try:
-            length = await self._lookup(prefix_id)
+            length = await self._lookup(prefix_id, adapter)
         except Exception:
             self._metrics.inc("tgi_prompt_load_failure")
             raise
         self._metrics.observe("tgi_prompt_load_duration", time.monotonic() - now)
-        self._entries[prefix_id] = (length, now)
+        self._entries[key] = (length, now)
         while len(self._entries) > PREFIX_CACHE_CAPACITY:
             del self._entries[next(iter(self._entries))]
         return length
@@ -276,10 +283,19 @@ class Validator:
         params: pb.Parameters | None,
         prefix_id: str,
         received_at: float,
+        adapter_id: str = "",
     ) -> list[ValidatedRequest]:
+        """`prefix_id` (TGIS) names a soft prompt; `adapter_id` an adapter of any stored kind.
+        Both may be set only to the same id, which then counts as an adapter id."""
         p = convert_params(params, self.default_include_stop_seqs)
         check_params(p, self.max_new_tokens)
-        prefix_length = await self._prefix_length(prefix_id) if prefix_id else 0
+        if adapter_id and prefix_id:
+            if adapter_id != prefix_id:
+                raise ValidationError(TWO_ADAPTERS_MESSAGE)
+            prefix_id = ""
+        prefix_length = 0
+        if prefix_id or adapter_id:
+            prefix_length = await self._prefix_length(prefix_id or adapter_id, adapter=bool(adapter_id))
         # Inputs that are surely too long (check 14 on a lower bound of their length) are not
         # tokenized; their error is raised in request order below, like every length error.
         too_long = [self._surely_too_long(t, p.truncate_input_tokens, prefix_length) for t in texts]
@@ -299,6 +315,8 @@ class Validator:
                 raise ValidationError(error)
             ids = next(remaining)
             validated.append(self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline))
+        if adapter_id:
+            validated = [replace(v, adapter_id=adapter_id) for v in validated]
         for v in validated:
             self.metrics.observe("tgi_request_input_length", v.input_length)
             self.metrics.observe("tgi_request_max_new_tokens", p.stopping.max_new_tokens)
@@ -318,12 +336,13 @@ class Validator:
             return None
         return f"input tokens ({shown}) plus prefix length ({prefix_length}) must be < {limit}"
 
-    async def _prefix_length(self, prefix_id: str) -> int:
+    async def _prefix_length(self, prefix_id: str, adapter: bool) -> int:
         try:
-            return await self.prefixes.get(prefix_id)
+            return await self.prefixes.get(prefix_id, adapter)
         except Exception as exc:
+            what = "adapter" if adapter else "prompt prefix"
             raise ValidationError(
-                f"can't retrieve prompt prefix with id '{clip(prefix_id)}': {clip(str(exc))}"
+                f"can't retrieve {what} with id '{clip(prefix_id)}': {clip(str(exc))}"
             ) from exc
 
     def _finish(

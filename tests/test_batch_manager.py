@@ -27,12 +27,12 @@ class CountingEngine(ModelEngine):
     def new_batch(self, batch_id, requests):
         return self.inner.new_batch(batch_id, requests)
 
-    def generate_token(self, batch, first):
+    def generate_token(self, batch, first, token_budget=0):
         self.steps += 1
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
-        return self.inner.generate_token(batch, first)
+        return self.inner.generate_token(batch, first, token_budget)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import torch
 
 from text_generation_common.messages import GenerationRequest
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.hf_transformers import NAN_LOGITS_MESSAGE, HFTransformersEngine
+from text_generation_server.engines.hf_transformers import HFTransformersEngine
+from text_generation_server.engines.step import NAN_LOGITS_MESSAGE
 
 
 def test_nan_row_fails_alone_and_inf_is_not_nan(tiny_model) -> None:

@@ -28,6 +28,7 @@ from launcher import config as lc
 from launcher import supervisor as sv
 from launcher.cli import tokenizer_dir
 from launcher.config import LaunchError, LaunchFlags
+from text_generation_common.engines import EngineCapabilities, EngineSpec
 from text_generation_common.model_config import SEQUENCE_LENGTH_KEYS
 
 SHA_MAIN = "a" * 40
@@ -187,13 +188,20 @@ def test_num_shard_and_num_gpus_must_agree() -> None:
 
 def test_more_than_one_shard_needs_tensor_parallel_engine(tiny_model: Callable[..., Path]) -> None:
     lc.check_num_shard(1, "hf_transformers")
-    lc.check_num_shard(2, "tgis_native")
+    sharding = {"tp": spec("tp", tensor_parallel=True)}
+    lc.check_num_shard(2, "tp", sharding)
     with pytest.raises(LaunchError, match="2 shards need tensor parallelism, which engine 'hf_transformers'"):
         config_for(tiny_model("llama"), {"CUDA_VISIBLE_DEVICES": "0,1"})
 
 
+def spec(name: str, **capabilities: Any) -> EngineSpec:
+    return EngineSpec(name, "m:C", EngineCapabilities(**capabilities), "")
+
+
 def test_unknown_engine_lists_the_choices() -> None:
-    engines = {"hf_transformers": "m:A", "onnx": "m:B"}
+    engines = {
+        name: EngineSpec(name, "m:A", EngineCapabilities(), "") for name in ("hf_transformers", "onnx")
+    }
     assert lc.resolve_engine("onnx", engines) == "onnx"
     with pytest.raises(
         LaunchError, match="unknown deployment framework 'nope'; choose one of: hf_transformers, onnx"
@@ -201,7 +209,13 @@ def test_unknown_engine_lists_the_choices() -> None:
         lc.resolve_engine("nope", engines)
     with pytest.raises(LaunchError, match="unknown deployment framework 'hf_custom_tp'; choose one of"):
         lc.resolve_engine("hf_custom_tp", engines)
-    assert lc.resolve_engine("hf_custom_tp", {**engines, "tgis_native": "m:C"}) == "tgis_native"
+    assert (
+        lc.resolve_engine(
+            "hf_custom_tp",
+            {**engines, "tgis_native": spec("tgis_native")},
+        )
+        == "tgis_native"
+    )
 
 
 def test_quantize_is_refused() -> None:

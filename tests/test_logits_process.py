@@ -111,10 +111,10 @@ def test_chooser_pipeline_matches_transformers_in_tgis_order() -> None:
     """The whole chain of a heterogeneous batch vs each row's transformers processor list."""
     params = [
         SamplingParams(),  # greedy: untouched by warpers
-        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, typical_p=0.8, repetition_penalty=1.3),
-        SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, typical_p=0.8, repetition_penalty=1.3, seed=1),
+        SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5, seed=2),
         SamplingParams(repetition_penalty=2.0, length_penalty=LengthPenalty(1, 1.7)),
-        SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2)),
+        SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2), seed=3),
     ]
     prompts = [[5, 6, 7], [8, 9, 9, 10], [11], [12, 13, 14, 15, 16], [EOS, 17]]
     generated = [3, 0, 2, 4, 1]

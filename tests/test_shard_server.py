@@ -19,6 +19,7 @@ from text_generation_common.pb import generate_pb2 as pb
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import HFTransformersEngine
+from text_generation_server.engines.inputs import UNSEEDED_MESSAGE
 
 MAX_BATCH = 4
 MAX_SEQ = 64
@@ -36,10 +37,10 @@ class HookedEngine(ModelEngine):
     def new_batch(self, batch_id, requests):
         return self.inner.new_batch(batch_id, requests)
 
-    def generate_token(self, batch, first):
+    def generate_token(self, batch, first, token_budget=0):
         if self.before_step is not None:
             self.before_step()
-        return self.inner.generate_token(batch, first)
+        return self.inner.generate_token(batch, first, token_budget)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,11 @@ def test_model_info_and_discovery(shard, stub) -> None:
     _, _, config = shard
     info = stub.ModelInfo(pb.ModelInfoRequest())
     assert info.model_type == pb.ModelInfoResponse.CAUSAL_LM
-    assert info.eos_token_id == 2 and info.batch_padding and info.vocab_size == 2000
+    assert (
+        info.eos_token_id == 2
+        and info.capacity_kind == pb.ModelInfoResponse.PADDED_WEIGHTS
+        and info.vocab_size == 2000
+    )
     assert info.max_sequence_length == MAX_SEQ
     # The measured memory model: 2 layers x 2 KV heads x 16 dims x (K, V) x 4 bytes per token.
     memory = info.memory_scaling_model
@@ -253,6 +258,41 @@ def test_prefix_lookup_not_found(stub) -> None:
         grpc.StatusCode.NOT_FOUND,
         'prefix id "abc" not found',
     )
+    assert_status(
+        lambda: stub.PrefixLookup(pb.PrefixLookupRequest(adapter_id="lora/x")),
+        grpc.StatusCode.NOT_FOUND,
+        'adapter id "lora/x" not found',
+    )
+
+
+def test_adapter_id_is_its_own_field(stub) -> None:
+    with_adapter = make_request(1, [1, 5], 2)
+    with_adapter.adapter_id = "lora/x"
+    response = prefill(stub, 1, [with_adapter, make_request(2, [1, 6], 2)])
+    assert [(e.request_id, e.message) for e in response.result.errors] == [
+        (1, "Error retrieving adapter 'lora/x'")
+    ]
+    assert [t.request_id for t in response.result.tokens] == [2]
+
+
+def test_sampling_without_a_seed_is_refused_at_the_shard_edge(stub) -> None:
+    # Tensor-parallel ranks must draw the same numbers: no per-rank random seed.
+    unseeded = make_request(1, [1, 5], 2, temperature=0.8)
+    response = prefill(stub, 1, [unseeded, make_request(2, [1, 6], 2, temperature=0.8, seed=5)])
+    assert [(e.request_id, e.message) for e in response.result.errors] == [(1, UNSEEDED_MESSAGE)]
+    assert [t.request_id for t in response.result.tokens] == [2]
+
+
+def test_a_token_budget_needs_an_engine_with_chunked_prefill(stub) -> None:
+    assert not stub.ModelInfo(pb.ModelInfoRequest()).chunked_prefill
+    assert_status(
+        lambda: stub.Prefill(
+            pb.PrefillRequest(batch=pb.Batch(id=1, requests=[make_request(1, [1, 5], 2)]), token_budget=8)
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "token_budget 8 needs chunked prefill, which this engine does not do",
+    )
+    assert_still_serving(stub)
 
 
 def test_out_of_memory_and_unexpected_errors(shard, stub) -> None:

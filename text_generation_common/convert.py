@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
     CachedBatchRef,
     Generation,
@@ -26,6 +27,11 @@ from text_generation_common.messages import (
     TopToken,
 )
 from text_generation_common.pb import generate_pb2 as pb
+
+CAPACITY_TO_PB = {
+    CapacityKind.PADDED_WEIGHTS: pb.ModelInfoResponse.PADDED_WEIGHTS,
+    CapacityKind.UNPADDED_WEIGHTS: pb.ModelInfoResponse.UNPADDED_WEIGHTS,
+}
 
 
 def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
@@ -57,6 +63,7 @@ def request_from_pb(r: pb.Request) -> GenerationRequest:
             input_tokens=d.input_tokens, logprobs=d.logprobs, ranks=d.ranks, top_n_tokens=d.top_n_tokens
         ),
         prefix_id=r.prefix_id,
+        adapter_id=r.adapter_id,
     )
 
 
@@ -79,6 +86,7 @@ def result_to_pb(out: StepOutput) -> pb.GenerateResult:
         tokens=[token_to_pb(g.token, g.request_id) for g in out.generations],
         errors=[pb.RequestError(request_id=e.request_id, message=e.message) for e in out.errors],
         forward_ns=out.forward_ns,
+        pending_ids=out.pending,
     )
     if out.batch_id is not None:
         result.batch_id = out.batch_id
@@ -93,7 +101,8 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
     return pb.ModelInfoResponse(
         model_type=pb.ModelInfoResponse.SEQ2SEQ_LM if info.seq2seq else pb.ModelInfoResponse.CAUSAL_LM,
         eos_token_id=info.eos_token_id,
-        batch_padding=info.batch_padding,
+        capacity_kind=CAPACITY_TO_PB[info.capacity],
+        chunked_prefill=info.chunked_prefill,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
         dtype=info.dtype,
@@ -134,6 +143,7 @@ def request_to_pb(r: GenerationRequest) -> pb.Request:
     return pb.Request(
         id=r.id,
         prefix_id=r.prefix_id,
+        adapter_id=r.adapter_id,
         input_ids=r.input_ids,
         truncate_input_tokens=r.truncate_input_tokens,
         max_new_tokens=r.max_new_tokens,
@@ -166,6 +176,7 @@ def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTok
         ],
         batch_id=result.batch_id if result.HasField("batch_id") else None,
         forward_ns=result.forward_ns,
+        pending=list(result.pending_ids),
     )
 
 
@@ -184,7 +195,8 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
             nexttoken_linear_coef1=m.nexttoken_linear_coef1,
             weight_limit=m.weight_limit,
         ),
-        batch_padding=info.batch_padding,
+        capacity={v: k for k, v in CAPACITY_TO_PB.items()}[info.capacity_kind],
+        chunked_prefill=info.chunked_prefill,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
     )

@@ -1,8 +1,9 @@
-"""Typed messages between the shard's gRPC edge and its engines.
+"""Typed messages between the router and the shards, and between the shard's gRPC edge and
+its engines.
 
-`convert.py` turns protobuf into these and back; engines and batches see only these.
-Flow: PrefillRequest -> list[GenerationRequest] -> Batch.from_requests -> engine.generate_token
--> StepOutput -> GenerateResult.
+convert.py turns protobuf into these and back; the router's batcher and the shard's engines
+see only these. Flow: router GenerationRequest -> PrefillRequest -> GenerationRequest ->
+Batch.from_requests -> engine.generate_token -> StepOutput -> GenerateResult -> StepOutput.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from text_generation_common.engines import CapacityKind
 
 # Batch id of the router's health-check prefill: answered, never cached.
 HEALTH_CHECK_BATCH_ID = 2**64 - 1
@@ -30,7 +33,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = off
     typical_p: float = 1.0  # 1.0 = off
     min_new_tokens: int = 0  # EOS masked while fewer tokens were generated
-    seed: int | None = None  # sampling generator seed; None = random
+    seed: int | None = None  # sampling generator seed; the router sets one for every sampling request
     repetition_penalty: float = 1.0  # 1.0 = off
     length_penalty: LengthPenalty | None = None
 
@@ -63,7 +66,8 @@ class GenerationRequest:
     truncate_input_tokens: int = 0  # keep the last N ids (BOS re-inserted); 0 = all
     params: SamplingParams = field(default_factory=SamplingParams)
     details: RequestedDetails = field(default_factory=RequestedDetails)
-    prefix_id: str = ""  # soft prompt; "" = none
+    prefix_id: str = ""  # soft prompt (TGIS); "" = none
+    adapter_id: str = ""  # adapter of whatever kind is stored under the id; "" = none
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,18 +121,26 @@ class RequestError:
 
 @dataclass(slots=True)
 class StepOutput:
-    """The result of one prefill or decode call."""
+    """The result of one prefill or decode call: every live request of the call is answered by
+    exactly one of a generation, an error, or a pending id (still running, no token this step,
+    e.g. its prompt is only partly computed)."""
 
     generations: list[Generation] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
     input_tokens: list[InputTokens] = field(default_factory=list)
     batch_id: int | None = None  # id the batch is cached under; None = nothing cached
     forward_ns: int = 0
+    pending: list[int] = field(default_factory=list)  # request ids
 
     @property
     def request_ids(self) -> list[int]:
-        """The requests this output answers (a token or an error each)."""
-        return [g.request_id for g in self.generations] + [e.request_id for e in self.errors]
+        """The requests this output answers (a token, an error or a pending entry each)."""
+        return [g.request_id for g in self.generations] + [e.request_id for e in self.errors] + self.pending
+
+    @property
+    def running_ids(self) -> set[int]:
+        """The requests still in the batch after this step (a token or pending)."""
+        return {g.request_id for g in self.generations} | set(self.pending)
 
     def without(self, completed_ids: set[int]) -> StepOutput:
         """This output less the answers to `completed_ids`."""
@@ -138,6 +150,7 @@ class StepOutput:
             list(self.input_tokens),
             self.batch_id,
             self.forward_ns,
+            [i for i in self.pending if i not in completed_ids],
         )
 
     @classmethod
@@ -148,6 +161,7 @@ class StepOutput:
             [e for o in outputs for e in o.errors],
             [t for o in outputs for t in o.input_tokens],
             forward_ns=sum(o.forward_ns for o in outputs),
+            pending=[i for o in outputs for i in o.pending],
         )
 
 
@@ -172,6 +186,7 @@ class ModelInfo:
     vocab_size: int
     max_sequence_length: int
     memory: MemoryScalingModel
-    batch_padding: bool = True
+    capacity: CapacityKind = CapacityKind.PADDED_WEIGHTS
     dtype: str = ""  # what the weights and activations are in ("bfloat16", ...)
     dtype_reason: str = ""  # why that dtype ("the CPU has AMX-BF16", "asked for ...")
+    chunked_prefill: bool = False  # the engine honours a per-step prompt-token budget

@@ -55,7 +55,7 @@ class Ahead:
         if self.error is not None:
             return self
         output = self.output.without(completed_ids)
-        if not output.generations and not output.errors:
+        if not output.request_ids:
             return None
         batch = self.batch.prune(completed_ids) if self.batch is not None else None
         return Ahead(output, batch)
@@ -69,6 +69,7 @@ class BatchManager:
         self.engine = engine
         self.max_batch_size = max_batch_size
         self._cache: dict[int, Cached] = {}
+        self._token_budget = 0  # of the last call; run-ahead steps use it too
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -153,36 +154,54 @@ class BatchManager:
                 logger.warning("a step run ahead on a stale batch had failed: %r", cached.error)
         self._cache.clear()
 
+    def _check_budget(self, token_budget: int) -> None:
+        if token_budget and not self.engine.info.chunked_prefill:
+            raise InvalidBatchError(
+                f"token_budget {token_budget} needs chunked prefill, which this engine does not do"
+            )
+
+    def _generate(self, batch: Batch, first: bool) -> tuple[StepOutput, Batch | None]:
+        return self.engine.generate_token(batch, first, self._token_budget)
+
     def prefill(
-        self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
+        self,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        to_prune: Sequence[CachedBatchRef],
+        token_budget: int = 0,
     ) -> StepOutput:
-        """Prune `to_prune`, then build batch `batch_id` and run its first step."""
+        """Prune `to_prune`, then build batch `batch_id` and run its first step (computing at
+        most `token_budget` prompt tokens when the engine chunks prefills; 0 = all)."""
+        self._check_budget(token_budget)
         self._check_refs(to_prune)
         self._check_new(batch_id, requests, to_prune)
+        self._token_budget = token_budget
         for pruned_id, pruned in self._take(to_prune):
             self._cache[pruned_id] = pruned
         batch, errors = self.engine.new_batch(batch_id, requests)
         if batch is None:
             return StepOutput(errors=errors)
-        output, survivor = self.engine.generate_token(batch, first=True)
+        output, survivor = self._generate(batch, first=True)
         output.errors[:0] = errors
         return self._store(output, survivor)
 
-    def next_token(self, refs: Sequence[CachedBatchRef]) -> StepOutput | None:
+    def next_token(self, refs: Sequence[CachedBatchRef], token_budget: int = 0) -> StepOutput | None:
         """Prune and merge the referenced batches and run one decode step (or deliver the step
-        run ahead on them).
+        run ahead on them); `token_budget` as in prefill.
 
         Returns None when every referenced request had completed. Cached batches that are not
         referenced are stale (the router no longer tracks them) and are dropped.
         """
         if not refs:
             raise InvalidBatchError("NextToken needs at least one batch")
+        self._check_budget(token_budget)
         total = self._check_refs(refs)
         if total > self.max_batch_size:
             raise InvalidBatchError(
                 f"merging batches {[r.batch_id for r in refs]} gives {total} requests, "
                 f"more than max_batch_size ({self.max_batch_size})"
             )
+        self._token_budget = token_budget
         taken = [cached for _, cached in self._take(refs)]
         self._drop_stale()
         if not taken:
@@ -207,7 +226,7 @@ class BatchManager:
 
     def _step(self, batches: Sequence[Batch]) -> tuple[StepOutput, Batch | None]:
         batch = batches[0] if len(batches) == 1 else self.engine.concatenate(batches)
-        return self.engine.generate_token(batch, first=False)
+        return self._generate(batch, first=False)
 
     def run_ahead(self) -> None:
         """Run the next decode step of every cached batch whose requests may still generate."""
@@ -215,7 +234,7 @@ class BatchManager:
             if isinstance(cached, Ahead) or cached.remaining() <= 0:
                 continue
             try:
-                output, survivor = self.engine.generate_token(cached, first=False)
+                output, survivor = self._generate(cached, first=False)
             except Exception as exc:  # reported by the next call that references the batch
                 self._cache[batch_id] = Ahead(StepOutput(), None, exc)
             else:

@@ -22,10 +22,10 @@ class InvalidBatchError(ShardError):
 
 
 class PrefixNotFoundError(ShardError):
-    """A soft prompt does not exist (NOT_FOUND)."""
+    """A soft prompt or adapter does not exist (NOT_FOUND)."""
 
-    def __init__(self, prefix_id: str) -> None:
-        super().__init__(f'prefix id "{prefix_id}" not found')
+    def __init__(self, prefix_id: str, what: str = "prefix") -> None:
+        super().__init__(f'{what} id "{prefix_id}" not found')
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

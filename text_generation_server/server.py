@@ -148,6 +148,7 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
             request.batch.id,
             requests,
             to_prune,
+            request.token_budget,
             then_run_ahead=self.config.run_ahead,
         )
         return pb.PrefillResponse(
@@ -157,13 +158,17 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def NextToken(self, request: pb.NextTokenRequest, context: Any) -> pb.NextTokenResponse:
         refs = convert.cached_batches_from_pb(request.batches)
-        output = await self._run(context, self.batches.next_token, refs, then_run_ahead=self.config.run_ahead)
+        output = await self._run(
+            context, self.batches.next_token, refs, request.token_budget, then_run_ahead=self.config.run_ahead
+        )
         if output is None:
             return pb.NextTokenResponse()
         return pb.NextTokenResponse(result=convert.result_to_pb(output))
 
     async def PrefixLookup(self, request: pb.PrefixLookupRequest, context: Any) -> pb.PrefixLookupResponse:
-        # No prompt store exists yet: every prefix is unknown.
+        # No prompt or adapter store exists yet: every id is unknown.
+        if request.adapter_id:
+            await self._abort(context, PrefixNotFoundError(request.adapter_id, "adapter"))
         await self._abort(context, PrefixNotFoundError(request.prefix_id))
 
     def close(self) -> None:

@@ -3,7 +3,9 @@
 FakeShard implements router.shard_client.ShardClient without torch: a "model" that picks each
 request's next token with a script function, batches cached by id, pruning by completed ids,
 merging on NextToken, and a log of every call so tests can assert the protocol the batcher
-speaks. Failures and latency can be injected.
+speaks. Failures and latency can be injected. With `chunked_prefill`, it computes at most the
+call's token budget of prompt tokens per step and reports the requests whose prompts are not
+done as pending; `forget` makes it answer a request with nothing at all (a broken shard).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 from router.shard_client import ShardCallError
 from text_generation_common.messages import (
+    HEALTH_CHECK_BATCH_ID,
     CachedBatchRef,
     Generation,
     GenerationRequest,
@@ -57,9 +60,33 @@ class FakeShard:
     fail_prefill: ShardCallError | None = None  # raised by the next prefill
     fail_next_token: ShardCallError | None = None  # raised by the next next_token
     request_errors: dict[int, str] = field(default_factory=dict)  # request id -> error at its next step
+    chunked_prefill: bool = False
+    computed: dict[int, int] = field(default_factory=dict)  # request id -> prompt tokens computed
+    forget: set[int] = field(default_factory=set)  # request ids answered with nothing (and dropped)
+    budgets: list[int] = field(default_factory=list)  # token_budget of every call
+    peak_live: int = 0  # most requests cached at once, over every call
+    in_flight: int = 0  # model calls under way (the batcher must never overlap two)
+    _called: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def _record(self, call: Call) -> None:
+        assert self.in_flight == 0, f"{call.method} overlaps another model call"
+        self.calls.append(call)
+        self._called.set()
+
+    async def next_call(self) -> None:
+        """Until the next call reaches the shard."""
+        self._called.clear()
+        await self._called.wait()
 
     async def model_info(self) -> ModelInfo:
-        return ModelInfo(self.seq2seq, EOS, 2000, self.max_sequence_length, self.memory)
+        return ModelInfo(
+            self.seq2seq,
+            EOS,
+            2000,
+            self.max_sequence_length,
+            self.memory,
+            chunked_prefill=self.chunked_prefill,
+        )
 
     def _prune(self, refs: Sequence[CachedBatchRef]) -> list[list[GenerationRequest]]:
         kept = []
@@ -78,13 +105,26 @@ class FakeShard:
             setattr(self, attribute, None)
             raise error
 
-    def _step(self, batch_id: int, rows: list[GenerationRequest]) -> StepOutput:
+    def _step(self, batch_id: int, rows: list[GenerationRequest], token_budget: int) -> StepOutput:
+        self.budgets.append(token_budget)
         output = StepOutput(batch_id=batch_id)
         live = []
+        budget = token_budget or sum(len(r.input_ids) for r in rows)
         for request in rows:
+            if request.id in self.forget:
+                continue
             if request.id in self.request_errors:
                 output.errors.append(RequestError(request.id, self.request_errors.pop(request.id)))
                 continue
+            done = self.computed.get(request.id, 0)
+            if done < len(request.input_ids):
+                chunk = min(len(request.input_ids) - done, budget)
+                budget -= chunk
+                self.computed[request.id] = done = done + chunk
+                if done < len(request.input_ids):
+                    output.pending.append(request.id)
+                    live.append(request)
+                    continue
             step = self.generated.get(request.id, 0)
             self.generated[request.id] = step + 1
             token = TokenInfo(self.script(request, step), logprob=-0.5 if request.details.logprobs else 0.0)
@@ -94,16 +134,27 @@ class FakeShard:
             self.batches[batch_id] = live
         else:
             output.batch_id = None
+        self.peak_live = max(self.peak_live, sum(len(rows) for rows in self.batches.values()))
         return output
 
     async def prefill(
-        self, batch_id: int, requests: Sequence[GenerationRequest], to_prune: Sequence[CachedBatchRef]
+        self,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        to_prune: Sequence[CachedBatchRef],
+        token_budget: int = 0,
     ) -> StepOutput:
-        self.calls.append(Call("prefill", batch_id, [r.id for r in requests], list(to_prune)))
+        self._record(Call("prefill", batch_id, [r.id for r in requests], list(to_prune)))
         for batch, rows in self._prune(to_prune):
             self.batches[batch] = rows
-        await self._maybe_fail("prefill")
-        output = self._step(batch_id, list(requests))
+        self.in_flight += 1
+        try:
+            await self._maybe_fail("prefill")
+        finally:
+            self.in_flight -= 1
+        if batch_id == HEALTH_CHECK_BATCH_ID:  # answered, never cached
+            return StepOutput([Generation(r.id, TokenInfo(600)) for r in requests])
+        output = self._step(batch_id, list(requests), token_budget)
         output.input_tokens = [
             InputTokens(r.id, tuple(TokenInfo(t) for t in r.input_ids))
             for r in requests
@@ -111,16 +162,20 @@ class FakeShard:
         ]
         return output
 
-    async def next_token(self, batches: Sequence[CachedBatchRef]) -> StepOutput | None:
-        self.calls.append(Call("next_token", refs=list(batches)))
+    async def next_token(self, batches: Sequence[CachedBatchRef], token_budget: int = 0) -> StepOutput | None:
+        self._record(Call("next_token", refs=list(batches)))
         kept = self._prune(batches)
         assert not self.batches, f"stale batches left in the shard: {sorted(self.batches)}"
-        await self._maybe_fail("next_token")
+        self.in_flight += 1
+        try:
+            await self._maybe_fail("next_token")
+        finally:
+            self.in_flight -= 1
         if not kept:
             return None
-        return self._step(kept[0][0], [r for _, rows in kept for r in rows])
+        return self._step(kept[0][0], [r for _, rows in kept for r in rows], token_budget)
 
-    async def prefix_lookup(self, prefix_id: str) -> int:
+    async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
         raise ShardCallError("error", f'prefix id "{prefix_id}" not found')
 
     async def health(self) -> None:

@@ -1,17 +1,22 @@
 """The continuous-batching loop against a fake shard, on CPU, in seconds: joins, pruning,
-budgets, batch size, cancellation, deadlines, failures."""
+budgets, batch size, cancellation, deadlines, failures, chunked prefill, health probes.
+
+Tests wait on events (a call reaching the fake shard, an output), never on wall-clock sleeps;
+the fake shard's latency only stands in for model time."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import pytest
 
 from router.batch_weights import BatchWeights
-from router.batcher import Batcher
+from router.batcher import MISSING_ANSWER, Batcher
+from router.capacity import WeightCapacity
 from router.detokenizer import Detokenizer
 from router.entry import Entry, Output
 from router.metrics import Metrics
@@ -20,7 +25,12 @@ from router.shard_client import ShardCallError
 from router.stopping import StopReason
 from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
 from tests.router.fakes import EOS, FakeShard
-from text_generation_common.messages import MemoryScalingModel, SamplingParams
+from text_generation_common.messages import (
+    HEALTH_CHECK_BATCH_ID,
+    GenerationRequest,
+    MemoryScalingModel,
+    SamplingParams,
+)
 
 
 def make_request(
@@ -78,6 +88,19 @@ class Harness:
     def methods(self) -> list[str]:
         return [c.method for c in self.shard.calls]
 
+    async def until(self, condition: Callable[[], bool], timeout: float = 5) -> None:
+        """Until `condition` holds, checked each time a call reaches the shard."""
+
+        async def wait() -> None:
+            while not condition():
+                await self.shard.next_call()
+
+        await asyncio.wait_for(wait(), timeout)
+
+    async def calls(self, n: int) -> None:
+        """Until the shard has seen `n` calls."""
+        await self.until(lambda: len(self.shard.calls) >= n)
+
 
 @pytest.fixture
 async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
@@ -92,9 +115,15 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
         max_prefill_tokens: int = 0,
     ):
         shard = shard or FakeShard()
-        weights = BatchWeights.from_model(shard.memory, padded=True)
+        capacity = WeightCapacity(BatchWeights.from_model(shard.memory, padded=True), padding)
         metrics = Metrics(max_batch_size=max_batch_size)
-        queue = RequestQueue(weights, max_batch_size, padding, metrics, max_prefill_tokens=max_prefill_tokens)
+        queue = RequestQueue(
+            capacity,
+            max_batch_size,
+            metrics,
+            max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill=shard.chunked_prefill,
+        )
         batcher = Batcher(
             shard, queue, detokenizer, metrics, eos_token_id=EOS, max_waiting_tokens=max_waiting_tokens
         )
@@ -111,7 +140,7 @@ async def test_single_request_runs_to_max_new_tokens(make_harness) -> None:
     entry = h.submit(make_request(max_new=4))
     out = await h.final(entry)
     assert out.generated_tokens == 4 and out.stop_reason is StopReason.MAX_TOKENS
-    await asyncio.sleep(0.01)
+    await h.calls(5)
     # prefill = token 1; three steps = tokens 2-4; one more call drops the finished batch.
     assert h.methods() == ["prefill", "next_token", "next_token", "next_token", "next_token"]
     assert h.shard.calls[-1].refs[0].completed_ids == (entry.id,)
@@ -128,7 +157,7 @@ async def test_capped_request_reports_token_limit(make_harness) -> None:
 async def test_new_requests_join_the_running_batch(make_harness) -> None:
     h = make_harness(FakeShard(latency_s=0.005))
     first = h.submit(make_request(max_new=30))
-    await asyncio.sleep(0.05)
+    await h.calls(3)
     second = h.submit(make_request(prompt_len=3, max_new=3))
     out2 = await h.final(second)
     out1 = await h.final(first)
@@ -146,15 +175,16 @@ async def test_prefill_prunes_finished_requests_first(make_harness) -> None:
     h = make_harness(FakeShard(latency_s=0.005))
     long = h.submit(make_request(max_new=40))
     short = h.submit(make_request(max_new=2))
-    await h.final(short)
-    await asyncio.sleep(0.02)
+    await h.calls(2)  # the first decode step (short's last token) is under way
     late = h.submit(make_request(max_new=2))
     await h.final(late)
     await h.final(long)
-    late_prefill = next(c for c in h.shard.calls if c.method == "prefill" and late.id in c.request_ids)
-    # The short request finished some steps ago and was pruned by a NextToken already.
-    all_completed = {i for c in h.shard.calls for r in c.refs for i in r.completed_ids}
-    assert short.id in all_completed and late_prefill.batch_id is not None
+    (late_prefill,) = [c for c in h.shard.calls if c.method == "prefill" and late.id in c.request_ids]
+    # The join's prefill itself drops the request that finished with the step before it.
+    first_batch = h.shard.calls[0].batch_id
+    assert [(r.batch_id, r.completed_ids) for r in late_prefill.refs] == [(first_batch, (short.id,))]
+    later = h.shard.calls[h.shard.calls.index(late_prefill) + 1 :]
+    assert all(short.id not in r.completed_ids for c in later for r in c.refs), "pruned once"
 
 
 async def test_max_batch_size_holds_requests_back(make_harness) -> None:
@@ -165,8 +195,8 @@ async def test_max_batch_size_holds_requests_back(make_harness) -> None:
     prefills = [c.request_ids for c in h.shard.calls if c.method == "prefill"]
     assert prefills[0] == [entries[0].id, entries[1].id]
     assert [entries[2].id] in prefills[1:]
-    # Never more than two live requests in the shard.
-    assert all(len(rows) <= 2 for rows in [h.shard.batches.get(b, []) for b in h.shard.batches])
+    # Never more than two live requests in the shard, at any call.
+    assert h.shard.peak_live == 2
 
 
 async def test_prefill_token_limit_splits_a_burst_in_arrival_order(make_harness) -> None:
@@ -190,7 +220,7 @@ async def test_weight_limit_delays_a_request_that_would_not_fit(make_harness) ->
     memory = MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 25)
     h = make_harness(FakeShard(memory=memory, latency_s=0.002))
     first = h.submit(make_request(prompt_len=10, max_new=10))
-    await asyncio.sleep(0.01)
+    await h.calls(2)
     second = h.submit(make_request(prompt_len=10, max_new=10))
     await h.final(first)
     await h.final(second)
@@ -208,7 +238,7 @@ async def test_queue_jump_when_a_later_request_fits(make_harness) -> None:
     memory = MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 60)
     h = make_harness(FakeShard(memory=memory, latency_s=0.003))
     running = h.submit(make_request(prompt_len=10, max_new=20))
-    await asyncio.sleep(0.01)
+    await h.calls(2)
     big = h.submit(make_request(prompt_len=30, max_new=20))  # would not fit beside `running`
     small = h.submit(make_request(prompt_len=2, max_new=3))  # fits: jumps the queue
     await h.final(small)
@@ -222,8 +252,7 @@ async def test_cancelled_request_leaves_at_the_next_step(make_harness) -> None:
     h = make_harness(FakeShard(latency_s=0.005))
     stay = h.submit(make_request(max_new=20))
     leave = h.submit(make_request(max_new=20))
-    while leave.generated < 3:
-        await asyncio.sleep(0.001)
+    await h.until(lambda: leave.generated >= 3)
     leave.cancelled = True
     generated_then = leave.generated
     await h.final(stay)
@@ -239,8 +268,10 @@ async def test_cancelled_while_queued_never_runs(make_harness) -> None:
     waiting = h.submit(make_request(max_new=5))
     waiting.cancelled = True
     await h.final(busy)
-    await asyncio.sleep(0.02)
+    await h.until(lambda: h.shard.calls[-1].method == "next_token" and not h.shard.batches)
+    assert h.queue.next_batch([], 1) is None  # dropped, not waiting
     assert waiting.id == 0 and len(h.queue) == 0
+    assert [c.request_ids for c in h.shard.calls if c.method == "prefill"] == [[busy.id]]
 
 
 async def test_the_call_that_only_drops_a_finished_batch_does_not_count_as_busy(make_harness) -> None:
@@ -297,7 +328,7 @@ async def test_stop_sequence_cuts_the_text(make_harness, detokenizer) -> None:
 async def test_prefill_failure_fails_only_the_new_requests(make_harness) -> None:
     h = make_harness(FakeShard(latency_s=0.005))
     running = h.submit(make_request(max_new=30))
-    await asyncio.sleep(0.03)
+    await h.calls(3)
     h.shard.fail_prefill = ShardCallError("oom", "GPU out of memory")
     doomed = h.submit(make_request(max_new=5))
     out = await h.final(doomed)
@@ -308,8 +339,7 @@ async def test_prefill_failure_fails_only_the_new_requests(make_harness) -> None
 async def test_step_failure_fails_the_batch_and_health(make_harness) -> None:
     h = make_harness(FakeShard(latency_s=0.005))
     entry = h.submit(make_request(max_new=30))
-    while entry.generated < 3:
-        await asyncio.sleep(0.001)
+    await h.until(lambda: entry.generated >= 3)
     h.shard.fail_next_token = ShardCallError(
         "connection", "Could not connect to Text Generation server: gone"
     )
@@ -326,8 +356,7 @@ async def test_per_request_error_spares_the_neighbours(make_harness) -> None:
     h = make_harness(FakeShard(latency_s=0.005))
     ok = h.submit(make_request(max_new=10))
     bad = h.submit(make_request(max_new=10))
-    while bad.generated < 2:
-        await asyncio.sleep(0.001)
+    await h.until(lambda: bad.generated >= 2)
     h.shard.request_errors[bad.id] = "Token decoding error: boom"
     out = await h.final(bad)
     assert (
@@ -354,3 +383,103 @@ async def test_details_and_input_tokens(make_harness) -> None:
     streamed = await h.all_outputs(h.submit(request, stream=True))
     assert streamed[0].input_tokens is not None
     assert all(len(o.tokens) == 1 for o in streamed[1:])
+
+
+# --- steps count tokens: pending requests, missing answers ------------------------------------
+
+
+async def test_a_request_whose_prompt_is_chunked_stays_live_until_its_tokens_come(make_harness) -> None:
+    h = make_harness(FakeShard(chunked_prefill=True, latency_s=0.001), max_prefill_tokens=8)
+    entry = h.submit(make_request(prompt_len=20, max_new=3))
+    out = await h.final(entry)
+    assert out.generated_tokens == 3 and out.stop_reason is StopReason.MAX_TOKENS
+    # 8 + 8 + 4 prompt tokens: two steps without a token, then the first token.
+    assert h.methods()[:4] == ["prefill", "next_token", "next_token", "next_token"]
+    assert set(h.shard.budgets) == {8}
+
+
+async def test_without_chunked_prefill_no_budget_is_sent(make_harness) -> None:
+    h = make_harness(FakeShard(), max_prefill_tokens=8)
+    await h.final(h.submit(make_request(prompt_len=20, max_new=3)))
+    assert set(h.shard.budgets) == {0}
+
+
+async def test_a_chunked_prompt_joins_beside_running_requests(make_harness) -> None:
+    # With chunked prefill a prompt may start while the prompts before it leave some budget.
+    h = make_harness(FakeShard(chunked_prefill=True), max_prefill_tokens=10, max_waiting_tokens=1)
+    burst = [h.submit(make_request(prompt_len=6, max_new=4)) for _ in range(3)]
+    outs = [await h.final(e) for e in burst]
+    assert all(o.generated_tokens == 4 for o in outs)
+    prefills = [c.request_ids for c in h.shard.calls if c.method == "prefill"]
+    assert prefills[0] == [burst[0].id, burst[1].id]  # 6 < 10: the second one starts in part
+
+
+async def test_a_request_the_shard_does_not_answer_fails_instead_of_vanishing(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.001))
+    ok = h.submit(make_request(max_new=6))
+    lost = h.submit(make_request(max_new=6))
+    await h.until(lambda: lost.generated >= 1)
+    h.shard.forget.add(lost.id)
+    out = await h.final(lost)
+    prefix = f"Request failed during generation: Error after generating {out.generated_tokens} tokens"
+    assert out.error == f"{prefix}: {MISSING_ANSWER}"
+    assert (await h.final(ok)).generated_tokens == 6
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_no_live_request_disappears_without_a_token_or_an_error(make_harness, seed: int) -> None:
+    """Invariant: whatever mix of chunked prompts, joins, per-request errors, cancels and
+    missing answers, every request ends with all its tokens, or an error, or its cancel."""
+    rng = random.Random(seed)
+    shard = FakeShard(chunked_prefill=rng.random() < 0.7, latency_s=0.0005)
+    h = make_harness(shard, max_batch_size=6, max_prefill_tokens=rng.choice([5, 12, 40]))
+    entries = []
+    for _ in range(24):
+        entries.append(h.submit(make_request(prompt_len=rng.randint(1, 30), max_new=rng.randint(1, 8))))
+        if rng.random() < 0.5:
+            await h.shard.next_call()
+        running = [e for e in entries if e.started_at is not None and not e.finished]
+        if running and rng.random() < 0.3:
+            victim = rng.choice(running)
+            match rng.randint(0, 2):
+                case 0:
+                    shard.request_errors[victim.id] = "Token decoding error: injected"
+                case 1:
+                    shard.forget.add(victim.id)
+                case 2:
+                    victim.cancelled = True
+    for entry in entries:
+        if entry.cancelled:
+            await h.until(lambda e=entry: e.finished)
+            continue
+        out = await h.final(entry)
+        max_new = entry.request.stopping.max_new_tokens
+        assert out.error is not None or out.generated_tokens == max_new, (entry.id, out)
+    assert shard.peak_live <= 6
+
+
+# --- one owner of model calls: the health probe ----------------------------------------------
+
+
+def probe_request() -> GenerationRequest:
+    return GenerationRequest(id=HEALTH_CHECK_BATCH_ID, input_ids=(10, 11), max_new_tokens=1)
+
+
+async def test_the_health_probe_runs_between_the_loops_own_calls(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.002))
+    entry = h.submit(make_request(max_new=20))
+    await h.calls(3)
+    assert await h.batcher.probe(probe_request())  # the fake shard asserts calls never overlap
+    assert (await h.final(entry)).generated_tokens == 20
+    probes = [i for i, c in enumerate(h.shard.calls) if c.batch_id == HEALTH_CHECK_BATCH_ID]
+    assert len(probes) == 1 and h.shard.calls[probes[0] + 1].method == "next_token"
+
+
+async def test_the_health_probe_wakes_an_idle_loop_and_reports_failure(make_harness) -> None:
+    h = make_harness(FakeShard())
+    assert await h.batcher.probe(probe_request())
+    assert h.batcher.generation_healthy is True
+    h.shard.fail_prefill = ShardCallError("connection", "Could not connect to Text Generation server")
+    assert not await h.batcher.probe(probe_request())
+    assert h.batcher.generation_healthy is False
+    assert h.methods() == ["prefill", "prefill"]

@@ -83,6 +83,7 @@ def test_decoding_failure_fails_only_its_request(tmp_path) -> None:
 
     from router.batch_weights import BatchWeights
     from router.batcher import Batcher
+    from router.capacity import WeightCapacity
     from router.metrics import Metrics
     from router.request_queue import RequestQueue
     from tests.router.fakes import FakeShard
@@ -106,7 +107,7 @@ def test_decoding_failure_fails_only_its_request(tmp_path) -> None:
     async def run() -> tuple[Output, Output]:
         shard = FakeShard(latency_s=0.002)
         metrics = Metrics()
-        queue = RequestQueue(BatchWeights.from_model(shard.memory, True), 8, 1.0, metrics)
+        queue = RequestQueue(WeightCapacity(BatchWeights.from_model(shard.memory, True), 1.0), 8, metrics)
         batcher = Batcher(shard, queue, broken, metrics, eos_token_id=EOS, max_waiting_tokens=2)
         task = asyncio.create_task(batcher.run())
         fine = Entry(

@@ -12,6 +12,7 @@ import pytest
 
 from router.batch_weights import BatchWeights
 from router.batcher import Batcher
+from router.capacity import WeightCapacity
 from router.grpc_server import DRAINING, MAX_TOKENIZE_TEXTS, ConcurrencyLimiter, GenerationServicer
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
@@ -41,7 +42,7 @@ class FakeContext:
 async def servicer(detokenizer, tokenizer_pool):
     shard = FakeShard(latency_s=0.002)
     metrics = Metrics(max_sequence_length=512, max_new_tokens=200)
-    queue = RequestQueue(BatchWeights.from_model(shard.memory, True), 8, 1.0, metrics)
+    queue = RequestQueue(WeightCapacity(BatchWeights.from_model(shard.memory, True), 1.0), 8, metrics)
     batcher = Batcher(shard, queue, detokenizer, metrics, eos_token_id=EOS, max_waiting_tokens=2)
     validator = Validator(
         tokenizer_pool,

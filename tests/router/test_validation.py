@@ -33,10 +33,10 @@ def sample(**sampling) -> pb.Parameters:
     return pb.Parameters(method=pb.SAMPLE, sampling=pb.SamplingParameters(**sampling))
 
 
-async def found(prefix_id: str) -> int:
+async def found(prefix_id: str, adapter: bool = False) -> int:
     if prefix_id == "known":
         return 8
-    raise Exception(f'prefix id "{prefix_id}" not found')
+    raise Exception(f'{"adapter" if adapter else "prefix"} id "{prefix_id}" not found')
 
 
 def make_validator(pool) -> Validator:
@@ -218,6 +218,20 @@ async def test_prefix_lookup(validator: Validator) -> None:
     )
 
 
+async def test_adapter_id_is_looked_up_as_an_adapter(validator: Validator) -> None:
+    (v,) = await validator.validate(["hi"], None, "", 0.0, adapter_id="known")
+    assert v.prefix_length == 8 and v.adapter_id == "known" and v.prefix_id == ""
+    request = v.shard_request(7)
+    assert request.adapter_id == "known" and request.prefix_id == ""
+    (same,) = await validator.validate(["hi"], None, "known", 0.0, adapter_id="known")
+    assert same.adapter_id == "known" and same.prefix_id == ""
+    with pytest.raises(ValidationError, match="prefix_id and adapter_id name different adapters"):
+        await validator.validate(["hi"], None, "known", 0.0, adapter_id="other")
+    with pytest.raises(ValidationError) as error:
+        await validator.validate(["hi"], None, "", 0.0, adapter_id="nope")
+    assert str(error.value) == "can't retrieve adapter with id 'nope': adapter id \"nope\" not found"
+
+
 async def test_seeds(validator: Validator) -> None:
     texts = ["same"] * 5
     sampled = await validator.validate(texts, sample(), "", 0.0)
@@ -241,7 +255,7 @@ async def test_deadline_counts_from_receipt(validator: Validator) -> None:
 async def test_prefix_lengths_are_cached() -> None:
     calls = []
 
-    async def lookup(prefix_id: str) -> int:
+    async def lookup(prefix_id: str, adapter: bool = False) -> int:
         calls.append(prefix_id)
         return 3
 

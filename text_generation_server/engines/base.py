@@ -1,9 +1,14 @@
 """The engine contract: load a model, build batches for it, run one step over a batch.
 
-The shard server (server.py) calls an engine only from its single worker thread:
+The shard server (server.py, through batch_manager.py) calls an engine only from its single
+worker thread:
   engine.new_batch(id, requests)      -> (Batch | None, [RequestError])
-  engine.generate_token(batch, first) -> (StepOutput, Batch | None)
-Engines see dataclasses from outputs.py, never protobuf.
+  engine.generate_token(batch, first, token_budget) -> (StepOutput, Batch | None)
+  engine.concatenate(batches)         -> Batch
+Engines see dataclasses from text_generation_common/messages.py, never protobuf, and nothing
+here assumes torch or transformers: what an engine needs to know about its model (devices,
+special tokens, forward-signature facts) is its own business. What every engine shares is in
+step.py (choosing, token details, failed rows) and inputs.py (request checks, truncation).
 """
 
 from __future__ import annotations
@@ -12,31 +17,24 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from text_generation_common.messages import GenerationRequest, ModelInfo, RequestError, StepOutput
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
 
 
 @dataclass(frozen=True, slots=True)
-class ModelContext:
-    """What batches need to know about the model they hold state for."""
+class RequestLimits:
+    """What every engine checks a request against (inputs.py)."""
 
-    device: torch.device
     vocab_size: int
     eos_token_id: int
-    pad_token_id: int
     bos_token_id: int | None  # set iff the tokenizer prepends BOS (re-inserted on truncation)
     max_sequence_length: int
     max_new_tokens: int  # largest max_new_tokens a request may ask for
-    accepts_position_ids: bool = True  # causal models: pass explicit position ids
-    accepts_logits_to_keep: bool = True  # the model can skip logits of positions we do not need
-    decoder_start_token_id: int | None = None  # encoder-decoder models
 
 
 class ModelEngine(ABC):
-    info: ModelInfo
+    info: ModelInfo  # reported to the router; its capacity kind matches the engine's registry entry
 
     @abstractmethod
     def __init__(self, config: ServerConfig) -> None:
@@ -49,11 +47,16 @@ class ModelEngine(ABC):
         """Build a batch of the valid requests; the invalid ones come back as errors."""
 
     @abstractmethod
-    def generate_token(self, batch: Batch, first: bool) -> tuple[StepOutput, Batch | None]:
+    def generate_token(
+        self, batch: Batch, first: bool, token_budget: int = 0
+    ) -> tuple[StepOutput, Batch | None]:
         """Run one forward pass (`first`: the prefill of a new batch) and choose one token per
-        request. Returns the step's output and the batch to cache (requests that failed in this
-        step are removed; None when nothing is left). `StepOutput.batch_id` is left for the
-        caller."""
+        request whose prompt is fully computed. Returns the step's output and the batch to
+        cache (requests that failed in this step are removed; None when nothing is left).
+        Every request of the batch is answered: a generation, an error, or (engines with
+        chunked prefill, whose info says so) a pending id while its prompt is computed at most
+        `token_budget` tokens per step (0 = whole prompts; always 0 for other engines).
+        `StepOutput.batch_id` is left for the caller."""
 
     def concatenate(self, batches: Sequence[Batch]) -> Batch:
         return type(batches[0]).concatenate(batches)

@@ -18,7 +18,6 @@ import torch
 
 from text_generation_common.defaults import DEFAULT_MAX_SEQUENCE_LENGTH
 from text_generation_common.messages import (
-    Generation,
     GenerationRequest,
     InputTokens,
     ModelInfo,
@@ -27,25 +26,20 @@ from text_generation_common.messages import (
 )
 from text_generation_common.model_config import context_length
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.base import ModelContext, ModelEngine
+from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.cpu_attention import use_decode_packed_sdpa
 from text_generation_server.engines.kv_cache import cache_bytes, new_cache
-from text_generation_server.engines.padded import PaddedBatch
+from text_generation_server.engines.padded import ModelContext, PaddedBatch
 from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
+from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
-from text_generation_server.sampling.token_details import (
-    encoder_input_token_infos,
-    generated_token_infos,
-    input_token_infos,
-)
+from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 from text_generation_server.utils.hub import resolve_model_dir
 
 logger = logging.getLogger(__name__)
-
-NAN_LOGITS_MESSAGE = "Token decoding error: the model produced NaN logits"
 
 
 def select_device(rank: int) -> torch.device:
@@ -231,7 +225,9 @@ class HFTransformersEngine(ModelEngine):
     ) -> tuple[PaddedBatch | None, list[RequestError]]:
         return self.batch_type.from_requests(batch_id, requests, self.context)
 
-    def generate_token(self, batch: Any, first: bool) -> tuple[StepOutput, PaddedBatch | None]:
+    def generate_token(
+        self, batch: Any, first: bool, token_budget: int = 0
+    ) -> tuple[StepOutput, PaddedBatch | None]:
         assert isinstance(batch, PaddedBatch)
         with torch.inference_mode():
             return self._step(batch, first)
@@ -245,23 +241,11 @@ class HFTransformersEngine(ModelEngine):
             torch.cuda.synchronize(self.device)
         forward_ns = time.perf_counter_ns() - start
 
-        nan_rows = torch.isnan(last.amax(dim=-1)).tolist()  # amax propagates NaN; 15x cheaper than any()
-        next_ids, scores = batch.chooser.choose(last)
-        next_list = next_ids.tolist()
-        infos = generated_token_infos(scores, next_list, [r.details for r in batch.requests])
-        input_tokens = self._input_tokens(batch, logits if want_input_logits else None) if first else []
-
-        batch.chooser.advance(next_list)
+        next_ids, output = choose_tokens(last, batch.requests, batch.chooser, forward_ns)
+        if first:
+            output.input_tokens = self._input_tokens(batch, logits if want_input_logits else None)
         batch.append_tokens(next_ids)
-        output = StepOutput(input_tokens=input_tokens, forward_ns=forward_ns)
-        for request, info, nan in zip(batch.requests, infos, nan_rows, strict=True):
-            if nan:
-                output.errors.append(RequestError(request.id, NAN_LOGITS_MESSAGE))
-            else:
-                output.generations.append(Generation(request.id, info))
-        if output.errors:
-            return output, batch.prune({e.request_id for e in output.errors})
-        return output, batch
+        return output, drop_failed(batch, output)
 
     def _input_tokens(self, batch: PaddedBatch, logits: torch.Tensor | None) -> list[InputTokens]:
         prompts = batch.prompts

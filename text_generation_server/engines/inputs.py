@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 
 from text_generation_common.messages import GenerationRequest
-from text_generation_server.engines.base import ModelContext
+from text_generation_server.engines.base import RequestLimits
+
+UNSEEDED_MESSAGE = "a sampling request needs a seed (the router sets one for every sampling request)"
 
 
 def truncated_input_ids(request: GenerationRequest, bos_token_id: int | None) -> list[int]:
@@ -44,13 +46,17 @@ def _parameter_error(request: GenerationRequest) -> str | None:
     for ok, what in checks:
         if not ok:
             return f"invalid sampling parameter: {what}"
+    if not p.greedy and p.seed is None:  # never a per-rank random seed: ranks must agree
+        return UNSEEDED_MESSAGE
     return None
 
 
-def request_error(request: GenerationRequest, input_ids: list[int], context: ModelContext) -> str | None:
+def request_error(request: GenerationRequest, input_ids: list[int], context: RequestLimits) -> str | None:
     """Why `request` (with its truncated `input_ids`) cannot run, or None."""
     if request.prefix_id:
         return f"Error retrieving prompt prefix '{request.prefix_id}'"
+    if request.adapter_id:
+        return f"Error retrieving adapter '{request.adapter_id}'"
     if not input_ids:
         return "request has no input tokens"
     bad = next((t for t in input_ids if not 0 <= t < context.vocab_size), None)

@@ -8,15 +8,27 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
 
 from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.batch import Batch
-from text_generation_server.engines.base import ModelContext
+from text_generation_server.engines.base import RequestLimits
 from text_generation_server.engines.inputs import request_error, truncated_input_ids
 from text_generation_server.sampling.chooser import TokenChooser
+
+
+@dataclass(frozen=True, slots=True)
+class ModelContext(RequestLimits):
+    """What padded batches of a transformers model need to know about it."""
+
+    device: torch.device
+    pad_token_id: int
+    accepts_position_ids: bool = True  # causal models: pass explicit position ids
+    accepts_logits_to_keep: bool = True  # the model can skip logits of positions we do not need
+    decoder_start_token_id: int | None = None  # encoder-decoder models
 
 
 def left_pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

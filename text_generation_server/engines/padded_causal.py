@@ -22,9 +22,8 @@ import torch
 
 from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.engines import kv_cache
-from text_generation_server.engines.base import ModelContext
 from text_generation_server.engines.kv_cache import pad_left
-from text_generation_server.engines.padded import PaddedBatch, extend_mask, left_pad_rows
+from text_generation_server.engines.padded import ModelContext, PaddedBatch, extend_mask, left_pad_rows
 from text_generation_server.sampling.chooser import TokenChooser
 
 

@@ -16,7 +16,6 @@ Then `advance` records the chosen ids.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 
 import torch
@@ -26,9 +25,11 @@ from text_generation_server.sampling import logits_process as lp
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A generator seeded with `seed` (a random 64-bit seed when None)."""
+    """A generator seeded with `seed`. There is no random default: tensor-parallel ranks must
+    draw the same numbers, so the router seeds every sampling request (inputs.py refuses one
+    without a seed before it reaches a chooser)."""
     if seed is None:
-        seed = secrets.randbits(63)
+        raise ValueError("a sampling request needs a seed")
     return torch.Generator(device=device).manual_seed(seed)
 
 

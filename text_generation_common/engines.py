@@ -1,0 +1,64 @@
+"""The engine registry: every DEPLOYMENT_FRAMEWORK name, where its class lives and what it can do.
+
+Torch-free, so that the launcher checks a configuration against the engines' capabilities
+without importing any of them; the shard imports the class named by `target` lazily
+(text_generation_server/engines/__init__.py). The shard also reports the capacity kind and
+chunked-prefill support of the running engine to the router in ModelInfo (messages.py).
+
+Adding an engine: a class implementing text_generation_server.engines.base.ModelEngine, one
+EngineSpec here, and the engine's parameters in tests/engines/conformance.py (README, "Adding
+an engine").
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class CapacityKind(enum.Enum):
+    """How the router decides that a request fits beside the running ones (router/capacity.py)."""
+
+    PADDED_WEIGHTS = "padded_weights"  # TGIS batch weights of left-padded rectangular batches
+    UNPADDED_WEIGHTS = "unpadded_weights"  # TGIS batch weights of packed (ragged) batches
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    tensor_parallel: bool = False  # one model split over NUM_SHARD > 1 shard processes
+    capacity: CapacityKind = CapacityKind.PADDED_WEIGHTS
+    seq2seq: bool = False  # serves encoder-decoder models as well as decoder-only ones
+    prompt_tuning: bool = False  # tuned soft prompts (prefix_id, or adapter_id naming one)
+    lora: bool = False  # LoRA adapters (adapter_id)
+    chunked_prefill: bool = False  # can compute part of a prompt per step (a token budget)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    name: str
+    target: str  # "module:Class", imported only by the shard
+    capabilities: EngineCapabilities
+    summary: str
+
+
+ENGINES: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec(
+            "hf_transformers",
+            "text_generation_server.engines.hf_transformers:HFTransformersEngine",
+            EngineCapabilities(capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True),
+            "any transformers causal or seq2seq LM, left-padded batches (CPU or CUDA)",
+        ),
+    )
+}
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The registered engine `name`; ValueError naming the choices otherwise."""
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown deployment framework {name!r}; choose one of: {', '.join(sorted(ENGINES))}"
+        ) from None
