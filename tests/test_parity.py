@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from tests.conftest import ARCHS
+from tests.engines.conformance import Oracle, transformers_oracle
 from tests.shard_harness import Driver, make_request, running_shard
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.hf_transformers import HFTransformersEngine
@@ -27,30 +27,15 @@ PROMPTS = [
 
 
 class Shard:
-    def __init__(self, engine: HFTransformersEngine, stub, tokenizer) -> None:
+    def __init__(self, engine: HFTransformersEngine, stub, tokenizer, reference: Oracle) -> None:
         self.engine, self.stub, self.tokenizer = engine, stub, tokenizer
+        self.reference = reference  # transformers generate (greedy), new tokens up to and including EOS
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
     def driver(self, stop_at_eos: bool = True) -> Driver:
         return Driver(self.stub, self.engine.info.eos_token_id, stop_at_eos=stop_at_eos)
-
-    def reference(self, input_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
-        """transformers generate (greedy), new tokens only, up to and including EOS."""
-        model = self.engine.model
-        ids = torch.tensor([input_ids], device=self.engine.device)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=self.engine.context.pad_token_id,
-                **generate_kwargs,
-            )
-        new = out[0, 1:] if self.engine.seq2seq else out[0, ids.shape[1] :]
-        return new.tolist()
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -66,7 +51,7 @@ def shard(request, tiny_model, tmp_path_factory) -> Iterator[Shard]:
     engine = HFTransformersEngine(config)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     with running_shard(engine, config) as stub:
-        yield Shard(engine, stub, tokenizer)
+        yield Shard(engine, stub, tokenizer, transformers_oracle(path))
 
 
 def test_single_request(shard: Shard) -> None:

@@ -8,8 +8,9 @@ of the internal protocol.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-from text_generation_common.messages import GenerationRequest
+from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.engines.base import RequestLimits
 
 UNSEEDED_MESSAGE = "a sampling request needs a seed (the router sets one for every sampling request)"
@@ -25,6 +26,24 @@ def truncated_input_ids(request: GenerationRequest, bos_token_id: int | None) ->
         if bos_token_id is not None:
             ids[0] = bos_token_id
     return ids
+
+
+def split_valid(
+    requests: Sequence[GenerationRequest], limits: RequestLimits
+) -> tuple[list[GenerationRequest], list[list[int]], list[RequestError]]:
+    """Split requests into (valid, their truncated ids, errors of the others)."""
+    valid: list[GenerationRequest] = []
+    prompts: list[list[int]] = []
+    errors: list[RequestError] = []
+    for request in requests:
+        ids = truncated_input_ids(request, limits.bos_token_id)
+        message = request_error(request, ids, limits)
+        if message is None:
+            valid.append(request)
+            prompts.append(ids)
+        else:
+            errors.append(RequestError(request.id, message))
+    return valid, prompts, errors
 
 
 def _parameter_error(request: GenerationRequest) -> str | None:

@@ -16,7 +16,7 @@ import torch
 from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.batch import Batch
 from text_generation_server.engines.base import RequestLimits
-from text_generation_server.engines.inputs import request_error, truncated_input_ids
+from text_generation_server.engines.inputs import split_valid
 from text_generation_server.sampling.chooser import TokenChooser
 
 
@@ -75,18 +75,7 @@ class PaddedBatch(Batch):
         requests: Sequence[GenerationRequest], context: ModelContext
     ) -> tuple[list[GenerationRequest], list[list[int]], list[RequestError]]:
         """Split requests into (valid, their truncated ids, errors of the others)."""
-        valid: list[GenerationRequest] = []
-        prompts: list[list[int]] = []
-        errors: list[RequestError] = []
-        for request in requests:
-            ids = truncated_input_ids(request, context.bos_token_id)
-            message = request_error(request, ids, context)
-            if message is None:
-                valid.append(request)
-                prompts.append(ids)
-            else:
-                errors.append(RequestError(request.id, message))
-        return valid, prompts, errors
+        return split_valid(requests, context)
 
     def remaining(self, rows: Sequence[int] | None = None) -> int:
         """The most tokens any of `rows` (default: all) may still generate."""

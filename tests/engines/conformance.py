@@ -1,0 +1,236 @@
+"""What the engine conformance suite runs on, and the helpers its tests share.
+
+Pointing the suite at a new engine: register it (text_generation_common/engines.py); it is
+then run on ENGINE_ARCHS[name] (default: DEFAULT_ARCHS, plus SEQ2SEQ_ARCHS when its
+capabilities say seq2seq), with `transformers` `generate` as the greedy oracle. An engine that
+cannot be compared with transformers names its own oracle in ORACLES.
+
+`Runner` plays the router against a BatchManager over the engine (joins, prunes, merges,
+run-ahead), without gRPC; `LocalShard` is the router's ShardClient over a BatchManager, so the
+real batcher, detokenizer and stop rules run on the engine's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from router.shard_client import ShardCallError
+from text_generation_common.engines import ENGINES
+from text_generation_common.messages import (
+    CachedBatchRef,
+    GenerationRequest,
+    ModelInfo,
+    StepOutput,
+    TokenInfo,
+)
+from text_generation_server.batch_manager import BatchManager
+from text_generation_server.config import ServerConfig
+from text_generation_server.engines import get_engine_class
+from text_generation_server.engines.base import ModelEngine
+from text_generation_server.testing.fake_engine import FakeEngine
+
+DEFAULT_ARCHS = ("llama", "gpt2")
+SEQ2SEQ_ARCHS = ("t5",)
+ENGINE_ARCHS: dict[str, tuple[str, ...]] = {"fake": ("llama",)}
+TEST_ENGINES: dict[str, Callable[[ServerConfig], ModelEngine]] = {"fake": FakeEngine}
+MAX_BATCH = 16
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    engine: str  # a registry name, or a key of TEST_ENGINES
+    arch: str  # a tiny model (text_generation_server/testing/tiny_models.py)
+
+    @property
+    def id(self) -> str:
+        return f"{self.engine}-{self.arch}"
+
+    def build(self, model_dir: Path) -> ModelEngine:
+        config = ServerConfig(
+            model_name=str(model_dir),
+            deployment_framework=self.engine if self.engine in ENGINES else "hf_transformers",
+            max_batch_size=MAX_BATCH,
+            max_sequence_length=512,
+            max_new_tokens=64,
+            dtype="float32",  # the oracles' exactness
+        )
+        engine_class = TEST_ENGINES.get(self.engine) or get_engine_class(self.engine)
+        return engine_class(config)
+
+
+def engine_cases() -> list[EngineCase]:
+    cases = []
+    for name, spec in ENGINES.items():
+        archs = ENGINE_ARCHS.get(name, DEFAULT_ARCHS + (SEQ2SEQ_ARCHS if spec.capabilities.seq2seq else ()))
+        cases += [EngineCase(name, arch) for arch in archs]
+    cases += [EngineCase(name, arch) for name in TEST_ENGINES for arch in ENGINE_ARCHS[name]]
+    return cases
+
+
+# ---- oracles ---------------------------------------------------------------------------------
+
+Oracle = Callable[..., list[int]]  # (input ids, max new tokens, **generate kwargs) -> new ids
+
+
+def transformers_oracle(model_dir: Path) -> Oracle:
+    """Greedy `generate` of transformers on one prompt, new tokens up to and including EOS."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+
+    def generate(input_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> list[int]:
+        ids = torch.tensor([list(input_ids)])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                **kwargs,
+            )
+        return (out[0, 1:] if seq2seq else out[0, ids.shape[1] :]).tolist()
+
+    return generate
+
+
+def own_reference(engine: ModelEngine) -> Oracle:
+    assert isinstance(engine, FakeEngine)
+
+    def generate(input_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> list[int]:
+        assert not kwargs, "the fake engine's reference is greedy only"
+        return engine.reference(input_ids, max_new_tokens)
+
+    return generate
+
+
+# engine name -> (engine, model dir) -> oracle; transformers_oracle for every other engine
+ORACLES: dict[str, Callable[[ModelEngine, Path], Oracle]] = {"fake": lambda engine, _: own_reference(engine)}
+
+
+def oracle_for(case: EngineCase, engine: ModelEngine, model_dir: Path) -> Oracle:
+    make = ORACLES.get(case.engine)
+    return make(engine, model_dir) if make else transformers_oracle(model_dir)
+
+
+# ---- driving the engine as the router does -----------------------------------------------------
+
+
+@dataclass
+class Runner:
+    """Runs requests on an engine through a BatchManager like the router: batches join at given
+    steps (pruning the finished requests in the same call), finished requests are pruned at the
+    next call, batches merge; optionally the shard runs ahead after every call."""
+
+    engine: ModelEngine
+    run_ahead: bool = False
+    tokens: dict[int, list[TokenInfo]] = field(default_factory=dict)
+    input_tokens: dict[int, tuple[TokenInfo, ...]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.manager = BatchManager(self.engine, MAX_BATCH)
+        self.limits: dict[int, int] = {}
+        self.cached: dict[int, list[int]] = {}  # batch id -> live request ids
+        self.next_batch_id = 1
+
+    def _finished(self, request_id: int) -> bool:
+        got = self.tokens[request_id]
+        eos = got and got[-1].token_id == self.engine.info.eos_token_id
+        return len(got) >= self.limits[request_id] or bool(eos)
+
+    def _refs(self) -> list[CachedBatchRef]:
+        refs = []
+        for batch_id, live in self.cached.items():
+            done = tuple(r for r in live if self._finished(r))
+            refs.append(CachedBatchRef(batch_id, done))
+            self.cached[batch_id] = [r for r in live if r not in done]
+        self.cached = {b: live for b, live in self.cached.items() if live}
+        return refs
+
+    def _absorb(self, output: StepOutput | None) -> None:
+        if self.run_ahead:
+            self.manager.run_ahead()
+        if output is None:
+            return
+        for g in output.generations:
+            self.tokens[g.request_id].append(g.token)
+        for e in output.errors:
+            self.errors[e.request_id] = e.message
+        for item in output.input_tokens:
+            self.input_tokens[item.request_id] = item.tokens
+        if output.batch_id is not None:
+            self.cached[output.batch_id] = sorted(output.running_ids, key=list(self.tokens).index)
+
+    def join(self, requests: Sequence[GenerationRequest]) -> None:
+        for r in requests:
+            self.tokens[r.id] = []
+            self.limits[r.id] = r.max_new_tokens
+        batch_id, self.next_batch_id = self.next_batch_id, self.next_batch_id + 1
+        self._absorb(self.manager.prefill(batch_id, requests, self._refs()))
+
+    def step(self) -> None:
+        refs = self._refs()
+        self.cached = {}
+        self._absorb(self.manager.next_token(refs))
+
+    def run(self, schedule: dict[int, list[GenerationRequest]]) -> dict[int, list[int]]:
+        """`schedule`: step index -> requests that join at that step. Returns each request's ids."""
+        step = 0
+        while step <= max(schedule) or self.cached:
+            if step in schedule:
+                self.join(schedule[step])
+            elif self.cached:
+                self.step()
+            step += 1
+        assert len(self.manager) == 0, "the shard must hold nothing once every request finished"
+        return {rid: [t.token_id for t in got] for rid, got in self.tokens.items()}
+
+
+def alone(engine: ModelEngine, request: GenerationRequest) -> list[int]:
+    return Runner(engine).run({0: [request]})[request.id]
+
+
+class LocalShard:
+    """router.shard_client.ShardClient over a BatchManager in this process (no gRPC)."""
+
+    def __init__(self, engine: ModelEngine) -> None:
+        self.manager = BatchManager(engine, MAX_BATCH)
+        self.info = engine.info
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def prefill(
+        self,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        to_prune: Sequence[CachedBatchRef],
+        token_budget: int = 0,
+    ) -> StepOutput:
+        return self.manager.prefill(batch_id, requests, to_prune, token_budget)
+
+    def next_token(
+        self, batches: Sequence[CachedBatchRef], token_budget: int = 0
+    ) -> Awaitable[StepOutput | None]:
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.manager.next_token(batches, token_budget))
+        return future
+
+    async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
+        raise ShardCallError("error", f'prefix id "{prefix_id}" not found')
+
+    async def health(self) -> None:
+        return None
+
+    async def clear_cache(self) -> None:
+        self.manager.clear()

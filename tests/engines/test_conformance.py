@@ -1,0 +1,216 @@
+"""The engine conformance suite: every registered engine (and the fake engine) must pass it.
+
+Each engine runs on tiny random-weight models (tests/engines/conformance.py says which) and is
+held to: greedy parity with its oracle (transformers `generate`), batch invariance across
+joins, prunes and run-ahead, seeds, penalties, token details, truncation, and, through the
+router's own batcher, stop sequences and streaming equal to unary answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from router.batcher import Batcher
+from router.capacity import capacity_for
+from router.detokenizer import Detokenizer
+from router.entry import Entry, Output
+from router.metrics import Metrics
+from router.request_queue import RequestQueue
+from router.stopping import StopReason
+from router.tokenizer import load_tokenizer
+from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from tests.engines.conformance import (
+    EngineCase,
+    LocalShard,
+    Oracle,
+    Runner,
+    alone,
+    engine_cases,
+    oracle_for,
+)
+from text_generation_common.messages import GenerationRequest, LengthPenalty, RequestedDetails, SamplingParams
+from text_generation_server.engines.base import ModelEngine
+from text_generation_server.engines.inputs import truncated_input_ids
+
+PROMPTS = (
+    "def hello(world):\n    return",
+    "import os",
+    "class Foo(object):\n    '''A docstring for this class that is long'''\n",
+    "x = [1, 2, 3]\nfor i in x:\n    print(i)",
+)
+
+
+@dataclass
+class Subject:
+    case: EngineCase
+    engine: ModelEngine
+    oracle: Oracle
+    model_dir: Path
+
+    def __post_init__(self) -> None:
+        self.tokenizer = load_tokenizer(str(self.model_dir))
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text).ids)
+
+    def request(self, request_id: int, prompt: int, max_new: int, **kwargs) -> GenerationRequest:
+        params = kwargs.pop("params", SamplingParams())
+        return GenerationRequest(request_id, self.encode(PROMPTS[prompt]), max_new, params=params, **kwargs)
+
+    @property
+    def seq2seq(self) -> bool:
+        return self.engine.info.seq2seq
+
+
+@pytest.fixture(scope="module", params=engine_cases(), ids=lambda c: c.id)
+def subject(request, tiny_model) -> Iterator[Subject]:
+    case: EngineCase = request.param
+    model_dir = tiny_model(case.arch)
+    engine = case.build(model_dir)
+    yield Subject(case, engine, oracle_for(case, engine, model_dir), model_dir)
+
+
+def sampled(seed: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=kwargs.pop("temperature", 1.0), seed=seed, **kwargs)
+
+
+def test_greedy_matches_the_oracle_alone_and_in_a_batch(subject: Subject) -> None:
+    requests = [subject.request(i, i, 12) for i in range(len(PROMPTS))]
+    expected = {r.id: subject.oracle(r.input_ids, 12) for r in requests}
+    assert {r.id: alone(subject.engine, r) for r in requests} == expected
+    assert Runner(subject.engine).run({0: requests}) == expected
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_batch_invariance_across_joins_and_prunes(subject: Subject, run_ahead: bool) -> None:
+    first = [
+        subject.request(1, 0, 6),
+        subject.request(2, 1, 9, params=sampled(7, top_k=20)),
+        subject.request(3, 2, 3, params=SamplingParams(repetition_penalty=1.5)),
+    ]
+    joining = [
+        subject.request(4, 3, 5, params=sampled(3, top_p=0.9, temperature=0.7)),
+        subject.request(5, 1, 2),
+    ]
+    together = Runner(subject.engine, run_ahead=run_ahead).run({0: first, 2: joining})
+    assert together == {r.id: alone(subject.engine, r) for r in first + joining}
+
+
+def test_seeds_reproduce_and_differ(subject: Subject) -> None:
+    one = alone(subject.engine, subject.request(1, 0, 10, params=sampled(11)))
+    assert alone(subject.engine, subject.request(2, 0, 10, params=sampled(11))) == one
+    assert alone(subject.engine, subject.request(3, 0, 10, params=sampled(12))) != one
+
+
+def test_repetition_penalty_matches_the_oracle(subject: Subject) -> None:
+    if subject.case.engine == "fake":
+        pytest.skip("the fake engine's reference is greedy only (batch invariance covers penalties)")
+    request = subject.request(1, 3, 12, params=SamplingParams(repetition_penalty=1.8))
+    assert alone(subject.engine, request) == subject.oracle(request.input_ids, 12, repetition_penalty=1.8)
+
+
+def test_min_new_tokens_holds_eos_back(subject: Subject) -> None:
+    eos = subject.engine.info.eos_token_id
+    # Length penalty with a huge decay pushes EOS up as soon as it starts: EOS comes at once
+    # after min_new_tokens, never before.
+    params = SamplingParams(min_new_tokens=4, length_penalty=LengthPenalty(0, 10.0))
+    got = alone(subject.engine, subject.request(1, 0, 12, params=params))
+    assert eos not in got[:4] and got[4] == eos and len(got) == 5
+
+
+def test_token_details(subject: Subject) -> None:
+    details = RequestedDetails(input_tokens=True, logprobs=True, ranks=True, top_n_tokens=3)
+    requests = [subject.request(i, i, 5, details=details) for i in range(2)]
+    runner = Runner(subject.engine)
+    runner.run({0: requests})
+    for request in requests:
+        tokens = runner.tokens[request.id]
+        for token in tokens:  # greedy: the chosen token is the most likely one
+            assert token.rank == 1 and token.logprob <= 0.0
+            assert token.top_tokens[0].token_id == token.token_id
+            assert token.top_tokens[0].logprob == pytest.approx(token.logprob)
+            assert len(token.top_tokens) >= 3
+        inputs = runner.input_tokens[request.id]
+        assert [t.token_id for t in inputs] == list(request.input_ids)
+        assert math.isnan(inputs[0].logprob)
+        if not subject.seq2seq:
+            assert all(t.rank >= 1 and t.logprob <= 0.0 for t in inputs[1:])
+        solo = Runner(subject.engine)
+        solo.run({0: [request]})
+        assert [t.logprob for t in solo.tokens[request.id]] == pytest.approx(
+            [t.logprob for t in tokens], abs=1e-4
+        )
+
+
+def test_truncation_keeps_the_last_tokens(subject: Subject) -> None:
+    request = subject.request(1, 2, 8, truncate_input_tokens=5)
+    ids = request.input_ids
+    bos = ids[0] if ids[0] == subject.tokenizer.token_to_id("<s>") else None  # BOS comes back first
+    kept = truncated_input_ids(request, bos)
+    assert len(kept) == 5 and (bos is None or kept[0] == bos)
+    assert alone(subject.engine, request) == subject.oracle(kept, 8)
+
+
+# ---- through the router's batcher ------------------------------------------------------------
+
+
+async def router_outputs(
+    subject: Subject, requests: list[tuple[ValidatedRequest, bool]]
+) -> list[list[Output]]:
+    shard = LocalShard(subject.engine)
+    info = await shard.model_info()
+    metrics = Metrics(max_batch_size=8)
+    queue = RequestQueue(capacity_for(info, 1.0), 8, metrics)
+    detokenizer = Detokenizer(subject.tokenizer, seq2seq=info.seq2seq)
+    batcher = Batcher(
+        shard, queue, detokenizer, metrics, eos_token_id=info.eos_token_id, max_waiting_tokens=2
+    )
+    task = asyncio.create_task(batcher.run())
+    entries = [Entry(request, stream) for request, stream in requests]
+    queue.append(entries)
+    results = []
+    try:
+        for entry in entries:
+            outs: list[Output] = []
+            while not outs or not outs[-1].final:
+                outs.append(await asyncio.wait_for(entry.outputs.get(), 30))
+            results.append(outs)
+    finally:
+        task.cancel()
+    return results
+
+
+def validated(subject: Subject, prompt: int, max_new: int, stop: tuple[str, ...] = ()) -> ValidatedRequest:
+    ids = subject.encode(PROMPTS[prompt])
+    return ValidatedRequest(
+        text="",
+        input_ids=ids,
+        input_length=len(ids),
+        truncate_input_tokens=0,
+        prefix_id="",
+        prefix_length=0,
+        sampling=SamplingParams(),
+        stopping=StoppingSpec(max_new, 0, stop),
+        response=ResponseSpec(generated_tokens=True),
+        received_at=time.monotonic(),
+    )
+
+
+async def test_stream_equals_unary_and_stop_sequences_cut(subject: Subject) -> None:
+    unary, streamed = await router_outputs(
+        subject, [(validated(subject, 0, 10), False), (validated(subject, 0, 10), True)]
+    )
+    (answer,) = unary
+    assert "".join(o.text for o in streamed) == answer.text
+    assert [t.token_id for o in streamed for t in o.tokens] == [t.token_id for t in answer.tokens]
+    assert answer.tokens and len(answer.text) >= 4
+    stop = answer.text[2:4]
+    ((cut,),) = await router_outputs(subject, [(validated(subject, 0, 10, stop=(stop,)), False)])
+    assert cut.stop_reason is StopReason.STOP_SEQUENCE and cut.text == answer.text[: answer.text.find(stop)]
