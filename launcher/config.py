@@ -260,13 +260,29 @@ def check_unsupported_switches(env: Mapping[str, str]) -> None:
             raise LaunchError(f"{var}={value} asks for {what}: unset {var}")
 
 
-def model_sequence_length(model_dir: Path) -> int | None:
-    """The context length recorded in the model's config.json, if any."""
+def read_model_config(model_dir: Path) -> dict:
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise LaunchError(f"cannot read {model_dir / 'config.json'}: {exc}") from None
-    return context_length(config)
+    if not isinstance(config, dict):
+        raise LaunchError(f"{model_dir / 'config.json'} does not hold a JSON object")
+    return config
+
+
+def model_sequence_length(model_dir: Path) -> int | None:
+    """The context length recorded in the model's config.json, if any."""
+    return context_length(read_model_config(model_dir))
+
+
+def check_model_kind(model_dir: Path, engine: str, engines: Mapping[str, EngineSpec] = ENGINES) -> None:
+    """An encoder-decoder model needs an engine whose registry entry says seq2seq."""
+    if read_model_config(model_dir).get("is_encoder_decoder") and not engines[engine].capabilities.seq2seq:
+        serving = sorted(name for name, spec in engines.items() if spec.capabilities.seq2seq)
+        raise LaunchError(
+            f"engine {engine!r} serves decoder-only models and {model_dir.name} is an encoder-decoder "
+            f"model: choose one of {', '.join(serving) or 'no engine yet'}"
+        )
 
 
 def resolve_max_sequence_length(flag: int | None, model_max: int | None) -> int:
@@ -300,6 +316,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
     cache_dir = resolve_cache_dir(env)
     model_dir = resolve_model_dir(flags.model_name, flags.revision, cache_dir)
+    check_model_kind(model_dir, engine)
     max_sequence_length = resolve_max_sequence_length(
         flags.max_sequence_length, model_sequence_length(model_dir)
     )

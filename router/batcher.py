@@ -310,10 +310,6 @@ class Batcher:
             self._fail("prefill", entries, exc)
             return None, False
         self._answered()
-        by_id = {e.id: e for e in entries}
-        for item in output.input_tokens:
-            if (entry := by_id.get(item.request_id)) is not None:
-                entry.on_input_tokens(list(item.tokens))
         step = _Step(output, entries, now, time.monotonic() - now)
         finished = self._hand_out(step, "prefill")
         if output.batch_id is None:
@@ -339,6 +335,9 @@ class Batcher:
         output = step.output
         by_id = {e.id: e for e in step.entries}
         now = time.monotonic()
+        for item in output.input_tokens:  # a prompt's details come with its first token
+            if (entry := by_id.get(item.request_id)) is not None:
+                entry.on_input_tokens(list(item.tokens))
         for error in output.errors:
             if (entry := by_id.pop(error.request_id, None)) is not None:
                 entry.fail(error.message, Failure.ENGINE_FAULT, request_error=True)

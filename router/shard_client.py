@@ -161,7 +161,7 @@ class GrpcShardClient:
     async def _next_token_result(self, calls: list[Any]) -> StepOutput | None:
         reply = await self._first_reply(calls)
         assert isinstance(reply, pb.NextTokenResponse)
-        return convert.result_from_pb(reply.result) if reply.HasField("result") else None
+        return convert.result_from_pb(reply.result, reply.input_tokens) if reply.HasField("result") else None
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
         """The virtual-token count of soft prompt `prefix_id` (`adapter`: of the adapter stored

@@ -198,6 +198,14 @@ def spec(name: str, **capabilities: Any) -> EngineSpec:
     return EngineSpec(name, "m:C", EngineCapabilities(**capabilities), "")
 
 
+def test_an_encoder_decoder_model_needs_a_seq2seq_engine(tiny_model: Callable[..., Path]) -> None:
+    engines = {"decoder_only": spec("decoder_only"), "both": spec("both", seq2seq=True)}
+    lc.check_model_kind(tiny_model("llama"), "decoder_only", engines)
+    lc.check_model_kind(tiny_model("t5"), "both", engines)
+    with pytest.raises(LaunchError, match=r"serves decoder-only models .* choose one of both"):
+        lc.check_model_kind(tiny_model("t5"), "decoder_only", engines)
+
+
 def test_unknown_engine_lists_the_choices() -> None:
     engines = {
         name: EngineSpec(name, "m:A", EngineCapabilities(), "") for name in ("hf_transformers", "onnx")

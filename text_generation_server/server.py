@@ -163,7 +163,10 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
         )
         if output is None:
             return pb.NextTokenResponse()
-        return pb.NextTokenResponse(result=convert.result_to_pb(output))
+        return pb.NextTokenResponse(
+            result=convert.result_to_pb(output),
+            input_tokens=convert.input_tokens_to_pb(output.input_tokens),
+        )
 
     async def PrefixLookup(self, request: pb.PrefixLookupRequest, context: Any) -> pb.PrefixLookupResponse:
         # No prompt or adapter store exists yet: every id is unknown.

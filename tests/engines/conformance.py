@@ -133,6 +133,8 @@ class Runner:
 
     engine: ModelEngine
     run_ahead: bool = False
+    token_budget: int = 0  # prompt tokens per call (engines with chunked prefill)
+    pending_steps: int = 0  # answers that were "pending"
     tokens: dict[int, list[TokenInfo]] = field(default_factory=dict)
     input_tokens: dict[int, tuple[TokenInfo, ...]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
@@ -166,6 +168,7 @@ class Runner:
             self.tokens[g.request_id].append(g.token)
         for e in output.errors:
             self.errors[e.request_id] = e.message
+        self.pending_steps += len(output.pending)
         for item in output.input_tokens:
             self.input_tokens[item.request_id] = item.tokens
         if output.batch_id is not None:
@@ -176,12 +179,12 @@ class Runner:
             self.tokens[r.id] = []
             self.limits[r.id] = r.max_new_tokens
         batch_id, self.next_batch_id = self.next_batch_id, self.next_batch_id + 1
-        self._absorb(self.manager.prefill(batch_id, requests, self._refs()))
+        self._absorb(self.manager.prefill(batch_id, requests, self._refs(), self.token_budget))
 
     def step(self) -> None:
         refs = self._refs()
         self.cached = {}
-        self._absorb(self.manager.next_token(refs))
+        self._absorb(self.manager.next_token(refs, self.token_budget))
 
     def run(self, schedule: dict[int, list[GenerationRequest]]) -> dict[int, list[int]]:
         """`schedule`: step index -> requests that join at that step. Returns each request's ids."""

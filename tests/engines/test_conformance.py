@@ -103,6 +103,24 @@ def test_batch_invariance_across_joins_and_prunes(subject: Subject, run_ahead: b
     assert together == {r.id: alone(subject.engine, r) for r in first + joining}
 
 
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_chunked_prefill_gives_the_same_tokens(subject: Subject, run_ahead: bool) -> None:
+    if not subject.engine.info.chunked_prefill:
+        pytest.skip("the engine computes whole prompts (no chunked prefill)")
+    details = RequestedDetails(input_tokens=True, logprobs=True)
+    schedule = {
+        0: [subject.request(1, 2, 6, details=details), subject.request(2, 0, 4, params=sampled(5))],
+        3: [subject.request(3, 3, 5), subject.request(4, 1, 3, details=details)],
+    }
+    whole = Runner(subject.engine)
+    chunked = Runner(subject.engine, run_ahead=run_ahead, token_budget=7)
+    assert chunked.run(schedule) == whole.run(schedule)
+    assert chunked.pending_steps > 0 and whole.pending_steps == 0
+    assert chunked.input_tokens.keys() == whole.input_tokens.keys() == {1, 4}
+    for rid, tokens in whole.input_tokens.items():
+        assert [t.token_id for t in chunked.input_tokens[rid]] == [t.token_id for t in tokens]
+
+
 def test_seeds_reproduce_and_differ(subject: Subject) -> None:
     one = alone(subject.engine, subject.request(1, 0, 10, params=sampled(11)))
     assert alone(subject.engine, subject.request(2, 0, 10, params=sampled(11))) == one

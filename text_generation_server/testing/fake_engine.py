@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -30,6 +31,7 @@ from text_generation_common.messages import (
     ModelInfo,
     RequestError,
     StepOutput,
+    TokenInfo,
 )
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
@@ -61,18 +63,37 @@ class FakeModel:
         return self.next_logits([ids[: i + 1] for i in range(len(ids))])
 
 
-class FakeBatch(Batch):
-    """Requests and their sampling state; the chooser's histories (prompt + generated ids) are
-    all the "KV cache" the fake model needs."""
+@dataclass(slots=True)
+class Prefilling:
+    """A request whose prompt is not fully computed yet (chunked prefill)."""
 
-    def __init__(self, batch_id: int, requests: list[GenerationRequest], chooser: TokenChooser) -> None:
+    request: GenerationRequest
+    prompt: list[int]  # truncated
+    computed: int = 0
+
+
+class FakeBatch(Batch):
+    """Requests and their sampling state: the chooser's histories (prompt + generated ids) are
+    all the "KV cache" the fake model needs. Requests join as `prefilling` and move to the
+    chooser (row order: by completion) in the step that computes the rest of their prompt."""
+
+    def __init__(
+        self,
+        batch_id: int,
+        requests: list[GenerationRequest],
+        chooser: TokenChooser | None,
+        prefilling: list[Prefilling],
+        limits: RequestLimits,
+    ) -> None:
         self.batch_id = batch_id
-        self.requests = requests
-        self.chooser = chooser
+        self.requests = requests  # the chooser's rows
+        self.chooser = chooser  # None while no request is past its prompt
+        self.prefilling = prefilling
+        self.limits = limits
 
     @property
     def histories(self) -> list[list[int]]:
-        return self.chooser.histories
+        return self.chooser.histories if self.chooser is not None else []
 
     @classmethod
     def from_requests(
@@ -82,30 +103,65 @@ class FakeBatch(Batch):
         valid, prompts, errors = split_valid(requests, context)
         if not valid:
             return None, errors
-        chooser = TokenChooser.create(
-            [r.params for r in valid], prompts, context.eos_token_id, context.vocab_size, torch.device("cpu")
-        )
-        return cls(batch_id, valid, chooser), errors
+        prefilling = [Prefilling(r, p) for r, p in zip(valid, prompts, strict=True)]
+        return cls(batch_id, [], None, prefilling, context), errors
+
+    def compute_prompts(self, token_budget: int) -> list[Prefilling]:
+        """Compute up to `token_budget` prompt tokens (0 = all), in order; the requests whose
+        prompts are now complete join the chooser and are returned."""
+        budget = token_budget or sum(len(p.prompt) for p in self.prefilling)
+        done = []
+        for item in self.prefilling:
+            chunk = min(len(item.prompt) - item.computed, budget)
+            item.computed += chunk
+            budget -= chunk
+            if item.computed == len(item.prompt):
+                done.append(item)
+        if done:
+            limits = self.limits
+            joined = TokenChooser.create(
+                [p.request.params for p in done],
+                [p.prompt for p in done],
+                limits.eos_token_id,
+                limits.vocab_size,
+                torch.device("cpu"),
+            )
+            self.chooser = (
+                joined if self.chooser is None else TokenChooser.concatenate([self.chooser, joined])
+            )
+            self.requests += [p.request for p in done]
+            self.prefilling = [p for p in self.prefilling if p not in done]
+        return done
 
     @classmethod
     def concatenate(cls, batches: Sequence[Self]) -> Self:
-        requests = [r for b in batches for r in b.requests]
-        return cls(batches[0].batch_id, requests, TokenChooser.concatenate([b.chooser for b in batches]))
+        choosers = [b.chooser for b in batches if b.chooser is not None]
+        return cls(
+            batches[0].batch_id,
+            [r for b in batches for r in b.requests],
+            TokenChooser.concatenate(choosers) if choosers else None,
+            [p for b in batches for p in b.prefilling],
+            batches[0].limits,
+        )
 
     def prune(self, completed_ids: set[int]) -> Self | None:
         rows = [i for i, r in enumerate(self.requests) if r.id not in completed_ids]
-        if not rows:
+        prefilling = [p for p in self.prefilling if p.request.id not in completed_ids]
+        if not rows and not prefilling:
             return None
-        if len(rows) == len(self.requests):
+        if len(rows) == len(self.requests) and len(prefilling) == len(self.prefilling):
             return self
-        return type(self)(self.batch_id, [self.requests[i] for i in rows], self.chooser.select(rows))
+        chooser = self.chooser.select(rows) if self.chooser is not None and rows else None
+        return type(self)(self.batch_id, [self.requests[i] for i in rows], chooser, prefilling, self.limits)
 
     def remaining(self) -> int:
-        return max(r.max_new_tokens - g for r, g in zip(self.requests, self.chooser.generated, strict=True))
+        generated = self.chooser.generated if self.chooser is not None else []
+        running = [r.max_new_tokens - g for r, g in zip(self.requests, generated, strict=True)]
+        return max(running + [p.request.max_new_tokens for p in self.prefilling], default=0)
 
     @property
     def request_ids(self) -> list[int]:
-        return [r.id for r in self.requests]
+        return [r.id for r in self.requests] + [p.request.id for p in self.prefilling]
 
 
 class FakeEngine(ModelEngine):
@@ -129,6 +185,7 @@ class FakeEngine(ModelEngine):
             max_sequence_length=self.limits.max_sequence_length,
             memory=MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 2**40),
             capacity=CapacityKind.UNPADDED_WEIGHTS,
+            chunked_prefill=True,
             dtype="float32",
             dtype_reason="the fake engine's table",
         )
@@ -136,25 +193,34 @@ class FakeEngine(ModelEngine):
     def new_batch(
         self, batch_id: int, requests: Sequence[GenerationRequest]
     ) -> tuple[FakeBatch | None, list[RequestError]]:
-        return FakeBatch.from_requests(batch_id, requests, self.limits)
+        return FakeBatch.from_requests(batch_id, requests, self.limits)  # prompts run in generate_token
 
     def generate_token(
         self, batch: Batch, first: bool, token_budget: int = 0
     ) -> tuple[StepOutput, FakeBatch | None]:
         assert isinstance(batch, FakeBatch)
-        input_tokens = []
-        if first:  # the histories are the prompts until the step chooses
-            input_tokens = [
-                InputTokens(r.id, input_token_infos(self.model.prompt_logits(h), h, r.details))
-                for r, h in zip(batch.requests, batch.histories, strict=True)
-                if r.details.input_tokens
-            ]
+        completed = batch.compute_prompts(token_budget)
+        input_tokens = [  # details of each prompt, with its first token
+            InputTokens(
+                p.request.id,
+                input_token_infos(self.model.prompt_logits(p.prompt), p.prompt, p.request.details),
+            )
+            for p in completed
+            if p.request.details.input_tokens
+        ]
+        pending = [p.request.id for p in batch.prefilling]
+        if batch.chooser is None:
+            return StepOutput(pending=pending), batch
         start = time.perf_counter_ns()
         logits = self.model.next_logits(batch.histories)
         forward_ns = time.perf_counter_ns() - start
         _, output = choose_tokens(logits, batch.requests, batch.chooser, forward_ns)  # appends to histories
         output.input_tokens = input_tokens
+        output.pending = pending
         return output, drop_failed(batch, output)
+
+    def _prompt_details(self, item: Prefilling) -> tuple[TokenInfo, ...]:
+        return input_token_infos(self.model.prompt_logits(item.prompt), item.prompt, item.request.details)
 
     def reference(self, input_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy tokens of one prompt, step by step: the oracle of the conformance suite."""

@@ -1,0 +1,89 @@
+"""The router's batcher over the internal gRPC protocol to a real shard server running the fake
+engine (no weights): prompts computed over several calls under a token budget come back
+"pending" and then with their tokens and input details, the same as whole prompts; the health
+probe runs between the batcher's calls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from router.batcher import Batcher
+from router.capacity import capacity_for
+from router.detokenizer import Detokenizer
+from router.entry import Entry, Output
+from router.metrics import Metrics
+from router.request_queue import RequestQueue
+from router.shard_client import GrpcShardClient
+from router.tokenizer import load_tokenizer
+from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from tests.shard_harness import running_shard
+from text_generation_common.messages import HEALTH_CHECK_BATCH_ID, GenerationRequest, SamplingParams
+from text_generation_server.config import ServerConfig
+from text_generation_server.testing.fake_engine import FakeEngine
+
+
+@pytest.fixture(scope="module")
+def shard(tiny_model, tmp_path_factory) -> Iterator[tuple[ServerConfig, Path]]:
+    model = tiny_model("llama")
+    config = ServerConfig(
+        model_name=str(model), uds_path=str(tmp_path_factory.mktemp("s") / "shard"), max_batch_size=8
+    )
+    with running_shard(FakeEngine(config), config):
+        yield config, model
+
+
+def request(prompt_len: int, max_new: int, seed: int | None = None) -> ValidatedRequest:
+    ids = tuple(range(20, 20 + prompt_len))
+    return ValidatedRequest(
+        text="",
+        input_ids=ids,
+        input_length=len(ids),
+        truncate_input_tokens=0,
+        prefix_id="",
+        prefix_length=0,
+        sampling=SamplingParams(temperature=1.0, seed=seed) if seed is not None else SamplingParams(),
+        stopping=StoppingSpec(max_new),
+        response=ResponseSpec(generated_tokens=True, input_tokens=True),
+        received_at=time.monotonic(),
+    )
+
+
+async def serve(shard, requests: list[ValidatedRequest], budget: int, probe: bool = False) -> list[Output]:
+    config, model = shard
+    client = await GrpcShardClient.connect(config.socket_path)
+    info = await client.model_info()
+    metrics = Metrics(max_batch_size=8)
+    queue = RequestQueue(capacity_for(info, 1.0), 8, metrics, max_prefill_tokens=budget, chunked_prefill=True)
+    tokenizer = load_tokenizer(str(model))
+    batcher = Batcher(
+        client, queue, Detokenizer(tokenizer), metrics, eos_token_id=10**6, max_waiting_tokens=2
+    )
+    task = asyncio.create_task(batcher.run())
+    entries = [Entry(r, False) for r in requests]
+    try:
+        queue.append(entries)
+        if probe:
+            ids = (20, 21, 22)
+            assert await batcher.probe(GenerationRequest(HEALTH_CHECK_BATCH_ID, ids, max_new_tokens=1))
+        return [await asyncio.wait_for(e.outputs.get(), 30) for e in entries]
+    finally:
+        task.cancel()
+        await client.close()
+
+
+async def test_chunked_prompts_answer_pending_then_give_the_same_tokens(shard) -> None:
+    requests = [request(30, 6), request(5, 8, seed=3), request(45, 4, seed=9)]
+    whole = await serve(shard, requests, budget=0)
+    chunked = await serve(shard, requests, budget=8, probe=True)
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.error is None and b.error is None
+        assert [t.token_id for t in a.tokens] == [t.token_id for t in b.tokens]
+        assert b.input_tokens is not None and [t.token_id for t in b.input_tokens] == [
+            t.token_id for t in a.input_tokens or ()
+        ]
+    assert [len(o.tokens) for o in chunked] == [6, 8, 4]
