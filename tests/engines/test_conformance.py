@@ -35,6 +35,7 @@ from tests.engines.conformance import (
     engine_cases,
     oracle_for,
 )
+from text_generation_common.engines import ENGINES
 from text_generation_common.messages import GenerationRequest, LengthPenalty, RequestedDetails, SamplingParams
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.inputs import truncated_input_ids
@@ -79,6 +80,16 @@ def subject(request, tiny_model) -> Iterator[Subject]:
 
 def sampled(seed: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=kwargs.pop("temperature", 1.0), seed=seed, **kwargs)
+
+
+def test_the_engine_reports_what_its_registry_entry_says(subject: Subject) -> None:
+    spec = ENGINES.get(subject.case.engine)
+    if spec is None:
+        pytest.skip("not a registered engine")
+    info = subject.engine.info
+    assert info.capacity is spec.capabilities.capacity
+    assert info.chunked_prefill == spec.capabilities.chunked_prefill
+    assert spec.capabilities.seq2seq or not info.seq2seq
 
 
 def test_greedy_matches_the_oracle_alone_and_in_a_batch(subject: Subject) -> None:

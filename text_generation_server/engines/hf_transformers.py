@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 
 from text_generation_common.defaults import DEFAULT_MAX_SEQUENCE_LENGTH
+from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
     GenerationRequest,
     InputTokens,
@@ -135,6 +136,8 @@ class HFTransformersEngine(ModelEngine):
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
             memory=memory_model,
+            capacity=CapacityKind.PADDED_WEIGHTS,
+            chunked_prefill=False,
             dtype=dtype_name,
             dtype_reason=self.dtype_reason,
         )
