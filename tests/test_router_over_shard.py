@@ -56,6 +56,7 @@ def request(prompt_len: int, max_new: int, seed: int | None = None) -> Validated
 async def serve(shard, requests: list[ValidatedRequest], budget: int, probe: bool = False) -> list[Output]:
     config, model = shard
     client = await GrpcShardClient.connect(config.socket_path)
+    await client.clear_cache()  # as the router does at start-up: a previous run may have left batches
     info = await client.model_info()
     metrics = Metrics(max_batch_size=8)
     queue = RequestQueue(capacity_for(info, 1.0), 8, metrics, max_prefill_tokens=budget, chunked_prefill=True)
