@@ -6,6 +6,7 @@ probe runs between the batcher's calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,8 @@ async def serve(shard, requests: list[ValidatedRequest], budget: int, probe: boo
         return [await asyncio.wait_for(e.outputs.get(), 30) for e in entries]
     finally:
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         await client.close()
 
 
