@@ -12,7 +12,7 @@ PB_TARGETS := text_generation_common/pb/generate_pb2.py router/pb/generation_pb2
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install gen-protos protos lint typecheck test run demo-model clean
+.PHONY: help install gen-protos protos lint typecheck test-tools test run demo-model clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -45,7 +45,10 @@ lint: install ## ruff check + format check
 typecheck: install ## mypy on the typed boundaries
 	$(VENV)/bin/mypy
 
-test: install ## run the test suite (installs first if needed)
+test-tools: install ## install the system tools some tests need where missing (prometheus, kubectl)
+	$(PY) -m tests.tools install
+
+test: install test-tools ## run the test suite (installs first if needed)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 DEMO_MODEL := .cache/demo-model
@@ -63,7 +66,7 @@ run: install demo-model ## start the server on the embedded demo model (gRPC :80
 	@echo "  curl -i localhost:3000/health"
 	$(VENV)/bin/text-generation-launcher --model-name $(DEMO_MODEL) --max-sequence-length 512 --max-new-tokens 256
 
-integration-tests: install ## run only the integration tests (the real launcher on tiny models)
+integration-tests: install test-tools ## run only the integration tests (the real launcher on tiny models)
 	$(PY) -m pytest integration_tests $(PYTEST_ARGS)
 
 FUZZ_SECONDS ?= 600

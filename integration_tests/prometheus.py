@@ -1,43 +1,33 @@
 """A real Prometheus server for the integration tests.
 
-`ensure_prometheus()` finds the `prometheus` binary, installing the Debian package when it is
-missing and we are root with apt; it raises `PrometheusUnavailable(reason)` when that cannot be
-done, so that tests skip with the reason. `PrometheusServer` runs a throw-away Prometheus (its
-own config, data directory and free port) that scrapes the given `host:port` targets every
-second, and asks its HTTP API: `query`, `wait_for`, `targets`.
+`ensure_prometheus()` finds the `prometheus` binary ($PROMETHEUS_BINARY, else PATH; `make
+test-tools` installs the Debian package where missing) and raises `PrometheusUnavailable(reason)`
+when there is none, so that tests skip with the reason; nothing is installed from here.
+`PrometheusServer` runs a throw-away Prometheus (its own config, data directory and free port)
+that scrapes the given `host:port` targets every second, and asks its HTTP API: `query`,
+`wait_for`, `targets`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import pwd
-import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 PACKAGE = "prometheus"
 BINARY_ENV = "PROMETHEUS_BINARY"  # an explicit binary (e.g. a downloaded release) wins over PATH
-INSTALL_TIMEOUT_S = 300.0
-POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
-# apt-get output meaning "no or stale package lists": worth one `apt-get update` and a retry.
-MISSING_LISTS = re.compile(
-    r"Unable to locate package|has no installation candidate|Failed to fetch|404\s+Not Found"
-)
-DPKG_INTERRUPTED = "dpkg was interrupted"
+INSTALL_HINT = "run `make test-tools` (as root, with apt) to install the Debian package"
 # Prometheus's own counters of refused samples and failed scrape pools (names of 2.x).
 SCRAPE_PROBLEMS = (
     "prometheus_target_scrapes_sample_duplicate_timestamp_total",
@@ -59,15 +49,14 @@ class PrometheusUnavailable(RuntimeError):
 
 
 _cached: str | PrometheusUnavailable | None = None
-install_seconds: float | None = None  # how long this process spent installing, when it did
 
 
 def ensure_prometheus() -> str:
-    """The path of a usable `prometheus` binary, installed with apt-get when missing (cached)."""
+    """The path of a usable `prometheus` binary (cached); PrometheusUnavailable when there is none."""
     global _cached
     if _cached is None:
         try:
-            _cached = _find_or_install()
+            _cached = _find()
         except PrometheusUnavailable as exc:
             _cached = exc
     if isinstance(_cached, PrometheusUnavailable):
@@ -96,140 +85,16 @@ def _on_path() -> str | None:
     return shutil.which(PACKAGE) or shutil.which(PACKAGE, path="/usr/bin:/usr/sbin:/usr/local/bin")
 
 
-def _find_or_install() -> str:
+def _find() -> str:
     explicit = os.environ.get(BINARY_ENV)
     if explicit:
         if _usable(explicit):
             return explicit
         raise PrometheusUnavailable(f"${BINARY_ENV}={explicit} is not a working prometheus binary")
     found = _usable(_on_path())
-    if found:
-        return found
-    if not sys.platform.startswith("linux"):
-        raise PrometheusUnavailable(f"prometheus is not installed (and {sys.platform} has no apt-get)")
-    if shutil.which("apt-get") is None:
-        raise PrometheusUnavailable("prometheus is not installed and there is no apt-get to install it")
-    if os.geteuid() != 0:
-        raise PrometheusUnavailable(
-            "prometheus is not installed and installing it needs root: apt-get install prometheus"
-        )
-    global install_seconds
-    start = time.monotonic()
-    _apt_install(start + INSTALL_TIMEOUT_S)
-    install_seconds = time.monotonic() - start
-    found = _usable(_on_path())
     if not found:
-        raise PrometheusUnavailable(
-            "apt-get installed prometheus, but no working prometheus binary is on PATH"
-        )
+        raise PrometheusUnavailable(f"prometheus is not installed: {INSTALL_HINT}")
     return found
-
-
-def _run_apt(args: Sequence[str], deadline: float) -> subprocess.CompletedProcess[str]:
-    remaining = deadline - time.monotonic()
-    if remaining <= 1:
-        raise PrometheusUnavailable(f"installing prometheus took over {INSTALL_TIMEOUT_S:.0f} s")
-    env = {
-        **os.environ,
-        "DEBIAN_FRONTEND": "noninteractive",
-        "APT_LISTCHANGES_FRONTEND": "none",
-        "NEEDRESTART_MODE": "l",
-    }
-    try:
-        return subprocess.run(
-            list(args), capture_output=True, text=True, env=env, timeout=remaining, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise PrometheusUnavailable(
-            f"`{' '.join(args)}` did not finish within {INSTALL_TIMEOUT_S:.0f} s"
-        ) from exc
-    except OSError as exc:
-        raise PrometheusUnavailable(f"`{' '.join(args)}` could not run: {exc}") from exc
-
-
-def _tail(result: subprocess.CompletedProcess[str], lines: int = 6) -> str:
-    text = (result.stdout + result.stderr).strip().splitlines()
-    return " | ".join(text[-lines:])
-
-
-def _apt_install(deadline: float) -> None:
-    """apt-get install prometheus without letting the package start its own service."""
-    install = [
-        "apt-get", "install", "-y", "--no-install-recommends", "-q",
-        "-o", "DPkg::Lock::Timeout=120",
-        "-o", "Dpkg::Options::=--force-confdef",
-        "-o", "Dpkg::Options::=--force-confold",
-        PACKAGE,
-    ]  # fmt: skip
-    before = _prometheus_pids(user=PACKAGE)
-    service_was_active = _service_active()
-    with _services_not_started():
-        result = _run_apt(install, deadline)
-        if result.returncode != 0 and DPKG_INTERRUPTED in result.stdout + result.stderr:
-            _run_apt(["dpkg", "--configure", "-a"], deadline)
-            result = _run_apt(install, deadline)
-        if result.returncode != 0 and MISSING_LISTS.search(result.stdout + result.stderr):
-            # No (or stale) package lists: refresh them once. A failing third-party source
-            # makes `update` exit non-zero while Debian's lists are fine, so just retry.
-            _run_apt(["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=120"], deadline)
-            result = _run_apt(install, deadline)
-    # Whatever the policy said, no system Prometheus started by this install survives it: the
-    # package's service runs as the `prometheus` user (our test servers run as us).
-    if not service_was_active and _service_active():
-        subprocess.run(["systemctl", "stop", PACKAGE], capture_output=True, timeout=60, check=False)
-    for pid in _prometheus_pids(user=PACKAGE) - before:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-    if result.returncode != 0:
-        raise PrometheusUnavailable(
-            f"apt-get install {PACKAGE} failed ({result.returncode}): {_tail(result)}"
-        )
-
-
-@contextlib.contextmanager
-def _services_not_started() -> Iterator[None]:
-    """A policy-rc.d that forbids starting services (invoke-rc.d and deb-systemd-invoke obey
-    it) for the duration of the install, unless the machine already has one (Docker images
-    ship `exit 101`), which is left alone."""
-    if POLICY_RC_D.exists():
-        yield
-        return
-    try:
-        POLICY_RC_D.write_text("#!/bin/sh\n# temporary, from integration_tests/prometheus.py\nexit 101\n")
-        POLICY_RC_D.chmod(0o755)
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            POLICY_RC_D.unlink()
-
-
-def _service_active() -> bool:
-    if not Path("/run/systemd/system").is_dir() or shutil.which("systemctl") is None:
-        return False
-    result = subprocess.run(
-        ["systemctl", "is-active", "--quiet", PACKAGE], capture_output=True, timeout=30, check=False
-    )
-    return result.returncode == 0
-
-
-def _prometheus_pids(user: str) -> set[int]:
-    """Processes of `user` running a binary called `prometheus` (Linux /proc)."""
-    try:
-        uid = pwd.getpwnam(user).pw_uid
-    except KeyError:
-        return set()
-    pids = set()
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if entry.stat().st_uid == uid and Path(os.readlink(entry / "exe")).name == PACKAGE:
-                pids.add(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return pids
 
 
 def free_port() -> int:

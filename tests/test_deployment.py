@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import tomllib
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -118,8 +117,6 @@ def renderer() -> Renderer:
         tool = find_renderer()
     except ToolUnavailable as exc:
         pytest.skip(f"no kustomize renderer: {exc}")
-    if tool.install_s:
-        warnings.warn(f"kustomize renderer: {tool.origin}, fetched in {tool.install_s:.1f} s", stacklevel=1)
     return tool
 
 
