@@ -356,6 +356,12 @@ def test_sigterm_drains_in_flight_requests(root) -> None:
     s = launch("llama", root)
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(s.address))
 
+    async def running(n: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (await asyncio.to_thread(scrape, s)).get(("tgi_batch_current_size", ()), 0) < n:
+            assert time.monotonic() < deadline, f"{n} requests never ran together"
+            await asyncio.sleep(0.02)
+
     async def run() -> tuple[list, float]:
         stub = s.aio_stub()
         unary = [
@@ -374,7 +380,7 @@ def test_sigterm_drains_in_flight_requests(root) -> None:
             ]
 
         streams = [asyncio.ensure_future(stream(i)) for i in range(3)]
-        await asyncio.sleep(0.3)  # all six are running
+        await running(6)  # all six are in the batch
         s.process.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         # Health turns NOT_SERVING and new requests are refused while the six finish.
