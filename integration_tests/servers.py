@@ -101,19 +101,24 @@ class Server:
 
 
 def launch(name: str, root: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
-    path = model_dir(name, root / "models")
+    """`name`: a key of MODELS, or "model@engine" to serve it with that DEPLOYMENT_FRAMEWORK."""
+    model, _, engine = name.partition("@")
+    path = model_dir(model, root / "models")
+    if engine:
+        extra = ("--deployment-framework", engine, *extra)
     grpc_port, http_port = free_port(), free_port()
-    log_path = root / f"{name}-{grpc_port}.log"
+    log_path = root / f"{name.replace('@', '-')}-{grpc_port}.log"
     command = [
         sys.executable, "-m", "launcher.cli",
         "--model-name", str(path),
         "--port", str(http_port),
         "--grpc-port", str(grpc_port),
-        "--shard-uds-path", str(root / f"{name}-{grpc_port}"),
+        "--shard-uds-path", str(root / f"{name.replace('@', '-')}-{grpc_port}"),
         *TGIS_TEST_FLAGS,
         *extra,
     ]  # fmt: skip
-    environment = {**os.environ, **(env or {}), "TERMINATION_LOG_PATH": str(root / f"{name}-termination.log")}
+    termination_log = root / f"{name.replace('@', '-')}-termination.log"
+    environment = {**os.environ, **(env or {}), "TERMINATION_LOG_PATH": str(termination_log)}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
     server = Server(name, path, grpc_port, http_port, log_path, process)

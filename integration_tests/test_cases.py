@@ -8,34 +8,40 @@ import pytest
 
 from integration_tests.cases import CASES_DIR, Outcome, check, load, run_file
 
-# case file -> server model
-FILES = {"llama.yaml": "llama", "llama_sp.yaml": "llama-sp", "t5.yaml": "t5"}
-_results: dict[str, dict[tuple[str, str], Outcome]] = {}
+# (case file, server: model or model@engine); the paged engine replays the decoder-only cases
+RUNS = [
+    ("llama.yaml", "llama"),
+    ("llama_sp.yaml", "llama-sp"),
+    ("t5.yaml", "t5"),
+    ("llama.yaml", "llama@tgis_native"),
+]
+_results: dict[tuple[str, str], dict[tuple[str, str], Outcome]] = {}
 
 
-def _outcomes(file: str, server) -> dict[tuple[str, str], Outcome]:
-    if file not in _results:
-        s = server(FILES[file])
+def _outcomes(file: str, name: str, server) -> dict[tuple[str, str], Outcome]:
+    if (file, name) not in _results:
+        s = server(name)
 
         async def run() -> dict[tuple[str, str], Outcome]:
-            return await run_file(s.aio_stub(), load(CASES_DIR / file), seq2seq=FILES[file] == "t5")
+            return await run_file(s.aio_stub(), load(CASES_DIR / file), seq2seq=name == "t5")
 
-        _results[file] = asyncio.run(run())
-    return _results[file]
+        _results[(file, name)] = asyncio.run(run())
+    return _results[(file, name)]
 
 
 def _params() -> list:
     params = []
-    for file in FILES:
+    for file, name in RUNS:
+        where = file if "@" not in name else f"{file}@{name.partition('@')[2]}"
         for case in load(CASES_DIR / file):
-            params.append(pytest.param(file, case, "unary", id=f"{file}:{case.name}:unary"))
+            params.append(pytest.param(file, name, case, "unary", id=f"{where}:{case.name}:unary"))
             if case.single and case.stream:
-                params.append(pytest.param(file, case, "stream", id=f"{file}:{case.name}:stream"))
+                params.append(pytest.param(file, name, case, "stream", id=f"{where}:{case.name}:stream"))
     return params
 
 
-@pytest.mark.parametrize(("file", "case", "mode"), _params())
-def test_case(server, file, case, mode) -> None:
-    outcome = _outcomes(file, server)[(case.name, mode)]
+@pytest.mark.parametrize(("file", "name", "case", "mode"), _params())
+def test_case(server, file, name, case, mode) -> None:
+    outcome = _outcomes(file, name, server)[(case.name, mode)]
     problems = check(case, outcome)
     assert not problems, "\n".join(problems)

@@ -241,19 +241,26 @@ def check_quantize(quantize: str | None) -> None:
         raise LaunchError(f"quantization ({quantize}) is not supported by any engine yet: unset QUANTIZE")
 
 
-# TGIS switches that change how the shard runs the model. Each is read as TGIS reads it (on when
-# "true"); none is implemented yet, so asking for one fails instead of starting a server that
-# silently does something else.
+# TGIS switches that change how the shard runs the model, each read as TGIS reads it (on unless
+# false/0/no/off). FLASH_ATTENTION and PAGED_ATTENTION both mean the paged engine: accepted with
+# DEPLOYMENT_FRAMEWORK=tgis_native, refused with any other engine (never a silent engine swap).
+# The others are not implemented: asking for one fails instead of starting without it.
+PAGED_ENGINE = "tgis_native"
+PAGED_SWITCHES = ("FLASH_ATTENTION", "PAGED_ATTENTION")
 UNSUPPORTED_SWITCHES = {
-    "FLASH_ATTENTION": "the tgis_native engine's flash attention, which this server does not have yet "
-    "(hf_transformers already runs attention through torch SDPA)",
-    "PAGED_ATTENTION": "the tgis_native engine's paged attention, which this server does not have yet",
     "PT2_COMPILE": "torch.compile of the model, which this server does not support yet",
 }
 OFF_VALUES = ("", "false", "0", "no", "off")
 
 
-def check_unsupported_switches(env: Mapping[str, str]) -> None:
+def check_switches(env: Mapping[str, str], engine: str) -> None:
+    for var in PAGED_SWITCHES:
+        value = env.get(var, "")
+        if value.strip().lower() not in OFF_VALUES and engine != PAGED_ENGINE:
+            raise LaunchError(
+                f"{var}={value} asks for the {PAGED_ENGINE} engine's paged attention: set "
+                f"DEPLOYMENT_FRAMEWORK={PAGED_ENGINE} (engine {engine!r} is selected) or unset {var}"
+            )
     for var, what in UNSUPPORTED_SWITCHES.items():
         value = env.get(var, "")
         if value.strip().lower() not in OFF_VALUES:
@@ -308,8 +315,8 @@ def resolve_max_new_tokens(max_new_tokens: int, max_sequence_length: int) -> int
 def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     """Check and complete `flags`; raises LaunchError at the first problem."""
     check_quantize(flags.quantize)
-    check_unsupported_switches(env)
     engine = resolve_engine(flags.deployment_framework)
+    check_switches(env, engine)
     dtype = resolve_dtype(flags.dtype, flags.dtype_str)
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)

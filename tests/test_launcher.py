@@ -232,13 +232,20 @@ def test_quantize_is_refused() -> None:
         lc.check_quantize("gptq")
 
 
-@pytest.mark.parametrize("var", ["FLASH_ATTENTION", "PAGED_ATTENTION", "PT2_COMPILE"])
-def test_tgis_switches_we_lack_are_refused(var: str) -> None:
+def test_tgis_switches_we_lack_are_refused() -> None:
     for off in ("", "false", "False", "0"):
-        lc.check_unsupported_switches({var: off})
+        lc.check_switches({"PT2_COMPILE": off}, "hf_transformers")
     for on in ("true", "TRUE", "1"):
-        with pytest.raises(LaunchError, match=rf"^{var}={on} asks for .*: unset {var}$"):
-            lc.check_unsupported_switches({var: on})
+        with pytest.raises(LaunchError, match=rf"^PT2_COMPILE={on} asks for .*: unset PT2_COMPILE$"):
+            lc.check_switches({"PT2_COMPILE": on}, "tgis_native")
+
+
+@pytest.mark.parametrize("var", ["FLASH_ATTENTION", "PAGED_ATTENTION"])
+def test_flash_and_paged_attention_mean_the_paged_engine(var: str) -> None:
+    lc.check_switches({var: "true"}, "tgis_native")
+    lc.check_switches({var: "false"}, "hf_transformers")
+    with pytest.raises(LaunchError, match=rf"^{var}=true asks for the tgis_native engine's paged attention"):
+        lc.check_switches({var: "true"}, "hf_transformers")
 
 
 def test_shard_command_and_env_are_accepted_by_the_shard_cli(tiny_model: Callable[..., Path]) -> None:

@@ -50,6 +50,12 @@ ENGINES: dict[str, EngineSpec] = {
             EngineCapabilities(capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True),
             "any transformers causal or seq2seq LM, left-padded batches (CPU or CUDA)",
         ),
+        EngineSpec(
+            "tgis_native",
+            "text_generation_server.engines.tgis_native:TgisNativeEngine",
+            EngineCapabilities(capacity=CapacityKind.UNPADDED_WEIGHTS, chunked_prefill=True),
+            "decoder-only Llama, Mistral, GPT-NeoX, GPT-2: ragged batches over a paged KV cache",
+        ),
     )
 }
 

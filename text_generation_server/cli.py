@@ -22,6 +22,7 @@ from text_generation_common.logs import setup_logging
 from text_generation_server.config import (
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
+    DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DTYPES,
@@ -138,6 +139,13 @@ def pin_to(cpu_list: str) -> None:
     "from SHARD_CPUS [env CPU_AFFINITY].",
 )
 @click.option(
+    "--kv-block-size",
+    envvar="KV_BLOCK_SIZE",
+    type=click.IntRange(min=1),
+    default=DEFAULT_KV_BLOCK_SIZE,
+    help="Tokens per block of the paged KV cache (tgis_native) [env KV_BLOCK_SIZE].",
+)
+@click.option(
     "--run-ahead/--no-run-ahead",
     envvar="RUN_AHEAD",
     default=True,
@@ -181,6 +189,7 @@ def serve(
     attn_implementation: str | None,
     linear_layout: str,
     cpu_affinity: str | None,
+    kv_block_size: int,
     run_ahead: bool,
     estimate_memory: str,
     batch_safety_margin: int,
@@ -206,6 +215,7 @@ def serve(
             attn_implementation=attn_implementation,
             linear_layout=linear_layout,
             run_ahead=run_ahead,
+            kv_block_size=kv_block_size,
             cpu_affinity=cpu_affinity,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,

@@ -20,6 +20,7 @@ from text_generation_common.defaults import (
 
 LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
+DEFAULT_KV_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class ServerConfig:
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
     run_ahead: bool = True  # step cached batches while the router handles the last answer
     cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
@@ -52,6 +54,8 @@ class ServerConfig:
             raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.linear_layout not in LINEAR_LAYOUTS:

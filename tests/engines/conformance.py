@@ -35,7 +35,10 @@ from text_generation_server.testing.fake_engine import FakeEngine
 
 DEFAULT_ARCHS = ("llama", "gpt2")
 SEQ2SEQ_ARCHS = ("t5",)
-ENGINE_ARCHS: dict[str, tuple[str, ...]] = {"fake": ("llama",)}
+ENGINE_ARCHS: dict[str, tuple[str, ...]] = {
+    "fake": ("llama",),
+    "tgis_native": ("llama", "gpt2", "gpt_neox", "mistral"),
+}
 TEST_ENGINES: dict[str, Callable[[ServerConfig], ModelEngine]] = {"fake": FakeEngine}
 MAX_BATCH = 16
 

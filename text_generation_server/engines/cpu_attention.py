@@ -24,6 +24,17 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "sdpa_decode_packed"
 
 
+def one_query_gqa_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int, scaling: float | None
+) -> torch.Tensor:
+    """SDPA of a single query token with grouped KV heads, the query heads packed per KV head.
+    query [B, heads, 1, d], key/value [B, kv_heads, L, d] -> [B, heads, 1, d_v]."""
+    batch, heads, _, dim = query.shape
+    packed = query.reshape(batch, heads // groups, groups, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scaling)
+    return out.reshape(batch, heads, 1, value.shape[-1])
+
+
 def decode_packed_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -37,10 +48,8 @@ def decode_packed_sdpa(
     groups = getattr(module, "num_key_value_groups", 1)
     plain = not any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "cache"))
     if query.shape[2] == 1 and attention_mask is None and groups > 1 and dropout == 0.0 and plain:
-        batch, heads, _, dim = query.shape
-        packed = query.reshape(batch, heads // groups, groups, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scaling)
-        return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+        out = one_query_gqa_sdpa(query, key, value, groups, scaling)
+        return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )

@@ -12,7 +12,8 @@ import inspect
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,50 +78,120 @@ def _first_id(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
+@dataclass(slots=True)
+class Loaded:
+    """A transformers model loaded for serving, with what the engines need beside it."""
+
+    model: Any
+    tokenizer: Any
+    hf_config: Any
+    device: torch.device
+    dtype: torch.dtype
+    dtype_reason: str
+    seq2seq: bool
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def load_pretrained(config: ServerConfig, attn_implementation: str | None = None) -> Loaded:
+    """Load the model named by `config` (local files only) on its device, in eval mode."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model_dir = resolve_model_dir(config.model_name, config.revision)
+    device = select_device(config.rank)
+    dtype, dtype_reason = select_dtype(config.dtype, device)
+    hf_config = transformers.AutoConfig.from_pretrained(
+        model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
+    )
+    seq2seq = bool(getattr(hf_config, "is_encoder_decoder", False))
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    load_kwargs: dict[str, Any] = {}
+    if attn_implementation or config.attn_implementation:
+        load_kwargs["attn_implementation"] = attn_implementation or config.attn_implementation
+    logger.info(
+        "loading %s (%s: %s; %s) from %s",
+        config.model_name,
+        str(dtype).removeprefix("torch."),
+        dtype_reason,
+        device,
+        model_dir,
+    )
+    model: Any = auto.from_pretrained(
+        model_dir,
+        dtype=dtype,
+        trust_remote_code=config.trust_remote_code,
+        local_files_only=True,
+        **load_kwargs,
+    )
+    model.to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
+    )
+    return Loaded(model, tokenizer, hf_config, device, dtype, dtype_reason, seq2seq)
+
+
+def model_context(loaded: Loaded, config: ServerConfig) -> ModelContext:
+    """Special tokens, vocabulary and limits of a loaded model."""
+    hf_config, tokenizer = loaded.hf_config, loaded.tokenizer
+    generation_config = getattr(loaded.model, "generation_config", None)
+    eos = _first_id(hf_config.eos_token_id)
+    if eos is None and generation_config is not None:
+        eos = _first_id(generation_config.eos_token_id)
+    if eos is None:
+        eos = _first_id(tokenizer.eos_token_id)
+    if eos is None:
+        raise ValueError("the model defines no EOS token (config.json or tokenizer)")
+    pad = _first_id(hf_config.pad_token_id)
+    if pad is None:
+        pad = _first_id(tokenizer.pad_token_id)
+    if pad is None:
+        pad = eos  # padding is masked out: any valid id will do
+    probe = tokenizer("a")["input_ids"]
+    bos = tokenizer.bos_token_id if probe and probe[0] == tokenizer.bos_token_id else None
+    output = loaded.model.get_output_embeddings()
+    vocab_size = int(output.weight.shape[0]) if output is not None else int(hf_config.vocab_size)
+    model_max = context_length(hf_config.to_dict())
+    max_sequence_length = config.max_sequence_length or model_max or DEFAULT_MAX_SEQUENCE_LENGTH
+    if model_max is not None and max_sequence_length > model_max:
+        logger.warning(
+            "max_sequence_length %d is above the model's own limit of %d", max_sequence_length, model_max
+        )
+    forward_params = inspect.signature(loaded.model.forward).parameters
+    decoder_start = None
+    if loaded.seq2seq:
+        decoder_start = _first_id(hf_config.decoder_start_token_id)
+        if decoder_start is None:
+            decoder_start = pad
+    return ModelContext(
+        device=loaded.device,
+        vocab_size=vocab_size,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=bos,
+        max_sequence_length=max_sequence_length,
+        max_new_tokens=config.max_new_tokens,
+        accepts_position_ids="position_ids" in forward_params,
+        accepts_logits_to_keep="logits_to_keep" in forward_params,
+        decoder_start_token_id=decoder_start,
+    )
+
+
 class HFTransformersEngine(ModelEngine):
     def __init__(self, config: ServerConfig) -> None:
-        import transformers
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        model_dir = resolve_model_dir(config.model_name, config.revision)
-        self.device = select_device(config.rank)
-        self.dtype, self.dtype_reason = select_dtype(config.dtype, self.device)
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        hf_config = transformers.AutoConfig.from_pretrained(
-            model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
-        )
-        self.seq2seq = bool(getattr(hf_config, "is_encoder_decoder", False))
-        auto = transformers.AutoModelForSeq2SeqLM if self.seq2seq else transformers.AutoModelForCausalLM
-        load_kwargs: dict[str, Any] = {}
-        if config.attn_implementation:
-            load_kwargs["attn_implementation"] = config.attn_implementation
-        logger.info(
-            "loading %s (%s: %s; %s) from %s",
-            config.model_name,
-            dtype_name,
-            self.dtype_reason,
-            self.device,
-            model_dir,
-        )
-        self.model: Any = cast(
-            Any,
-            auto.from_pretrained(
-                model_dir,
-                dtype=self.dtype,
-                trust_remote_code=config.trust_remote_code,
-                local_files_only=True,
-                **load_kwargs,
-            ),
-        )
-        self.model.to(self.device).eval()
+        loaded = load_pretrained(config)
+        self.model = loaded.model
+        self.device, self.dtype, self.dtype_reason = loaded.device, loaded.dtype, loaded.dtype_reason
+        self.seq2seq = loaded.seq2seq
+        dtype_name = loaded.dtype_name
+        hf_config = loaded.hf_config
         if self.device.type == "cpu" and use_decode_packed_sdpa(self.model):
             logger.info("attention: SDPA, with GQA decode steps on the packed-query kernel")
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
-        )
         self.batch_type: type[PaddedBatch] = Seq2SeqLMBatch if self.seq2seq else CausalLMBatch
-        self.context = self._context(config, hf_config, tokenizer)
+        self.context = model_context(loaded, config)
         memory_model = estimate(
             config.estimate_memory,
             self._memory_facts(hf_config, config.cuda_process_memory_fraction),
@@ -140,49 +211,6 @@ class HFTransformersEngine(ModelEngine):
             chunked_prefill=False,
             dtype=dtype_name,
             dtype_reason=self.dtype_reason,
-        )
-
-    def _context(self, config: ServerConfig, hf_config: Any, tokenizer: Any) -> ModelContext:
-        generation_config = getattr(self.model, "generation_config", None)
-        eos = _first_id(hf_config.eos_token_id)
-        if eos is None and generation_config is not None:
-            eos = _first_id(generation_config.eos_token_id)
-        if eos is None:
-            eos = _first_id(tokenizer.eos_token_id)
-        if eos is None:
-            raise ValueError("the model defines no EOS token (config.json or tokenizer)")
-        pad = _first_id(hf_config.pad_token_id)
-        if pad is None:
-            pad = _first_id(tokenizer.pad_token_id)
-        if pad is None:
-            pad = eos  # padding is masked out: any valid id will do
-        probe = tokenizer("a")["input_ids"]
-        bos = tokenizer.bos_token_id if probe and probe[0] == tokenizer.bos_token_id else None
-        output = self.model.get_output_embeddings()
-        vocab_size = int(output.weight.shape[0]) if output is not None else int(hf_config.vocab_size)
-        model_max = context_length(hf_config.to_dict())
-        max_sequence_length = config.max_sequence_length or model_max or DEFAULT_MAX_SEQUENCE_LENGTH
-        if model_max is not None and max_sequence_length > model_max:
-            logger.warning(
-                "max_sequence_length %d is above the model's own limit of %d", max_sequence_length, model_max
-            )
-        forward_params = inspect.signature(self.model.forward).parameters
-        decoder_start = None
-        if self.seq2seq:
-            decoder_start = _first_id(hf_config.decoder_start_token_id)
-            if decoder_start is None:
-                decoder_start = pad
-        return ModelContext(
-            device=self.device,
-            vocab_size=vocab_size,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            bos_token_id=bos,
-            max_sequence_length=max_sequence_length,
-            max_new_tokens=config.max_new_tokens,
-            accepts_position_ids="position_ids" in forward_params,
-            accepts_logits_to_keep="logits_to_keep" in forward_params,
-            decoder_start_token_id=decoder_start,
         )
 
     def _memory_facts(self, hf_config: Any, cuda_fraction: float) -> MemoryFacts:

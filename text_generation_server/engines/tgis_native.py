@@ -1,0 +1,220 @@
+"""The `tgis_native` engine: ragged batches over a paged KV cache, with chunked prefill.
+
+transformers' own model classes run with our attention function (paged_attention.py) and no
+dense mask, on one packed batch per step:
+
+    input_ids / position_ids [1, T]: one token per decoding request (its last chosen token, at
+    its next position), then each prompt chunk of this step (ragged.py plans them under the
+    call's token budget)
+    -> logits of the last token of every decoding request and of every prompt completed this
+       step, in the chooser's row order -> the shared step post-processing (step.py)
+
+Every request owns a block table (paged_kv.py) that grows as its tokens are written and goes
+back to the pool when it leaves. The KV cache holds `num_blocks` blocks of KV_BLOCK_SIZE tokens:
+enough for MAX_BATCH_SIZE sequences of the maximum length, or what free memory allows. The router
+admits requests by the unpadded batch-weight model in KV tokens (one token = one slot), with
+one block per request held back for the partly filled last blocks, so a running request never
+runs out of blocks.
+
+Decoder-only models of the families in SUPPORTED_MODEL_TYPES; others are refused at load with
+one line naming the engine that serves them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from text_generation_common.engines import CapacityKind
+from text_generation_common.messages import (
+    GenerationRequest,
+    InputTokens,
+    MemoryScalingModel,
+    ModelInfo,
+    RequestError,
+    StepOutput,
+)
+from text_generation_server.batch import Batch
+from text_generation_server.config import ServerConfig
+from text_generation_server.engines import paged_attention
+from text_generation_server.engines.base import ModelEngine
+from text_generation_server.engines.hf_transformers import load_pretrained, model_context
+from text_generation_server.engines.paged_attention import StepLayout
+from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV
+from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
+from text_generation_server.engines.step import choose_tokens, drop_failed
+from text_generation_server.memory import host_available_bytes
+from text_generation_server.sampling.token_details import input_token_infos
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gpt_neox", "gpt2")
+
+
+class TgisNativeEngine(ModelEngine):
+    def __init__(self, config: ServerConfig) -> None:
+        paged_attention.register()
+        loaded = load_pretrained(config, attn_implementation=paged_attention.NAME)
+        model_type = getattr(loaded.hf_config, "model_type", "?")
+        if loaded.seq2seq or model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the tgis_native engine serves {', '.join(SUPPORTED_MODEL_TYPES)} models; "
+                f"{model_type} models run on hf_transformers (DEPLOYMENT_FRAMEWORK=hf_transformers)"
+            )
+        self.model = loaded.model
+        self.device = loaded.device
+        self.context = model_context(loaded, config)
+        self.block_size = config.kv_block_size
+        self.kv = self._allocate_cache(config)
+        slots = (self.kv.pool.num_blocks - config.max_batch_size) * self.block_size
+        if slots < self.context.max_sequence_length:
+            raise ValueError(
+                f"the KV cache ({self.kv.pool.num_blocks} blocks of {self.block_size} tokens) cannot hold "
+                f"one sequence of max_sequence_length {self.context.max_sequence_length} beside "
+                f"{config.max_batch_size} partly filled blocks: lower MAX_BATCH_SIZE or MAX_SEQUENCE_LENGTH"
+            )
+        self.info = ModelInfo(
+            seq2seq=False,
+            eos_token_id=self.context.eos_token_id,
+            vocab_size=self.context.vocab_size,
+            max_sequence_length=self.context.max_sequence_length,
+            memory=MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, slots),
+            capacity=CapacityKind.UNPADDED_WEIGHTS,
+            chunked_prefill=True,
+            dtype=loaded.dtype_name,
+            dtype_reason=loaded.dtype_reason,
+        )
+
+    # ---- the KV cache --------------------------------------------------------------------------
+
+    def _allocate_cache(self, config: ServerConfig) -> PagedKVCache:
+        """Measure the KV bytes per token with a one-token step, then size the pool."""
+        probe = PagedKVCache(BlockPool(1, self.block_size), self.device)
+        sequence = SequenceKV(probe.pool)
+        self._forward([(sequence, [self.context.pad_token_id or 0])], probe, [0])
+        per_token = probe.bytes() // probe.slots
+        per_block = per_token * self.block_size
+        wanted = config.max_batch_size * (1 - (-self.context.max_sequence_length // self.block_size))
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            available = min(free, int(total * config.cuda_process_memory_fraction))
+        else:
+            available = host_available_bytes()
+        affordable = int(available * (100 - config.batch_safety_margin) / 100) // per_block
+        num_blocks = max(1, min(wanted, affordable))
+        logger.info(
+            "KV cache: %d bytes per token, %d blocks of %d tokens (%.1f MiB)%s",
+            per_token,
+            num_blocks,
+            self.block_size,
+            num_blocks * per_block / 2**20,
+            "" if num_blocks == wanted else f", limited by free memory (wanted {wanted})",
+        )
+        return PagedKVCache(BlockPool(num_blocks, self.block_size), self.device)
+
+    # ---- batches and steps -----------------------------------------------------------------------
+
+    def new_batch(
+        self, batch_id: int, requests: Sequence[GenerationRequest]
+    ) -> tuple[RaggedBatch | None, list[RequestError]]:
+        batch, errors = RaggedBatch.from_requests(batch_id, requests, (self.context, self.device))
+        if batch is not None:
+            for item in batch.prefilling:
+                batch.states[item.request.id] = SequenceKV(self.kv.pool)
+        return batch, errors
+
+    def generate_token(
+        self, batch: Batch, first: bool, token_budget: int = 0
+    ) -> tuple[StepOutput, RaggedBatch | None]:
+        assert isinstance(batch, RaggedBatch)
+        with torch.inference_mode():
+            return self._step(batch, token_budget)
+
+    def _step(self, batch: RaggedBatch, token_budget: int) -> tuple[StepOutput, RaggedBatch | None]:
+        chunks = batch.plan_prompts(token_budget)
+        pieces = [(batch.states[r.id], [h[-1]]) for r, h in zip(batch.requests, batch.histories, strict=True)]
+        pieces += [(batch.states[c.item.request.id], c.tokens) for c in chunks]
+        ends: list[int] = []  # the packed index of each piece's last token
+        for _, tokens in pieces:
+            ends.append((ends[-1] if ends else -1) + len(tokens))
+        details = [c for c in chunks if c.item.request.details.input_tokens]
+        start = time.perf_counter_ns()
+        logits = self._forward(pieces, self.kv, None if details else self._wanted(batch, chunks, ends))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        forward_ns = time.perf_counter_ns() - start
+        rows = logits if not details else logits[self._wanted(batch, chunks, ends)]
+        if details:
+            self._keep_prompt_logits(batch, chunks, logits, ends)
+        completed = batch.finish_prompts(chunks)
+        input_tokens = [self._input_tokens(p) for p in completed if p.request.details.input_tokens]
+        if batch.chooser is None:
+            return StepOutput(pending=batch.pending_ids, forward_ns=forward_ns), batch
+        _, output = choose_tokens(rows.float(), batch.requests, batch.chooser, forward_ns)
+        output.input_tokens = input_tokens
+        output.pending = batch.pending_ids
+        return output, drop_failed(batch, output)
+
+    @staticmethod
+    def _wanted(batch: RaggedBatch, chunks: Sequence[Chunk], ends: list[int]) -> list[int]:
+        """Packed indices whose logits choose tokens: every decoding row, then each completed
+        prompt (the chooser's row order after finish_prompts)."""
+        decoding = len(batch.requests)
+        completed = [ends[decoding + i] for i, c in enumerate(chunks) if c.completes]
+        return ends[:decoding] + completed
+
+    def _forward(
+        self, pieces: Sequence[tuple[SequenceKV, list[int]]], cache: PagedKVCache, keep: list[int] | None
+    ) -> torch.Tensor:
+        """Write and attend `pieces` (a sequence's new tokens each); logits [len(keep), vocab]
+        (every packed token when keep is None)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        queries: list[tuple[int, int]] = []
+        context: list[torch.Tensor] = []
+        for sequence, tokens in pieces:
+            begin = sequence.length
+            sequence.reserve(len(tokens))
+            queries.append((len(ids), len(ids) + len(tokens)))
+            ids += tokens
+            positions += range(begin, begin + len(tokens))
+            slots += sequence.slots(begin, begin + len(tokens))
+            sequence.length = begin + len(tokens)
+            context.append(torch.tensor(sequence.slots(0, sequence.length), device=self.device))
+        device = self.device
+        layout = StepLayout(cache, torch.tensor(slots, device=device), queries, context)
+        kwargs: dict[str, Any] = {}
+        selected = keep is not None and self.context.accepts_logits_to_keep
+        if selected:
+            kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
+        out = self.model(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.tensor([positions], device=device),
+            use_cache=False,
+            tgis_step=layout,
+            **kwargs,
+        )
+        logits = out.logits[0]
+        return logits[keep] if keep is not None and not selected else logits
+
+    @staticmethod
+    def _keep_prompt_logits(
+        batch: RaggedBatch, chunks: Sequence[Chunk], logits: torch.Tensor, ends: list[int]
+    ) -> None:
+        decoding = len(batch.requests)
+        for i, chunk in enumerate(chunks):
+            if not chunk.item.request.details.input_tokens:
+                continue
+            last = ends[decoding + i]
+            rows = logits[last - (chunk.end - chunk.start) + 1 : last + 1].float()
+            chunk.item.prompt_logits = [*(chunk.item.prompt_logits or []), rows]
+
+    @staticmethod
+    def _input_tokens(item: Prefilling) -> InputTokens:
+        logits = torch.cat(item.prompt_logits) if item.prompt_logits else None
+        return InputTokens(item.request.id, input_token_infos(logits, item.prompt, item.request.details))
