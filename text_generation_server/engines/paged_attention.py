@@ -7,10 +7,12 @@ model's forward kwargs as `tgis_step`):
 
     query [1, heads, T, d], key/value [1, kv_heads, T, d]    T = all sequences' new tokens, packed
     1. write the new K/V into the cache at layout.slots
-    2. per sequence: read its whole context back (layout.context[i]) and run SDPA for its queries
-       (layout.queries[i]); a sequence with more than one new token gets a causal mask aligned
-       to the END of its keys (chunked prefill: the queries are the last of the keys), and a
-       sliding window where the model has one
+    2. the sequences with one new token (decode), together: their contexts gathered into one
+       padded [D, kv_heads, L, d] with a key-padding mask, one SDPA call
+    3. every other sequence alone: read its whole context back (layout.context[i]) and run SDPA
+       for its queries (layout.queries[i]): a whole prompt with SDPA's causal flag; a chunk after
+       cached tokens with a causal mask aligned to the END of its keys (SDPA's flag is aligned
+       to the start), and a sliding window where the model has one
     -> [1, T, heads, d]
 
 A single-token query with grouped KV heads runs as SDPA over the query heads packed per KV
@@ -33,11 +35,44 @@ NAME = "tgis_paged"
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """The sequences with one new token, attended in one padded SDPA call per layer."""
+
+    tokens: torch.Tensor  # [D] their query positions in the packed batch
+    slots: torch.Tensor  # [D * L] their context slots, each row padded to L (padding: slot 0)
+    mask: torch.Tensor  # [D, 1, 1, L] True = a real key
+
+    @classmethod
+    def of(cls, tokens: list[int], contexts: list[torch.Tensor]) -> DecodeGroup:
+        longest = max(len(c) for c in contexts)
+        device = contexts[0].device
+        slots = torch.zeros((len(contexts), longest), dtype=torch.long, device=device)
+        mask = torch.zeros((len(contexts), longest), dtype=torch.bool, device=device)
+        for row, context in enumerate(contexts):
+            slots[row, : len(context)] = context
+            mask[row, : len(context)] = True
+        return cls(torch.tensor(tokens, device=device), slots.reshape(-1), mask[:, None, None, :])
+
+
+@dataclass(slots=True)
 class StepLayout:
     cache: PagedKVCache
     slots: torch.Tensor  # [T] where each new token's K/V go
     queries: list[tuple[int, int]]  # per sequence: its new tokens [start, end) in the packed batch
     context: list[torch.Tensor]  # per sequence: the slots of its whole context, new tokens included
+    window: int | None = None  # the model's sliding window (the same in every layer)
+    decode: DecodeGroup | None = None  # single-token sequences that need no mask of their own
+    others: list[int] | None = None  # the sequences attended one by one
+
+    def __post_init__(self) -> None:
+        single = [i for i, (s, e) in enumerate(self.queries) if self.mask(i, self.window) is None]
+        if len(single) > 1:
+            self.decode = DecodeGroup.of(
+                [self.queries[i][0] for i in single], [self.context[i] for i in single]
+            )
+            self.others = [i for i in range(len(self.queries)) if i not in set(single)]
+        else:
+            self.others = list(range(len(self.queries)))
 
     def mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """Sequence i's boolean mask [q, kv] (True = attend), None when every key is allowed."""
@@ -74,11 +109,21 @@ def paged_attention(
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     out = query.new_empty((1, query.shape[2], heads, dim))
-    for i, (start, end) in enumerate(tgis_step.queries):
+    group = tgis_step.decode
+    if group is not None:
+        rows = group.mask.shape[0]
+        q = query[0, :, group.tokens, :].transpose(0, 1).reshape(rows, kv_heads, groups, query.shape[-1])
+        k, v = cache.read_padded(layer, group.slots, rows)
+        result = sdpa(q, k, v, attn_mask=group.mask, scale=scaling)  # [D, kv_heads, groups, dim]
+        out[0, group.tokens] = result.reshape(rows, heads, dim)
+    for i in tgis_step.others or ():
+        start, end = tgis_step.queries[i]
         k, v = cache.read(layer, tgis_step.context[i])
         q = query[:, :, start:end, :]
-        mask = tgis_step.mask(i, sliding_window)
-        if mask is None and end - start == 1 and groups > 1:
+        whole = end - start == k.shape[2] and (tgis_step.window is None or k.shape[2] <= tgis_step.window)
+        if whole and end - start > 1:  # a whole prompt: SDPA's own causal mask is the right one
+            result = sdpa(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+        elif (mask := tgis_step.mask(i, tgis_step.window)) is None and end - start == 1 and groups > 1:
             result = one_query_gqa_sdpa(q, k, v, groups, scaling)
         else:
             result = sdpa(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)

@@ -66,6 +66,12 @@ class SequenceKV:
         size = self.pool.block_size
         return [self.blocks[p // size] * size + p % size for p in range(start, end)]
 
+    def context_slots(self, device: torch.device) -> torch.Tensor:
+        """The slots of tokens [0, length), as a tensor."""
+        size = self.pool.block_size
+        blocks = torch.tensor(self.blocks, device=device)
+        return (blocks.unsqueeze(1) * size + torch.arange(size, device=device)).reshape(-1)[: self.length]
+
 
 class PagedKVCache:
     def __init__(self, pool: BlockPool, device: torch.device) -> None:
@@ -94,6 +100,13 @@ class PagedKVCache:
         key = self.keys[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
         value = self.values[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
         return key, value
+
+    def read_padded(self, layer: int, slots: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `rows` padded contexts (`slots` [rows * L]), [rows, kv_heads, L, head_dim] each."""
+        key = self.keys[layer].index_select(0, slots)
+        value = self.values[layer].index_select(0, slots)
+        key = key.reshape(rows, -1, *key.shape[1:]).transpose(1, 2)
+        return key, value.reshape(rows, -1, *value.shape[1:]).transpose(1, 2)
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))

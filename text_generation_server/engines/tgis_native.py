@@ -47,6 +47,7 @@ from text_generation_server.engines.paged_attention import StepLayout
 from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
+from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
 
@@ -69,7 +70,10 @@ class TgisNativeEngine(ModelEngine):
         self.device = loaded.device
         self.context = model_context(loaded, config)
         self.block_size = config.kv_block_size
+        self.window: int | None = getattr(loaded.hf_config, "sliding_window", None)
         self.kv = self._allocate_cache(config)
+        if self.device.type == "cpu":  # after the probe step above, which reads the loaded weights
+            choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
         slots = (self.kv.pool.num_blocks - config.max_batch_size) * self.block_size
         if slots < self.context.max_sequence_length:
             raise ValueError(
@@ -185,9 +189,9 @@ class TgisNativeEngine(ModelEngine):
             positions += range(begin, begin + len(tokens))
             slots += sequence.slots(begin, begin + len(tokens))
             sequence.length = begin + len(tokens)
-            context.append(torch.tensor(sequence.slots(0, sequence.length), device=self.device))
+            context.append(sequence.context_slots(self.device))
         device = self.device
-        layout = StepLayout(cache, torch.tensor(slots, device=device), queries, context)
+        layout = StepLayout(cache, torch.tensor(slots, device=device), queries, context, self.window)
         kwargs: dict[str, Any] = {}
         selected = keep is not None and self.context.accepts_logits_to_keep
         if selected:
