@@ -146,6 +146,12 @@ def pin_to(cpu_list: str) -> None:
     help="Tokens per block of the paged KV cache (tgis_native) [env KV_BLOCK_SIZE].",
 )
 @click.option(
+    "--prefix-caching/--no-prefix-caching",
+    envvar="PREFIX_CACHING",
+    default=True,
+    help="Reuse the KV-cache blocks of prompt prefixes seen before (tgis_native) [env PREFIX_CACHING].",
+)
+@click.option(
     "--run-ahead/--no-run-ahead",
     envvar="RUN_AHEAD",
     default=True,
@@ -190,6 +196,7 @@ def serve(
     linear_layout: str,
     cpu_affinity: str | None,
     kv_block_size: int,
+    prefix_caching: bool,
     run_ahead: bool,
     estimate_memory: str,
     batch_safety_margin: int,
@@ -216,6 +223,7 @@ def serve(
             linear_layout=linear_layout,
             run_ahead=run_ahead,
             kv_block_size=kv_block_size,
+            prefix_caching=prefix_caching,
             cpu_affinity=cpu_affinity,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,

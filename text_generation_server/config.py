@@ -39,6 +39,7 @@ class ServerConfig:
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (tgis_native)
     run_ahead: bool = True  # step cached batches while the router handles the last answer
     cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)

@@ -11,12 +11,17 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tests.engines.conformance import Runner
-from text_generation_common.messages import CachedBatchRef, GenerationRequest, SamplingParams
+from tests.engines.conformance import Runner, alone, transformers_oracle
+from text_generation_common.messages import (
+    CachedBatchRef,
+    GenerationRequest,
+    RequestedDetails,
+    SamplingParams,
+)
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.paged_attention import StepLayout
-from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV
+from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
 from text_generation_server.engines.tgis_native import TgisNativeEngine
 
 
@@ -109,3 +114,69 @@ def test_masks_align_to_the_end_of_the_keys_and_honour_the_window() -> None:
 def test_models_it_does_not_serve_are_refused_with_one_line(tiny_model, arch: str) -> None:
     with pytest.raises(ValueError, match=r"the tgis_native engine serves .* models run on hf_transformers"):
         TgisNativeEngine(config_for(tiny_model(arch)))
+
+
+# ---- prefix caching ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model):
+    return transformers_oracle(tiny_model("llama"))
+
+
+def prompt(seed: int, length: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(5, 1000) for _ in range(length))
+
+
+def hits(engine: TgisNativeEngine, request: GenerationRequest) -> int:
+    batch, _ = engine.new_batch(999, [request])
+    assert batch is not None
+    return batch.states[request.id].hit_tokens
+
+
+def test_a_repeated_prefix_skips_its_prefill_and_gives_the_same_tokens(engine, oracle) -> None:
+    shared = prompt(1, 30)
+    first = GenerationRequest(1, shared + prompt(2, 5), 8)
+    assert alone(engine, first) == oracle(first.input_ids, 8)
+    again = GenerationRequest(2, shared + prompt(3, 7), 8)  # same 30 first tokens: 7 full blocks of 4
+    assert hits(engine, again) == 28
+    assert alone(engine, again) == oracle(again.input_ids, 8)
+    # chunked, and several requests sharing the prefix in one batch
+    together = [GenerationRequest(10 + i, shared + prompt(20 + i, 3 + i), 6) for i in range(3)]
+    got = Runner(engine, token_budget=5).run({0: together})
+    assert got == {r.id: oracle(r.input_ids, 6) for r in together}
+    assert free_blocks(engine) == engine.kv.pool.num_blocks
+
+
+def test_details_of_every_prompt_token_are_computed_not_taken_from_the_cache(engine) -> None:
+    shared = prompt(4, 24)
+    alone(engine, GenerationRequest(1, (*shared, 7), 2))
+    details = RequestedDetails(input_tokens=True, logprobs=True)
+    assert hits(engine, GenerationRequest(2, (*shared, 8), 2, details=details)) == 0
+    assert hits(engine, GenerationRequest(3, (*shared, 8), 2)) == 24
+
+
+def test_cached_blocks_are_evicted_when_the_pool_needs_them(tiny_model, oracle) -> None:
+    small = TgisNativeEngine(config_for(tiny_model("llama"), max_batch_size=2, max_sequence_length=64))
+    pool = small.kv.pool
+    for i in range(12):  # 12 prompts of 10 full blocks each, through a pool of 34 blocks
+        request = GenerationRequest(i + 1, prompt(100 + i, 41), 4)
+        assert alone(small, request) == oracle(request.input_ids, 4)
+    assert 0 < pool.cached <= pool.num_blocks and free_blocks(small) == pool.num_blocks
+    last = GenerationRequest(99, prompt(111, 41), 4)
+    assert hits(small, last) == 40  # the most recent prompt is still cached
+
+
+def test_prefix_caching_can_be_switched_off(tiny_model) -> None:
+    plain = TgisNativeEngine(config_for(tiny_model("llama"), prefix_caching=False))
+    request = GenerationRequest(1, prompt(5, 30), 3)
+    alone(plain, request)
+    assert hits(plain, request) == 0 and plain.kv.pool.cached == 0
+
+
+def test_prefix_keys_chain_the_whole_prefix() -> None:
+    a = prefix_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    b = prefix_keys([1, 2, 3, 4, 5, 6, 7, 0], 4)
+    c = prefix_keys([0, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1] and c[1] != a[1]

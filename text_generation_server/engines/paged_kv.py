@@ -7,13 +7,22 @@ that hands them out, and per-request block tables.
 A SequenceKV grows its block table as tokens are written (`reserve`); its blocks go back to
 the pool when the SequenceKV is garbage-collected (weakref.finalize), so every way a request
 leaves a batch (prune, cancel, error, a dropped or failed batch, ClearCache) frees them.
+
+Prefix caching: every full block of a prompt has a key chaining a hash of all tokens up to its
+end (prefix_keys). Written prompt blocks are registered under their keys; a new request whose
+prompt starts with registered keys takes those blocks (reference-counted, shared read-only) and
+skips their prefill. A cached block nobody references stays until the pool needs it back (least
+recently used first).
 Layers allocate their tensors on first write, in the dtype and device of the keys they get.
 """
 
 from __future__ import annotations
 
+import hashlib
 import weakref
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 import torch
 
@@ -23,38 +32,114 @@ class OutOfBlocks(MemoryError):
 
 
 class BlockPool:
+    """Blocks of KV slots: free, in use (reference-counted: prefix-cache hits share blocks), or
+    cached and unreferenced (full prompt blocks kept for later hits, evicted least recently
+    used first when free blocks run out)."""
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV cache needs blocks: {num_blocks} blocks of {block_size} tokens")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
+        self._refs: dict[int, int] = {}  # block -> requests holding it
+        self._by_key: dict[bytes, int] = {}  # prefix key -> cached block
+        self._key_of: dict[int, bytes] = {}  # cached block -> its prefix key
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Blocks that can be allocated now (free, or cached and unreferenced)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.free
+
+    @property
+    def cached(self) -> int:
+        return len(self._key_of)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"the KV cache needs {n} more blocks and has {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        if n > self.free:
+            raise OutOfBlocks(f"the KV cache needs {n} more blocks and has {self.free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self._by_key[self._key_of.pop(block)]
+            self._refs[block] = 1
+            blocks.append(block)
+        return blocks
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        for block in blocks:
+            left = self._refs[block] - 1
+            if left:
+                self._refs[block] = left
+                continue
+            del self._refs[block]
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `keys` from the first, now referenced."""
+        hits = []
+        for key in keys:
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            self._evictable.pop(block, None)
+            self._refs[block] = self._refs.get(block, 0) + 1
+            hits.append(block)
+        return hits
+
+    def register(self, block: int, key: bytes) -> None:
+        """Keep `block` (full, in use) for later hits on `key`."""
+        if key not in self._by_key and block not in self._key_of:
+            self._by_key[key] = block
+            self._key_of[block] = key
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """One key per full block of `tokens`, each hashing every token up to the block's end (a
+    chain: equal keys mean equal prefixes)."""
+    keys = []
+    digest = b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        chunk = array("q", tokens[start : start + block_size]).tobytes()
+        digest = hashlib.blake2b(digest + chunk, digest_size=16).digest()
+        keys.append(digest)
+    return keys
 
 
 class SequenceKV:
-    """One request's block table and the number of its tokens whose K/V are written."""
+    """One request's block table and the number of its tokens whose K/V are written. With
+    `keys` (its prompt's prefix keys), the first blocks come from the prefix cache when cached
+    (`length` starts after them) and its own full prompt blocks are registered as written."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, keys: Sequence[bytes] = ()) -> None:
         self.pool = pool
-        self.blocks: list[int] = []
-        self.length = 0
+        self.keys = list(keys)
+        self.blocks: list[int] = pool.lookup(self.keys)
+        self.length = len(self.blocks) * pool.block_size
+        self.registered = len(self.blocks)
         weakref.finalize(self, pool.release, self.blocks)
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.registered * self.pool.block_size if self.keys else 0
+
+    def register_written(self) -> None:
+        """Offer the prompt blocks that are full and written to the prefix cache."""
+        full = min(len(self.keys), self.length // self.pool.block_size)
+        for index in range(self.registered, full):
+            self.pool.register(self.blocks[index], self.keys[index])
+        self.registered = max(self.registered, full)
 
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more tokens after `length`."""

@@ -44,7 +44,7 @@ from text_generation_server.engines import paged_attention
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import load_pretrained, model_context
 from text_generation_server.engines.paged_attention import StepLayout
-from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV
+from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
@@ -70,6 +70,7 @@ class TgisNativeEngine(ModelEngine):
         self.device = loaded.device
         self.context = model_context(loaded, config)
         self.block_size = config.kv_block_size
+        self.prefix_caching = config.prefix_caching
         self.window: int | None = getattr(loaded.hf_config, "sliding_window", None)
         self.kv = self._allocate_cache(config)
         if self.device.type == "cpu":  # after the probe step above, which reads the loaded weights
@@ -128,8 +129,18 @@ class TgisNativeEngine(ModelEngine):
         batch, errors = RaggedBatch.from_requests(batch_id, requests, (self.context, self.device))
         if batch is not None:
             for item in batch.prefilling:
-                batch.states[item.request.id] = SequenceKV(self.kv.pool)
+                sequence = SequenceKV(self.kv.pool, self._prefix_keys(item))
+                item.computed = sequence.length  # prefix-cache hit: those blocks are not prefilled
+                batch.states[item.request.id] = sequence
         return batch, errors
+
+    def _prefix_keys(self, item: Prefilling) -> list[bytes]:
+        """The keys of the prompt's full blocks that a later token attends to (the last prompt
+        token is always computed: its logits choose the first token). None when prefix caching
+        is off, or the request wants details of every prompt token (they need its logits)."""
+        if not self.prefix_caching or item.request.details.input_tokens:
+            return []
+        return prefix_keys(item.prompt[:-1], self.block_size)
 
     def generate_token(
         self, batch: Batch, first: bool, token_budget: int = 0
@@ -148,6 +159,8 @@ class TgisNativeEngine(ModelEngine):
         details = [c for c in chunks if c.item.request.details.input_tokens]
         start = time.perf_counter_ns()
         logits = self._forward(pieces, self.kv, None if details else self._wanted(batch, chunks, ends))
+        for sequence, _ in pieces[len(batch.requests) :]:
+            sequence.register_written()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         forward_ns = time.perf_counter_ns() - start
