@@ -62,6 +62,9 @@ def test_onednn_in_a_seq2seq_model(tiny_model) -> None:
         )
 
 
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 linears on this CPU"
+)
 def test_onednn_in_bfloat16(tiny_model) -> None:
     model = _load(tiny_model("llama"), torch.bfloat16)
     relaid = copy.deepcopy(model)
@@ -70,6 +73,15 @@ def test_onednn_in_bfloat16(tiny_model) -> None:
     ids = torch.randint(3, 100, (2, 7))
     with torch.inference_mode():
         torch.testing.assert_close(relaid(ids).logits, model(ids).logits, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(
+    torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has bfloat16 linears on this CPU"
+)
+def test_onednn_in_bfloat16_is_refused_where_the_cpu_lacks_it(tiny_model) -> None:
+    model = _load(tiny_model("llama"), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"onednn is not available for torch\.bfloat16"):
+        choose_linear_layouts(model, 8, LinearLayout.ONEDNN)
 
 
 def test_tied_embedding_keeps_its_layout(tiny_model) -> None:

@@ -80,7 +80,11 @@ def _candidates(dtype: torch.dtype) -> list[LinearLayout]:
     layouts = [LinearLayout.PLAIN]
     if dtype == torch.float32:
         layouts.append(LinearLayout.COLUMN_MAJOR)
-    if dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32
+        # oneDNN's bfloat16 linears need AVX512-BW/VL/DQ or AVX-NE-CONVERT (not on AVX2-only CPUs)
+        or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    ):
         layouts.append(LinearLayout.ONEDNN)
     return layouts
 
