@@ -234,7 +234,7 @@ class Batcher:
             return None, None
         finally:
             call.cancel()  # only matters when this coroutine itself is cancelled
-        self._answered()
+        self._answered(output)
         call_s = time.monotonic() - started
         if output is None:  # every request had completed: the shard dropped the batch
             self.metrics.shard_call_succeeded("next_token", call_s, 0.0, 0.0)
@@ -309,7 +309,7 @@ class Batcher:
         except ShardCallError as exc:
             self._fail("prefill", entries, exc)
             return None, False
-        self._answered()
+        self._answered(output)
         step = _Step(output, entries, now, time.monotonic() - now)
         finished = self._hand_out(step, "prefill")
         if output.batch_id is None:
@@ -317,9 +317,13 @@ class Batcher:
         rows = output.running_ids
         return RunningBatch(output.batch_id, [e for e in entries if e.id in rows], finished), True
 
-    def _answered(self) -> None:
+    def _answered(self, output: StepOutput | None) -> None:
+        """A loop call succeeded: learn the state the shard reports with `output`."""
         self.generation_healthy = True
         self.last_shard_answer = time.monotonic()
+        if output is not None and output.kv_cache is not None:
+            self.queue.capacity.observe(output)
+            self.metrics.kv_cache(output.kv_cache)
 
     def _fail(self, method: str, entries: Sequence[Entry], exc: ShardCallError) -> None:
         logger.error("shard call failed (%s): %s", exc.reason, exc)

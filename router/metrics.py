@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from router.stopping import StopReason
+from text_generation_common.messages import KvCacheState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # 0.00015 s ... about 145.6 s
@@ -101,6 +102,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_batch_capacity_usage", "gauge", "Used share of the running batch's tighter limit: weight (memory) or size", "", False),
     _spec("tgi_queue_rejected", "counter", "Requests refused before queueing: over the concurrency limit, draining, or too much text waiting for tokenization", "", False, reason=REJECTIONS),
     _spec("tgi_request_cancellation", "counter", "Requests whose client went away, by where they were", "", False, phase=PHASES),
+    _spec("tgi_kv_cache_usage", "gauge", "Share of the paged KV cache's blocks that live requests hold (tgis_native)", "", False),
+    _spec("tgi_kv_cache_blocks_total", "gauge", "Blocks of the paged KV cache (tgis_native)", "", False),
+    _spec("tgi_kv_cache_blocks_used", "gauge", "KV-cache blocks live requests hold; a shared prefix block counts once (tgis_native)", "", False),
+    _spec("tgi_kv_cache_blocks_reserved", "gauge", "KV-cache blocks live requests may still take, each at its longest (tgis_native)", "", False),
+    _spec("tgi_kv_cache_blocks_cached", "gauge", "Prefix-cache blocks no live request holds, reclaimable (tgis_native)", "", False),
+    _spec("tgi_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache (tgis_native)", "", False),
+    _spec("tgi_prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache, their prefill skipped (tgis_native)", "", False),
 )  # fmt: skip
 
 
@@ -146,6 +154,7 @@ class Metrics:
         self.counters: dict[str, TwinCounter] = {}
         self.histograms: dict[str, Histogram] = {}
         self.gauges: dict[str, Gauge] = {}
+        self._shard_totals: dict[str, int] = {}  # the shard's running totals, as last reported
         buckets = {
             "max_new_tokens/64 * 1..64": _linear(max_new_tokens),
             "max_sequence_length/64 * 1..64": _linear(max_sequence_length),
@@ -213,6 +222,21 @@ class Metrics:
 
     def shard_call_failed(self, method: str, reason: str) -> None:
         self.inc("tgi_batch_inference_failure", method=method, reason=reason)
+
+    def kv_cache(self, state: KvCacheState) -> None:
+        """The paged KV cache as a step left it; its prefix-cache totals become counter steps."""
+        self.set("tgi_kv_cache_blocks_total", state.total_blocks)
+        self.set("tgi_kv_cache_blocks_used", state.used_blocks)
+        self.set("tgi_kv_cache_blocks_reserved", state.reserved_blocks)
+        self.set("tgi_kv_cache_blocks_cached", state.cached_blocks)
+        self.set("tgi_kv_cache_usage", state.used_blocks / state.total_blocks if state.total_blocks else 0.0)
+        for name, total in (
+            ("tgi_prefix_cache_queries", state.prefix_query_tokens),
+            ("tgi_prefix_cache_hits", state.prefix_hit_tokens),
+        ):
+            seen = self._shard_totals.get(name, 0)
+            self.inc(name, total - seen if total >= seen else total)  # below: the shard restarted
+            self._shard_totals[name] = total
 
 
 def markdown_table() -> str:

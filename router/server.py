@@ -166,6 +166,7 @@ async def build(config: RouterConfig) -> Router:
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
         default_include_stop_seqs=config.default_include_stop_seqs,
+        capacity=capacity,
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
     servicer = GenerationServicer(

@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from router.capacity import Capacity, Load
 from router.input_bound import min_tokens
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
@@ -269,8 +270,10 @@ class Validator:
         max_sequence_length: int,
         max_new_tokens: int,
         default_include_stop_seqs: bool,
+        capacity: Capacity | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.capacity = capacity  # refuses requests larger than the whole batch can ever hold
         self.prefixes = prefixes
         self.metrics = metrics
         self.max_sequence_length = max_sequence_length
@@ -372,6 +375,10 @@ class Validator:
         stopping = st
         if n + prefix_length + st.max_new_tokens > limit:
             stopping = replace(st, max_new_tokens=limit - n - prefix_length, capped=True)
+        if self.capacity is not None:
+            refusal = self.capacity.refusal(Load(n + prefix_length, stopping.max_new_tokens))
+            if refusal is not None:
+                raise ValidationError(refusal)
         sampling = p.sampling
         if not sampling.greedy and sampling.seed is None:
             sampling = replace(sampling, seed=secrets.randbits(32))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,8 @@ from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.shard_client import GrpcShardClient
 from router.tokenizer import load_tokenizer
-from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from router.validation import ValidatedRequest
+from tests.engines.conformance import validated_request
 from tests.shard_harness import running_shard
 from text_generation_common.messages import HEALTH_CHECK_BATCH_ID, GenerationRequest, SamplingParams
 from text_generation_server.config import ServerConfig
@@ -39,19 +39,8 @@ def shard(tiny_model, tmp_path_factory) -> Iterator[tuple[ServerConfig, Path]]:
 
 
 def request(prompt_len: int, max_new: int, seed: int | None = None) -> ValidatedRequest:
-    ids = tuple(range(20, 20 + prompt_len))
-    return ValidatedRequest(
-        text="",
-        input_ids=ids,
-        input_length=len(ids),
-        truncate_input_tokens=0,
-        prefix_id="",
-        prefix_length=0,
-        sampling=SamplingParams(temperature=1.0, seed=seed) if seed is not None else SamplingParams(),
-        stopping=StoppingSpec(max_new),
-        response=ResponseSpec(generated_tokens=True, input_tokens=True),
-        received_at=time.monotonic(),
-    )
+    sampling = SamplingParams(temperature=1.0, seed=seed) if seed is not None else None
+    return validated_request(tuple(range(20, 20 + prompt_len)), max_new, sampling=sampling, input_tokens=True)
 
 
 async def serve(shard, requests: list[ValidatedRequest], budget: int, probe: bool = False) -> list[Output]:

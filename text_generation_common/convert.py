@@ -16,6 +16,7 @@ from text_generation_common.messages import (
     Generation,
     GenerationRequest,
     InputTokens,
+    KvCacheState,
     LengthPenalty,
     MemoryScalingModel,
     ModelInfo,
@@ -31,7 +32,16 @@ from text_generation_common.pb import generate_pb2 as pb
 CAPACITY_TO_PB = {
     CapacityKind.PADDED_WEIGHTS: pb.ModelInfoResponse.PADDED_WEIGHTS,
     CapacityKind.UNPADDED_WEIGHTS: pb.ModelInfoResponse.UNPADDED_WEIGHTS,
+    CapacityKind.KV_BLOCKS: pb.ModelInfoResponse.KV_BLOCKS,
 }
+KV_CACHE_FIELDS = (
+    "total_blocks",
+    "used_blocks",
+    "reserved_blocks",
+    "cached_blocks",
+    "prefix_query_tokens",
+    "prefix_hit_tokens",
+)
 
 
 def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
@@ -90,6 +100,10 @@ def result_to_pb(out: StepOutput) -> pb.GenerateResult:
     )
     if out.batch_id is not None:
         result.batch_id = out.batch_id
+    if out.kv_cache is not None:
+        result.kv_cache.CopyFrom(
+            pb.KvCacheState(**{name: getattr(out.kv_cache, name) for name in KV_CACHE_FIELDS})
+        )
     return result
 
 
@@ -103,6 +117,8 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         eos_token_id=info.eos_token_id,
         capacity_kind=CAPACITY_TO_PB[info.capacity],
         chunked_prefill=info.chunked_prefill,
+        kv_block_size=info.kv_block_size,
+        kv_total_blocks=info.kv_total_blocks,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
         dtype=info.dtype,
@@ -177,6 +193,11 @@ def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTok
         batch_id=result.batch_id if result.HasField("batch_id") else None,
         forward_ns=result.forward_ns,
         pending=list(result.pending_ids),
+        kv_cache=(
+            KvCacheState(**{name: getattr(result.kv_cache, name) for name in KV_CACHE_FIELDS})
+            if result.HasField("kv_cache")
+            else None
+        ),
     )
 
 
@@ -197,6 +218,8 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         ),
         capacity={v: k for k, v in CAPACITY_TO_PB.items()}[info.capacity_kind],
         chunked_prefill=info.chunked_prefill,
+        kv_block_size=info.kv_block_size,
+        kv_total_blocks=info.kv_total_blocks,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
     )

@@ -21,6 +21,7 @@ class CapacityKind(enum.Enum):
 
     PADDED_WEIGHTS = "padded_weights"  # TGIS batch weights of left-padded rectangular batches
     UNPADDED_WEIGHTS = "unpadded_weights"  # TGIS batch weights of packed (ragged) batches
+    KV_BLOCKS = "kv_blocks"  # blocks of a paged KV cache, its state reported with every step
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,9 @@ ENGINES: dict[str, EngineSpec] = {
         EngineSpec(
             "tgis_native",
             "text_generation_server.engines.tgis_native:TgisNativeEngine",
-            EngineCapabilities(capacity=CapacityKind.UNPADDED_WEIGHTS, chunked_prefill=True),
-            "decoder-only Llama, Mistral, GPT-NeoX, GPT-2: ragged batches over a paged KV cache",
+            EngineCapabilities(capacity=CapacityKind.KV_BLOCKS, chunked_prefill=True),
+            "decoder-only Llama, Mistral, GPT-NeoX, GPT-2, GPT-BigCode, Granite, Qwen2: ragged batches "
+            "over a paged KV cache",
         ),
     )
 }

@@ -119,6 +119,23 @@ class RequestError:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class KvCacheState:
+    """A paged KV cache after a step, over every request the shard holds (KV_BLOCKS engines)."""
+
+    total_blocks: int
+    used_blocks: int  # held by live requests (a block shared through the prefix cache counts once)
+    reserved_blocks: int  # still to be taken by live requests, each at its longest
+    cached_blocks: int = 0  # prefix-cache blocks no live request holds (reclaimable)
+    prefix_query_tokens: int = 0  # since start: prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # since start: of those, found cached
+
+    @property
+    def committed_blocks(self) -> int:
+        """Blocks the live requests hold or may still take."""
+        return self.used_blocks + self.reserved_blocks
+
+
 @dataclass(slots=True)
 class StepOutput:
     """The result of one prefill or decode call: every live request of the call is answered by
@@ -131,6 +148,7 @@ class StepOutput:
     batch_id: int | None = None  # id the batch is cached under; None = nothing cached
     forward_ns: int = 0
     pending: list[int] = field(default_factory=list)  # request ids
+    kv_cache: KvCacheState | None = None  # KV_BLOCKS engines: the cache after this step
 
     @property
     def request_ids(self) -> list[int]:
@@ -151,17 +169,21 @@ class StepOutput:
             self.batch_id,
             self.forward_ns,
             [i for i in self.pending if i not in completed_ids],
+            self.kv_cache,
         )
 
     @classmethod
     def merged(cls, outputs: Sequence[StepOutput]) -> StepOutput:
-        """One output answering every request of `outputs` (forward time summed)."""
+        """One output answering every request of `outputs` (forward time summed, the KV cache
+        as the last of them left it)."""
+        states = [o.kv_cache for o in outputs if o.kv_cache is not None]
         return cls(
             [g for o in outputs for g in o.generations],
             [e for o in outputs for e in o.errors],
             [t for o in outputs for t in o.input_tokens],
             forward_ns=sum(o.forward_ns for o in outputs),
             pending=[i for o in outputs for i in o.pending],
+            kv_cache=states[-1] if states else None,
         )
 
 
@@ -190,3 +212,5 @@ class ModelInfo:
     dtype: str = ""  # what the weights and activations are in ("bfloat16", ...)
     dtype_reason: str = ""  # why that dtype ("the CPU has AMX-BF16", "asked for ...")
     chunked_prefill: bool = False  # the engine honours a per-step prompt-token budget
+    kv_block_size: int = 0  # KV_BLOCKS: tokens per block
+    kv_total_blocks: int = 0  # KV_BLOCKS: blocks in the cache

@@ -152,6 +152,14 @@ def pin_to(cpu_list: str) -> None:
     help="Reuse the KV-cache blocks of prompt prefixes seen before (tgis_native) [env PREFIX_CACHING].",
 )
 @click.option(
+    "--cpu-kv-cache-space",
+    envvar="CPU_KV_CACHE_SPACE",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="GiB of host memory for the paged KV cache on CPU (tgis_native); 0 = enough for "
+    "MAX_BATCH_SIZE sequences of MAX_SEQUENCE_LENGTH, within free memory [env CPU_KV_CACHE_SPACE].",
+)
+@click.option(
     "--run-ahead/--no-run-ahead",
     envvar="RUN_AHEAD",
     default=True,
@@ -197,6 +205,7 @@ def serve(
     cpu_affinity: str | None,
     kv_block_size: int,
     prefix_caching: bool,
+    cpu_kv_cache_space: float,
     run_ahead: bool,
     estimate_memory: str,
     batch_safety_margin: int,
@@ -224,6 +233,7 @@ def serve(
             run_ahead=run_ahead,
             kv_block_size=kv_block_size,
             prefix_caching=prefix_caching,
+            cpu_kv_cache_space=cpu_kv_cache_space,
             cpu_affinity=cpu_affinity,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,

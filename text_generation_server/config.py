@@ -40,6 +40,7 @@ class ServerConfig:
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (tgis_native)
+    cpu_kv_cache_space: float = 0.0  # GiB of host memory for the paged KV cache; 0 = sized by the batch
     run_ahead: bool = True  # step cached batches while the router handles the last answer
     cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
@@ -57,6 +58,8 @@ class ServerConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.cpu_kv_cache_space < 0:
+            raise ValueError(f"cpu_kv_cache_space must be >= 0 GiB, got {self.cpu_kv_cache_space}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.linear_layout not in LINEAR_LAYOUTS:

@@ -13,17 +13,26 @@ real batcher, detokenizer and stop rules run on the engine's tokens.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from router.batcher import Batcher
+from router.capacity import Capacity
+from router.detokenizer import Detokenizer
+from router.entry import Entry, Output
+from router.metrics import Metrics
+from router.request_queue import RequestQueue
 from router.shard_client import ShardCallError
+from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
 from text_generation_common.engines import ENGINES
 from text_generation_common.messages import (
     CachedBatchRef,
     GenerationRequest,
     ModelInfo,
+    SamplingParams,
     StepOutput,
     TokenInfo,
 )
@@ -37,7 +46,7 @@ DEFAULT_ARCHS = ("llama", "gpt2")
 SEQ2SEQ_ARCHS = ("t5",)
 ENGINE_ARCHS: dict[str, tuple[str, ...]] = {
     "fake": ("llama",),
-    "tgis_native": ("llama", "gpt2", "gpt_neox", "mistral"),
+    "tgis_native": ("llama", "gpt2", "gpt_neox", "mistral", "gpt_bigcode", "granite", "qwen2"),
 }
 TEST_ENGINES: dict[str, Callable[[ServerConfig], ModelEngine]] = {"fake": FakeEngine}
 MAX_BATCH = 16
@@ -240,3 +249,58 @@ class LocalShard:
 
     async def clear_cache(self) -> None:
         self.manager.clear()
+
+
+def validated_request(
+    ids: tuple[int, ...],
+    max_new: int,
+    min_new: int = 0,
+    stop: tuple[str, ...] = (),
+    sampling: SamplingParams | None = None,
+    input_tokens: bool = False,
+) -> ValidatedRequest:
+    """A request of `ids` as validation leaves it (greedy unless `sampling`), asking for the
+    generated tokens (and the input tokens with `input_tokens`)."""
+    return ValidatedRequest(
+        text="",
+        input_ids=ids,
+        input_length=len(ids),
+        truncate_input_tokens=0,
+        prefix_id="",
+        prefix_length=0,
+        sampling=sampling or SamplingParams(),
+        stopping=StoppingSpec(max_new, min_new, stop),
+        response=ResponseSpec(generated_tokens=True, input_tokens=input_tokens),
+        received_at=time.monotonic(),
+    )
+
+
+async def through_batcher(
+    shard: LocalShard,
+    tokenizer: Any,
+    requests: Sequence[tuple[ValidatedRequest, bool]],
+    capacity: Capacity,
+    metrics: Metrics,
+    **queue_options: Any,
+) -> list[list[Output]]:
+    """Every output of `requests` (request, stream) run through the router's batcher and queue
+    over `shard`, in request order."""
+    info = await shard.model_info()
+    queue = RequestQueue(capacity, 8, metrics, **queue_options)
+    detokenizer = Detokenizer(tokenizer, seq2seq=info.seq2seq)
+    batcher = Batcher(
+        shard, queue, detokenizer, metrics, eos_token_id=info.eos_token_id, max_waiting_tokens=2
+    )
+    task = asyncio.create_task(batcher.run())
+    entries = [Entry(request, stream) for request, stream in requests]
+    queue.append(entries)
+    results = []
+    try:
+        for entry in entries:
+            outs: list[Output] = []
+            while not outs or not outs[-1].final:
+                outs.append(await asyncio.wait_for(entry.outputs.get(), 60))
+            results.append(outs)
+    finally:
+        task.cancel()
+    return results

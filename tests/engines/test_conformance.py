@@ -8,24 +8,19 @@ router's own batcher, stop sequences and streaming equal to unary answers.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from router.batcher import Batcher
 from router.capacity import capacity_for
-from router.detokenizer import Detokenizer
-from router.entry import Entry, Output
+from router.entry import Output
 from router.metrics import Metrics
-from router.request_queue import RequestQueue
 from router.stopping import StopReason
 from router.tokenizer import load_tokenizer
-from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from router.validation import ValidatedRequest
 from tests.engines.conformance import (
     EngineCase,
     LocalShard,
@@ -34,6 +29,8 @@ from tests.engines.conformance import (
     alone,
     engine_cases,
     oracle_for,
+    through_batcher,
+    validated_request,
 )
 from text_generation_common.engines import ENGINES
 from text_generation_common.messages import GenerationRequest, LengthPenalty, RequestedDetails, SamplingParams
@@ -196,40 +193,11 @@ async def router_outputs(
     shard = LocalShard(subject.engine)
     info = await shard.model_info()
     metrics = Metrics(max_batch_size=8)
-    queue = RequestQueue(capacity_for(info, 1.0), 8, metrics)
-    detokenizer = Detokenizer(subject.tokenizer, seq2seq=info.seq2seq)
-    batcher = Batcher(
-        shard, queue, detokenizer, metrics, eos_token_id=info.eos_token_id, max_waiting_tokens=2
-    )
-    task = asyncio.create_task(batcher.run())
-    entries = [Entry(request, stream) for request, stream in requests]
-    queue.append(entries)
-    results = []
-    try:
-        for entry in entries:
-            outs: list[Output] = []
-            while not outs or not outs[-1].final:
-                outs.append(await asyncio.wait_for(entry.outputs.get(), 30))
-            results.append(outs)
-    finally:
-        task.cancel()
-    return results
+    return await through_batcher(shard, subject.tokenizer, requests, capacity_for(info, 1.0), metrics)
 
 
 def validated(subject: Subject, prompt: int, max_new: int, stop: tuple[str, ...] = ()) -> ValidatedRequest:
-    ids = subject.encode(PROMPTS[prompt])
-    return ValidatedRequest(
-        text="",
-        input_ids=ids,
-        input_length=len(ids),
-        truncate_input_tokens=0,
-        prefix_id="",
-        prefix_length=0,
-        sampling=SamplingParams(),
-        stopping=StoppingSpec(max_new, 0, stop),
-        response=ResponseSpec(generated_tokens=True),
-        received_at=time.monotonic(),
-    )
+    return validated_request(subject.encode(PROMPTS[prompt]), max_new, stop=stop)
 
 
 async def test_stream_equals_unary_and_stop_sequences_cut(subject: Subject) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -20,9 +21,15 @@ from text_generation_common.messages import (
 )
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.paged_attention import StepLayout
+from text_generation_server.engines.paged_attention import (
+    Piece,
+    StepLayout,
+    chunk_mask,
+    decode_mask,
+    piece_slots,
+)
 from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
-from text_generation_server.engines.tgis_native import TgisNativeEngine
+from text_generation_server.engines.tgis_native import TgisNativeEngine, sliding_window
 
 
 def config_for(model_dir, **overrides) -> ServerConfig:
@@ -97,23 +104,93 @@ def test_the_pool_and_block_tables() -> None:
 
 
 def test_masks_align_to_the_end_of_the_keys_and_honour_the_window() -> None:
-    cache = PagedKVCache(BlockPool(4, 4), torch.device("cpu"))
+    cpu = torch.device("cpu")
     # a 3-token chunk after 2 cached tokens, and a single decode token of a 6-token sequence
-    layout = StepLayout(cache, torch.arange(4), [(0, 3), (3, 4)], [torch.arange(5), torch.arange(6)])
     expected = torch.tensor(
         [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool
     )  # lower-right: query i sees keys up to 2 + i
-    assert torch.equal(layout.mask(0, None), expected)
-    assert layout.mask(1, None) is None
+    assert torch.equal(chunk_mask(3, 5, None, cpu), expected)
+    assert chunk_mask(1, 6, None, cpu) is None
     windowed = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
-    assert torch.equal(layout.mask(0, 2), windowed)
-    assert torch.equal(layout.mask(1, 2), torch.tensor([[0, 0, 0, 0, 1, 1]], dtype=torch.bool))
+    assert torch.equal(chunk_mask(3, 5, 2, cpu), windowed)
+    assert torch.equal(chunk_mask(1, 6, 2, cpu), torch.tensor([[0, 0, 0, 0, 1, 1]], dtype=torch.bool))
+
+
+def slow_decode_mask(lengths: list[int], window: int | None) -> torch.Tensor:
+    mask = torch.full((len(lengths), 1, 1, max(lengths)), float("-inf"))
+    for row, length in enumerate(lengths):
+        for col in range(length):
+            if window is None or col >= length - window:
+                mask[row, 0, 0, col] = 0.0
+    return mask
+
+
+@pytest.mark.parametrize("window", [None, 3, 100])
+def test_the_decode_mask_pads_each_row_and_cuts_the_window(window: int | None) -> None:
+    cpu = torch.device("cpu")
+    for lengths in ([5], [5, 5, 5], [1, 7, 3, 7], [9, 2]):
+        got = decode_mask(lengths, window, torch.float32, cpu)
+        expected = slow_decode_mask(lengths, window)
+        if got is None:  # only when nothing is masked
+            assert bool((expected == 0).all())
+        else:
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+def test_piece_slots_follow_the_block_table(block_size: int) -> None:
+    blocks = [7, 2, 9, 0, 5, 11, 3]
+    for start, end in ((0, 0), (0, 1), (2, 9), (3, 4), (0, 7 * block_size), (block_size, 2 * block_size + 1)):
+        end = min(end, len(blocks) * block_size)
+        slow = [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        assert piece_slots(blocks, start, end, block_size) == slow
+
+
+def test_the_step_layout_groups_single_tokens_and_pads_their_block_tables() -> None:
+    cache = PagedKVCache(BlockPool(16, 4), torch.device("cpu"))
+    pieces = [
+        Piece([3, 1], 5, 1),  # decode: 6 tokens, blocks 3, 1
+        Piece([2], 1, 1),  # decode: 2 tokens
+        Piece([4, 5, 6], 0, 9),  # a whole prompt
+        Piece([7, 8], 4, 3),  # a chunk after 4 cached tokens
+        Piece([9], 0, 1),  # a one-token prompt: single, but not next to the other single tokens
+    ]
+    layout = StepLayout.build(cache, pieces, None, torch.float32, torch.device("cpu"))
+    assert layout.slots.tolist() == [1 * 4 + 1, 2 * 4 + 1, *range(16, 25), 8 * 4, 8 * 4 + 1, 8 * 4 + 2, 36]
+    group = layout.decode
+    assert group is not None and group.rows == 3 and group.keys == 6
+    assert group.tokens.tolist() == [0, 1, 14]  # type: ignore[union-attr]
+    assert group.blocks.tolist() == [3, 1, 2, 0, 9, 0]
+    assert torch.equal(group.mask, slow_decode_mask([6, 2, 1], None))  # type: ignore[arg-type]
+    whole, chunk = layout.others
+    assert (whole.start, whole.end, whole.blocks, whole.keys, whole.mask) == (2, 11, None, 9, None)
+    assert (chunk.start, chunk.end, chunk.keys) == (11, 14, 7) and chunk.blocks.tolist() == [7, 8]
+    assert torch.equal(chunk.mask, chunk_mask(3, 7, None, torch.device("cpu")))
+    decode_only = StepLayout.build(cache, pieces[:2], None, torch.float32, torch.device("cpu"))
+    assert (
+        decode_only.decode is not None and decode_only.decode.tokens == slice(0, 2) and not decode_only.others
+    )
 
 
 @pytest.mark.parametrize("arch", ["t5", "bloom"])
 def test_models_it_does_not_serve_are_refused_with_one_line(tiny_model, arch: str) -> None:
     with pytest.raises(ValueError, match=r"the tgis_native engine serves .* models run on hf_transformers"):
         TgisNativeEngine(config_for(tiny_model(arch)))
+
+
+def test_one_window_for_every_layer_or_a_clear_refusal() -> None:
+    import transformers
+
+    def qwen2(**window: Any) -> Any:
+        return transformers.Qwen2Config(num_hidden_layers=2, **window)
+
+    assert sliding_window(qwen2()) is None
+    assert sliding_window(qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0)) == 8
+    # windowed from layer 2 on, so no layer of 2 is: the configured window must not apply
+    assert sliding_window(qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=2)) is None
+    assert sliding_window(transformers.MistralConfig(sliding_window=8)) == 8
+    with pytest.raises(ValueError, match="full_attention, sliding_attention: run it on hf_transformers"):
+        sliding_window(qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1))
 
 
 # ---- prefix caching ----------------------------------------------------------------------------

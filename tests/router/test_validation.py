@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from router.capacity import KVBlockCapacity
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.validation import (
@@ -347,3 +348,29 @@ async def test_echoed_prefix_ids_are_clipped(validator: Validator) -> None:
     with pytest.raises(ValidationError) as error:
         await validator.validate(["hi"], None, "nope", 0.0)
     assert str(error.value) == "can't retrieve prompt prefix with id 'nope': prefix id \"nope\" not found"
+
+
+async def test_a_request_larger_than_the_whole_kv_cache_is_refused(tokenizer_pool) -> None:
+    capacity = KVBlockCapacity(block_size=4, total_blocks=11)  # 10 usable blocks: 40 tokens
+    metrics = Metrics(max_sequence_length=MAX_SEQ, max_new_tokens=MAX_NEW)
+    validator = Validator(
+        tokenizer_pool,
+        PrefixLengths(found, metrics),
+        metrics,
+        max_sequence_length=MAX_SEQ,
+        max_new_tokens=MAX_NEW,
+        default_include_stop_seqs=True,
+        capacity=capacity,
+    )
+    text = "hello " * 10
+    n = len(tokenizer_pool.encode_batch_sync([text])[0])
+    fits = params(stopping=pb.StoppingCriteria(max_new_tokens=40 - n))
+    (v,) = await validator.validate([text], fits, "", 0.0)
+    assert v.stopping.max_new_tokens == 40 - n
+    too_long = params(stopping=pb.StoppingCriteria(max_new_tokens=41 - n))
+    with pytest.raises(ValidationError) as error:
+        await validator.validate([text], too_long, "", 0.0)
+    assert str(error.value) == (
+        f"input tokens plus max_new_tokens ({n} + {41 - n}) need 11 KV-cache blocks of 4 tokens; "
+        "the whole cache holds 10"
+    )

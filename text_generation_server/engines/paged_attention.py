@@ -7,85 +7,174 @@ model's forward kwargs as `tgis_step`):
 
     query [1, heads, T, d], key/value [1, kv_heads, T, d]    T = all sequences' new tokens, packed
     1. write the new K/V into the cache at layout.slots
-    2. the sequences with one new token (decode), together: their contexts gathered into one
-       padded [D, kv_heads, L, d] with a key-padding mask, one SDPA call
-    3. every other sequence alone: read its whole context back (layout.context[i]) and run SDPA
-       for its queries (layout.queries[i]): a whole prompt with SDPA's causal flag; a chunk after
-       cached tokens with a causal mask aligned to the END of its keys (SDPA's flag is aligned
-       to the start), and a sliding window where the model has one
+    2. the sequences with one new token (decode), together: their block tables gathered into
+       one padded [D, kv_heads, L, d] (whole blocks: cache.read_blocks) and one SDPA call, with
+       an additive key-padding mask only when their lengths differ (or a sliding window cuts)
+    3. every other sequence alone: a whole prompt (nothing cached before it) attends to its own
+       new K/V with SDPA's causal flag, without reading the cache back; a chunk after cached
+       tokens reads its blocks back and uses a causal mask aligned to the END of its keys
+       (SDPA's flag is aligned to the start), and a sliding window where the model has one
     -> [1, T, heads, d]
 
-A single-token query with grouped KV heads runs as SDPA over the query heads packed per KV
-head (one query per head group), an order of magnitude faster on CPU in bfloat16 than SDPA's
-enable_gqa path (engines/cpu_attention.py has the measurement).
+Everything that is the same in every layer (slots, block tables, masks) is built once per step
+in `StepLayout.build`, with one tensor per kind rather than per sequence.
+
+The decode query heads are packed per KV head (one query per head group): on CPU an order of
+magnitude faster in bfloat16 than SDPA's enable_gqa path (engines/cpu_attention.py has the
+measurement).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from text_generation_server.engines.cpu_attention import one_query_gqa_sdpa
 from text_generation_server.engines.paged_kv import PagedKVCache
 
 NAME = "tgis_paged"
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One sequence's part of a step: `new` tokens after its first `cached` tokens (whose K/V
+    are written); `blocks` is its block table, covering all cached + new tokens."""
+
+    blocks: Sequence[int]
+    cached: int
+    new: int
+
+
+def piece_slots(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slots of token positions [start, end) of a sequence with block table `blocks`."""
+    slots: list[int] = []
+    position = start
+    while position < end:
+        index, offset = divmod(position, block_size)
+        count = min(block_size - offset, end - position)
+        base = blocks[index] * block_size + offset
+        slots.extend(range(base, base + count))
+        position += count
+    return slots
+
+
+def decode_mask(
+    lengths: Sequence[int], window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """Additive mask [D, 1, 1, max(lengths)] of single-token queries over padded contexts (0 =
+    attend, -inf = padding or outside the window), None when every key of every row counts."""
+    longest = max(lengths)
+    if min(lengths) == longest and (window is None or longest <= window):
+        return None
+    ends = torch.tensor(lengths, device=device).unsqueeze(1)
+    cols = torch.arange(longest, device=device).unsqueeze(0)
+    blocked = cols >= ends
+    if window is not None:
+        blocked |= cols < ends - window
+    mask = torch.zeros((len(lengths), longest), dtype=dtype, device=device).masked_fill_(
+        blocked, float("-inf")
+    )
+    return mask[:, None, None, :]
+
+
+def chunk_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [queries, keys] (True = attend) of the last `queries` of `keys` tokens:
+    causal aligned to the end of the keys, within the window; None when every key is allowed."""
+    if queries == 1 and (window is None or keys <= window):
+        return None
+    rows = torch.arange(keys - queries, keys, device=device).unsqueeze(1)  # absolute positions
+    cols = torch.arange(keys, device=device).unsqueeze(0)
+    allowed = cols <= rows
+    if window is not None:
+        allowed &= cols > rows - window
+    return allowed
+
+
 @dataclass(slots=True)
 class DecodeGroup:
-    """The sequences with one new token, attended in one padded SDPA call per layer."""
+    """The sequences with one new token, attended in one SDPA call per layer."""
 
-    tokens: torch.Tensor  # [D] their query positions in the packed batch
-    slots: torch.Tensor  # [D * L] their context slots, each row padded to L (padding: slot 0)
-    mask: torch.Tensor  # [D, 1, 1, L] True = a real key
+    tokens: slice | torch.Tensor  # their query positions in the packed batch
+    blocks: torch.Tensor  # [D * B] their block tables, each padded to B blocks (padding: block 0)
+    rows: int  # D
+    keys: int  # L = the longest context: each row attends over keys [0, L) of its blocks
+    mask: torch.Tensor | None  # additive [D, 1, 1, L]; None: every row has all L keys
 
-    @classmethod
-    def of(cls, tokens: list[int], contexts: list[torch.Tensor]) -> DecodeGroup:
-        longest = max(len(c) for c in contexts)
-        device = contexts[0].device
-        slots = torch.zeros((len(contexts), longest), dtype=torch.long, device=device)
-        mask = torch.zeros((len(contexts), longest), dtype=torch.bool, device=device)
-        for row, context in enumerate(contexts):
-            slots[row, : len(context)] = context
-            mask[row, : len(context)] = True
-        return cls(torch.tensor(tokens, device=device), slots.reshape(-1), mask[:, None, None, :])
+
+@dataclass(slots=True)
+class Alone:
+    """A sequence with several new tokens, attended by itself."""
+
+    start: int  # its new tokens [start, end) in the packed batch
+    end: int
+    blocks: torch.Tensor | None  # its block table; None: no cached tokens (attends its own new K/V)
+    keys: int  # its context length, new tokens included
+    mask: torch.Tensor | None  # boolean [q, keys]; None: SDPA's causal flag is right
 
 
 @dataclass(slots=True)
 class StepLayout:
     cache: PagedKVCache
     slots: torch.Tensor  # [T] where each new token's K/V go
-    queries: list[tuple[int, int]]  # per sequence: its new tokens [start, end) in the packed batch
-    context: list[torch.Tensor]  # per sequence: the slots of its whole context, new tokens included
-    window: int | None = None  # the model's sliding window (the same in every layer)
-    decode: DecodeGroup | None = None  # single-token sequences that need no mask of their own
-    others: list[int] | None = None  # the sequences attended one by one
+    decode: DecodeGroup | None  # the single-token sequences
+    others: list[Alone]  # the sequences attended one by one
+    tokens: int  # T
 
-    def __post_init__(self) -> None:
-        single = [i for i, (s, e) in enumerate(self.queries) if self.mask(i, self.window) is None]
-        if len(single) > 1:
-            self.decode = DecodeGroup.of(
-                [self.queries[i][0] for i in single], [self.context[i] for i in single]
+    @classmethod
+    def build(
+        cls,
+        cache: PagedKVCache,
+        pieces: Sequence[Piece],
+        window: int | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> StepLayout:
+        size = cache.pool.block_size
+        slots: list[int] = []
+        single: list[int] = []  # packed positions of the single-token pieces
+        lengths: list[int] = []
+        tables: list[Sequence[int]] = []
+        others: list[Alone] = []
+        for piece in pieces:
+            start, length = len(slots), piece.cached + piece.new
+            if piece.new == 1:
+                position = piece.cached
+                slots.append(piece.blocks[position // size] * size + position % size)
+                single.append(start)
+                lengths.append(length)
+                tables.append(piece.blocks)
+                continue
+            slots += piece_slots(piece.blocks, piece.cached, length, size)
+            if piece.cached == 0:
+                mask = (
+                    None if window is None or length <= window else chunk_mask(length, length, window, device)
+                )
+                others.append(Alone(start, len(slots), None, length, mask))
+            else:
+                blocks = torch.tensor(piece.blocks[: -(-length // size)], device=device)
+                mask = chunk_mask(piece.new, length, window, device)
+                others.append(Alone(start, len(slots), blocks, length, mask))
+        group = None
+        if single:
+            width = -(-max(lengths) // size)
+            padded: list[int] = []
+            for table, length in zip(tables, lengths, strict=True):
+                used = -(-length // size)
+                padded += table[:used]
+                padded += [0] * (width - used)
+            first = single[0]
+            contiguous = single[-1] - first == len(single) - 1
+            group = DecodeGroup(
+                slice(first, first + len(single)) if contiguous else torch.tensor(single, device=device),
+                torch.tensor(padded, device=device),
+                len(single),
+                max(lengths),
+                decode_mask(lengths, window, dtype, device),
             )
-            self.others = [i for i in range(len(self.queries)) if i not in set(single)]
-        else:
-            self.others = list(range(len(self.queries)))
-
-    def mask(self, i: int, window: int | None) -> torch.Tensor | None:
-        """Sequence i's boolean mask [q, kv] (True = attend), None when every key is allowed."""
-        start, end = self.queries[i]
-        q, kv = end - start, len(self.context[i])
-        if q == 1 and (window is None or kv <= window):
-            return None
-        rows = torch.arange(kv - q, kv, device=self.slots.device).unsqueeze(1)  # absolute positions
-        cols = torch.arange(kv, device=self.slots.device).unsqueeze(0)
-        allowed = cols <= rows
-        if window is not None:
-            allowed &= cols > rows - window
-        return allowed
+        return cls(cache, torch.tensor(slots, device=device), group, others, len(slots))
 
 
 def paged_attention(
@@ -104,29 +193,32 @@ def paged_attention(
         raise RuntimeError(f"{NAME} attention needs the step layout (tgis_step)")
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     cache = tgis_step.cache
-    cache.write(layer, tgis_step.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    cache.write(layer, tgis_step.slots, key[0], value[0])
     heads, dim = query.shape[1], value.shape[-1]
     kv_heads = key.shape[1]
     groups = heads // kv_heads
-    out = query.new_empty((1, query.shape[2], heads, dim))
     group = tgis_step.decode
     if group is not None:
-        rows = group.mask.shape[0]
+        rows = group.rows
         q = query[0, :, group.tokens, :].transpose(0, 1).reshape(rows, kv_heads, groups, query.shape[-1])
-        k, v = cache.read_padded(layer, group.slots, rows)
-        result = sdpa(q, k, v, attn_mask=group.mask, scale=scaling)  # [D, kv_heads, groups, dim]
-        out[0, group.tokens] = result.reshape(rows, heads, dim)
-    for i in tgis_step.others or ():
-        start, end = tgis_step.queries[i]
-        k, v = cache.read(layer, tgis_step.context[i])
+        kv = cache.read_blocks(layer, group.blocks).view(2, kv_heads, rows, -1, dim)[:, :, :, : group.keys]
+        result = sdpa(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1), attn_mask=group.mask, scale=scaling)
+        result = result.reshape(1, rows, heads, dim)  # [D, kv_heads, groups, dim] -> [1, D, heads, dim]
+        if rows == tgis_step.tokens:  # decode only: the rows are the whole packed batch, in order
+            return result, None
+    out = query.new_empty((1, query.shape[2], heads, dim))
+    if group is not None:
+        out[0, group.tokens] = result[0]
+    for alone in tgis_step.others:
+        start, end = alone.start, alone.end
         q = query[:, :, start:end, :]
-        whole = end - start == k.shape[2] and (tgis_step.window is None or k.shape[2] <= tgis_step.window)
-        if whole and end - start > 1:  # a whole prompt: SDPA's own causal mask is the right one
-            result = sdpa(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
-        elif (mask := tgis_step.mask(i, tgis_step.window)) is None and end - start == 1 and groups > 1:
-            result = one_query_gqa_sdpa(q, k, v, groups, scaling)
+        if alone.blocks is None:
+            k, v = key[:, :, start:end, :], value[:, :, start:end, :]
         else:
-            result = sdpa(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+            kv = cache.read_blocks(layer, alone.blocks)[:, :, : alone.keys].unsqueeze(1)
+            k, v = kv[0], kv[1]
+        causal = alone.mask is None
+        result = sdpa(q, k, v, attn_mask=alone.mask, is_causal=causal, scale=scaling, enable_gqa=groups > 1)
         out[:, start:end] = result.transpose(1, 2)
     return out, None
 

@@ -2,7 +2,7 @@
 that hands them out, and per-request block tables.
 
     slot = block * block_size + position % block_size          (position = token index in its sequence)
-    keys[layer], values[layer]: [num_blocks * block_size, kv_heads, head_dim]
+    cache.layers[layer]: [2 (K, V), kv_heads, num_blocks, block_size, head_dim]
 
 A SequenceKV grows its block table as tokens are written (`reserve`); its blocks go back to
 the pool when the SequenceKV is garbage-collected (weakref.finalize), so every way a request
@@ -59,6 +59,11 @@ class BlockPool:
     @property
     def cached(self) -> int:
         return len(self._key_of)
+
+    @property
+    def reclaimable(self) -> int:
+        """Cached blocks that no request holds (counted as free)."""
+        return len(self._evictable)
 
     def allocate(self, n: int) -> list[int]:
         if n > self.free:
@@ -120,15 +125,23 @@ def prefix_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
 class SequenceKV:
     """One request's block table and the number of its tokens whose K/V are written. With
     `keys` (its prompt's prefix keys), the first blocks come from the prefix cache when cached
-    (`length` starts after them) and its own full prompt blocks are registered as written."""
+    (`length` starts after them) and its own full prompt blocks are registered as written.
+    `max_tokens` is the longest the sequence may grow (prompt + max_new_tokens): the blocks it
+    may still take are `reserved_blocks`."""
 
-    def __init__(self, pool: BlockPool, keys: Sequence[bytes] = ()) -> None:
+    def __init__(self, pool: BlockPool, keys: Sequence[bytes] = (), max_tokens: int = 0) -> None:
         self.pool = pool
         self.keys = list(keys)
         self.blocks: list[int] = pool.lookup(self.keys)
         self.length = len(self.blocks) * pool.block_size
         self.registered = len(self.blocks)
+        self.max_blocks = -(-max_tokens // pool.block_size)
         weakref.finalize(self, pool.release, self.blocks)
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks this sequence may still take before it reaches max_tokens."""
+        return max(0, self.max_blocks - len(self.blocks))
 
     @property
     def hit_tokens(self) -> int:
@@ -151,47 +164,35 @@ class SequenceKV:
         size = self.pool.block_size
         return [self.blocks[p // size] * size + p % size for p in range(start, end)]
 
-    def context_slots(self, device: torch.device) -> torch.Tensor:
-        """The slots of tokens [0, length), as a tensor."""
-        size = self.pool.block_size
-        blocks = torch.tensor(self.blocks, device=device)
-        return (blocks.unsqueeze(1) * size + torch.arange(size, device=device)).reshape(-1)[: self.length]
-
 
 class PagedKVCache:
+    """Per layer one tensor [2 (K, V), kv_heads, num_blocks, block_size, head_dim]: a block of
+    one head is a contiguous [block_size, head_dim] run, so gathering whole blocks for a batch
+    of sequences (`read_blocks`) copies block-sized runs and gives each sequence's keys as
+    [kv_heads, blocks * block_size, head_dim] without a further copy."""
+
     def __init__(self, pool: BlockPool, device: torch.device) -> None:
         self.pool = pool
         self.device = device
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+        self.layers: dict[int, torch.Tensor] = {}
 
     @property
     def slots(self) -> int:
         return self.pool.num_blocks * self.pool.block_size
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """key, value: [tokens, kv_heads, head_dim] for `slots` [tokens]."""
-        if layer not in self.keys:
-            shape = (self.slots, *key.shape[1:])
-            self.keys[layer] = torch.zeros(shape, dtype=key.dtype, device=self.device)
-            self.values[layer] = torch.zeros(
-                (self.slots, *value.shape[1:]), dtype=value.dtype, device=self.device
-            )
-        self.keys[layer].index_copy_(0, slots, key)
-        self.values[layer].index_copy_(0, slots, value)
+        """key, value: [kv_heads, tokens, head_dim] for `slots` [tokens]."""
+        kv = self.layers.get(layer)
+        if kv is None:
+            shape = (2, key.shape[0], self.pool.num_blocks, self.pool.block_size, key.shape[-1])
+            kv = self.layers[layer] = torch.zeros(shape, dtype=key.dtype, device=self.device)
+        flat = kv.view(2, kv.shape[1], self.slots, kv.shape[-1])
+        flat.index_copy_(2, slots, torch.stack((key, value)))
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `slots`, [1, kv_heads, len(slots), head_dim] each."""
-        key = self.keys[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        value = self.values[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        return key, value
-
-    def read_padded(self, layer: int, slots: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `rows` padded contexts (`slots` [rows * L]), [rows, kv_heads, L, head_dim] each."""
-        key = self.keys[layer].index_select(0, slots)
-        value = self.values[layer].index_select(0, slots)
-        key = key.reshape(rows, -1, *key.shape[1:]).transpose(1, 2)
-        return key, value.reshape(rows, -1, *value.shape[1:]).transpose(1, 2)
+    def read_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """K and V of `blocks` [n], in order: [2, kv_heads, n * block_size, head_dim]."""
+        kv = self.layers[layer].index_select(2, blocks)
+        return kv.view(2, kv.shape[1], -1, kv.shape[-1])
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        return sum(t.numel() * t.element_size() for t in self.layers.values())

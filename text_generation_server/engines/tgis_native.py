@@ -10,11 +10,12 @@ dense mask, on one packed batch per step:
        step, in the chooser's row order -> the shared step post-processing (step.py)
 
 Every request owns a block table (paged_kv.py) that grows as its tokens are written and goes
-back to the pool when it leaves. The KV cache holds `num_blocks` blocks of KV_BLOCK_SIZE tokens:
-enough for MAX_BATCH_SIZE sequences of the maximum length, or what free memory allows. The router
-admits requests by the unpadded batch-weight model in KV tokens (one token = one slot), with
-one block per request held back for the partly filled last blocks, so a running request never
-runs out of blocks.
+back to the pool when it leaves. The KV cache holds `num_blocks` blocks of KV_BLOCK_SIZE tokens,
+sized by `_num_blocks` (CPU_KV_CACHE_SPACE, or MAX_BATCH_SIZE sequences of the maximum length
+within free memory; on CUDA the free memory). Every step reports the cache's state (`kv_state`:
+blocks used, blocks the live requests may still take at their longest, reclaimable prefix-cache
+blocks, prefix-cache totals); the router admits a request only when its longest length fits
+beside that (router/capacity.py KVBlockCapacity), so a running request never runs out of blocks.
 
 Decoder-only models of the families in SUPPORTED_MODEL_TYPES; others are refused at load with
 one line naming the engine that serves them.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,7 @@ from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
     GenerationRequest,
     InputTokens,
+    KvCacheState,
     MemoryScalingModel,
     ModelInfo,
     RequestError,
@@ -43,7 +46,7 @@ from text_generation_server.config import ServerConfig
 from text_generation_server.engines import paged_attention
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import load_pretrained, model_context
-from text_generation_server.engines.paged_attention import StepLayout
+from text_generation_server.engines.paged_attention import Piece, StepLayout
 from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
@@ -53,7 +56,25 @@ from text_generation_server.sampling.token_details import input_token_infos
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gpt_neox", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gpt_neox", "gpt2", "gpt_bigcode", "granite", "qwen2")
+
+
+def sliding_window(hf_config: Any) -> int | None:
+    """The sliding window of every attention layer (None: full attention). The paged attention
+    applies one window to all layers, so a model whose `layer_types` mix windowed and full layers
+    (Qwen2 with use_sliding_window below max_window_layers) is refused."""
+    window: int | None = getattr(hf_config, "sliding_window", None)
+    kinds = set(getattr(hf_config, "layer_types", None) or ())
+    if window is None or not kinds:
+        return window
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    raise ValueError(
+        f"the tgis_native engine applies one attention window to every layer; this model's layers "
+        f"are {', '.join(sorted(kinds))}: run it on hf_transformers (DEPLOYMENT_FRAMEWORK=hf_transformers)"
+    )
 
 
 class TgisNativeEngine(ModelEngine):
@@ -71,25 +92,23 @@ class TgisNativeEngine(ModelEngine):
         self.context = model_context(loaded, config)
         self.block_size = config.kv_block_size
         self.prefix_caching = config.prefix_caching
-        self.window: int | None = getattr(loaded.hf_config, "sliding_window", None)
+        self.window = sliding_window(loaded.hf_config)
         self.kv = self._allocate_cache(config)
         if self.device.type == "cpu":  # after the probe step above, which reads the loaded weights
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
-        slots = (self.kv.pool.num_blocks - config.max_batch_size) * self.block_size
-        if slots < self.context.max_sequence_length:
-            raise ValueError(
-                f"the KV cache ({self.kv.pool.num_blocks} blocks of {self.block_size} tokens) cannot hold "
-                f"one sequence of max_sequence_length {self.context.max_sequence_length} beside "
-                f"{config.max_batch_size} partly filled blocks: lower MAX_BATCH_SIZE or MAX_SEQUENCE_LENGTH"
-            )
+        self.live: weakref.WeakSet[SequenceKV] = weakref.WeakSet()  # every request's blocks
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         self.info = ModelInfo(
             seq2seq=False,
             eos_token_id=self.context.eos_token_id,
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
-            memory=MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, slots),
-            capacity=CapacityKind.UNPADDED_WEIGHTS,
+            memory=MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, self.kv.slots),
+            capacity=CapacityKind.KV_BLOCKS,
             chunked_prefill=True,
+            kv_block_size=self.block_size,
+            kv_total_blocks=self.kv.pool.num_blocks,
             dtype=loaded.dtype_name,
             dtype_reason=loaded.dtype_reason,
         )
@@ -102,24 +121,66 @@ class TgisNativeEngine(ModelEngine):
         sequence = SequenceKV(probe.pool)
         self._forward([(sequence, [self.context.pad_token_id or 0])], probe, [0])
         per_token = probe.bytes() // probe.slots
-        per_block = per_token * self.block_size
-        wanted = config.max_batch_size * (1 - (-self.context.max_sequence_length // self.block_size))
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            available = min(free, int(total * config.cuda_process_memory_fraction))
-        else:
-            available = host_available_bytes()
-        affordable = int(available * (100 - config.batch_safety_margin) / 100) // per_block
-        num_blocks = max(1, min(wanted, affordable))
+        num_blocks, why = self._num_blocks(config, per_token * self.block_size)
         logger.info(
-            "KV cache: %d bytes per token, %d blocks of %d tokens (%.1f MiB)%s",
+            "KV cache: %d bytes per token, %d blocks of %d tokens (%.1f MiB, %d tokens): %s",
             per_token,
             num_blocks,
             self.block_size,
-            num_blocks * per_block / 2**20,
-            "" if num_blocks == wanted else f", limited by free memory (wanted {wanted})",
+            num_blocks * per_token * self.block_size / 2**20,
+            num_blocks * self.block_size,
+            why,
         )
         return PagedKVCache(BlockPool(num_blocks, self.block_size), self.device)
+
+    def _num_blocks(self, config: ServerConfig, per_block: int) -> tuple[int, str]:
+        """How many blocks the cache gets, and why: on CUDA all the free memory the process may
+        use less BATCH_SAFETY_MARGIN; on CPU CPU_KV_CACHE_SPACE GiB, or else room for
+        MAX_BATCH_SIZE sequences of the longest length (+1 block held back for health checks)
+        within free memory less the margin."""
+        margin = (100 - config.batch_safety_margin) / 100
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            usable = free - int(total * (1 - config.cuda_process_memory_fraction))  # this process's share
+            num_blocks = int(usable * margin) // per_block
+            why = f"{config.batch_safety_margin}% of the free GPU memory held back"
+        elif config.cpu_kv_cache_space:
+            wanted = int(config.cpu_kv_cache_space * 2**30)
+            available = host_available_bytes()
+            if wanted > available:
+                raise ValueError(
+                    f"CPU_KV_CACHE_SPACE={config.cpu_kv_cache_space:g} GiB is more than the "
+                    f"{available / 2**30:.1f} GiB of memory available"
+                )
+            num_blocks, why = wanted // per_block, f"CPU_KV_CACHE_SPACE={config.cpu_kv_cache_space:g} GiB"
+        else:
+            longest = self.context.max_sequence_length
+            wanted = config.max_batch_size * -(-longest // self.block_size) + 1
+            affordable = int(host_available_bytes() * margin) // per_block
+            num_blocks = min(wanted, affordable)
+            why = (
+                f"MAX_BATCH_SIZE={config.max_batch_size} sequences of {longest} tokens"
+                if num_blocks == wanted
+                else f"limited by free memory (wanted {wanted} blocks)"
+            )
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache gets {num_blocks} blocks of {self.block_size} tokens ({why}): at least 2 "
+                "are needed (one is held back for health checks); give it more memory"
+            )
+        return num_blocks, why
+
+    def kv_state(self) -> KvCacheState:
+        """The cache over every live request (reported with each step)."""
+        pool = self.kv.pool
+        return KvCacheState(
+            total_blocks=pool.num_blocks,
+            used_blocks=pool.used,
+            reserved_blocks=sum(sequence.reserved_blocks for sequence in self.live),
+            cached_blocks=pool.reclaimable,
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+        )
 
     # ---- batches and steps -----------------------------------------------------------------------
 
@@ -129,9 +190,15 @@ class TgisNativeEngine(ModelEngine):
         batch, errors = RaggedBatch.from_requests(batch_id, requests, (self.context, self.device))
         if batch is not None:
             for item in batch.prefilling:
-                sequence = SequenceKV(self.kv.pool, self._prefix_keys(item))
+                keys = self._prefix_keys(item)
+                max_tokens = len(item.prompt) + item.request.max_new_tokens
+                sequence = SequenceKV(self.kv.pool, keys, max_tokens)
                 item.computed = sequence.length  # prefix-cache hit: those blocks are not prefilled
                 batch.states[item.request.id] = sequence
+                self.live.add(sequence)
+                if keys:
+                    self.prefix_query_tokens += len(keys) * self.block_size
+                    self.prefix_hit_tokens += sequence.length
         return batch, errors
 
     def _prefix_keys(self, item: Prefilling) -> list[bytes]:
@@ -147,7 +214,9 @@ class TgisNativeEngine(ModelEngine):
     ) -> tuple[StepOutput, RaggedBatch | None]:
         assert isinstance(batch, RaggedBatch)
         with torch.inference_mode():
-            return self._step(batch, token_budget)
+            output, cached = self._step(batch, token_budget)
+        output.kv_cache = self.kv_state()
+        return output, cached
 
     def _step(self, batch: RaggedBatch, token_budget: int) -> tuple[StepOutput, RaggedBatch | None]:
         chunks = batch.plan_prompts(token_budget)
@@ -191,20 +260,18 @@ class TgisNativeEngine(ModelEngine):
         (every packed token when keep is None)."""
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        queries: list[tuple[int, int]] = []
-        context: list[torch.Tensor] = []
+        parts: list[Piece] = []
         for sequence, tokens in pieces:
             begin = sequence.length
             sequence.reserve(len(tokens))
-            queries.append((len(ids), len(ids) + len(tokens)))
             ids += tokens
             positions += range(begin, begin + len(tokens))
-            slots += sequence.slots(begin, begin + len(tokens))
             sequence.length = begin + len(tokens)
-            context.append(sequence.context_slots(self.device))
+            parts.append(Piece(sequence.blocks, begin, len(tokens)))
         device = self.device
-        layout = StepLayout(cache, torch.tensor(slots, device=device), queries, context, self.window)
+        layout = StepLayout.build(cache, parts, self.window, self.model.dtype, device)
+        if keep is not None and len(keep) == len(ids) and keep[-1] == len(ids) - 1:
+            keep = None  # every packed token, in order (a decode-only step)
         kwargs: dict[str, Any] = {}
         selected = keep is not None and self.context.accepts_logits_to_keep
         if selected:

@@ -62,9 +62,27 @@ ARCHITECTURES: dict[str, TokenizerSpec] = {
     "t5": TokenizerSpec(add_bos=False, add_eos=True, has_pad=True),
     # Sliding-window attention (window 8, shorter than the test prompts + outputs).
     "mistral": TokenizerSpec(add_bos=True, add_eos=False, has_pad=True),
+    # Multi-query attention (one KV head), GPT-2-like otherwise (StarCoder, Granite code v1).
+    "gpt_bigcode": TokenizerSpec(add_bos=False, add_eos=False, has_pad=False),
+    # Llama with GQA and the four Granite multipliers (GRANITE_MULTIPLIERS).
+    "granite": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True),
+    # Llama with GQA and q/k/v projection biases.
+    "qwen2": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True),
 }
 SEQ2SEQ_ARCHITECTURES = frozenset({"t5"})
 SLIDING_WINDOW = 8
+# None of them 1, and an attention multiplier other than head_dim ** -0.5 (0.25): a missed
+# multiplier or the default attention scale changes the greedy output.
+GRANITE_MULTIPLIERS: dict[str, Any] = {
+    "embedding_multiplier": 2.0,
+    "attention_multiplier": 0.125,
+    "residual_multiplier": 0.5,
+    "logits_scaling": 2.0,
+}
+# Architectures added after the first six draw their biases too (after the matrices, in the same
+# name order), so that bias handling is exercised; the first six keep zero biases (and the
+# weights they always had).
+RANDOM_BIAS_ARCHITECTURES = frozenset({"gpt_bigcode", "granite", "qwen2"})
 
 
 def _corpus_files() -> list[str]:
@@ -254,8 +272,27 @@ def _model_config(arch: str) -> Any:
         if arch == "mistral":
             return transformers.MistralConfig(sliding_window=SLIDING_WINDOW, **llama_like)
         return transformers.LlamaConfig(rms_norm_eps=1e-6, **llama_like)
+    if arch in ("granite", "qwen2"):
+        gqa: dict[str, Any] = {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": MAX_POSITIONS,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6,
+            **common,
+        }
+        if arch == "granite":
+            return transformers.GraniteConfig(**GRANITE_MULTIPLIERS, **gqa)
+        return transformers.Qwen2Config(**gqa)
     if arch == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=MAX_POSITIONS, **common)
+    if arch == "gpt_bigcode":
+        return transformers.GPTBigCodeConfig(
+            n_embd=64, n_layer=2, n_head=4, n_positions=MAX_POSITIONS, multi_query=True, **common
+        )
     if arch == "bloom":
         return transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common)
     if arch == "gpt_neox":
@@ -295,13 +332,18 @@ def build_model(arch: str, dtype: str = "float32") -> Any:
     model = auto.from_config(config)
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+        for name, param in params:
             if param.ndim >= 2:
                 param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
             elif name.endswith("weight"):  # norm scales
                 param.fill_(1.0)
             else:  # biases
                 param.zero_()
+        if arch in RANDOM_BIAS_ARCHITECTURES:
+            for name, param in params:
+                if param.ndim == 1 and not name.endswith("weight"):
+                    param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
     return model.to(getattr(torch, dtype)).eval()
 
 
