@@ -18,7 +18,9 @@ from pathlib import Path
 from benchmarks import compare
 from benchmarks.server import DEFAULT_VLLM_SCRIPT, parse_cpus
 from benchmarks.suite import DEFAULT_CONCURRENCY, SWEEP, SYSTEMS, BenchConfig, run
-from benchmarks.workload import WORKLOADS, WorkloadSpec
+from benchmarks.variants import PREFIX_CACHE_MODES, parse_budgets, parse_engines, plan_variants
+from benchmarks.workload import DEFAULT_OUTPUT_LEN, WORKLOADS, WorkloadSpec
+from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("benchmarks")
@@ -54,6 +56,20 @@ def _systems(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     return values
+
+
+def _engines(text: str) -> tuple[str, ...]:
+    try:
+        return parse_engines(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    try:
+        return parse_budgets(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _env(text: str) -> tuple[str, str]:
@@ -112,13 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         choices=WORKLOADS,
         default="fixed",
-        help="fixed lengths, mixed lengths (uniform ±range-ratio), or shared-prefix prompts",
+        help="fixed lengths, mixed lengths (uniform ±range-ratio), shared-prefix prompts, or "
+        "long-prompt-mix (decode streams while long prompts arrive)",
     )
     g.add_argument(
         "--input-len", type=int, default=128, help="prompt tokens (exact, special tokens included)"
     )
     g.add_argument(
-        "--output-len", type=int, default=128, help="generated tokens (exact: min = max new tokens)"
+        "--output-len",
+        type=int,
+        default=None,
+        help="generated tokens (exact: min = max new tokens); default 128, "
+        f"{DEFAULT_OUTPUT_LEN['long-prompt-mix']} for the long-prompt-mix streams",
     )
     g.add_argument("--range-ratio", type=float, default=0.5, help="mixed: lengths in [len·(1−r), len·(1+r)]")
     g.add_argument(
@@ -126,6 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and Poisson arrivals")
+    g.add_argument(
+        "--streams", type=int, default=16, help="long-prompt-mix: decode streams (input-len / output-len)"
+    )
+    g.add_argument("--long-len", type=int, default=2048, help="long-prompt-mix: tokens of each long prompt")
+    g.add_argument("--long-count", type=int, default=4, help="long-prompt-mix: long prompts per run")
+    g.add_argument(
+        "--long-output-len", type=int, default=16, help="long-prompt-mix: tokens each long prompt generates"
+    )
+    g.add_argument(
+        "--long-interval",
+        type=float,
+        default=0.5,
+        help="long-prompt-mix: seconds between long prompts (the first once every stream decodes)",
+    )
 
     g = p.add_argument_group("load")
     g.add_argument(
@@ -171,6 +206,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="what to run: ours (our server over gRPC), engine (engine-only loop), generate "
         "(HF generate), vllm (vLLM-CPU peer; skipped with a message when not installed)",
+    )
+    g.add_argument(
+        "--engine",
+        type=_engines,
+        default=(DEFAULT_DEPLOYMENT_FRAMEWORK,),
+        metavar="NAME[,NAME...]",
+        help="engine(s) of our server (DEPLOYMENT_FRAMEWORK): our server is started once per engine "
+        "and the engine-only baseline runs each",
+    )
+    g.add_argument(
+        "--prefix-cache",
+        choices=PREFIX_CACHE_MODES,
+        default="default",
+        help="prefix caching of engines that have it (tgis_native): the server's default, on, off "
+        "(PREFIX_CACHING=false), or both (one server each, compared in the report)",
+    )
+    g.add_argument(
+        "--prefill-budget",
+        type=_budgets,
+        default=(),
+        metavar="TOKENS[,TOKENS...]",
+        help="our server's --max-batch-prefill-tokens, one server per value (e.g. 256,100000 to "
+        "compare chunked prefill with whole prompts); default: the router's",
     )
     g.add_argument(
         "--max-batch-size",
@@ -268,12 +326,25 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     workload = WorkloadSpec(
         kind=args.workload,
         input_len=args.input_len,
-        output_len=args.output_len,
+        output_len=args.output_len or DEFAULT_OUTPUT_LEN.get(args.workload, 128),
         range_ratio=args.range_ratio,
         prefix_len=args.prefix_len,
         num_prefixes=args.num_prefixes,
         seed=args.seed,
+        streams=args.streams,
+        long_len=args.long_len,
+        long_count=args.long_count,
+        long_output_len=args.long_output_len,
+        long_interval_s=args.long_interval,
     )
+    variants = plan_variants(args.engine, args.prefix_cache, args.prefill_budget)
+    if args.grpc_address and len(variants) > 1:
+        raise ValueError(
+            "--grpc-address measures one running server: give one engine, prefix-cache "
+            "setting and prefill budget"
+        )
+    if args.workload == "long-prompt-mix" and args.request_rate:
+        raise ValueError("long-prompt-mix drives its own arrivals: drop --request-rate")
     out = args.out or RESULTS_DIR / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     return BenchConfig(
         out_dir=out,
@@ -303,6 +374,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         progress=not args.no_progress,
         plots=not args.no_plots,
+        engines=args.engine,
+        prefix_cache=args.prefix_cache,
+        prefill_budgets=args.prefill_budget,
     )
 
 
@@ -335,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError) as exc:
         logger.error("benchmark failed: %s", exc)
         return 1
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     sys.stdout.write(paths["markdown"].read_text())
     sys.stdout.write(f"\nresults: {cfg.out_dir}\n")
     for kind, path in paths.items():

@@ -1,17 +1,22 @@
 """Baselines without a server, for the same model, dtype and shape, at the same batch sizes.
 
-engine    the server's own engine (HFTransformersEngine) in a tight loop with no router, no
-          gRPC and no detokenization: new_batch -> generate_token(first=True) -> output_len - 1
-          x generate_token(first=False). The server's overhead ratio is its output tok/s at
+engine    one of the server's engines (`--engine`, from the registry) in a tight loop with no
+          router, no gRPC and no detokenization, through the shard's BatchManager as the router
+          calls it: prefill -> next_token with finished requests pruned, until every request has
+          output_len tokens; engines with chunked prefill get the router's token budget per call
+          (`--token-budget`, default the router's MAX_BATCH_PREFILL_TOKENS), so a big batch's
+          prompts may take several steps. The server's overhead ratio is its output tok/s at
           concurrency c over this loop's at batch size c.
 generate  transformers `model.generate` on a static batch, greedy, min_new_tokens =
           max_new_tokens = output_len (prefill timed by a separate 1-token generate).
 
 Prompts are `input_len` random ids (BOS first when the model has one), all of one length, so no
-padding. Each batch size is run once to warm up, then `repeats` times; the median run is kept.
+padding, and new ones for every run (no prefix-cache hit). Each batch size is run once to warm
+up, then `repeats` times; the median run is kept.
 Each baseline runs in its own process so that torch never loads into the load generator:
 
     python -m benchmarks.baselines engine --model DIR --batch-sizes 1,8,32 --out engine.json
+    python -m benchmarks.baselines engine --engine tgis_native --model DIR --out native.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import cpu_shares, cpu_times
+from router.config import DEFAULT_MAX_BATCH_PREFILL_TOKENS as DEFAULT_PREFILL_BUDGET
+from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK as DEFAULT_ENGINE
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +43,12 @@ KINDS = ("engine", "generate")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def prompt_ids(model_dir: Path, count: int, length: int, seed: int) -> list[list[int]]:
+def prompt_ids(model_dir: Path, count: int, length: int, seed: int, salt: str = "") -> list[list[int]]:
+    """`count` prompts of `length` random ids; a new `salt` gives new prompts."""
     config = json.loads((model_dir / "config.json").read_text())
     vocab = int(config["vocab_size"])
     bos = config.get("bos_token_id")
-    rng = random.Random(f"baseline:{seed}")
+    rng = random.Random(f"baseline:{seed}:{salt}" if salt else f"baseline:{seed}")
     first = [int(bos)] if isinstance(bos, int) else []
     return [first + [rng.randrange(4, vocab) for _ in range(length - len(first))] for _ in range(count)]
 
@@ -48,42 +56,85 @@ def prompt_ids(model_dir: Path, count: int, length: int, seed: int) -> list[list
 Runner = Callable[[list[list[int]], int], dict[str, float]]
 
 
-def engine_runner(model_dir: Path, dtype: str | None, max_batch: int, max_new: int) -> tuple[Runner, str]:
-    from text_generation_common.messages import GenerationRequest, SamplingParams
+def engine_runner(
+    model_dir: Path,
+    dtype: str | None,
+    max_batch: int,
+    max_new: int,
+    engine_name: str = DEFAULT_ENGINE,
+    token_budget: int | None = None,
+    max_sequence_length: int | None = None,
+) -> tuple[Runner, str]:
+    """The engine `engine_name` from the registry, driven through the shard's BatchManager as
+    the router drives it: prefill, then next_token with the finished requests pruned, each call
+    with the token budget when the engine chunks prefills (None: the router's default)."""
+    from text_generation_common.messages import CachedBatchRef, GenerationRequest, SamplingParams
+    from text_generation_server.batch_manager import BatchManager
     from text_generation_server.config import ServerConfig
-    from text_generation_server.engines.hf_transformers import HFTransformersEngine
+    from text_generation_server.engines import get_engine_class
 
     config = ServerConfig(
-        model_name=str(model_dir), dtype=dtype, max_batch_size=max_batch, max_new_tokens=max(max_new, 1)
+        model_name=str(model_dir),
+        deployment_framework=engine_name,
+        dtype=dtype,
+        max_batch_size=max_batch,
+        max_new_tokens=max(max_new, 1),
+        max_sequence_length=max_sequence_length,
     )
-    engine = HFTransformersEngine(config)
+    engine = get_engine_class(engine_name)(config)
+    manager = BatchManager(engine, max_batch)
+    budget = 0
+    if engine.info.chunked_prefill:
+        budget = DEFAULT_PREFILL_BUDGET if token_budget is None else token_budget
     batch_ids = iter(range(1, 1 << 30))
+    request_ids = iter(range(1, 1 << 62))
 
     def run(prompts: list[list[int]], output_len: int) -> dict[str, float]:
         requests = [
             GenerationRequest(
-                id=i,
+                id=next(request_ids),
                 input_ids=tuple(ids),
                 max_new_tokens=output_len,
                 params=SamplingParams(min_new_tokens=output_len),
             )
-            for i, ids in enumerate(prompts)
+            for ids in prompts
         ]
+        counts = dict.fromkeys((r.id for r in requests), 0)
         start = time.perf_counter()
-        batch, errors = engine.new_batch(next(batch_ids), requests)
-        if errors or batch is None:
-            raise RuntimeError(f"the engine refused the batch: {errors}")
-        step, cached = engine.generate_token(batch, first=True)
-        prefilled = time.perf_counter()
-        tokens = len(step.generations)
-        for _ in range(output_len - 1):
-            assert cached is not None
-            step, cached = engine.generate_token(cached, first=False)
-            tokens += len(step.generations)
+        output = manager.prefill(next(batch_ids), requests, [], budget)
+        if output.errors:
+            raise RuntimeError(f"the engine refused requests: {output.errors}")
+        prefilled: float | None = None
+        steps = decode_steps = 0
+        while True:
+            steps += 1
+            if prefilled is not None:
+                decode_steps += 1
+            for generation in output.generations:
+                counts[generation.request_id] += 1
+            if output.errors:
+                raise RuntimeError(f"a step failed requests: {output.errors}")
+            if prefilled is None and all(counts.values()):
+                prefilled = time.perf_counter()
+            done = tuple(rid for rid, n in counts.items() if n >= output_len)
+            if output.batch_id is None or len(done) == len(counts):
+                break
+            next_output = manager.next_token([CachedBatchRef(output.batch_id, done)], budget)
+            if next_output is None:
+                break
+            output = next_output
         end = time.perf_counter()
-        return {"duration": end - start, "prefill": prefilled - start, "output_tokens": tokens}
+        manager.clear()
+        return {
+            "duration": end - start,
+            "prefill": (prefilled or end) - start,
+            "output_tokens": sum(min(n, output_len) for n in counts.values()),
+            "steps": steps,
+            "decode_steps": decode_steps,
+            "token_budget": budget,
+        }
 
-    return run, str(engine.dtype).removeprefix("torch.")
+    return run, engine.info.dtype or str(getattr(engine, "dtype", "")).removeprefix("torch.")
 
 
 def generate_runner(model_dir: Path, dtype: str | None) -> tuple[Runner, str]:
@@ -134,28 +185,34 @@ def measure(
     output_len: int,
     seed: int = 0,
     repeats: int = 1,
+    engine: str = DEFAULT_ENGINE,
+    token_budget: int | None = None,
+    max_sequence_length: int | None = None,
 ) -> dict[str, Any]:
     import torch
 
     if kind == "engine":
-        run, resolved = engine_runner(model_dir, dtype, max(batch_sizes), output_len)
+        run, resolved = engine_runner(
+            model_dir, dtype, max(batch_sizes), output_len, engine, token_budget, max_sequence_length
+        )
     elif kind == "generate":
         run, resolved = generate_runner(model_dir, dtype)
     else:
         raise ValueError(f"unknown baseline {kind!r}; choose one of {', '.join(KINDS)}")
     points = []
     for size in batch_sizes:
-        prompts = prompt_ids(model_dir, size, input_len, seed)
-        run(prompts, output_len)  # warm-up
+        run(prompt_ids(model_dir, size, input_len, seed, f"{size}:warmup"), output_len)
         timed: list[dict[str, Any]] = []
-        for _ in range(max(1, repeats)):
+        for repeat in range(max(1, repeats)):
+            prompts = prompt_ids(model_dir, size, input_len, seed, f"{size}:{repeat}")
             before = cpu_times()
             result = run(prompts, output_len)
             timed.append({**result, "host_cpu": cpu_shares(before, cpu_times())})
         runs = sorted(timed, key=lambda r: r["duration"])
         best = runs[len(runs) // 2]
         tokens = best["output_tokens"]
-        decode = (best["duration"] - best["prefill"]) / (output_len - 1) if output_len > 1 else 0.0
+        decode_steps = best.get("decode_steps", output_len - 1)  # generate: output_len - 1
+        decode = (best["duration"] - best["prefill"]) / decode_steps if decode_steps > 0 else 0.0
         point = {
             "batch_size": size,
             "input_len": input_len,
@@ -166,6 +223,8 @@ def measure(
             "total_token_throughput": (tokens + size * input_len) / best["duration"],
             "prefill_ms": 1000.0 * best["prefill"],
             "decode_step_ms": 1000.0 * decode,
+            "steps": best.get("steps", output_len),
+            **({"token_budget": best["token_budget"]} if "token_budget" in best else {}),
             "durations": [r["duration"] for r in runs],
             "duration_spread": (runs[-1]["duration"] / runs[0]["duration"] - 1.0) if len(runs) > 1 else 0.0,
             "host_cpu": best["host_cpu"],
@@ -178,6 +237,8 @@ def measure(
         points.append(point)
     return {
         "kind": kind,
+        # the budget each call got (0 = whole prompts: the engine does not chunk, or asked for)
+        **({"engine": engine, "token_budget": points[0].get("token_budget")} if kind == "engine" else {}),
         "dtype": resolved,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -199,6 +260,9 @@ def run_in_child(
     repeats: int,
     env: dict[str, str] | None = None,
     cpus: set[int] | None = None,
+    engine: str | None = None,
+    token_budget: int | None = None,
+    max_sequence_length: int | None = None,
 ) -> dict[str, Any]:
     """Run one baseline in a child process (its log next to `out`); its results."""
     command = [
@@ -211,9 +275,15 @@ def run_in_child(
         "--repeats", str(repeats),
         "--out", str(out),
         *(["--dtype", dtype] if dtype else []),
+        *(["--engine", engine] if engine else []),
+        *(["--token-budget", str(token_budget)] if token_budget is not None else []),
+        *(["--max-sequence-length", str(max_sequence_length)] if max_sequence_length else []),
     ]  # fmt: skip
     log_path = out.with_suffix(".log")
-    logger.info("running the %s baseline (batch sizes %s)", kind, ", ".join(map(str, batch_sizes)))
+    logger.info(
+        "running the %s baseline%s (batch sizes %s)",
+        kind, f" on {engine}" if engine else "", ", ".join(map(str, batch_sizes)),
+    )  # fmt: skip
 
     def child_setup() -> None:
         if cpus:
@@ -249,12 +319,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per batch size (median kept)")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--engine", default=DEFAULT_ENGINE, help="engine: a DEPLOYMENT_FRAMEWORK name")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="prompt tokens per call for chunked-prefill engines (0 = whole prompts; "
+        f"default: the router's {DEFAULT_PREFILL_BUDGET})",
+    )
+    parser.add_argument("--max-sequence-length", type=int, default=None, help="default: the model's")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     result = measure(
-        args.kind, args.model, args.dtype, sizes, args.input_len, args.output_len, args.seed, args.repeats
-    )
+        args.kind, args.model, args.dtype, sizes, args.input_len, args.output_len, args.seed, args.repeats,
+        args.engine, args.token_budget, args.max_sequence_length,
+    )  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -10,11 +10,13 @@ OpenAIClient  an OpenAI-compatible server (vLLM-CPU and other peers): streaming
               chunk (`stream_options.include_usage`) for exact token counts.
 
 Both time with time.perf_counter() when a message is read; failures become `error` strings
-("CODE: details", "HTTP 500: ...") and never raise.
+("CODE: details", "HTTP 500: ...") and never raise. `generate(prompt, first_token)` sets the
+optional event when the first generated token arrives (or the request ends without one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Protocol
@@ -33,7 +35,7 @@ ERROR_CHARS = 300
 class Client(Protocol):
     name: str
 
-    async def generate(self, prompt: Prompt) -> RequestResult: ...
+    async def generate(self, prompt: Prompt, first_token: asyncio.Event | None = None) -> RequestResult: ...
 
     async def close(self) -> None: ...
 
@@ -74,7 +76,7 @@ class GrpcClient:
             ),
         )
 
-    async def generate(self, prompt: Prompt) -> RequestResult:
+    async def generate(self, prompt: Prompt, first_token: asyncio.Event | None = None) -> RequestResult:
         result = _new_result(prompt)
         request = self.request(prompt)
         last = result.start = time.perf_counter()
@@ -88,6 +90,8 @@ class GrpcClient:
                     continue  # the input-count message, or one with no new token
                 if result.messages == 0:
                     result.ttft = now - result.start
+                    if first_token is not None:
+                        first_token.set()
                 else:
                     result.itl.append(now - last)
                 last = result.end = now
@@ -95,6 +99,8 @@ class GrpcClient:
                 result.output_len = message.generated_token_count
         except grpc.aio.AioRpcError as exc:
             result.error = f"{exc.code().name}: {exc.details()}"[:ERROR_CHARS]
+        if first_token is not None:
+            first_token.set()
         return _finished(result)
 
     async def close(self) -> None:
@@ -128,7 +134,14 @@ class OpenAIClient:
             "stream_options": {"include_usage": True},
         }
 
-    async def generate(self, prompt: Prompt) -> RequestResult:
+    async def generate(self, prompt: Prompt, first_token: asyncio.Event | None = None) -> RequestResult:
+        try:
+            return await self._generate(prompt, first_token)
+        finally:
+            if first_token is not None:
+                first_token.set()
+
+    async def _generate(self, prompt: Prompt, first_token: asyncio.Event | None) -> RequestResult:
         result = _new_result(prompt)
         body = self.body(prompt)
         last = result.start = time.perf_counter()
@@ -151,6 +164,8 @@ class OpenAIClient:
                     if chunk.get("choices"):
                         if result.messages == 0:
                             result.ttft = now - result.start
+                            if first_token is not None:
+                                first_token.set()
                         else:
                             result.itl.append(now - last)
                         last = result.end = now

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,48 @@ def ensure_reference_model(path: Path = DEFAULT_DIR) -> Path:
     if not is_built(path):
         raise RuntimeError(f"building the reference model into {path} left no {STAMP_FILE}")
     return path
+
+
+CONTEXT_FILES = ("config.json", "tokenizer_config.json", STAMP_FILE)  # rewritten, the rest linked
+
+
+def with_context(path: Path, positions: int) -> Path:
+    """The model at `path` with `max_position_embeddings = positions`: a sibling directory
+    `PATH-ctxN` whose config files say so and whose other files (weights, tokenizer) are links to
+    the original's. The weights are the same (Llama has RoPE, no learned positions), so the
+    result is as deterministic as the original; it is remade when the original's stamp changes."""
+    out = path.with_name(f"{path.name}-ctx{positions}")
+    base_stamp = (path / STAMP_FILE).read_text() if (path / STAMP_FILE).exists() else ""
+    try:
+        if json.loads((out / STAMP_FILE).read_text()).get("base_stamp") == base_stamp:
+            return out
+    except (OSError, ValueError):
+        pass
+    staging = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    staging.mkdir(parents=True, exist_ok=True)
+    for item in sorted(path.iterdir()):
+        if item.is_file() and item.name not in CONTEXT_FILES:
+            (staging / item.name).symlink_to(item.resolve())
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tokenizer_config_path = path / "tokenizer_config.json"
+    if tokenizer_config_path.exists():
+        tokenizer_config = json.loads(tokenizer_config_path.read_text())
+        tokenizer_config["model_max_length"] = positions
+        (staging / "tokenizer_config.json").write_text(
+            json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n"
+        )
+    stamp = json.loads(base_stamp) if base_stamp else {}
+    stamp.update(max_position_embeddings=positions, context_of=str(path), base_stamp=base_stamp)
+    if "name" in stamp:
+        stamp["name"] = f"{stamp['name']}-ctx{positions}"
+    (staging / STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    logger.info("%s: %s with %d positions", out, path.name, positions)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

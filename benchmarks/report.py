@@ -17,10 +17,13 @@ Targets (128/128 on the reference model, one run):
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks import comparisons
+from benchmarks.markdown import fmt, table
+from benchmarks.workload import LONG_MIX
 
 SYSTEM_LABELS = {"ours": "ours (gRPC)", "vllm": "vLLM-CPU", "openai": "OpenAI endpoint"}
 BASELINE_LABELS = {"engine_only": "engine-only loop", "hf_generate": "HF generate (static)"}
@@ -67,28 +70,35 @@ def _target(
     }
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
-        return None
-    return a / b
+_Table = dict[int, dict[str, Any]]
 
 
-def compute_ratios(results: dict[str, Any]) -> dict[str, Any]:
+def _compared(results: dict[str, Any], key: str) -> tuple[_Table, _Table, _Table, _Table]:
+    """By concurrency or batch size: our system `key`, vLLM, the engine-only loop of its
+    engine, HF generate."""
     systems = results.get("systems", {})
-    ours = _by_concurrency(systems.get("ours", {}).get("points", []))
-    vllm = _by_concurrency(systems.get("vllm", {}).get("points", []))
-    engine = _baseline_by_size(results.get("baselines", {}).get("engine_only"))
-    generate = _baseline_by_size(results.get("baselines", {}).get("hf_generate"))
+    engine = comparisons.engine_baseline(results, comparisons.variant_of(results, key).get("engine"))
+    return (
+        _by_concurrency(systems.get(key, {}).get("points", [])),
+        _by_concurrency(systems.get("vllm", {}).get("points", [])),
+        _baseline_by_size(engine),
+        _baseline_by_size(results.get("baselines", {}).get("hf_generate")),
+    )
 
-    def get(table: dict[int, dict[str, Any]], c: int, key: str) -> float | None:
+
+def _variant_ratios(results: dict[str, Any], key: str) -> dict[str, dict[str, float | None]]:
+    """Ratios of our system `key` against the baselines and the peer at each concurrency."""
+    ours, vllm, engine, generate = _compared(results, key)
+
+    def get(table: dict[int, dict[str, Any]], c: int, field: str) -> float | None:
         point = table.get(c)
-        return None if point is None else float(point[key])
+        return None if point is None else float(point[field])
 
     by_c: dict[str, dict[str, float | None]] = {}
     for c in sorted(ours):
 
-        def vs(other: dict[int, dict[str, Any]], key: str, c: int = c) -> float | None:
-            return _ratio(get(ours, c, key), get(other, c, key))
+        def vs(other: dict[int, dict[str, Any]], field: str, c: int = c) -> float | None:
+            return comparisons.ratio(get(ours, c, field), get(other, c, field))
 
         by_c[str(c)] = {
             "vs_engine_only_output_throughput": vs(engine, "output_throughput"),
@@ -97,11 +107,20 @@ def compute_ratios(results: dict[str, Any]) -> dict[str, Any]:
             "vs_vllm_median_ttft": vs(vllm, "median_ttft_ms"),
             "vs_vllm_mean_tpot": vs(vllm, "mean_tpot_ms"),
         }
+    return by_c
 
-    def at(c: int, key: str) -> float | None:
-        return by_c.get(str(c), {}).get(key)
 
-    rate_mode = results.get("metadata", {}).get("mode") == "rate"
+def _variant_targets(
+    results: dict[str, Any], key: str, by_c: dict[str, dict[str, float | None]]
+) -> list[dict[str, Any]]:
+    """Issue 6's targets for our system `key` (named after it when the run has several)."""
+    ours, vllm, engine, generate = _compared(results, key)
+    prefix = "" if key == "ours" else f"{key}: "
+
+    def at(c: int, field: str) -> float | None:
+        return by_c.get(str(c), {}).get(field)
+
+    rate_mode = results.get("metadata", {}).get("mode", "concurrency") != "concurrency"
 
     def why(c: int, other: dict[int, dict[str, Any]], other_name: str) -> str:
         if rate_mode:
@@ -112,56 +131,65 @@ def compute_ratios(results: dict[str, Any]) -> dict[str, Any]:
             return f"{other_name} not measured at {'batch' if 'base' in other_name else 'c'} = {c}"
         return ""
 
-    failed = [int(p.get("failed", 0)) for s in systems.values() for p in s.get("points", [])]
-    targets = [
+    return [
         _target(
-            f"server overhead: ours / engine-only output tok/s at c = {TARGET_C}",
+            f"{prefix}server overhead: ours / engine-only output tok/s at c = {TARGET_C}",
             at(TARGET_C, "vs_engine_only_output_throughput"), ">= 0.90", lambda v: v >= 0.9,
             why(TARGET_C, engine, "engine-only baseline"),
         ),
         _target(
-            f"ours / vLLM-CPU output tok/s at c = {TARGET_C} (stretch 1.5)",
+            f"{prefix}ours / vLLM-CPU output tok/s at c = {TARGET_C} (stretch 1.5)",
             at(TARGET_C, "vs_vllm_output_throughput"), ">= 1.00", lambda v: v >= 1.0,
             why(TARGET_C, vllm, "vLLM-CPU"),
         ),
         _target(
-            f"ours / vLLM-CPU median TTFT at c = {TARGET_C}",
+            f"{prefix}ours / vLLM-CPU median TTFT at c = {TARGET_C}",
             at(TARGET_C, "vs_vllm_median_ttft"), "<= 1.00", lambda v: v <= 1.0,
             why(TARGET_C, vllm, "vLLM-CPU"),
         ),
         _target(
-            f"ours / vLLM-CPU mean TPOT at c = {TARGET_C_LATENCY}",
+            f"{prefix}ours / vLLM-CPU mean TPOT at c = {TARGET_C_LATENCY}",
             at(TARGET_C_LATENCY, "vs_vllm_mean_tpot"), "<= 1.00", lambda v: v <= 1.0,
             why(TARGET_C_LATENCY, vllm, "vLLM-CPU"),
         ),
         _target(
-            f"ours / HF generate output tok/s at c = {TARGET_C}",
+            f"{prefix}ours / HF generate output tok/s at c = {TARGET_C}",
             at(TARGET_C, "vs_hf_generate_output_throughput"), ">= 1.50", lambda v: v >= 1.5,
             why(TARGET_C, generate, "HF generate baseline"),
         ),
+    ]  # fmt: skip
+
+
+def compute_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """Issue 6's targets and ratios for each system of ours (`by_concurrency` is the first's,
+    `by_variant` every one's), and the comparisons between them (comparisons.py)."""
+    systems = results.get("systems", {})
+    keys = comparisons.ours_keys(results) or ["ours"]
+    by_variant = {key: _variant_ratios(results, key) for key in keys}
+    sweep = results.get("metadata", {}).get("mode") != LONG_MIX  # the mix has its own goal (comparisons)
+    targets = [t for key in keys if sweep for t in _variant_targets(results, key, by_variant[key])]
+    failed = [
+        int(p.get("failed", 0)) + int(p.get("long", {}).get("failed", 0))
+        for s in systems.values()
+        for p in s.get("points", [])
+    ]
+    targets.append(
         _target(
             "failed requests, all systems and points",
-            sum(failed) if failed else None, "== 0", lambda v: v == 0,
-        ),
-    ]  # fmt: skip
-    return {"targets": targets, "by_concurrency": by_c}
+            sum(failed) if failed else None,
+            "== 0",
+            lambda v: v == 0,
+        )
+    )
+    return {
+        "targets": targets,
+        "by_concurrency": by_variant[keys[0]],
+        "by_variant": by_variant,
+        **comparisons.compute(results),
+    }
 
 
 # ---- markdown -----------------------------------------------------------------------------
-
-
-def _f(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
 
 
 def _host(shares: dict[str, float] | None) -> str:
@@ -171,7 +199,7 @@ def _host(shares: dict[str, float] | None) -> str:
 
 
 def _triple(point: dict[str, Any], metric: str) -> str:
-    return " / ".join(_f(point[f"{stat}_{metric}_ms"]) for stat in ("mean", "median", "p99"))
+    return " / ".join(fmt(point[f"{stat}_{metric}_ms"]) for stat in ("mean", "median", "p99"))
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -188,6 +216,12 @@ def markdown(results: dict[str, Any]) -> str:
         f"- dtype: {meta.get('dtype') or 'unknown'}"
         + (f" (asked: {meta['dtype_requested']})" if meta.get("dtype_requested") else " (server default)"),
         f"- workload: {meta.get('workload_description', '')}; mode: {meta.get('mode', '')}",
+        f"- engine(s): {', '.join(meta.get('engines') or [meta.get('engine') or 'server default'])}"
+        + (
+            "; our variants: " + "; ".join(f"{k} = {_variant_text(v)}" for k, v in meta["variants"].items())
+            if len(meta.get("variants") or {}) > 1
+            else ""
+        ),
         f"- git {git.get('sha', '?')[:12]}{' (dirty)' if git.get('dirty') else ''};"
         f" host: {host.get('cpu_model', '?')}, {host.get('cpus', '?')} CPUs;"
         f" torch threads {meta.get('threads', {}).get('torch_threads', '?')};"
@@ -195,7 +229,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     mode_rate = meta.get("mode") == "rate"
-    x_name = "req/s in" if mode_rate else "c"
+    x_name = "req/s in" if mode_rate else "streams" if meta.get("mode") == LONG_MIX else "c"
     lines += ["## Serving", ""]
     header = [
         "system", x_name, "ok / failed", "req/s", "out tok/s", "total tok/s",
@@ -208,27 +242,41 @@ def markdown(results: dict[str, Any]) -> str:
             rows.append(
                 [
                     SYSTEM_LABELS.get(key, key),
-                    _f(p["request_rate"]) if mode_rate else str(p["max_concurrency"]),
+                    fmt(p["request_rate"]) if mode_rate else str(p["max_concurrency"]),
                     f"{p['completed']} / {p['failed']}",
-                    _f(p["request_throughput"], 2),
-                    _f(p["output_throughput"]),
-                    _f(p["total_token_throughput"]),
+                    fmt(p["request_throughput"], 2),
+                    fmt(p["output_throughput"]),
+                    fmt(p["total_token_throughput"]),
                     _triple(p, "ttft"),
                     _triple(p, "tpot"),
                     _triple(p, "itl"),
-                    f"{_f(p['median_e2el_ms'], 0)} / {_f(p['p99_e2el_ms'], 0)}",
-                    _f(p.get("loadavg_before", [None])[0], 2),
+                    f"{fmt(p['median_e2el_ms'], 0)} / {fmt(p['p99_e2el_ms'], 0)}",
+                    fmt(p.get("loadavg_before", [None])[0], 2),
                     _host(p.get("host_cpu")),
                     f"{100 * p['client_cpu_s'] / p['duration']:.0f}%" if p.get("duration") else "–",
                 ]
             )
-    lines += _table(header, rows) if rows else ["(no server measured)"]
+    lines += table(header, rows) if rows else ["(no server measured)"]
     skipped = {k: s["skipped"] for k, s in results.get("systems", {}).items() if s.get("skipped")}
     skipped.update(results.get("skipped", {}))
     for key, reason in skipped.items():
         lines.append(f"\n{SYSTEM_LABELS.get(key, key)} skipped: {reason}")
+    lines += comparisons.engine_lines(results)
+    lines += comparisons.prefix_cache_lines(results)
+    lines += comparisons.long_mix_lines(results)
     lines += _baseline_lines(results) + _breakdown_lines(results) + _ratio_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def _variant_text(variant: dict[str, Any]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in variant.items())
+
+
+def baseline_label(key: str) -> str:
+    """'engine_only' -> 'engine-only loop'; 'engine_only[tgis_native]' -> 'engine-only loop [tgis_native]'."""
+    base, _, rest = key.partition("[")
+    label = BASELINE_LABELS.get(base, base)
+    return f"{label} [{rest}" if rest else label
 
 
 def _baseline_lines(results: dict[str, Any]) -> list[str]:
@@ -238,7 +286,7 @@ def _baseline_lines(results: dict[str, Any]) -> list[str]:
     sizes = sorted({int(p["batch_size"]) for b in baselines.values() for p in b.get("points", [])})
     header = ["batch"]
     for key in baselines:
-        label = BASELINE_LABELS.get(key, key)
+        label = baseline_label(key)
         header += [f"{label} out tok/s", f"{label} prefill ms", f"{label} ms/step"]
     rows = []
     for size in sizes:
@@ -246,7 +294,7 @@ def _baseline_lines(results: dict[str, Any]) -> list[str]:
         for baseline in baselines.values():
             point = _baseline_by_size(baseline).get(size)
             row += (
-                [_f(point["output_throughput"]), _f(point["prefill_ms"]), _f(point["decode_step_ms"], 2)]
+                [fmt(point["output_throughput"]), fmt(point["prefill_ms"]), fmt(point["decode_step_ms"], 2)]
                 if point
                 else ["–", "–", "–"]
             )
@@ -258,40 +306,42 @@ def _baseline_lines(results: dict[str, Any]) -> list[str]:
         if first.get("points")
         else ""
     )
-    return ["", "## Baselines", "", note, "", *_table(header, rows)]
+    return ["", "## Baselines", "", note, "", *table(header, rows)]
 
 
 def _breakdown_lines(results: dict[str, Any]) -> list[str]:
-    points = results.get("systems", {}).get("ours", {}).get("points", [])
+    keys = comparisons.ours_keys(results)
+    points = [(key, p) for key in keys for p in results["systems"][key].get("points", [])]
     rows = []
-    for p in points:
+    for key, p in points:
         b = p.get("server_breakdown")
         if not b:
             continue
         pre, nxt = b.get("prefill", {}), b.get("next_token", {})
         rows.append(
-            [
-                _f(p["request_rate"]) if p.get("mode") == "rate" else str(p["max_concurrency"]),
+            ([key] if len(keys) > 1 else [])
+            + [
+                fmt(p["request_rate"]) if p.get("mode") == "rate" else str(p["max_concurrency"]),
                 " / ".join(
                     [
                         str(int(pre.get("calls", 0))),
-                        _f(pre.get("mean_batch_size")),
-                        _f(pre.get("mean_call_ms")),
+                        fmt(pre.get("mean_batch_size")),
+                        fmt(pre.get("mean_call_ms")),
                     ]
                 ),
-                f"{int(nxt.get('calls', 0))} / {_f(nxt.get('mean_batch_size'))}",
-                " / ".join(_f(nxt.get(f"mean_{k}_ms"), 2) for k in ("call", "forward", "tokproc")),
+                f"{int(nxt.get('calls', 0))} / {fmt(nxt.get('mean_batch_size'))}",
+                " / ".join(fmt(nxt.get(f"mean_{k}_ms"), 2) for k in ("call", "forward", "tokproc")),
                 " / ".join(
                     f"{100 * (pre.get(k, 0.0) + nxt.get(k, 0.0)):.0f}%"
                     for k in ("forward_share", "call_share", "tokproc_share")
                 ),
                 f"{100 * b.get('idle_share', 0.0):.0f}%",
-                _f(b.get("mean_queue_ms")),
+                fmt(b.get("mean_queue_ms")),
             ]
         )
     if not rows:
         return []
-    header = [
+    header = (["system"] if len(keys) > 1 else []) + [
         "c", "prefill calls / mean batch / ms", "decode calls / mean batch",
         "decode ms: shard call / forward / router tokproc", "wall share: forward / shard calls / tokproc",
         "batcher idle", "queue ms",
@@ -303,7 +353,7 @@ def _breakdown_lines(results: dict[str, Any]) -> list[str]:
         "shard call = the whole router->shard RPC incl. the forward; tokproc = router token processing "
         "after each call; idle = wall time outside shard calls and token processing.",
         "",
-        *_table(header, rows),
+        *table(header, rows),
     ]
 
 
@@ -313,25 +363,27 @@ def _ratio_lines(results: dict[str, Any]) -> list[str]:
     rows = [
         [
             t["target"],
-            _f(t["value"], 2),
+            fmt(t["value"], 2),
             t["goal"],
             t["status"] + (f" ({t['note']})" if t.get("note") else ""),
         ]
         for t in ratios.get("targets", [])
     ]
-    lines += _table(["target", "value", "goal", "status"], rows)
-    by_c = ratios.get("by_concurrency", {})
-    if by_c:
-        keys = [
-            ("vs_engine_only_output_throughput", "tok/s vs engine-only"),
-            ("vs_hf_generate_output_throughput", "tok/s vs HF generate"),
-            ("vs_vllm_output_throughput", "tok/s vs vLLM"),
-            ("vs_vllm_median_ttft", "p50 TTFT vs vLLM"),
-            ("vs_vllm_mean_tpot", "mean TPOT vs vLLM"),
-        ]
-        rows = [[c] + [_f(row.get(k), 2) for k, _ in keys] for c, row in by_c.items()]
-        lines += ["", "Ratios ours / other at each concurrency:", ""]
-        lines += _table(["c"] + [label for _, label in keys], rows)
+    lines += table(["target", "value", "goal", "status"], rows)
+    by_variant = ratios.get("by_variant") or {"ours": ratios.get("by_concurrency", {})}
+    keys = [
+        ("vs_engine_only_output_throughput", "tok/s vs engine-only"),
+        ("vs_hf_generate_output_throughput", "tok/s vs HF generate"),
+        ("vs_vllm_output_throughput", "tok/s vs vLLM"),
+        ("vs_vllm_median_ttft", "p50 TTFT vs vLLM"),
+        ("vs_vllm_mean_tpot", "mean TPOT vs vLLM"),
+    ]
+    for system, by_c in by_variant.items():
+        if not by_c:
+            continue
+        rows = [[c] + [fmt(row.get(k), 2) for k, _ in keys] for c, row in by_c.items()]
+        lines += ["", f"Ratios {system} / other at each concurrency:", ""]
+        lines += table(["c"] + [label for _, label in keys], rows)
     return lines
 
 
@@ -354,7 +406,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     systems = {k: s for k, s in results.get("systems", {}).items() if s.get("points")}
-    if not systems:
+    if not systems or results["metadata"].get("mode") == LONG_MIX:  # one point per system: the table says it
         return []
     rate_mode = results["metadata"].get("mode") == "rate"
     x_label = "request rate (req/s)" if rate_mode else "concurrency (closed loop)"
@@ -375,7 +427,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
             if pts:
                 ax.plot(
                     [p["batch_size"] for p in pts], [p["output_throughput"] for p in pts],
-                    linestyle="--", marker="x", label=BASELINE_LABELS.get(key, key) + " (batch = c)",
+                    linestyle="--", marker="x", label=baseline_label(key) + " (batch = c)",
                 )  # fmt: skip
         _concurrency_axis(ax, systems)
     ax.set_ylim(bottom=0)

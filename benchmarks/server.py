@@ -184,7 +184,8 @@ class ManagedServer:
 
 # ---- our server ---------------------------------------------------------------------------
 
-DTYPE_LOG = re.compile(r"loading .* \((?:torch\.)?(\w+), (\w+)\)")
+# "loading DIR (float32, cpu)" or "loading DIR (float32: why; cpu) from ...": the dtype comes first
+DTYPE_LOG = re.compile(r"loading \S+ \((?:torch\.)?(\w+)[,:]")
 
 
 @dataclass
@@ -215,7 +216,9 @@ def our_server(
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     cpus: set[int] | None = None,
+    name: str = "ours",
 ) -> OurServer:
+    """Our launcher on free ports; its log is LOG_DIR/server-NAME.log (one name per variant)."""
     grpc_port, http_port = free_port(), free_port()
     uds_dir = tempfile.mkdtemp(prefix="bench-shard-")
     command = [
@@ -229,12 +232,12 @@ def our_server(
         *(["--dtype", dtype] if dtype else []),
         *extra_args,
     ]  # fmt: skip
-    server_env = {"TERMINATION_LOG_PATH": str(log_dir / "ours-termination.log"), **(env or {})}
+    server_env = {"TERMINATION_LOG_PATH": str(log_dir / f"{name}-termination.log"), **(env or {})}
     return OurServer(
-        name="our server",
+        name="our server" if name == "ours" else f"our server ({name})",
         command=command,
         health_url=f"http://127.0.0.1:{http_port}/health",
-        log_path=log_dir / "server-ours.log",
+        log_path=log_dir / f"server-{name}.log",
         env=server_env,
         cpus=cpus,
         grpc_port=grpc_port,

@@ -1,10 +1,17 @@
 """One benchmark run, all in one command: model -> servers and points -> baselines -> report.
 
-Order: our server (started, healthy, warmed up, measured at every point, stopped), the
-engine-only and HF generate baselines (each in its own process, same dtype as the server
+Order: our server once per variant (variants.py: engine x prefix caching x prefill budget;
+each started, healthy, warmed up, measured at every point, stopped), the engine-only baseline
+once per engine and the HF generate baseline (each in its own process, same dtype as the server
 resolved), then the vLLM-CPU peer when asked for and installed (same dtype), then an external
 OpenAI-compatible endpoint when one is given. Nothing runs at the same time as anything else.
 Results are rewritten after every stage, so an interrupted run keeps what it measured.
+
+The long-prompt-mix workload has one point per system instead of a concurrency sweep
+(longmix.py: decode streams with long prompts arriving while they decode) and no baselines.
+A workload longer than the model's context (config.json) runs the reference model with a
+longer context (reference_model.with_context: same weights, RoPE positions); another model is
+refused.
 
 Each point: `warmup_rounds` closed-loop rounds of c requests at concurrency c (separate prompts),
 then `repeats` runs of the measured prompts (num_prompts each, default max(16, 4c); new prompts
@@ -27,14 +34,14 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import baselines, loadgen, report
+from benchmarks import baselines, loadgen, longmix, report
 from benchmarks.clients import Client, GrpcClient, OpenAIClient, served_model_name
-from benchmarks.reference_model import DEFAULT_DIR, STAMP_FILE, ensure_reference_model
+from benchmarks.reference_model import DEFAULT_DIR, STAMP_FILE, ensure_reference_model, with_context
 from benchmarks.server import (
     DEFAULT_VLLM_SCRIPT,
     OurServer,
@@ -52,7 +59,10 @@ from benchmarks.stats import (
     server_breakdown,
     summarize,
 )
-from benchmarks.workload import Prompt, PromptMaker, WorkloadSpec, build_workload
+from benchmarks.variants import ServerVariant, baseline_key, plan_variants
+from benchmarks.workload import LONG_MIX, Prompt, PromptMaker, WorkloadSpec, build_long_mix, build_workload
+from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
+from text_generation_common.model_config import context_length
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +98,9 @@ class BenchConfig:
     openai_prompt: str = "text"
     vllm_script: Path = DEFAULT_VLLM_SCRIPT
     vllm_args: tuple[str, ...] = ()
+    engines: tuple[str, ...] = (DEFAULT_DEPLOYMENT_FRAMEWORK,)  # our server once per engine
+    prefix_cache: str = "default"  # default | on | off | both (variants.plan_variants)
+    prefill_budgets: tuple[int, ...] = ()  # --max-batch-prefill-tokens per variant; () = default
     vllm_dtype: str | None = None  # None: the dtype our server resolved
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -104,10 +117,39 @@ class PointPlan:
     warmup: list[Prompt]
     warmup_concurrency: int
     repeats: list[list[Prompt]]  # the measured prompts of each repeat (all different)
+    # long-prompt-mix: (stream prompts, long prompts) of each warm-up round and of each repeat
+    mix_warmup: list[tuple[list[Prompt], list[Prompt]]] = field(default_factory=list)
+    mix_repeats: list[tuple[list[Prompt], list[Prompt]]] = field(default_factory=list)
+
+    @property
+    def is_mix(self) -> bool:
+        return bool(self.mix_repeats)
+
+
+def plan_mix(cfg: BenchConfig, maker: PromptMaker) -> list[PointPlan]:
+    """The one point of the long-prompt mix: its warm-up runs and measured runs (new prompts each)."""
+    spec = cfg.workload
+    return [
+        PointPlan(
+            label=f"{spec.streams} streams + {spec.long_count} long",
+            concurrency=spec.streams,
+            rate=None,
+            warmup=[],
+            warmup_concurrency=spec.streams + spec.long_count,
+            repeats=[],
+            mix_warmup=[build_long_mix(maker, spec, f"warmup-{r}") for r in range(cfg.warmup_rounds)],
+            mix_repeats=[
+                build_long_mix(maker, spec, f"point-0-{r}" if r else "point-0")
+                for r in range(max(1, cfg.repeats))
+            ],
+        )
+    ]
 
 
 def plan_points(cfg: BenchConfig, maker: PromptMaker) -> list[PointPlan]:
     spec = cfg.workload
+    if spec.kind == LONG_MIX:
+        return plan_mix(cfg, maker)
     shapes: list[tuple[str, int, float | None, int, int]] = []  # label, cap, rate, warm-up c, count
     if cfg.request_rates:
         warm_c = cfg.max_concurrency or RATE_WARMUP_CONCURRENCY
@@ -137,6 +179,9 @@ async def measure(
 ) -> list[dict[str, Any]]:
     points = []
     for plan in plans:
+        if plan.is_mix:
+            points.append(await _measure_mix(client, plan, system, cfg, metrics_url))
+            continue
         if plan.warmup:
             await loadgen.closed_loop(
                 client, plan.warmup, plan.warmup_concurrency, f"{system} warm-up {plan.label}", cfg.progress
@@ -154,6 +199,68 @@ async def measure(
     return points
 
 
+async def _measure_mix(
+    client: Client, plan: PointPlan, system: str, cfg: BenchConfig, metrics_url: str | None
+) -> dict[str, Any]:
+    """The long-prompt mix: warm-up runs, then the measured runs, combined (longmix.combine_mix)."""
+    interval = cfg.workload.long_interval_s
+    for k, (streams, longs) in enumerate(plan.mix_warmup):
+        logger.info("%s warm-up %s #%d", system, plan.label, k + 1)
+        await longmix.drive(client, streams, longs, interval, cfg.request_timeout_s)
+    runs = []
+    for r, (streams, longs) in enumerate(plan.mix_repeats):
+        label = f"{system} {plan.label}" + (f" #{r + 1}" if len(plan.mix_repeats) > 1 else "")
+
+        async def drive(streams: list[Prompt] = streams, longs: list[Prompt] = longs) -> dict[str, Any]:
+            stream_results, long_results, duration = await longmix.drive(
+                client, streams, longs, interval, cfg.request_timeout_s
+            )
+            return longmix.summarize_mix(stream_results, long_results, duration)
+
+        point = await _instrumented(drive, metrics_url)
+        point.update(
+            mode=LONG_MIX, max_concurrency=plan.concurrency, request_rate="inf", num_prompts=len(streams)
+        )
+        logger.info(
+            "%s: streams ITL p50 %.1f / p99 %.1f ms (during long prefills p99 %.1f ms), "
+            "long TTFT p50 %.0f ms; %d + %d ok, %d failed (load %.2f)",
+            label, point["p50_itl_ms"], point["p99_itl_ms"], point["during_long_itl"]["p99"],
+            point["long"]["median_ttft_ms"], point["completed"], point["long"]["completed"],
+            point["failed"] + point["long"]["failed"], point["loadavg_before"][0],
+        )  # fmt: skip
+        runs.append(point)
+    point = longmix.combine_mix(runs)
+    point["warmup_requests"] = sum(len(s) + len(lg) for s, lg in plan.mix_warmup)
+    failed = point["failed"] + point["long"]["failed"]
+    if failed:
+        errors = [e for e in point["errors"] + point["long"]["errors"] if e]
+        logger.warning("%s %s: %d request(s) failed, e.g. %s", system, plan.label, failed, errors[0])
+    return point
+
+
+async def _instrumented(
+    drive: Callable[[], Awaitable[dict[str, Any]]], metrics_url: str | None
+) -> dict[str, Any]:
+    """Run `drive` (it returns the point's statistics, with `duration`) with what every point
+    records around it: loadavg, the client's CPU time, the machine's CPU shares, /metrics deltas."""
+    before: Scrape | None = _scrape(metrics_url)
+    load_before = list(os.getloadavg())
+    cpu_before = time.process_time()
+    host_before = cpu_times()
+    stats = await drive()
+    point: dict[str, Any] = {
+        "loadavg_before": load_before,
+        "loadavg_after": list(os.getloadavg()),
+        "client_cpu_s": time.process_time() - cpu_before,  # the load generator's own CPU time
+        "host_cpu": cpu_shares(host_before, cpu_times()),  # the whole machine over the point
+    }
+    point.update(stats)
+    after = _scrape(metrics_url)
+    if before is not None and after is not None:
+        point["server_breakdown"] = server_breakdown(before, after, stats["duration"])
+    return point
+
+
 async def _measure_once(
     client: Client,
     plan: PointPlan,
@@ -162,35 +269,29 @@ async def _measure_once(
     cfg: BenchConfig,
     metrics_url: str | None,
 ) -> dict[str, Any]:
-    before: Scrape | None = _scrape(metrics_url)
-    load_before = list(os.getloadavg())
-    cpu_before = time.process_time()
-    host_before = cpu_times()
-    if plan.rate is None:
-        results, duration = await loadgen.closed_loop(client, prompts, plan.concurrency, label, cfg.progress)
-    else:
-        cap = plan.concurrency or None
-        results, duration = await loadgen.poisson(
-            client, prompts, plan.rate, cap, cfg.workload.seed, label, cfg.progress
-        )
+    async def drive() -> dict[str, Any]:
+        if plan.rate is None:
+            results, duration = await loadgen.closed_loop(
+                client, prompts, plan.concurrency, label, cfg.progress
+            )
+        else:
+            cap = plan.concurrency or None
+            results, duration = await loadgen.poisson(
+                client, prompts, plan.rate, cap, cfg.workload.seed, label, cfg.progress
+            )
+        return summarize(results, duration)
+
     point: dict[str, Any] = {
         "mode": "concurrency" if plan.rate is None else "rate",
         "max_concurrency": plan.concurrency if plan.concurrency else None,
         "request_rate": plan.rate if plan.rate is not None else "inf",
         "num_prompts": len(prompts),
-        "loadavg_before": load_before,
-        "loadavg_after": list(os.getloadavg()),
-        "client_cpu_s": time.process_time() - cpu_before,  # the load generator's own CPU time
-        "host_cpu": cpu_shares(host_before, cpu_times()),  # the whole machine over the point
     }
-    point.update(summarize(results, duration))
-    after = _scrape(metrics_url)
-    if before is not None and after is not None:
-        point["server_breakdown"] = server_breakdown(before, after, duration)
+    point.update(await _instrumented(drive, metrics_url))
     logger.info(
         "%s: %d ok, %d failed, %.1f out tok/s, TTFT p50 %.1f ms, TPOT mean %.2f ms (load %.2f)",
         label, point["completed"], point["failed"], point["output_throughput"],
-        point["median_ttft_ms"], point["mean_tpot_ms"], load_before[0],
+        point["median_ttft_ms"], point["mean_tpot_ms"], point["loadavg_before"][0],
     )  # fmt: skip
     return point
 
@@ -281,6 +382,25 @@ def _cpus(cpus: set[int] | None) -> list[int] | None:
     return sorted(cpus) if cpus else None
 
 
+def fit_context(model_dir: Path, cfg: BenchConfig) -> Path:
+    """The model directory to serve: `model_dir`, or, when the workload needs more positions than
+    the reference model's config.json allows, the reference model with a longer context (the
+    next multiple of 1024). Another model that is too short is refused (ValueError)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    allowed = context_length(config)
+    needed = cfg.workload.max_total_len()
+    if allowed is None or needed <= allowed:
+        return model_dir
+    if cfg.model_dir is not None:
+        raise ValueError(
+            f"the {cfg.workload.kind} workload needs {needed} positions (input + output) and "
+            f"{model_dir} allows {allowed}: shorten the workload or use a model with a longer context"
+        )
+    positions = -(-needed // 1024) * 1024
+    logger.info("the workload needs %d positions: the reference model with %d positions", needed, positions)
+    return with_context(model_dir, positions)
+
+
 # ---- the run ------------------------------------------------------------------------------
 
 
@@ -301,9 +421,11 @@ class Run:
 
     def execute(self) -> dict[str, Path]:
         cfg = self.cfg
-        model_dir = cfg.model_dir or ensure_reference_model(DEFAULT_DIR)
+        model_dir = fit_context(cfg.model_dir or ensure_reference_model(DEFAULT_DIR), cfg)
         maker = PromptMaker(model_dir)
         plans = plan_points(cfg, maker)
+        variants = plan_variants(cfg.engines, cfg.prefix_cache, cfg.prefill_budgets)
+        mix = cfg.workload.kind == LONG_MIX
         meta = self.results["metadata"]
         meta.update(
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -313,8 +435,11 @@ class Run:
             model=model_info(model_dir),
             workload=asdict(cfg.workload),
             workload_description=cfg.workload.describe(),
-            mode="rate" if cfg.request_rates else "concurrency",
+            mode=LONG_MIX if mix else "rate" if cfg.request_rates else "concurrency",
             points=[p.label for p in plans],
+            engine=cfg.engines[0] if len(cfg.engines) == 1 else None,
+            engines=list(cfg.engines),
+            variants={v.key: v.describe() for v in variants},
             dtype_requested=cfg.dtype,
             dtype=cfg.dtype,
             threads={
@@ -325,13 +450,29 @@ class Run:
             options={k: (str(v) if isinstance(v, Path | set) else v) for k, v in asdict(cfg).items()},
         )
         if "ours" in cfg.systems:
-            self._ours(model_dir, plans)
-        sizes = sorted({p.concurrency for p in plans if p.concurrency}) if not cfg.request_rates else []
-        for kind, key in (("engine", "engine_only"), ("generate", "hf_generate")):
-            if kind in cfg.systems and sizes:
-                self._guarded(key, functools.partial(self._baseline, kind, key, model_dir, sizes))
-            elif kind in cfg.systems:
-                self.results["skipped"][key] = "baselines run at the concurrencies of a closed-loop sweep"
+            for variant in variants:
+                stage = functools.partial(self._ours, variant, model_dir, plans)
+                if len(variants) == 1:
+                    stage()  # the only server of ours: its failure fails the run
+                else:
+                    self._guarded(variant.key, stage)
+        closed_loop = not cfg.request_rates and not mix
+        sizes = sorted({p.concurrency for p in plans if p.concurrency}) if closed_loop else []
+        why_not = f"baselines run at the concurrencies of a closed-loop sweep, not {meta['mode']}"
+        if "engine" in cfg.systems:
+            for engine in cfg.engines:
+                key = baseline_key("engine_only", engine, cfg.engines)
+                if sizes:
+                    stage = functools.partial(self._baseline, "engine", key, model_dir, sizes, engine)
+                    self._guarded(key, stage)
+                else:
+                    self.results["skipped"][key] = why_not
+        if "generate" in cfg.systems and sizes:
+            self._guarded(
+                "hf_generate", functools.partial(self._baseline, "generate", "hf_generate", model_dir, sizes)
+            )
+        elif "generate" in cfg.systems:
+            self.results["skipped"]["hf_generate"] = why_not
         if "vllm" in cfg.systems:
             self._guarded("vllm", functools.partial(self._vllm, model_dir, plans))
         if cfg.openai_url:
@@ -348,26 +489,28 @@ class Run:
             self.results["skipped"][key] = f"failed: {str(exc).splitlines()[0]}"
             self.save()
 
-    def _ours(self, model_dir: Path, plans: list[PointPlan]) -> None:
+    def _ours(self, variant: ServerVariant, model_dir: Path, plans: list[PointPlan]) -> None:
         cfg = self.cfg
-        entry: dict[str, Any] = {"info": {"client": "grpc"}, "points": []}
-        self.results["systems"]["ours"] = entry
+        entry: dict[str, Any] = {"info": {"client": "grpc", "variant": variant.describe()}, "points": []}
+        self.results["systems"][variant.key] = entry
         if cfg.grpc_address:
             entry["info"].update(address=cfg.grpc_address, managed=False)
-            entry["points"] = asyncio.run(self._drive_grpc(cfg.grpc_address, plans, None))
+            entry["points"] = asyncio.run(self._drive_grpc(cfg.grpc_address, plans, None, variant.key))
             self.save()
             return
         largest = max([p.concurrency for p in plans] + [p.warmup_concurrency for p in plans])
         if cfg.request_rates and not cfg.max_concurrency:
             largest = max(largest, RATE_MAX_BATCH_SIZE)  # unbounded arrivals: room to batch them
+        suffix = variant.key.removeprefix("ours").strip("[]").replace(",", "-").replace("=", "")
         server: OurServer = our_server(
             model_dir,
             self.out,
             dtype=cfg.dtype,
             max_batch_size=cfg.max_batch_size or largest,
-            extra_args=cfg.server_args,
-            env=cfg.server_env,
+            extra_args=(*variant.launcher_args(), *cfg.server_args),
+            env={**variant.env(), **cfg.server_env},
             cpus=self.server_cpus,
+            name=f"ours-{suffix}" if suffix else "ours",
         )
         with server:
             server.start(cfg.startup_timeout_s)
@@ -375,15 +518,17 @@ class Run:
             if resolved:
                 self.results["metadata"]["dtype"] = resolved
             entry["info"].update(server.info, dtype=resolved, managed=True)
-            entry["points"] = asyncio.run(self._drive_grpc(server.grpc_address, plans, server.metrics_url))
+            entry["points"] = asyncio.run(
+                self._drive_grpc(server.grpc_address, plans, server.metrics_url, variant.key)
+            )
         self.save()
 
     async def _drive_grpc(
-        self, address: str, plans: list[PointPlan], metrics_url: str | None
+        self, address: str, plans: list[PointPlan], metrics_url: str | None, system: str = "ours"
     ) -> list[dict[str, Any]]:
         client = GrpcClient(address, self.cfg.request_timeout_s)
         try:
-            return await measure(client, plans, "ours", self.cfg, metrics_url)
+            return await measure(client, plans, system, self.cfg, metrics_url)
         finally:
             await client.close()
 
@@ -398,12 +543,15 @@ class Run:
         finally:
             await client.close()
 
-    def _baseline(self, kind: str, key: str, model_dir: Path, sizes: list[int]) -> None:
+    def _baseline(
+        self, kind: str, key: str, model_dir: Path, sizes: list[int], engine: str | None = None
+    ) -> None:
         cfg = self.cfg
+        name = key.replace("engine_only", "engine").replace("hf_generate", "generate").replace("[", "-")
         result = baselines.run_in_child(
             kind,
             model_dir,
-            self.out / f"baseline-{kind}.json",
+            self.out / f"baseline-{name.rstrip(']')}.json",
             dtype=self.results["metadata"]["dtype"] or cfg.dtype,
             batch_sizes=sizes,
             input_len=cfg.workload.input_len,
@@ -412,6 +560,8 @@ class Run:
             repeats=cfg.repeats,
             env=cfg.server_env,
             cpus=self.server_cpus,
+            engine=engine,
+            token_budget=cfg.prefill_budgets[0] if len(cfg.prefill_budgets) == 1 else None,
         )
         self.results["baselines"][key] = result
         meta = self.results["metadata"]

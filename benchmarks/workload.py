@@ -12,6 +12,9 @@ Workloads (`build_workload`):
   mixed          lengths drawn uniformly from [len·(1−r), len·(1+r)], r = range_ratio
   shared-prefix  prompts of input_len whose first prefix_len tokens are one of num_prefixes
                  common prefixes (prefix caches can reuse them)
+  long-prompt-mix  `streams` decode streams of input_len in / output_len out, and `long_count`
+                 long prompts of long_len in / long_output_len out sent while they decode
+                 (`build_long_mix`; driven by longmix.py, not by the closed loop)
 
 Only the `tokenizers` library is used (no torch), so the load generator stays light.
 """
@@ -24,7 +27,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-WORKLOADS = ("fixed", "mixed", "shared-prefix")
+WORKLOADS = ("fixed", "mixed", "shared-prefix", "long-prompt-mix")
+LONG_MIX = "long-prompt-mix"
+DEFAULT_OUTPUT_LEN = {LONG_MIX: 256}  # the others: 128
 MAX_FIX_STEPS = 400
 
 
@@ -48,6 +53,11 @@ class WorkloadSpec:
     prefix_len: int = 0  # shared-prefix; 0 = input_len // 2
     num_prefixes: int = 1  # shared-prefix
     seed: int = 0
+    streams: int = 16  # long-prompt-mix: concurrent decode streams (input_len / output_len)
+    long_len: int = 2048  # long-prompt-mix: tokens of each long prompt
+    long_count: int = 4  # long-prompt-mix: long prompts per run
+    long_output_len: int = 16  # long-prompt-mix: tokens each long prompt generates
+    long_interval_s: float = 0.5  # long-prompt-mix: seconds between long prompts
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -58,6 +68,13 @@ class WorkloadSpec:
             raise ValueError(f"range ratio must be in [0, 1), got {self.range_ratio}")
         if self.num_prefixes < 1:
             raise ValueError("num_prefixes must be >= 1")
+        if self.kind == LONG_MIX:
+            if self.streams < 1 or self.long_count < 1:
+                raise ValueError("long-prompt-mix needs at least one stream and one long prompt")
+            if self.long_len < 2 or self.long_output_len < 1:
+                raise ValueError("long prompts need >= 2 input tokens and >= 1 output token")
+            if self.long_interval_s < 0:
+                raise ValueError(f"long interval must be >= 0 s, got {self.long_interval_s}")
 
     @property
     def shared_prefix_len(self) -> int:
@@ -69,7 +86,24 @@ class WorkloadSpec:
             return f"{base} (±{self.range_ratio:.0%})"
         if self.kind == "shared-prefix":
             return f"{base} ({self.num_prefixes} prefix(es) of {self.shared_prefix_len} tokens)"
+        if self.kind == LONG_MIX:
+            return (
+                f"{self.kind}: {self.streams} streams of {self.input_len} in / {self.output_len} out, "
+                f"{self.long_count} long prompts of {self.long_len} in / {self.long_output_len} out "
+                f"every {self.long_interval_s:g} s while they decode"
+            )
         return base
+
+    def max_total_len(self) -> int:
+        """The most tokens (input + output) one request of this workload holds."""
+        if self.kind == "mixed":
+            return round(self.input_len * (1 + self.range_ratio)) + round(
+                self.output_len * (1 + self.range_ratio)
+            )
+        total = self.input_len + self.output_len
+        if self.kind == LONG_MIX:
+            total = max(total, self.long_len + self.long_output_len)
+        return total
 
 
 class PromptMaker:
@@ -156,3 +190,19 @@ def build_workload(maker: PromptMaker, spec: WorkloadSpec, count: int, salt: str
             prompt = maker.exact(spec.input_len, rng)
         prompts.append(Prompt(prompt.text, prompt.ids, out))
     return prompts
+
+
+def build_long_mix(
+    maker: PromptMaker, spec: WorkloadSpec, salt: str | int = 0
+) -> tuple[list[Prompt], list[Prompt]]:
+    """The stream prompts (`streams` of input_len / output_len) and the long prompts
+    (`long_count` of long_len / long_output_len) of one long-prompt-mix run."""
+    if spec.kind != LONG_MIX:
+        raise ValueError(f"build_long_mix needs the {LONG_MIX} workload, got {spec.kind!r}")
+    rng = random.Random(f"{spec.seed}:{salt}:{spec.kind}")
+    streams = [maker.exact(spec.input_len, rng) for _ in range(spec.streams)]
+    longs = [maker.exact(spec.long_len, rng) for _ in range(spec.long_count)]
+    return (
+        [Prompt(p.text, p.ids, spec.output_len) for p in streams],
+        [Prompt(p.text, p.ids, spec.long_output_len) for p in longs],
+    )

@@ -9,6 +9,7 @@ counts, TTFT <= end-to-end latency, table and plots.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -17,12 +18,19 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
 
-from benchmarks.stats import POINT_FIELDS, RequestResult, summarize
-from benchmarks.workload import WORKLOADS, PromptMaker, WorkloadSpec, build_workload
+from benchmarks import baselines, longmix, report
+from benchmarks.__main__ import build_parser, config_from_args
+from benchmarks.server import DTYPE_LOG
+from benchmarks.stats import METRICS, POINT_FIELDS, RequestResult, summarize
+from benchmarks.suite import BenchConfig, fit_context
+from benchmarks.variants import baseline_key, plan_variants
+from benchmarks.workload import WORKLOADS, Prompt, PromptMaker, WorkloadSpec, build_long_mix, build_workload
+from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -199,3 +207,305 @@ def test_summarize_uses_vllm_definitions() -> None:
     assert point["mean_e2el_ms"] == pytest.approx(500.0)
     assert point["mean_tokens_per_message"] == pytest.approx(1.25)
     assert point["length_mismatches"] == 0
+
+
+# ---- engines, prefix-cache and prefill-budget variants; the long-prompt mix (no server) -------
+
+
+def _config(*args: str) -> BenchConfig:
+    return config_from_args(build_parser().parse_args(["--out", "/tmp/unused", *args]))
+
+
+def test_engine_prefix_cache_and_budget_options() -> None:
+    cfg = _config()
+    assert cfg.engines == (DEFAULT_DEPLOYMENT_FRAMEWORK,) and cfg.prefix_cache == "default"
+    assert cfg.prefill_budgets == () and cfg.workload.output_len == 128
+    cfg = _config(
+        "--engine", "hf_transformers, tgis_native", "--prefix-cache", "both", "--prefill-budget", "256,100000"
+    )  # fmt: skip
+    assert cfg.engines == ("hf_transformers", "tgis_native")
+    assert cfg.prefix_cache == "both" and cfg.prefill_budgets == (256, 100000)
+    for bad in (["--engine", "no_such_engine"], ["--prefill-budget", "-1"], ["--prefix-cache", "maybe"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+    with pytest.raises(ValueError, match="one running server"):
+        _config("--engine", "hf_transformers,tgis_native", "--grpc-address", "127.0.0.1:1")
+
+
+def test_long_prompt_mix_options_and_defaults() -> None:
+    spec = _config("--workload", "long-prompt-mix").workload
+    assert (spec.streams, spec.input_len, spec.output_len) == (16, 128, 256)
+    assert (spec.long_len, spec.long_count, spec.long_output_len) == (2048, 4, 16)
+    assert spec.max_total_len() == 2048 + 16
+    assert "16 streams of 128 in / 256 out, 4 long prompts of 2048 in" in spec.describe()
+    spec = _config(
+        "--workload", "long-prompt-mix", "--streams", "3", "--long-len", "100", "--long-count", "2",
+        "--long-output-len", "4", "--long-interval", "0.1", "--output-len", "50",
+    ).workload  # fmt: skip
+    assert (spec.streams, spec.long_len, spec.long_count, spec.long_output_len) == (3, 100, 2, 4)
+    assert spec.long_interval_s == 0.1 and spec.output_len == 50 and spec.max_total_len() == 178
+    with pytest.raises(ValueError, match="at least one stream"):
+        WorkloadSpec(kind="long-prompt-mix", streams=0)
+    with pytest.raises(ValueError, match="drives its own arrivals"):
+        _config("--workload", "long-prompt-mix", "--request-rate", "2")
+
+
+def test_variants_name_only_what_varies() -> None:
+    (only,) = plan_variants(("tgis_native",))
+    assert (
+        only.key == "ours"
+        and only.env() == {}
+        and only.launcher_args() == ("--deployment-framework", "tgis_native")
+    )
+    variants = plan_variants(("hf_transformers", "tgis_native"), "both", (256,))
+    assert [v.key for v in variants] == [
+        "ours[hf_transformers]",  # no prefix cache to switch: runs once
+        "ours[tgis_native,prefix-cache]",
+        "ours[tgis_native,no-prefix-cache]",
+    ]
+    off = variants[2]
+    assert off.env() == {"PREFIX_CACHING": "false"} and variants[1].env() == {"PREFIX_CACHING": "true"}
+    assert off.launcher_args() == (
+        "--deployment-framework",
+        "tgis_native",
+        "--max-batch-prefill-tokens",
+        "256",
+    )
+    assert off.describe() == {"engine": "tgis_native", "prefix_cache": False, "prefill_budget": 256}
+    budgets = plan_variants(("tgis_native",), "default", (256, 100000))
+    assert [v.key for v in budgets] == ["ours[budget=256]", "ours[budget=100000]"]
+    assert baseline_key("engine_only", "tgis_native", ("tgis_native",)) == "engine_only"
+    assert (
+        baseline_key("engine_only", "tgis_native", ("hf_transformers", "tgis_native"))
+        == "engine_only[tgis_native]"
+    )
+
+
+def test_long_mix_prompts_have_exact_token_counts(tiny_model: Callable[..., Path]) -> None:
+    maker = PromptMaker(tiny_model("llama"))
+    spec = WorkloadSpec(
+        kind="long-prompt-mix", input_len=12, output_len=6, streams=3, long_len=90, long_count=2
+    )
+    streams, longs = build_long_mix(maker, spec, "point-0")
+    assert [(p.input_len, p.output_len) for p in streams] == [(12, 6)] * 3
+    assert [(p.input_len, p.output_len) for p in longs] == [(90, 16)] * 2
+    assert all(maker.encode(p.text) == list(p.ids) for p in streams + longs)
+    assert build_long_mix(maker, spec, "point-0") == (streams, longs)  # deterministic
+    assert build_long_mix(maker, spec, "point-1")[1] != longs  # a new run, new prompts
+
+
+def test_fit_context_extends_only_the_reference_model(tmp_path: Path) -> None:
+    reference = tmp_path / "ref"
+    reference.mkdir()
+    (reference / "config.json").write_text(json.dumps({"max_position_embeddings": 64, "vocab_size": 10}))
+    (reference / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    (reference / "model.safetensors").write_bytes(b"weights")
+    short = BenchConfig(out_dir=tmp_path, workload=WorkloadSpec(input_len=32, output_len=32))
+    assert fit_context(reference, short) == reference
+    long = BenchConfig(out_dir=tmp_path, workload=WorkloadSpec(input_len=1000, output_len=100))
+    extended = fit_context(reference, long)
+    assert extended == tmp_path / "ref-ctx2048"
+    assert json.loads((extended / "config.json").read_text())["max_position_embeddings"] == 2048
+    assert json.loads((extended / "tokenizer_config.json").read_text())["model_max_length"] == 2048
+    assert (extended / "model.safetensors").is_symlink() and (
+        extended / "model.safetensors"
+    ).read_bytes() == b"weights"
+    assert fit_context(reference, long) == extended  # made once
+    user = BenchConfig(out_dir=tmp_path, model_dir=reference, workload=long.workload)
+    with pytest.raises(ValueError, match="needs 1100 positions"):
+        fit_context(reference, user)
+
+
+def _stream(start: float, ttft: float, gaps: list[float], tokens: int | None = None) -> RequestResult:
+    result = RequestResult(
+        expected_input_len=8, expected_output_len=tokens or len(gaps) + 1, start=start, ttft=ttft
+    )
+    result.itl, result.input_len, result.output_len = gaps, 8, tokens or len(gaps) + 1
+    result.messages, result.end = len(gaps) + 1, start + ttft + sum(gaps)
+    return result
+
+
+def test_long_mix_statistics_count_stream_gaps_only() -> None:
+    # Two streams decoding every 10 ms, with one 100 ms stall at t = 1.05..1.15 s, during the
+    # long prompt's prefill (sent at 1.0 s, first token at 1.205 s).
+    gaps = [0.01] * 100
+    gaps[4] = 0.1
+    streams = [_stream(1.0, 0.01, list(gaps)), _stream(1.0, 0.01, list(gaps))]
+    long = _stream(1.0, 0.205, [0.01] * 3)
+    point = longmix.summarize_mix(streams, [long], duration=2.0)
+    assert point["completed"] == 2 and point["long"]["completed"] == 1
+    assert point["p50_itl_ms"] == pytest.approx(10.0)
+    assert point["long"]["median_ttft_ms"] == pytest.approx(205.0)  # the long prompt's, not the streams'
+    during = point["during_long_itl"]
+    # per stream: 4 x 10 ms, the 100 ms stall, 5 x 10 ms and the gap across 1.205 s
+    assert during["count"] == 2 * 11 and during["max"] == pytest.approx(100.0)
+    assert point["overlapped_long"] == 1
+    assert point["stream_itl_p99_over_p50"] == pytest.approx(point["p99_itl_ms"] / 10.0)
+    combined = longmix.combine_mix([point, point])
+    assert combined["completed"] == 4 and combined["long"]["completed"] == 2
+    assert combined["during_long_itl"]["count"] == during["count"]
+
+
+def test_long_mix_sends_long_prompts_once_every_stream_decodes() -> None:
+    events: list[str] = []
+
+    class FakeClient:
+        name = "fake"
+
+        async def generate(self, prompt: Prompt, first_token: asyncio.Event | None = None) -> RequestResult:
+            kind = "long" if prompt.input_len > 10 else "stream"
+            events.append(f"send {kind}")
+            await asyncio.sleep(0.01)
+            events.append(f"first {kind}")
+            if first_token is not None:
+                first_token.set()
+            await asyncio.sleep(0.01)
+            return _stream(0.0, 0.01, [0.01])
+
+        async def close(self) -> None:
+            pass
+
+    streams = [Prompt("s", (1, 2, 3), 2)] * 3
+    longs = [Prompt("l", tuple(range(20)), 2)] * 2
+    stream_results, long_results, duration = asyncio.run(longmix.drive(FakeClient(), streams, longs, 0.0))
+    assert len(stream_results) == 3 and len(long_results) == 2 and duration > 0
+    first_long = events.index("send long")
+    assert events[:first_long].count("first stream") == 3
+
+
+def _serving_point(c: int, tok_s: float, ttft: float, mode: str = "concurrency") -> dict[str, Any]:
+    return {
+        "mode": mode, "max_concurrency": c, "request_rate": "inf", "completed": 4, "failed": 0,
+        "request_throughput": 1.0, "output_throughput": tok_s, "total_token_throughput": tok_s,
+        **{f"{s}_{m}_ms": ttft if m == "ttft" else 5.0 for s in ("mean", "median", "p99") for m in METRICS},
+        "median_e2el_ms": 100.0, "p99_e2el_ms": 120.0, "duration": 1.0, "client_cpu_s": 0.1,
+        "loadavg_before": [0.5, 0.5, 0.5],
+    }  # fmt: skip
+
+
+def _system(variant: dict[str, Any], points: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"info": {"variant": variant}, "points": points}
+
+
+def _baseline(engine: str, tok_s: dict[int, float]) -> dict[str, Any]:
+    shape = {"input_len": 128, "output_len": 128, "prefill_ms": 50.0, "decode_step_ms": 8.0}
+    return {
+        "engine": engine,
+        "points": [{"batch_size": b, "output_throughput": t, **shape} for b, t in tok_s.items()],
+    }
+
+
+def test_report_sets_engines_and_prefix_cache_side_by_side() -> None:
+    hf = {"engine": "hf_transformers", "prefix_cache": "default", "prefill_budget": "default"}
+    native_on = {"engine": "tgis_native", "prefix_cache": True, "prefill_budget": "default"}
+    native_off = {**native_on, "prefix_cache": False}
+    results: dict[str, Any] = {
+        "metadata": {"mode": "concurrency", "engines": ["hf_transformers", "tgis_native"], "date": "now"},
+        "systems": {
+            "ours[hf_transformers]": _system(
+                hf, [_serving_point(1, 100.0, 40.0), _serving_point(8, 400.0, 80.0)]
+            ),
+            "ours[tgis_native,prefix-cache]": _system(
+                native_on, [_serving_point(1, 150.0, 10.0), _serving_point(8, 600.0, 20.0)]
+            ),
+            "ours[tgis_native,no-prefix-cache]": _system(
+                native_off, [_serving_point(1, 140.0, 40.0), _serving_point(8, 500.0, 40.0)]
+            ),
+        },
+        "baselines": {
+            "engine_only[hf_transformers]": _baseline("hf_transformers", {1: 110.0, 8: 440.0}),
+            "engine_only[tgis_native]": _baseline("tgis_native", {1: 165.0, 8: 660.0}),
+        },
+        "skipped": {},
+    }  # fmt: skip
+    ratios = report.compute_ratios(results)
+    by_variant = ratios["by_variant"]
+    assert by_variant["ours[hf_transformers]"]["8"]["vs_engine_only_output_throughput"] == pytest.approx(
+        400 / 440
+    )
+    assert by_variant["ours[tgis_native,prefix-cache]"]["1"][
+        "vs_engine_only_output_throughput"
+    ] == pytest.approx(150 / 165)
+    (with_cache,) = [r for r in ratios["engines"] if r["numerator"] == "ours[tgis_native,prefix-cache]"]
+    assert with_cache["denominator"] == "ours[hf_transformers]"
+    assert with_cache["by_point"]["8"]["output_throughput"] == pytest.approx(1.5)
+    assert with_cache["by_point"]["8"]["median_ttft"] == pytest.approx(0.25)
+    assert with_cache["by_point"]["8"]["engine_only_output_throughput"] == pytest.approx(1.5)
+    prefix = {r["point"]: r for r in ratios["prefix_cache"]}
+    assert prefix["1"]["ratio"] == pytest.approx(0.25) and prefix["1"]["status"] == "met"
+    assert prefix["8"]["ratio"] == pytest.approx(0.5) and prefix["8"]["status"] == "missed"
+    results["ratios"] = ratios
+    text = report.markdown(results)
+    assert (
+        "## Engines side by side" in text
+        and "### ours[tgis_native,prefix-cache] / ours[hf_transformers]" in text
+    )
+    assert "| 8 | 400.0 | 600.0 | 1.50 | 80.0 | 20.0 | 0.25 |" in text
+    assert "## Prefix cache on / off" in text
+    assert (
+        "| ours[tgis_native,prefix-cache] / ours[tgis_native,no-prefix-cache] | 1 | 10.0 | 40.0 | 0.25 |"
+        in text
+    )
+    assert "engine-only loop [tgis_native] out tok/s" in text
+
+
+def test_report_long_mix_table() -> None:
+    def mix_point(p50: float, p99: float, long_ttft: float) -> dict[str, Any]:
+        point = _serving_point(16, 500.0, 30.0, mode="long-prompt-mix")
+        point.update(p50_itl_ms=p50, p99_itl_ms=p99, stream_itl_p99_over_p50=p99 / p50, itls=[[p99 / 1000.0]])
+        point["during_long_itl"] = {"count": 40, "mean": p99, "p50": p99, "p99": p99, "max": p99}
+        point["long"] = {
+            "completed": 4,
+            "failed": 0,
+            "median_ttft_ms": long_ttft,
+            "ttfts": [long_ttft / 1000.0],
+        }
+        point["overlapped_long"] = 4
+        return point
+
+    chunked = {"engine": "tgis_native", "prefix_cache": "default", "prefill_budget": 256}
+    whole = {**chunked, "prefill_budget": 100000}
+    results: dict[str, Any] = {
+        "metadata": {"mode": "long-prompt-mix", "engines": ["tgis_native"]},
+        "systems": {
+            "ours[budget=256]": _system(chunked, [mix_point(20.0, 36.0, 900.0)]),
+            "ours[budget=100000]": _system(whole, [mix_point(18.0, 400.0, 700.0)]),
+        },
+        "baselines": {},
+        "skipped": {},
+    }
+    ratios = report.compute_ratios(results)
+    rows = {r["system"]: r for r in ratios["long_mix"]}
+    assert rows["ours[budget=256]"]["status"] == "met" and rows["ours[budget=256]"]["prefill_budget"] == 256
+    assert rows["ours[budget=100000]"]["status"] == "missed"
+    assert rows["ours[budget=100000]"]["itl_p99_over_p50"] == pytest.approx(400 / 18)
+    # no sweep, no issue-6 targets: only the errors one
+    assert [t["target"] for t in ratios["targets"]] == ["failed requests, all systems and points"]
+    results["ratios"] = ratios
+    text = report.markdown(results)
+    assert "## Long-prompt mix" in text
+    assert "| ours[budget=256] | 256 | 4 / 4 / 0 | 20.0 / 36.0 / 36.0 | 1.80 |" in text
+    assert report.plots(results, Path("/nonexistent")) == []  # one point per system: no plots
+
+
+def test_baseline_prompts_are_new_for_every_run(tiny_model: Callable[..., Path]) -> None:
+    model = tiny_model("llama")
+    first = baselines.prompt_ids(model, 2, 10, seed=0, salt="8:0")
+    assert first == baselines.prompt_ids(model, 2, 10, seed=0, salt="8:0")
+    assert first != baselines.prompt_ids(model, 2, 10, seed=0, salt="8:1")
+    assert all(len(p) == 10 and p[0] == 1 for p in first)
+
+
+@pytest.mark.parametrize(
+    ("line", "dtype"),
+    [
+        (
+            "Shard 0: INFO x: loading /m/tiny (float32: the CPU has no AMX-BF16, AVX512-BF16; cpu) from /m",
+            "float32",
+        ),
+        ("INFO x: loading /m/tiny (torch.bfloat16, cpu)", "bfloat16"),
+    ],
+)
+def test_the_server_dtype_is_read_from_its_log(line: str, dtype: str) -> None:
+    match = DTYPE_LOG.search(line)
+    assert match is not None and match.group(1) == dtype

@@ -1,0 +1,149 @@
+"""Engine-level step timings: `tgis_native` against `hf_transformers`, interleaved in one process.
+
+Both engines load the same model with the same ServerConfig (float32 unless told, max batch 32)
+and run the router's call sequence without a router: `new_batch` -> `generate_token(first=True)`
+(the prefill) -> `generate_token` per decode step. For each batch size the two engines'
+steps alternate (hf, native, hf, native, ...), so a load change on a shared machine hits both;
+medians of the timed steps after a warm-up. Prefill: a fresh batch of B prompts per repeat
+(new random prompts each time: no prefix-cache hit), also alternating.
+
+    .venv/bin/python -m benchmarks.engine_step                 # the reference model, fp32
+    .venv/bin/python -m benchmarks.engine_step --batch 1,16 --steps 50 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+ENGINES = ("hf_transformers", "tgis_native")
+
+
+def _requests(rng: random.Random, first_id: int, count: int, prompt: int, new: int, vocab: int) -> list[Any]:
+    from text_generation_common.messages import GenerationRequest
+
+    return [
+        GenerationRequest(first_id + i, tuple(rng.randrange(10, vocab) for _ in range(prompt)), new)
+        for i in range(count)
+    ]
+
+
+def _timed(engine: Any, batch: Any, first: bool) -> tuple[float, Any]:
+    start = time.perf_counter()
+    _, batch = engine.generate_token(batch, first)
+    return (time.perf_counter() - start) * 1e3, batch
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.reference_model import ensure_reference_model
+    from text_generation_server.config import ServerConfig
+    from text_generation_server.engines import get_engine_class
+
+    model = Path(args.model) if args.model else ensure_reference_model()
+    torch.set_num_threads(args.threads)
+    engines = {}
+    for name in ENGINES:
+        config = ServerConfig(
+            model_name=str(model),
+            deployment_framework=name,
+            dtype=args.dtype,
+            max_batch_size=max(32, *args.batch, args.prefill_batch),
+            max_new_tokens=args.warmup + args.steps + 2,
+        )
+        engines[name] = get_engine_class(name)(config)
+    vocab = engines["tgis_native"].info.vocab_size
+    rng = random.Random(0)
+    next_id = 1
+    result: dict[str, Any] = {"decode": {}, "prefill": {}}
+    for size in args.batch:
+        batches = {}
+        for name, engine in engines.items():
+            batch, errors = engine.new_batch(
+                next_id, _requests(rng, next_id, size, args.prompt, args.warmup + args.steps + 2, vocab)
+            )
+            assert batch is not None and not errors, errors
+            _, batches[name] = engine.generate_token(batch, True)
+            next_id += size
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for step in range(args.warmup + args.steps):
+            for name, engine in engines.items():
+                ms, batches[name] = _timed(engine, batches[name], False)
+                if step >= args.warmup:
+                    times[name].append(ms)
+        result["decode"][size] = {name: statistics.median(t) for name, t in times.items()}
+        del batches
+        gc.collect()
+        logger.info("decode bs %d: %s", size, _line(result["decode"][size]))
+    times = {name: [] for name in engines}
+    for repeat in range(args.prefill_warmup + args.prefill_repeats):
+        for name, engine in engines.items():
+            requests = _requests(rng, next_id, args.prefill_batch, args.prompt, 1, vocab)
+            next_id += args.prefill_batch
+            batch, _ = engine.new_batch(next_id, requests)
+            ms, batch = _timed(engine, batch, True)
+            del batch
+            gc.collect()
+            if repeat >= args.prefill_warmup:
+                times[name].append(ms)
+    result["prefill"][f"{args.prefill_batch}x{args.prompt}"] = {
+        n: statistics.median(t) for n, t in times.items()
+    }
+    logger.info(
+        "prefill %dx%d: %s", args.prefill_batch, args.prompt, _line(next(iter(result["prefill"].values())))
+    )
+    return result
+
+
+def _line(medians: dict[str, float]) -> str:
+    hf, native = medians["hf_transformers"], medians["tgis_native"]
+    return f"hf {hf:.2f} ms, native {native:.2f} ms, native/hf {native / hf:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--model", default="", help="model directory (default: the reference model)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--steps", type=int, default=40, help="timed decode steps per batch size")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--prefill-batch", type=int, default=16)
+    parser.add_argument("--prefill-repeats", type=int, default=30)
+    parser.add_argument("--prefill-warmup", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="write the medians here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    result = run(args)
+    rows = ["| step | hf_transformers ms | tgis_native ms | native/hf |", "|---|---|---|---|"]
+    for size, m in result["decode"].items():
+        rows.append(
+            f"| decode bs {size} | {m['hf_transformers']:.2f} | {m['tgis_native']:.2f} | "
+            f"{m['tgis_native'] / m['hf_transformers']:.3f} |"
+        )
+    for shape, m in result["prefill"].items():
+        rows.append(
+            f"| prefill {shape} | {m['hf_transformers']:.1f} | {m['tgis_native']:.1f} | "
+            f"{m['tgis_native'] / m['hf_transformers']:.3f} |"
+        )
+    sys.stdout.write("\n".join(rows) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The configurations of our server that one run measures, one server start each.
+
+A run can start our server several times: once per engine (`--engine hf_transformers,tgis_native`),
+with and without prefix caching (`--prefix-cache both`) and once per router prefill token budget
+(`--prefill-budget 256,100000`). Each combination is a `ServerVariant`: the launcher arguments and
+environment that select it, and the key its results are stored under, `ours` when the run has one
+variant, else `ours[...]` naming only what varies (`ours[tgis_native]`,
+`ours[tgis_native,no-prefix-cache]`, `ours[budget=256]`).
+
+The engine-only baseline runs once per engine: its results are stored under `engine_only`, or
+`engine_only[ENGINE]` when the run has several engines (`baseline_key`).
+
+Torch-free: engine names and capabilities come from the registry in text_generation_common.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
+from text_generation_common.engines import ENGINES
+
+PREFIX_CACHE_MODES = ("default", "on", "off", "both")
+PREFIX_CACHING_ENV = "PREFIX_CACHING"  # the shard's switch; the launcher passes its env on
+# Engines that cache prompt prefixes (the registry has no capability for it yet).
+PREFIX_CACHE_ENGINES = frozenset({"tgis_native"})
+OURS = "ours"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerVariant:
+    """One configuration of our server: engine, prefix caching, prefill token budget."""
+
+    key: str  # "ours", or "ours[...]" naming what varies in this run
+    engine: str
+    prefix_cache: bool | None = None  # None: the server's default (on)
+    prefill_budget: int | None = None  # --max-batch-prefill-tokens; None: the router's default
+
+    def launcher_args(self) -> tuple[str, ...]:
+        """Arguments the launcher gets for this variant (before the user's --server-arg)."""
+        args: tuple[str, ...] = ("--deployment-framework", self.engine)
+        if self.prefill_budget is not None:
+            args += ("--max-batch-prefill-tokens", str(self.prefill_budget))
+        return args
+
+    def env(self) -> dict[str, str]:
+        """Environment for this variant's server (the shards read PREFIX_CACHING)."""
+        if self.prefix_cache is None:
+            return {}
+        return {PREFIX_CACHING_ENV: "true" if self.prefix_cache else "false"}
+
+    def describe(self) -> dict[str, object]:
+        """What the results record about this variant."""
+        return {
+            "engine": self.engine,
+            "prefix_cache": "default" if self.prefix_cache is None else self.prefix_cache,
+            "prefill_budget": "default" if self.prefill_budget is None else self.prefill_budget,
+        }
+
+
+def parse_engines(text: str) -> tuple[str, ...]:
+    """'hf_transformers,tgis_native' -> the names, each a registered engine, no duplicates."""
+    names = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if not names:
+        raise ValueError("expected at least one engine name")
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise ValueError(f"unknown engine(s) {unknown}; choose from {', '.join(sorted(ENGINES))}")
+    return names
+
+
+def parse_budgets(text: str) -> tuple[int, ...]:
+    """'256,100000' -> prefill token budgets (0 = no limit), no duplicates."""
+    try:
+        values = tuple(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
+    except ValueError:
+        raise ValueError(f"expected comma-separated token counts, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ValueError(f"expected token counts >= 0, got {text!r}")
+    return values
+
+
+def caches_prefixes(engine: str) -> bool:
+    capability = getattr(ENGINES[engine].capabilities, "prefix_caching", None)
+    return bool(capability) if capability is not None else engine in PREFIX_CACHE_ENGINES
+
+
+def plan_variants(
+    engines: Sequence[str] = (DEFAULT_DEPLOYMENT_FRAMEWORK,),
+    prefix_cache: str = "default",
+    budgets: Sequence[int] = (),
+) -> list[ServerVariant]:
+    """Every combination of engine x prefix caching x budget, in that order. Prefix-cache
+    settings apply to engines that cache prefixes; the others run once with their default."""
+    if prefix_cache not in PREFIX_CACHE_MODES:
+        raise ValueError(f"prefix cache mode must be one of {', '.join(PREFIX_CACHE_MODES)}")
+    settings: dict[str, tuple[bool | None, ...]] = {
+        "default": (None,),
+        "on": (True,),
+        "off": (False,),
+        "both": (True, False),
+    }
+    budget_choices: tuple[int | None, ...] = tuple(budgets) or (None,)
+    combos = [
+        (engine, cache, budget)
+        for engine in engines
+        for cache in (settings[prefix_cache] if caches_prefixes(engine) else (None,))
+        for budget in budget_choices
+    ]
+    several_engines = len(set(engines)) > 1
+    several_caches = len({c for _, c, _ in combos}) > 1
+    several_budgets = len(budget_choices) > 1
+    variants = []
+    for engine, cache, budget in combos:
+        parts = []
+        if several_engines:
+            parts.append(engine)
+        if several_caches and cache is not None:
+            parts.append("prefix-cache" if cache else "no-prefix-cache")
+        if several_budgets:
+            parts.append(f"budget={budget}")
+        key = f"{OURS}[{','.join(parts)}]" if parts else OURS
+        variants.append(ServerVariant(key, engine, cache, budget))
+    return variants
+
+
+def baseline_key(base: str, engine: str, engines: Sequence[str]) -> str:
+    """`engine_only` when the run has one engine, else `engine_only[ENGINE]`."""
+    return f"{base}[{engine}]" if len(set(engines)) > 1 else base
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """'ours[tgis_native]' -> ('ours', 'tgis_native'); 'ours' -> ('ours', '')."""
+    base, sep, rest = key.partition("[")
+    return base, rest.removesuffix("]") if sep else ""
