@@ -64,7 +64,8 @@ run: install demo-model ## start the server on the embedded demo model (gRPC :80
 	@echo "  $(PY) -m router.client generate 'def hello(world):' --max-new-tokens 20"
 	@echo "  $(PY) -m router.client generate 'import os' --stream --sample --seed 7"
 	@echo "  curl -i localhost:3000/health"
-	$(VENV)/bin/text-generation-launcher --model-name $(DEMO_MODEL) --max-sequence-length 512 --max-new-tokens 256
+	$(VENV)/bin/text-generation-launcher --model-name $(DEMO_MODEL) --deployment-framework tgis_native \
+		--max-sequence-length 512 --max-new-tokens 256
 
 integration-tests: install test-tools ## run only the integration tests (the real launcher on tiny models)
 	$(PY) -m pytest integration_tests $(PYTEST_ARGS)
