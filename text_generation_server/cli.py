@@ -20,6 +20,7 @@ import click
 
 from text_generation_common.logs import setup_logging
 from text_generation_server.config import (
+    CPU_ATTENTION_MODES,
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
     DEFAULT_KV_BLOCK_SIZE,
@@ -146,6 +147,15 @@ def pin_to(cpu_list: str) -> None:
     help="Tokens per block of the paged KV cache (tgis_native) [env KV_BLOCK_SIZE].",
 )
 @click.option(
+    "--cpu-attention",
+    envvar="CPU_ATTENTION",
+    type=click.Choice(CPU_ATTENTION_MODES),
+    default="auto",
+    help="Paged decode attention on CPU (tgis_native): kernel = our C++ kernel, built at first use "
+    "(fails if it cannot be built), sdpa = torch's SDPA over gathered blocks, auto = the kernel "
+    "where it builds, else SDPA with a warning [env CPU_ATTENTION].",
+)
+@click.option(
     "--prefix-caching/--no-prefix-caching",
     envvar="PREFIX_CACHING",
     default=True,
@@ -204,6 +214,7 @@ def serve(
     linear_layout: str,
     cpu_affinity: str | None,
     kv_block_size: int,
+    cpu_attention: str,
     prefix_caching: bool,
     cpu_kv_cache_space: float,
     run_ahead: bool,
@@ -232,6 +243,7 @@ def serve(
             linear_layout=linear_layout,
             run_ahead=run_ahead,
             kv_block_size=kv_block_size,
+            cpu_attention=cpu_attention,
             prefix_caching=prefix_caching,
             cpu_kv_cache_space=cpu_kv_cache_space,
             cpu_affinity=cpu_affinity,

@@ -20,6 +20,7 @@ from text_generation_common.defaults import (
 
 LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
+CPU_ATTENTION_MODES = ("auto", "kernel", "sdpa")  # engines/cpu_kernels.py
 DEFAULT_KV_BLOCK_SIZE = 16
 
 
@@ -39,6 +40,7 @@ class ServerConfig:
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
+    cpu_attention: str = "auto"  # paged decode attention on CPU: auto | kernel (ours, C++) | sdpa
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (tgis_native)
     cpu_kv_cache_space: float = 0.0  # GiB of host memory for the paged KV cache; 0 = sized by the batch
     run_ahead: bool = True  # step cached batches while the router handles the last answer
@@ -65,6 +67,9 @@ class ServerConfig:
         if self.linear_layout not in LINEAR_LAYOUTS:
             choices = ", ".join(LINEAR_LAYOUTS)
             raise ValueError(f"unknown LINEAR_LAYOUT {self.linear_layout!r}; choose one of {choices}")
+        if self.cpu_attention not in CPU_ATTENTION_MODES:
+            choices = ", ".join(CPU_ATTENTION_MODES)
+            raise ValueError(f"unknown CPU_ATTENTION {self.cpu_attention!r}; choose one of {choices}")
         if self.estimate_memory not in ESTIMATE_MEMORY_MODES:
             choices = ", ".join(ESTIMATE_MEMORY_MODES)
             raise ValueError(f"unknown ESTIMATE_MEMORY {self.estimate_memory!r}; choose one of {choices}")

@@ -48,6 +48,11 @@ ENGINE_ARCHS: dict[str, tuple[str, ...]] = {
     "fake": ("llama",),
     "tgis_native": ("llama", "gpt2", "gpt_neox", "mistral", "gpt_bigcode", "granite", "qwen2"),
 }
+# engine -> (label, ServerConfig overrides, archs): the engine again on another code path
+ENGINE_VARIANTS: dict[str, tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...]] = {
+    # decode attention on SDPA over gathered blocks instead of our CPU kernel (GQA, window, MQA)
+    "tgis_native": (("sdpa", {"cpu_attention": "sdpa"}, ("llama", "mistral", "gpt_bigcode")),),
+}
 TEST_ENGINES: dict[str, Callable[[ServerConfig], ModelEngine]] = {"fake": FakeEngine}
 MAX_BATCH = 16
 
@@ -56,10 +61,12 @@ MAX_BATCH = 16
 class EngineCase:
     engine: str  # a registry name, or a key of TEST_ENGINES
     arch: str  # a tiny model (text_generation_server/testing/tiny_models.py)
+    variant: str = ""  # a label of ENGINE_VARIANTS
+    options: tuple[tuple[str, Any], ...] = ()  # its ServerConfig overrides
 
     @property
     def id(self) -> str:
-        return f"{self.engine}-{self.arch}"
+        return f"{self.engine}[{self.variant}]-{self.arch}" if self.variant else f"{self.engine}-{self.arch}"
 
     def build(self, model_dir: Path) -> ModelEngine:
         config = ServerConfig(
@@ -69,6 +76,7 @@ class EngineCase:
             max_sequence_length=512,
             max_new_tokens=64,
             dtype="float32",  # the oracles' exactness
+            **dict(self.options),
         )
         engine_class = TEST_ENGINES.get(self.engine) or get_engine_class(self.engine)
         return engine_class(config)
@@ -79,6 +87,8 @@ def engine_cases() -> list[EngineCase]:
     for name, spec in ENGINES.items():
         archs = ENGINE_ARCHS.get(name, DEFAULT_ARCHS + (SEQ2SEQ_ARCHS if spec.capabilities.seq2seq else ()))
         cases += [EngineCase(name, arch) for arch in archs]
+        for label, options, variant_archs in ENGINE_VARIANTS.get(name, ()):
+            cases += [EngineCase(name, arch, label, tuple(options.items())) for arch in variant_archs]
     cases += [EngineCase(name, arch) for name in TEST_ENGINES for arch in ENGINE_ARCHS[name]]
     return cases
 

@@ -7,9 +7,11 @@ model's forward kwargs as `tgis_step`):
 
     query [1, heads, T, d], key/value [1, kv_heads, T, d]    T = all sequences' new tokens, packed
     1. write the new K/V into the cache at layout.slots
-    2. the sequences with one new token (decode), together: their block tables gathered into
-       one padded [D, kv_heads, L, d] (whole blocks: cache.read_blocks) and one SDPA call, with
-       an additive key-padding mask only when their lengths differ (or a sliding window cuts)
+    2. the sequences with one new token (decode), together: on CPU our kernel attends them
+       straight from their blocks (cpu_kernels.py, CPU_ATTENTION); otherwise their block tables
+       are gathered into one padded [D, kv_heads, L, d] (whole blocks: cache.read_blocks) for
+       one SDPA call, with an additive key-padding mask only when their lengths differ (or a
+       sliding window cuts)
     3. every other sequence alone: a whole prompt (nothing cached before it) attends to its own
        new K/V with SDPA's causal flag, without reading the cache back; a chunk after cached
        tokens reads its blocks back and uses a causal mask aligned to the END of its keys
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+from text_generation_server.engines import cpu_kernels
 from text_generation_server.engines.paged_kv import PagedKVCache
 
 NAME = "tgis_paged"
@@ -101,7 +104,9 @@ class DecodeGroup:
     blocks: torch.Tensor  # [D * B] their block tables, each padded to B blocks (padding: block 0)
     rows: int  # D
     keys: int  # L = the longest context: each row attends over keys [0, L) of its blocks
-    mask: torch.Tensor | None  # additive [D, 1, 1, L]; None: every row has all L keys
+    mask: torch.Tensor | None  # SDPA: additive [D, 1, 1, L]; None: every row has all L keys
+    lengths: torch.Tensor | None = None  # the kernel's: [D] keys of each row (None: SDPA)
+    window: int | None = None  # the kernel's sliding window
 
 
 @dataclass(slots=True)
@@ -131,7 +136,10 @@ class StepLayout:
         window: int | None,
         dtype: torch.dtype,
         device: torch.device,
+        kernel: bool = False,
     ) -> StepLayout:
+        """The layout of `pieces`; with `kernel`, the decode group is laid out for our CPU
+        kernel (lengths instead of a mask)."""
         size = cache.pool.block_size
         slots: list[int] = []
         single: list[int] = []  # packed positions of the single-token pieces
@@ -172,7 +180,9 @@ class StepLayout:
                 torch.tensor(padded, device=device),
                 len(single),
                 max(lengths),
-                decode_mask(lengths, window, dtype, device),
+                None if kernel else decode_mask(lengths, window, dtype, device),
+                torch.tensor(lengths, device=device) if kernel else None,
+                window,
             )
         return cls(cache, torch.tensor(slots, device=device), group, others, len(slots))
 
@@ -199,12 +209,8 @@ def paged_attention(
     groups = heads // kv_heads
     group = tgis_step.decode
     if group is not None:
-        rows = group.rows
-        q = query[0, :, group.tokens, :].transpose(0, 1).reshape(rows, kv_heads, groups, query.shape[-1])
-        kv = cache.read_blocks(layer, group.blocks).view(2, kv_heads, rows, -1, dim)[:, :, :, : group.keys]
-        result = sdpa(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1), attn_mask=group.mask, scale=scaling)
-        result = result.reshape(1, rows, heads, dim)  # [D, kv_heads, groups, dim] -> [1, D, heads, dim]
-        if rows == tgis_step.tokens:  # decode only: the rows are the whole packed batch, in order
+        result = _decode(group, cache, layer, query, kv_heads, scaling)
+        if group.rows == tgis_step.tokens:  # decode only: the rows are the whole packed batch, in order
             return result, None
     out = query.new_empty((1, query.shape[2], heads, dim))
     if group is not None:
@@ -215,12 +221,40 @@ def paged_attention(
         if alone.blocks is None:
             k, v = key[:, :, start:end, :], value[:, :, start:end, :]
         else:
-            kv = cache.read_blocks(layer, alone.blocks)[:, :, : alone.keys].unsqueeze(1)
-            k, v = kv[0], kv[1]
+            k, v = cache.read_blocks(layer, alone.blocks)
+            k, v = k[None, :, : alone.keys], v[None, :, : alone.keys]
         causal = alone.mask is None
         result = sdpa(q, k, v, attn_mask=alone.mask, is_causal=causal, scale=scaling, enable_gqa=groups > 1)
         out[:, start:end] = result.transpose(1, 2)
     return out, None
+
+
+def _decode(
+    group: DecodeGroup,
+    cache: PagedKVCache,
+    layer: int,
+    query: torch.Tensor,
+    kv_heads: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of the single-token sequences: [1, D, heads, dim]."""
+    rows, heads, dim = group.rows, query.shape[1], query.shape[-1]
+    q = query[0, :, group.tokens, :].transpose(0, 1)  # [D, heads, dim]
+    if group.lengths is not None:
+        scale = scaling if scaling is not None else dim**-0.5
+        tables = group.blocks.view(rows, -1)
+        size = cache.pool.block_size
+        out = cpu_kernels.paged_decode(
+            q, cache.layers[layer], tables, group.lengths, size, scale, group.window
+        )
+        return out.unsqueeze(0)
+    packed = q.reshape(rows, kv_heads, heads // kv_heads, dim)  # query heads packed per KV head
+    k, v = (
+        t.view(kv_heads, rows, -1, dim)[:, :, : group.keys].transpose(0, 1)
+        for t in cache.read_blocks(layer, group.blocks)
+    )
+    out = sdpa(packed, k, v, attn_mask=group.mask, scale=scaling)
+    return out.reshape(1, rows, heads, dim)  # [D, kv_heads, groups, dim] -> [1, D, heads, dim]
 
 
 def no_mask(*args: Any, **kwargs: Any) -> None:

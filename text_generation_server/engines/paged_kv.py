@@ -2,7 +2,7 @@
 that hands them out, and per-request block tables.
 
     slot = block * block_size + position % block_size          (position = token index in its sequence)
-    cache.layers[layer]: [2 (K, V), kv_heads, num_blocks, block_size, head_dim]
+    cache.layers[layer]: [2 (K, V), kv_heads, num_blocks, block_size * head_dim]
 
 A SequenceKV grows its block table as tokens are written (`reserve`); its blocks go back to
 the pool when the SequenceKV is garbage-collected (weakref.finalize), so every way a request
@@ -166,14 +166,16 @@ class SequenceKV:
 
 
 class PagedKVCache:
-    """Per layer one tensor [2 (K, V), kv_heads, num_blocks, block_size, head_dim]: a block of
-    one head is a contiguous [block_size, head_dim] run, so gathering whole blocks for a batch
-    of sequences (`read_blocks`) copies block-sized runs and gives each sequence's keys as
-    [kv_heads, blocks * block_size, head_dim] without a further copy."""
+    """Per layer one tensor [2 (K, V), kv_heads, num_blocks, block_size * head_dim]: a block of
+    one head is one contiguous run. V blocks are [block_size, head_dim] (a row per token); K
+    blocks the same, or with `transposed_keys` [head_dim, block_size] (a row per dimension: the
+    layout our CPU decode kernel reads, one vector load per dimension of 16 keys). Gathering
+    whole blocks for a batch of sequences (`read_blocks`) copies block-sized runs."""
 
-    def __init__(self, pool: BlockPool, device: torch.device) -> None:
+    def __init__(self, pool: BlockPool, device: torch.device, transposed_keys: bool = False) -> None:
         self.pool = pool
         self.device = device
+        self.transposed_keys = transposed_keys
         self.layers: dict[int, torch.Tensor] = {}
 
     @property
@@ -183,16 +185,30 @@ class PagedKVCache:
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """key, value: [kv_heads, tokens, head_dim] for `slots` [tokens]."""
         kv = self.layers.get(layer)
+        kv_heads, dim = key.shape[0], key.shape[-1]
         if kv is None:
-            shape = (2, key.shape[0], self.pool.num_blocks, self.pool.block_size, key.shape[-1])
+            shape = (2, kv_heads, self.pool.num_blocks, self.pool.block_size * dim)
             kv = self.layers[layer] = torch.zeros(shape, dtype=key.dtype, device=self.device)
-        flat = kv.view(2, kv.shape[1], self.slots, kv.shape[-1])
-        flat.index_copy_(2, slots, torch.stack((key, value)))
+        if not self.transposed_keys:
+            kv.view(2, kv_heads, self.slots, dim).index_copy_(2, slots, torch.stack((key, value)))
+            return
+        kv[1].view(kv_heads, self.slots, dim).index_copy_(1, slots, value)
+        size = self.pool.block_size
+        keys = (
+            kv[0].view(kv_heads, self.pool.num_blocks, dim, size).permute(1, 3, 0, 2)
+        )  # [blocks, size, h, d]
+        keys.index_put_((slots // size, slots % size), key.transpose(0, 1))
 
-    def read_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        """K and V of `blocks` [n], in order: [2, kv_heads, n * block_size, head_dim]."""
+    def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks` [n], in order: [kv_heads, n * block_size, head_dim] each."""
         kv = self.layers[layer].index_select(2, blocks)
-        return kv.view(2, kv.shape[1], -1, kv.shape[-1])
+        kv_heads, size = kv.shape[1], self.pool.block_size
+        dim = kv.shape[-1] // size
+        values = kv[1].view(kv_heads, -1, dim)
+        if not self.transposed_keys:
+            return kv[0].view(kv_heads, -1, dim), values
+        keys = kv[0].view(kv_heads, -1, dim, size).transpose(-1, -2).reshape(kv_heads, -1, dim)
+        return keys, values
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers.values())

@@ -43,7 +43,7 @@ from text_generation_common.messages import (
 )
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines import paged_attention
+from text_generation_server.engines import cpu_kernels, paged_attention
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import load_pretrained, model_context
 from text_generation_server.engines.paged_attention import Piece, StepLayout
@@ -93,6 +93,8 @@ class TgisNativeEngine(ModelEngine):
         self.block_size = config.kv_block_size
         self.prefix_caching = config.prefix_caching
         self.window = sliding_window(loaded.hf_config)
+        self.kernel = cpu_kernels.use_kernel(config.cpu_attention, self.device)
+        logger.info("decode attention: %s", "our CPU kernel" if self.kernel else "SDPA over gathered blocks")
         self.kv = self._allocate_cache(config)
         if self.device.type == "cpu":  # after the probe step above, which reads the loaded weights
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
@@ -117,7 +119,7 @@ class TgisNativeEngine(ModelEngine):
 
     def _allocate_cache(self, config: ServerConfig) -> PagedKVCache:
         """Measure the KV bytes per token with a one-token step, then size the pool."""
-        probe = PagedKVCache(BlockPool(1, self.block_size), self.device)
+        probe = PagedKVCache(BlockPool(1, self.block_size), self.device, transposed_keys=self.kernel)
         sequence = SequenceKV(probe.pool)
         self._forward([(sequence, [self.context.pad_token_id or 0])], probe, [0])
         per_token = probe.bytes() // probe.slots
@@ -131,7 +133,7 @@ class TgisNativeEngine(ModelEngine):
             num_blocks * self.block_size,
             why,
         )
-        return PagedKVCache(BlockPool(num_blocks, self.block_size), self.device)
+        return PagedKVCache(BlockPool(num_blocks, self.block_size), self.device, transposed_keys=self.kernel)
 
     def _num_blocks(self, config: ServerConfig, per_block: int) -> tuple[int, str]:
         """How many blocks the cache gets, and why: on CUDA all the free memory the process may
@@ -269,7 +271,7 @@ class TgisNativeEngine(ModelEngine):
             sequence.length = begin + len(tokens)
             parts.append(Piece(sequence.blocks, begin, len(tokens)))
         device = self.device
-        layout = StepLayout.build(cache, parts, self.window, self.model.dtype, device)
+        layout = StepLayout.build(cache, parts, self.window, self.model.dtype, device, self.kernel)
         if keep is not None and len(keep) == len(ids) and keep[-1] == len(ids) - 1:
             keep = None  # every packed token, in order (a decode-only step)
         kwargs: dict[str, Any] = {}

@@ -1,0 +1,122 @@
+"""Our C++ decode attention (engines/csrc/paged_decode_cpu.cpp) against SDPA over the same keys,
+the transposed-key cache layout it reads, and how CPU_ATTENTION behaves where it cannot build."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from text_generation_server.engines import cpu_kernels
+from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    try:
+        cpu_kernels.check_toolchain()
+    except cpu_kernels.KernelBuildError as exc:  # e.g. an image without g++: SDPA serves there
+        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
+    cpu_kernels.load()
+
+
+def attention_case(dtype, rows, heads, kv_heads, dim, block_size, window, seed=0):
+    """A random cache and queries, the kernel's answer and the reference (SDPA per row, fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 90, (rows,), generator=gen)
+    width = int(-(-lengths.max() // block_size))
+    num_blocks = rows * width + 3
+    keys = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
+    values = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
+    flat = (kv_heads, num_blocks, block_size * dim)
+    cache = torch.stack((keys.transpose(-1, -2).reshape(flat), values.reshape(flat))).contiguous()
+    tables = torch.randperm(num_blocks, generator=gen)[: rows * width].reshape(rows, width)
+    query = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    scale = dim**-0.5
+    got = cpu_kernels.paged_decode(query, cache, tables, lengths, block_size, scale, window)
+    expected = []
+    for row in range(rows):
+        length = int(lengths[row])
+        used = tables[row, : -(-length // block_size)]
+        first = max(0, length - window) if window else 0
+        k = keys[:, used].reshape(kv_heads, -1, dim)[:, first:length].float()
+        v = values[:, used].reshape(kv_heads, -1, dim)[:, first:length].float()
+        q = query[row].float().reshape(kv_heads, heads // kv_heads, dim)
+        expected.append(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale).reshape(heads, dim)
+        )
+    return got, torch.stack(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 32, 4])  # 4: the scalar path
+def test_decode_attention_matches_sdpa(kernel, dtype, block_size) -> None:
+    # heads / KV heads: MHA, GQA 4, MQA 12 (8 + 4), GQA 3 (2 + 1), 24 per KV head (8 + 8 + 8)
+    shapes = ((4, 4), (8, 2), (12, 1), (6, 2), (48, 2))
+    for (heads, kv_heads), dim, window in itertools.product(shapes, (16, 64, 24), (0, 7, 37)):
+        got, expected = attention_case(dtype, 5, heads, kv_heads, dim, block_size, window)
+        assert got.dtype == dtype and got.shape == expected.shape
+        error = (got.float() - expected).abs().max().item()
+        assert error < TOLERANCE[dtype], (heads, kv_heads, dim, window, error)
+
+
+def test_bad_shapes_are_refused(kernel) -> None:
+    cache = torch.zeros(2, 2, 4, 16 * 8)
+    query, tables, lengths = (
+        torch.zeros(3, 4, 8),
+        torch.zeros(3, 1, dtype=torch.long),
+        torch.ones(3, dtype=torch.long),
+    )
+    cpu_kernels.paged_decode(query, cache, tables, lengths, 16, 1.0, None)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_kernels.paged_decode(query, cache, tables, lengths, 8, 1.0, None)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        cpu_kernels.paged_decode(query.bfloat16(), cache, tables, lengths, 16, 1.0, None)
+    with pytest.raises(RuntimeError, match="one block table and one length per query row"):
+        cpu_kernels.paged_decode(query, cache, tables[:2], lengths, 16, 1.0, None)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_transposed_keys_read_back_as_written(block_size: int) -> None:
+    cpu = torch.device("cpu")
+    plain = PagedKVCache(BlockPool(6, block_size), cpu)
+    transposed = PagedKVCache(BlockPool(6, block_size), cpu, transposed_keys=True)
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.randperm(6 * block_size, generator=gen)[:20]
+    key, value = torch.randn(2, 20, 8, generator=gen), torch.randn(2, 20, 8, generator=gen)
+    for cache in (plain, transposed):
+        cache.write(0, slots, key, value)
+    blocks = torch.tensor([5, 0, 3])
+    for got, expected in zip(transposed.read_blocks(0, blocks), plain.read_blocks(0, blocks), strict=True):
+        assert torch.equal(got, expected)
+    k, v = plain.read_blocks(0, torch.arange(6))
+    assert torch.equal(k[:, slots], key) and torch.equal(v[:, slots], value)
+    # the kernel's layout: dimension i of the token in slot s is at K[h, s // size, i * size + s % size]
+    size, layer = block_size, transposed.layers[0]
+    assert torch.equal(layer[0, 1, slots // size, 3 * size + slots % size], key[1, :, 3])
+
+
+def test_cpu_attention_modes(monkeypatch, caplog) -> None:
+    cpu = torch.device("cpu")
+    assert not cpu_kernels.use_kernel("sdpa", cpu)
+    assert not cpu_kernels.use_kernel("kernel", torch.device("meta"))  # not a CPU: never
+
+    def fails() -> None:
+        raise cpu_kernels.KernelBuildError("no C++ compiler ('nope' not found; set CXX or install g++)")
+
+    monkeypatch.setattr(cpu_kernels, "load", fails)
+    with caplog.at_level(logging.WARNING):
+        assert not cpu_kernels.use_kernel("auto", cpu)
+    assert "decode attention runs on SDPA, because no C++ compiler" in caplog.text
+    with pytest.raises(ValueError, match=r"CPU_ATTENTION=kernel: no C\+\+ compiler"):
+        cpu_kernels.use_kernel("kernel", cpu)
+
+
+def test_the_toolchain_check_names_what_is_missing(monkeypatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(cpu_kernels.KernelBuildError, match="'/nonexistent/c\\+\\+' not found"):
+        cpu_kernels.check_toolchain()

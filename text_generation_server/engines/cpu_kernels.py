@@ -1,0 +1,128 @@
+"""Our C++ CPU kernels (engines/csrc/), built on first use with torch's extension builder.
+
+`paged_decode` (csrc/paged_decode_cpu.cpp) attends single-token queries straight from the
+paged KV cache: per (sequence, KV head) task on torch's thread pool, online softmax over the
+sequence's blocks where they lie, float accumulation, keys read from blocks stored transposed so
+that one vector instruction scores 16 keys. Measured against what it replaces (block tables
+gathered into a padded copy, then SDPA with a key-padding mask) on a 2-core AMD EPYC
+(AVX512-BF16, no AMX), 8 query / 2 KV heads, head dim 64, 32 sequences of 130-300 keys: about
+100 us vs 430-600 us in bfloat16; one sequence: 6 vs 33-50 us.
+
+The library is compiled with `-O3 -march=native` for the CPU it runs on, so its build directory
+(under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) is named after the source and
+the CPU's feature flags: another CPU, or a changed source, builds anew (about 10 s on 2 cores).
+The build needs a C++ compiler (CXX, else c++) and ninja (the `ninja` package provides it).
+
+CPU_ATTENTION picks: `kernel` (must build: a failure stops the shard with the compiler's
+reason), `sdpa` (never built) or `auto` (the kernel where it builds, else SDPA, with the reason
+logged as a warning).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from text_generation_server.utils.cpu import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")
+
+_loaded: str | None = None  # the library name once loaded in this process
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be built or loaded here."""
+
+
+def library_name() -> str:
+    """A name unique to the source, the compiler flags and this CPU's features."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
+    digest.update(torch.__version__.encode())
+    return f"tgis_cpu_{digest.hexdigest()[:16]}"
+
+
+def _find_ninja() -> str | None:
+    found = shutil.which("ninja")
+    if found:
+        return str(Path(found).parent)
+    try:
+        import ninja  # the PyPI package ships the binary
+
+        return str(ninja.BIN_DIR)
+    except ImportError:
+        return None
+
+
+def check_toolchain() -> None:
+    """Raise KernelBuildError unless a C++ compiler and ninja are here; put ninja on PATH."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"no C++ compiler ({compiler!r} not found; set CXX or install g++)")
+    ninja_dir = _find_ninja()
+    if ninja_dir is None:
+        raise KernelBuildError("ninja not found (pip install ninja)")
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH
+        os.environ["PATH"] = f"{ninja_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def load() -> None:
+    """Build (when needed) and load the kernels into this process; raise KernelBuildError."""
+    global _loaded
+    if _loaded is not None:
+        return
+    from torch.utils import cpp_extension
+
+    check_toolchain()
+    name = library_name()
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # the compiler's or loader's own message says why
+        raise KernelBuildError(f"building {SOURCE.name} failed: {str(exc).strip().splitlines()[-1]}") from exc
+    _loaded = name
+    logger.info("CPU kernels: %s loaded (%s)", SOURCE.name, name)
+
+
+def use_kernel(mode: str, device: torch.device) -> bool:
+    """Whether paged decode attention runs on our kernel, by CPU_ATTENTION (`mode`)."""
+    if device.type != "cpu" or mode == "sdpa":
+        return False
+    try:
+        load()
+    except KernelBuildError as exc:
+        if mode == "kernel":
+            raise ValueError(f"CPU_ATTENTION=kernel: {exc}") from exc
+        logger.warning("CPU_ATTENTION=auto: decode attention runs on SDPA, because %s", exc)
+        return False
+    return True
+
+
+def paged_decode(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """query [rows, heads, dim] over one layer's cache [2, kv_heads, blocks, block_size * dim]
+    (K blocks transposed: paged_kv.PagedKVCache with transposed_keys) with block tables
+    [rows, width] and key counts [rows] -> [rows, heads, dim]."""
+    return torch.ops.tgis_cpu.paged_decode(query, cache, tables, lengths, block_size, scale, window or 0)
