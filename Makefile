@@ -21,6 +21,7 @@ $(INSTALL_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) torch==2.13.0
 	$(PIP_INSTALL) -e '.[dev]'
+	$(PIP_INSTALL) --no-deps text-generation  # its huggingface-hub<1.0 pin is wrong for us (constraints.txt)
 	touch $@
 
 install: $(INSTALL_STAMP) gen-protos ## create .venv and install everything (torch pinned to the CPU build)

@@ -19,6 +19,7 @@ from integration_tests.prometheus import (
     prometheus_version,
 )
 from integration_tests.servers import Server
+from router.metrics import KINDS
 from router.pb import generation_pb2 as pb
 
 
@@ -56,7 +57,7 @@ def test_real_prometheus_scrapes_metrics(server: Callable[[str], Server], promet
         prometheus.wait_for('tgi_request_count{kind="batch"} >= 1', timeout=20)
         counts = prometheus.query("tgi_request_count")
         by_kind = {series["metric"].get("kind"): value(series) for series in counts}
-        assert by_kind.keys() == {"single", "batch", "stream"}, f"{labels(counts)}\n{context()}"
+        assert by_kind.keys() == set(KINDS), f"{labels(counts)}\n{context()}"
         assert by_kind["single"] >= 1 and by_kind["batch"] >= 1, f"{by_kind}\n{context()}"
         for series in counts:
             assert series["metric"]["job"] == PrometheusServer.JOB, series

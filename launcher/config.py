@@ -456,6 +456,8 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         *script_command("text-generation-router", "router.cli"),
         "--tokenizer-path",
         str(tokenizer_dir),
+        "--model-name",
+        config.model_name,
         "--master-shard-uds-path",
         config.socket_path(0),
         "--max-concurrent-requests",

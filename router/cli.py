@@ -30,6 +30,13 @@ logger = logging.getLogger(__name__)
     help="Directory with tokenizer.json [env TOKENIZER_PATH].",
 )
 @click.option(
+    "--model-name",
+    envvar="MODEL_NAME",
+    default="",
+    help="The model's name in the HTTP APIs (TGI /info, OpenAI model) [env MODEL_NAME]; "
+    "default: the tokenizer directory's name.",
+)
+@click.option(
     "--master-shard-uds-path",
     envvar="MASTER_SHARD_UDS_PATH",
     default="",
@@ -86,6 +93,7 @@ logger = logging.getLogger(__name__)
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
     tokenizer_path: str,
+    model_name: str,
     master_shard_uds_path: str,
     max_concurrent_requests: int,
     max_sequence_length: int,
@@ -121,6 +129,7 @@ def main(
     try:
         config = RouterConfig(
             tokenizer_path=tokenizer_path,
+            model_name=model_name,
             master_shard_uds_path=master_shard_uds_path,
             max_concurrent_requests=max_concurrent_requests,
             max_sequence_length=max_sequence_length,

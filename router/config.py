@@ -39,6 +39,9 @@ def default_tokenization_workers(num_shards: int = 1) -> int:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     tokenizer_path: str  # directory holding tokenizer.json (or the file itself)
+    model_name: str = (
+        ""  # the model's name in the HTTP APIs (/info, /v1/models); "" = the tokenizer directory's name
+    )
     master_shard_uds_path: str = ""  # "" = default_master_shard_uds_path()
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH

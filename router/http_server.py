@@ -1,7 +1,18 @@
-"""The HTTP port (default 3000): health probes and /metrics.
+"""The HTTP port (default 3000): one FastAPI application (http_app.py) served by uvicorn in the
+router's event loop.
 
-A deliberately small asyncio HTTP/1.1 server: probes and Prometheus send simple GETs, each
-answered and closed.
+The server adds what uvicorn leaves to its host: the port is bound before anything starts (a
+busy port is a start-up error, not an exit from inside uvicorn), the router's own signal
+handling stays in charge (SIGTERM drains every door, then this server stops), and two limits:
+
+  headers   a request's line and headers must arrive within HEADER_TIMEOUT_S of its first
+            byte (or of the connection, for its first request); else the connection is closed
+  body      at most MAX_BODY_BYTES (413), each part within BODY_TIMEOUT_S of the previous
+            one (408), answered in TGI's error shape by BodyLimits
+
+Idle keep-alive connections close after KEEP_ALIVE_S.
+
+The health routes (HealthCheck) live here with their semantics:
 
   /health        TGIS's: when the last shard step succeeded, every shard's Health RPC is asked;
                  when generation health is unknown or bad, a real one-token prefill of
@@ -12,10 +23,6 @@ answered and closed.
   /health/live   liveness: the process answers and its batching loop runs (restart if not).
   /health/ready  readiness: not draining, and the shards answered within READY_WINDOW_S (else
                  a Health RPC decides).
-  /metrics       Prometheus text format (router/metrics.py).
-
-Anything else gets a JSON error body, {"error": ..., "error_type": ...} as TGI's REST API
-answers: 404 for an unknown path, 405 for a method other than GET, 400 for a malformed line.
 """
 
 from __future__ import annotations
@@ -24,14 +31,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.batcher import Batcher
 from router.shard_client import ShardCallError, ShardClient
 from router.tokenizer import TokenizerPool
-from text_generation_common.logs import clip
 from text_generation_common.messages import HEALTH_CHECK_BATCH_ID, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -39,7 +50,11 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 60.0
 READY_WINDOW_S = 10.0
 LIVENESS_INPUT = "liveness"
-READ_TIMEOUT_S = 10.0
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+KEEP_ALIVE_S = 5
+MAX_BODY_BYTES = 4 * 1024 * 1024  # as gRPC's default message limit
+STOP_GRACE_S = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,24 +62,6 @@ class HttpResponse:
     status: int
     body: bytes = b""
     content_type: str = "application/json"
-
-
-Handler = Callable[[], Awaitable[HttpResponse]]
-REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    503: "Service Unavailable",
-}
-MAX_ECHOED_PATH = 64
-
-
-def metrics_route(exposition: Callable[[], bytes], content_type: str) -> Handler:
-    async def handler() -> HttpResponse:
-        return HttpResponse(200, exposition(), content_type)
-
-    return handler
 
 
 class HealthCheck:
@@ -118,55 +115,170 @@ class HealthCheck:
         return HttpResponse(200)
 
 
+def error_body(message: str, error_type: str) -> bytes:
+    """An error answer in TGI's JSON shape ({"error", "error_type"}), which HTTP clients parse."""
+    return json.dumps({"error": message, "error_type": error_type}).encode()
+
+
+# ---- limits ---------------------------------------------------------------------------------
+
+
+class _HeaderTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's line and headers."""
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+class BodyLimits:
+    """ASGI wrapper: a request body over MAX_BODY_BYTES gets 413, one that stalls for
+    BODY_TIMEOUT_S gets 408; the application then sees the client as gone. After the body,
+    the application's receive() waits as long as it likes (a stream watches for disconnects)."""
+
+    def __init__(self, app: Any, max_bytes: int = MAX_BODY_BYTES, timeout_s: float = BODY_TIMEOUT_S) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await _send_error(
+                send, 413, f"request body larger than {self.max_bytes} bytes", "payload_too_large"
+            )
+            return
+        state = {"received": 0, "complete": False, "answered": False}
+
+        async def limited_receive() -> dict[str, Any]:
+            if state["complete"] or state["answered"]:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                return await refuse(
+                    408, f"request body not received within {self.timeout_s:.0f} s", "timeout"
+                )
+            if message["type"] == "http.request":
+                state["received"] += len(message.get("body", b""))
+                if state["received"] > self.max_bytes:
+                    return await refuse(
+                        413, f"request body larger than {self.max_bytes} bytes", "payload_too_large"
+                    )
+                state["complete"] = not message.get("more_body", False)
+            return message
+
+        async def refuse(status: int, message: str, error_type: str) -> dict[str, Any]:
+            state["answered"] = True
+            await _send_error(send, status, message, error_type)
+            return {"type": "http.disconnect"}
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if not state["answered"]:
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not state["answered"]:
+                raise  # a real fault; once refused, the application's complaint is moot
+
+
+def _content_length(scope: dict[str, Any]) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            with contextlib.suppress(ValueError):
+                return int(value)
+    return None
+
+
+async def _send_error(send: Any, status: int, message: str, error_type: str) -> None:
+    body = error_body(message, error_type)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the router's signal handlers stay: SIGTERM drains every door first
+
+
 class HttpServer:
-    def __init__(self, routes: dict[str, Handler]) -> None:
-        self.routes = routes
-        self._server: asyncio.Server | None = None
+    """uvicorn serving `app` on the router's event loop."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = BodyLimits(app)
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
+        """Bind and start serving; OSError when the port cannot be bound."""
+        sock = socket.create_server((host, port), family=_family(host), reuse_port=False)
+        config = uvicorn.Config(
+            self.app,
+            http=_HeaderTimeoutProtocol,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_graceful_shutdown=STOP_GRACE_S,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError(f"the HTTP server on {host}:{port} stopped at start")
+            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request_line = await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)
-            while (await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)) not in (b"\r\n", b"\n", b""):
-                pass  # headers are not needed
-            parts = request_line.decode("latin-1").split()
-            response = await self._route(parts)
-            head = (
-                f"HTTP/1.1 {response.status} {REASONS.get(response.status, '')}\r\n"
-                f"Content-Type: {response.content_type}\r\n"
-                f"Content-Length: {len(response.body)}\r\n"
-                + ("Allow: GET\r\n" if response.status == 405 else "")
-                + "Connection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + response.body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-    async def _route(self, parts: list[str]) -> HttpResponse:
-        if len(parts) < 2:
-            return _error(400, "malformed request line", "bad_request")
-        method, target = parts[0], parts[1].split("?", 1)[0]
-        handler = self.routes.get(target)
-        if handler is None:
-            return _error(404, f"no route {clip(target, MAX_ECHOED_PATH)}", "not_found")
-        if method != "GET":
-            message = f"{clip(method, MAX_ECHOED_PATH)} is not allowed, use GET"
-            return _error(405, message, "method_not_allowed")
-        return await handler()
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
 
-def _error(status: int, message: str, error_type: str) -> HttpResponse:
-    """An error answer in TGI's JSON shape ({"error", "error_type"}), which HTTP clients parse."""
-    return HttpResponse(status, json.dumps({"error": message, "error_type": error_type}).encode())
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -25,7 +25,7 @@ from text_generation_common.messages import KvCacheState
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # 0.00015 s ... about 145.6 s
 TOKENIZE_BUCKETS = tuple(float(2**k) for k in range(6, 20))
-KINDS = ("single", "batch", "stream")
+KINDS = ("single", "batch", "stream", "rest", "rest_stream")  # gRPC calls; TGI REST (tgi_rest.py)
 METHODS = ("prefill", "next_token")
 MAKEUPS = ("single_only",)
 FAILURES = ("conc_limit", "queue_full", "validation", "generate", "cancelled", "timeout", "unknown")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import signal
@@ -28,14 +29,17 @@ from router.batcher import Batcher
 from router.capacity import CapacityError, capacity_for
 from router.config import RouterConfig
 from router.detokenizer import Detokenizer
-from router.grpc_server import ConcurrencyLimiter, GenerationServicer
-from router.http_server import HealthCheck, HttpServer, metrics_route
+from router.grpc_server import GenerationServicer
+from router.http_app import build_app
+from router.http_server import HealthCheck, HttpServer
 from router.metrics import CONTENT_TYPE, Metrics
 from router.pb import generation_pb2
 from router.reflection import enable_server_reflection
 from router.request_queue import RequestQueue
 from router.rpc_handlers import add_servicer
+from router.service import ConcurrencyLimiter, GenerationService
 from router.shard_client import GrpcShardClient, ShardCallError
+from router.tgi_rest import TgiRest, info_fields
 from router.tls import TlsConfigError, server_credentials
 from router.tokenizer import TokenizerPool, load_tokenizer
 from router.tracing import Tracing, TracingError
@@ -53,6 +57,18 @@ SERVER_STOP_GRACE_S = 1.0
 
 class StartupError(Exception):
     """The router cannot start; the message is the one-line reason."""
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("text-generation-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def model_name(config: RouterConfig) -> str:
+    """The model's name in the HTTP APIs: MODEL_NAME, else the tokenizer directory's name."""
+    return config.model_name or os.path.basename(os.path.normpath(config.tokenizer_path))
 
 
 def check_model(info: ModelInfo, config: RouterConfig) -> None:
@@ -77,9 +93,9 @@ async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
         await servicer.set(service, status)
 
 
-async def _drain(servicer: GenerationServicer, limiter: ConcurrencyLimiter, timeout_s: float) -> None:
-    """Refuse new requests and wait for the ones in flight (at most `timeout_s`)."""
-    servicer.draining = True
+async def _drain(service: GenerationService, limiter: ConcurrencyLimiter, timeout_s: float) -> None:
+    """Refuse new requests on every door and wait for the ones in flight (at most `timeout_s`)."""
+    service.draining = True
     started = time.monotonic()
     logger.info("draining: %d request(s) in flight, up to %.0f s", limiter.in_use, timeout_s)
     while limiter.in_use and time.monotonic() - started < timeout_s:
@@ -100,7 +116,7 @@ class Router:
     pool: TokenizerPool
     tracing: Tracing
     batcher: Batcher
-    servicer: GenerationServicer
+    service: GenerationService
     limiter: ConcurrencyLimiter
     grpc_server: grpc.aio.Server
     grpc_address: str
@@ -165,20 +181,19 @@ async def build(config: RouterConfig) -> Router:
         metrics,
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
-        default_include_stop_seqs=config.default_include_stop_seqs,
         capacity=capacity,
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
+    service = GenerationService(validator, queue, limiter, metrics)
     servicer = GenerationServicer(
-        validator,
-        queue,
+        service,
         pool,
-        limiter,
         metrics,
         tracing,
         seq2seq=info.seq2seq,
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
+        default_include_stop_seqs=config.default_include_stop_seqs,
     )
     grpc_server = grpc.aio.server()
     add_servicer(servicer, SERVICE, grpc_server)
@@ -199,15 +214,26 @@ async def build(config: RouterConfig) -> Router:
     )
     if bound == 0:
         raise StartupError(f"cannot listen for gRPC on {address}")
-    health_check = HealthCheck(client, batcher, pool, lambda: servicer.draining)  # probes via batcher
-    http_server = HttpServer(
-        {
-            "/health": health_check.respond,
-            "/health/live": health_check.live,
-            "/health/ready": health_check.ready,
-            "/metrics": metrics_route(metrics.exposition, CONTENT_TYPE),
-        }
+    health_check = HealthCheck(client, batcher, pool, lambda: service.draining)  # probes via batcher
+    version = package_version()
+    tgi = TgiRest(
+        service,
+        pool,
+        tracing,
+        info=info_fields(
+            model_id=model_name(config),
+            dtype=info.dtype,
+            max_concurrent_requests=config.max_concurrent_requests,
+            max_sequence_length=config.max_sequence_length,
+            max_new_tokens=config.max_new_tokens,
+            max_batch_size=config.max_batch_size,
+            max_waiting_tokens=config.max_waiting_tokens,
+            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+            version=version,
+        ),
+        max_new_tokens=config.max_new_tokens,
     )
+    http_server = HttpServer(build_app(health_check, metrics.exposition, CONTENT_TYPE, tgi, version=version))
     return Router(
         config,
         info,
@@ -215,7 +241,7 @@ async def build(config: RouterConfig) -> Router:
         pool,
         tracing,
         batcher,
-        servicer,
+        service,
         limiter,
         grpc_server,
         address,
@@ -249,7 +275,7 @@ async def serve(router: Router) -> None:
             raise StartupError("the batching loop ended")
         logger.info("shutting down")
         await router.health_servicer.enter_graceful_shutdown()
-        await _drain(router.servicer, router.limiter, config.drain_timeout_s)
+        await _drain(router.service, router.limiter, config.drain_timeout_s)
         await router.grpc_server.stop(SERVER_STOP_GRACE_S)
         await router.http_server.stop()
     finally:

@@ -1,6 +1,7 @@
 """Parameter conversion and validation with TGIS's defaults, order and exact messages.
 
-grpc_server.py hands over the protobuf Parameters and the input texts; out come
+The doors hand over RequestParams (grpc_params.py converts TGIS's protobuf Parameters) and the
+input texts; out come
 ValidatedRequests (typed, tokenized, with seeds and capped max_new_tokens) or a
 ValidationError whose message is TGIS's, byte for byte. Order (tgis-api §9.1): parameter
 checks 1-11, the guided-decoding extension, the soft-prompt lookup (12), tokenization (13),
@@ -20,12 +21,10 @@ from dataclasses import dataclass, field, replace
 from router.capacity import Capacity, Load
 from router.input_bound import min_tokens
 from router.metrics import Metrics
-from router.pb import generation_pb2 as pb
 from router.tokenizer import TokenizerError, TokenizerPool
 from text_generation_common.logs import clip
 from text_generation_common.messages import (
     GenerationRequest,
-    LengthPenalty,
     RequestedDetails,
     SamplingParams,
 )
@@ -113,8 +112,9 @@ class ValidatedRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class _Params:
-    """Parameters after TGIS's conversion (tgis-api §3), before validation."""
+class RequestParams:
+    """A request's parameters, door-neutral, before validation: what each API door converts its
+    own parameters into (grpc_params.py: TGIS's conversion, tgis-api §3)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingSpec = field(default_factory=lambda: StoppingSpec(DEFAULT_MAX_NEW_TOKENS))
@@ -136,69 +136,7 @@ def shard_input_ids(ids: list[int], truncate_input_tokens: int) -> tuple[int, ..
     return tuple(ids[-(keep + 1) :] if 0 < keep < len(ids) - 1 else ids)
 
 
-def _signed32(value: int) -> int:
-    return value - 2**32 if value >= 2**31 else value
-
-
-def convert_params(params: pb.Parameters | None, default_include_stop_seqs: bool) -> _Params:
-    if params is None:
-        return _Params()
-    stopping = StoppingSpec(DEFAULT_MAX_NEW_TOKENS)
-    if params.HasField("stopping"):
-        st = params.stopping
-        stopping = StoppingSpec(
-            max_new_tokens=st.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-            min_new_tokens=st.min_new_tokens,
-            stop_sequences=tuple(st.stop_sequences),
-            include_stop_sequence=(
-                st.include_stop_sequence
-                if st.HasField("include_stop_sequence")
-                else default_include_stop_seqs
-            ),
-            time_limit_ms=st.time_limit_millis,
-        )
-    d = params.decoding
-    sampling = SamplingParams(
-        min_new_tokens=stopping.min_new_tokens,
-        repetition_penalty=d.repetition_penalty if d.repetition_penalty != 0.0 else 1.0,
-        length_penalty=(
-            LengthPenalty(d.length_penalty.start_index, d.length_penalty.decay_factor)
-            if d.HasField("length_penalty")
-            else None
-        ),
-    )
-    if params.method == pb.SAMPLE:  # GREEDY ignores the sampling message entirely
-        s = params.sampling
-        temperature = s.temperature if s.HasField("temperature") else 0.0
-        sampling = replace(
-            sampling,
-            temperature=temperature if temperature != 0.0 else 1.0,
-            top_k=_signed32(s.top_k),
-            top_p=s.top_p if s.top_p != 0.0 else 1.0,
-            typical_p=s.typical_p if s.typical_p > 0.0 else 1.0,  # negative acts as off
-            seed=s.seed if s.HasField("seed") else None,
-        )
-    r = params.response
-    guided = d.WhichOneof("guided")
-    if guided == "format" and d.format == pb.DecodingParameters.TEXT:
-        guided = None  # TEXT = no constraint
-    return _Params(
-        sampling=sampling,
-        stopping=stopping,
-        response=ResponseSpec(
-            input_text=r.input_text,
-            generated_tokens=r.generated_tokens,
-            input_tokens=r.input_tokens,
-            token_logprobs=r.token_logprobs,
-            token_ranks=r.token_ranks,
-            top_n_tokens=r.top_n_tokens,
-        ),
-        truncate_input_tokens=params.truncate_input_tokens,
-        guided=guided,
-    )
-
-
-def check_params(p: _Params, max_new_tokens: int) -> None:
+def check_params(p: RequestParams, max_new_tokens: int) -> None:
     """Checks 1-11 of tgis-api §9.1, in order, then the guided-decoding extension."""
     s, st, r = p.sampling, p.stopping, p.response
     # NOTE: comparisons are written so that NaN and infinities fail them (TGIS lets NaN through).
@@ -269,7 +207,6 @@ class Validator:
         *,
         max_sequence_length: int,
         max_new_tokens: int,
-        default_include_stop_seqs: bool,
         capacity: Capacity | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -278,19 +215,18 @@ class Validator:
         self.metrics = metrics
         self.max_sequence_length = max_sequence_length
         self.max_new_tokens = max_new_tokens
-        self.default_include_stop_seqs = default_include_stop_seqs
 
     async def validate(
         self,
         texts: Sequence[str],
-        params: pb.Parameters | None,
+        params: RequestParams | None,
         prefix_id: str,
         received_at: float,
         adapter_id: str = "",
     ) -> list[ValidatedRequest]:
         """`prefix_id` (TGIS) names a soft prompt; `adapter_id` an adapter of any stored kind.
         Both may be set only to the same id, which then counts as an adapter id."""
-        p = convert_params(params, self.default_include_stop_seqs)
+        p = params or RequestParams()
         check_params(p, self.max_new_tokens)
         if adapter_id and prefix_id:
             if adapter_id != prefix_id:
@@ -352,7 +288,7 @@ class Validator:
         self,
         text: str,
         ids: list[int],
-        p: _Params,
+        p: RequestParams,
         prefix_id: str,
         prefix_length: int,
         received_at: float,

@@ -11,7 +11,6 @@ and security settings are compared with the code; the Dockerfile is parsed and l
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import subprocess
@@ -40,6 +39,7 @@ from launcher.config import (
 from launcher.supervisor import SHARD_GRACE_S
 from router import cli as router_cli
 from router.config import DEFAULT_GRPC_PORT, DEFAULT_PORT
+from router.http_app import PROBE_PATHS
 from router.http_server import READY_WINDOW_S
 from tests.deployment_tools import (
     REPO,
@@ -96,19 +96,7 @@ SERVE = shard_cli.app.commands["serve"]
 KNOWN_ENV = envvars(launcher_cli.main) | LAUNCHER_OTHER_ENV | (envvars(SERVE) - {"RANK", "WORLD_SIZE"})
 
 
-def http_routes() -> set[str]:
-    """The paths router/server.py hands to HttpServer."""
-    tree = ast.parse((REPO / "router" / "server.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "HttpServer":
-            assert isinstance(node.args[0], ast.Dict), "HttpServer takes a dict literal of routes"
-            return {
-                k.value for k in node.args[0].keys if isinstance(k, ast.Constant) and isinstance(k.value, str)
-            }
-    raise AssertionError("router/server.py builds no HttpServer")
-
-
-ROUTES = http_routes()
+ROUTES = set(PROBE_PATHS)  # served by the HTTP app (tests/router/test_http_doors.py checks it)
 
 
 @pytest.fixture(scope="session")

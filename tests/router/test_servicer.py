@@ -10,18 +10,14 @@ import time
 import grpc
 import pytest
 
-from router.batch_weights import BatchWeights
-from router.batcher import Batcher
-from router.capacity import WeightCapacity
-from router.grpc_server import DRAINING, MAX_TOKENIZE_TEXTS, ConcurrencyLimiter, GenerationServicer
-from router.metrics import Metrics
+from router.grpc_server import MAX_TOKENIZE_TEXTS, GenerationServicer
 from router.pb import generation_pb2 as pb
-from router.request_queue import RequestQueue
+from router.service import DRAINING
 from router.shard_client import CONNECTION_MESSAGE, OOM_MESSAGE, ShardCallError
 from router.tokenizer import BUSY_MESSAGE, TokenizerPool
 from router.tracing import Tracing
-from router.validation import PrefixLengths, Validator
-from tests.router.fakes import EOS, FakeShard
+from tests.router.fakes import FakeShard
+from tests.router.stacks import service_over
 
 
 class Aborted(Exception):
@@ -41,27 +37,18 @@ class FakeContext:
 @pytest.fixture
 async def servicer(detokenizer, tokenizer_pool):
     shard = FakeShard(latency_s=0.002)
-    metrics = Metrics(max_sequence_length=512, max_new_tokens=200)
-    queue = RequestQueue(WeightCapacity(BatchWeights.from_model(shard.memory, True), 1.0), 8, metrics)
-    batcher = Batcher(shard, queue, detokenizer, metrics, eos_token_id=EOS, max_waiting_tokens=2)
-    validator = Validator(
-        tokenizer_pool,
-        PrefixLengths(shard.prefix_lookup, metrics),
-        metrics,
-        max_sequence_length=512,
-        max_new_tokens=200,
-        default_include_stop_seqs=True,
+    service, batcher = service_over(
+        shard, detokenizer, tokenizer_pool, max_batch_size=8, permits=8, max_new_tokens=200
     )
     servicer = GenerationServicer(
-        validator,
-        queue,
+        service,
         tokenizer_pool,
-        ConcurrencyLimiter(8),
-        metrics,
+        service.metrics,
         Tracing.setup(None, "test"),
         seq2seq=False,
         max_sequence_length=512,
         max_new_tokens=200,
+        default_include_stop_seqs=True,
     )
     task = asyncio.create_task(batcher.run())
     yield servicer, shard
@@ -76,7 +63,7 @@ def batch(texts: list[str], max_new: int) -> pb.BatchedGenerationRequest:
 
 async def test_a_failing_input_fails_the_call_at_once(servicer, caplog) -> None:
     s, shard = servicer
-    caplog.set_level(logging.INFO, "router.grpc_server")
+    caplog.set_level(logging.INFO, "router.service")
     # The second input fails at its prefill; the first would need 150 steps (0.3 s or more).
     shard.request_errors[2] = "boom"
     start = time.monotonic()
@@ -91,14 +78,14 @@ async def test_a_failing_input_fails_the_call_at_once(servicer, caplog) -> None:
     assert elapsed < 0.2, f"waited {elapsed:.2f} s for the other input"
     assert s.metrics.counters["tgi_request_failure"].get(err="generate") == 1
     # The abandoned input left the batch and its permit came back.
-    assert s.limiter.in_use == 0
+    assert s.service.limiter.in_use == 0
     await asyncio.sleep(0.05)
     assert not shard.batches
 
 
 async def test_draining_refuses_new_calls(servicer) -> None:
     s, _ = servicer
-    s.draining = True
+    s.service.draining = True
     with pytest.raises(Aborted) as error:
         await s.Generate(batch(["x"], 3), FakeContext())
     assert (error.value.code, error.value.details) == (grpc.StatusCode.UNAVAILABLE, DRAINING)
@@ -141,7 +128,7 @@ async def test_shard_call_failures_have_actionable_codes(servicer, step, kind, f
             await s.Generate(batch(["hello"] if kind == "single" else ["hello", "there"], 5), FakeContext())
     assert error.value.code == code
     assert error.value.details == f"Request failed during generation: {failure}"
-    assert s.limiter.in_use == 0
+    assert s.service.limiter.in_use == 0
     # The server goes on: the next request is answered.
     reply = await s.Generate(batch(["again"], 3), FakeContext())
     assert reply.responses[0].generated_token_count == 3

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from router.capacity import KVBlockCapacity
+from router.grpc_params import convert_params
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.validation import (
@@ -16,7 +17,6 @@ from router.validation import (
     ValidationError,
     Validator,
     check_params,
-    convert_params,
     shard_input_ids,
 )
 from text_generation_common.messages import GenerationRequest
@@ -28,6 +28,13 @@ MAX_NEW = 169
 
 def params(**kwargs) -> pb.Parameters:
     return pb.Parameters(**kwargs)
+
+
+class GrpcValidator(Validator):
+    """Validation as the gRPC door drives it: TGIS's protobuf Parameters converted first."""
+
+    async def validate(self, texts, params, *args, **kwargs):
+        return await super().validate(texts, convert_params(params, True), *args, **kwargs)
 
 
 def sample(**sampling) -> pb.Parameters:
@@ -42,13 +49,12 @@ async def found(prefix_id: str, adapter: bool = False) -> int:
 
 def make_validator(pool) -> Validator:
     metrics = Metrics(max_sequence_length=MAX_SEQ, max_new_tokens=MAX_NEW)
-    return Validator(
+    return GrpcValidator(
         pool,
         PrefixLengths(found, metrics),
         metrics,
         max_sequence_length=MAX_SEQ,
         max_new_tokens=MAX_NEW,
-        default_include_stop_seqs=True,
     )
 
 
@@ -353,13 +359,12 @@ async def test_echoed_prefix_ids_are_clipped(validator: Validator) -> None:
 async def test_a_request_larger_than_the_whole_kv_cache_is_refused(tokenizer_pool) -> None:
     capacity = KVBlockCapacity(block_size=4, total_blocks=11)  # 10 usable blocks: 40 tokens
     metrics = Metrics(max_sequence_length=MAX_SEQ, max_new_tokens=MAX_NEW)
-    validator = Validator(
+    validator = GrpcValidator(
         tokenizer_pool,
         PrefixLengths(found, metrics),
         metrics,
         max_sequence_length=MAX_SEQ,
         max_new_tokens=MAX_NEW,
-        default_include_stop_seqs=True,
         capacity=capacity,
     )
     text = "hello " * 10

@@ -1,0 +1,131 @@
+"""The HTTP application: health probes, /metrics, HF TGI's REST API (tgi_rest.py), the OpenAPI
+document at /openapi.json and its interactive docs at /docs (Swagger UI served from the
+installed swagger-ui-bundle package, so it works without internet access).
+
+Errors outside the API routes' own answers (an unknown path, a method a route does not take, a
+body that is not the route's JSON) are answered in TGI's error shape {"error", "error_type"}:
+404 not_found, 405 method_not_allowed, 422 validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
+
+from router.http_server import HealthCheck, HttpResponse, error_body
+from router.tgi_rest import TgiRest
+from text_generation_common.logs import clip
+
+MAX_ECHOED_PATH = 64
+ERROR_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+def build_app(
+    health: HealthCheck,
+    exposition: Callable[[], bytes],
+    metrics_content_type: str,
+    tgi: TgiRest,
+    *,
+    version: str,
+) -> FastAPI:
+    app = FastAPI(
+        title="text-generation-server",
+        version=version,
+        description="HF TGI's REST API, health probes and Prometheus metrics. The gRPC API "
+        "(fmaas.GenerationService) is on the gRPC port.",
+        docs_url=None,
+        redoc_url=None,
+    )
+    _add_docs(app)
+    _add_probes(app, health, exposition, metrics_content_type)
+    app.include_router(tgi.router)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    return app
+
+
+def _probe(handler: Callable[[], Awaitable[HttpResponse]]) -> Callable[[], Awaitable[Response]]:
+    async def route() -> Response:
+        answer = await handler()
+        return Response(answer.body, answer.status, media_type=answer.content_type)
+
+    return route
+
+
+HEALTH_PATHS = ("/health", "/health/live", "/health/ready")
+METRICS_PATH = "/metrics"
+PROBE_PATHS = (*HEALTH_PATHS, METRICS_PATH)  # what deployments point probes and scrapers at
+
+
+def _add_probes(
+    app: FastAPI, health: HealthCheck, exposition: Callable[[], bytes], metrics_content_type: str
+) -> None:
+    handlers = (health.respond, health.live, health.ready)
+    summaries = (
+        "TGIS's health check: shard health, or a one-token generation",
+        "Liveness: the router answers and its batching loop runs",
+        "Readiness: not draining and the shards answer",
+    )
+    for path, handler, summary in zip(HEALTH_PATHS, handlers, summaries, strict=True):
+        app.add_api_route(path, _probe(handler), methods=["GET"], summary=summary, tags=["health"])
+
+    async def metrics() -> Response:
+        return Response(exposition(), media_type=metrics_content_type)
+
+    app.add_api_route(METRICS_PATH, metrics, methods=["GET"], summary="Prometheus metrics", tags=["health"])
+
+
+def _add_docs(app: FastAPI) -> None:
+    import swagger_ui_bundle  # the Swagger UI files, installed with the server
+
+    app.mount("/docs/static", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-static")
+
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="text-generation-server API",
+            swagger_js_url="/docs/static/swagger-ui-bundle.js",
+            swagger_css_url="/docs/static/swagger-ui.css",
+            swagger_favicon_url="/docs/static/favicon-32x32.png",
+        )
+
+    app.add_api_route("/docs", docs, methods=["GET"], include_in_schema=False)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    if status == 404:
+        message = f"no route {clip(request.url.path, MAX_ECHOED_PATH)}"
+    elif status == 405:
+        method, path = clip(request.method, MAX_ECHOED_PATH), clip(request.url.path, MAX_ECHOED_PATH)
+        message = f"{method} is not allowed on {path}"
+    else:
+        message = str(exc.detail)
+    headers = dict(exc.headers or {})
+    return Response(
+        error_body(message, ERROR_TYPES.get(status, "bad_request")),
+        status,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return Response(error_body(describe_validation(exc), "validation"), 422, media_type="application/json")
+
+
+def describe_validation(exc: RequestValidationError) -> str:
+    """pydantic's complaints about a request body, one line: `field: problem; ...`."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)

@@ -1,0 +1,303 @@
+"""What every API door shares: admission, validation, queueing, answers, request metrics and the
+per-request log line.
+
+The doors (grpc_server.py for fmaas.GenerationService, tgi_rest.py for HF TGI's REST routes,
+openai_api.py for OpenAI's) translate their wire format into RequestParams and texts, and the
+Outputs they get back into their answers. Everything a door can be refused with is a
+RequestError carrying a door-neutral code, named after the gRPC status code it maps to: each door
+maps it to its own status (gRPC code, HTTP status). One ConcurrencyLimiter bounds the inputs in
+flight across all doors (MAX_CONCURRENT_REQUESTS); draining refuses new requests on every door.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from dataclasses import dataclass
+
+from router.entry import Entry, Output
+from router.metrics import Metrics
+from router.request_queue import RequestQueue
+from router.stopping import StopReason
+from router.tokenizer import TokenizerBusy
+from router.tracing import Span
+from router.validation import RequestParams, ValidatedRequest, ValidationError, Validator
+from text_generation_common.logs import clip
+
+logger = logging.getLogger(__name__)
+
+OVERLOADED = "Model is overloaded"
+DRAINING = "The server is shutting down"
+LOGGED_TEXT_CHARS = 32
+QUEUE_DEADLINE_POLL_S = 0.01  # how often an expired but still queued entry checks again
+
+
+class RequestError(Exception):
+    """A refused or failed request. `code` names the gRPC status code (INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED, UNAVAILABLE, INTERNAL, ...); `cause` says which step refused it
+    (validation, overloaded, tokenizer_busy, draining, generation), for HTTP error types."""
+
+    def __init__(self, code: str, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.cause = cause
+
+
+class ConcurrencyLimiter:
+    """Permits for inputs in flight; taking them never waits (TGIS's try_acquire)."""
+
+    def __init__(self, permits: int) -> None:
+        self.permits = permits
+        self.available = permits
+
+    @property
+    def in_use(self) -> int:
+        return self.permits - self.available
+
+    def try_acquire(self, count: int) -> bool:
+        if count > self.available:
+            return False
+        self.available -= count
+        return True
+
+    def release(self, count: int) -> None:
+        self.available += count
+
+
+@dataclass(frozen=True, slots=True)
+class CallInfo:
+    """Who asked: for metrics labels and the per-request log line."""
+
+    kind: str  # metrics.KINDS: single | batch | stream (gRPC), rest | rest_stream, openai | openai_stream
+    correlation_id: str | None
+    span: Span
+
+    @property
+    def streaming(self) -> bool:
+        return self.kind.endswith("stream")
+
+
+class GenerationService:
+    def __init__(
+        self, validator: Validator, queue: RequestQueue, limiter: ConcurrencyLimiter, metrics: Metrics
+    ) -> None:
+        self.validator = validator
+        self.queue = queue
+        self.limiter = limiter
+        self.metrics = metrics
+        self.draining = False  # set on SIGTERM: new requests are refused
+
+    # ---- admission and validation ---------------------------------------------------------
+
+    def count_call(self, kind: str, inputs: int) -> None:
+        self.metrics.inc("tgi_request_count", kind=kind)
+        self.metrics.inc("tgi_request_input_count", inputs)
+
+    @contextlib.contextmanager
+    def admission(self, count: int) -> Iterator[None]:
+        """Hold `count` permits for the block; RequestError when draining or over the limit."""
+        if self.draining:
+            self.metrics.inc("tgi_queue_rejected", reason="draining")
+            raise RequestError("UNAVAILABLE", DRAINING, "draining")
+        if not self.limiter.try_acquire(count):
+            self.metrics.inc("tgi_queue_rejected", reason="conc_limit")
+            self.metrics.inc("tgi_request_failure", err="conc_limit")
+            raise RequestError("RESOURCE_EXHAUSTED", OVERLOADED, "overloaded")
+        try:
+            yield
+        finally:
+            self.limiter.release(count)
+
+    async def validate(
+        self,
+        texts: Sequence[str],
+        params: RequestParams | None,
+        received_at: float,
+        prefix_id: str = "",
+        adapter_id: str = "",
+    ) -> list[ValidatedRequest]:
+        try:
+            return await self.validator.validate(texts, params, prefix_id, received_at, adapter_id)
+        except ValidationError as exc:
+            self.metrics.inc("tgi_request_failure", err="validation")
+            raise RequestError("INVALID_ARGUMENT", str(exc), "validation") from exc
+        except TokenizerBusy as exc:
+            self.metrics.inc("tgi_queue_rejected", reason="tokenizer_busy")
+            self.metrics.inc("tgi_request_failure", err="queue_full")
+            raise RequestError("RESOURCE_EXHAUSTED", str(exc), "tokenizer_busy") from exc
+
+    # ---- generation -----------------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[ValidatedRequest], call: CallInfo) -> list[Output]:
+        """Every request's final output, or (as TGIS) a RequestError for the first failure as
+        soon as one happens; unfinished requests are abandoned when this returns or raises."""
+        entries = [Entry(v, stream=False) for v in requests]
+        self.queue.append(entries)
+        tasks: list[asyncio.Future[Output]] = [asyncio.ensure_future(self._final_output(e)) for e in entries]
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = tasks.index(task)
+                    output = task.result()
+                    self._finished(entries[index], output, call, index + 1, len(entries))
+                    if output.error is not None:
+                        self._fail(call, output)
+            return [t.result() for t in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+            self._abandon(entries, call)
+
+    async def stream(self, request: ValidatedRequest, call: CallInfo) -> AsyncGenerator[Output, None]:
+        """The request's outputs as they come (input-token details first when asked for, then
+        one per token delta, the last one final); RequestError when it fails. Close it (doors
+        use contextlib.aclosing) when the client goes away: the request is then abandoned."""
+        entry = Entry(request, stream=True)
+        self.queue.append([entry])
+        text_bytes, head = 0, ""
+        try:
+            while True:
+                output = await self._next_output(entry)
+                if output.error is not None:
+                    self._finished(entry, output, call)
+                    self._fail(call, output)
+                text_bytes += len(output.text.encode())
+                head = (head + output.text)[:LOGGED_TEXT_CHARS]
+                if output.final:
+                    self._finished(entry, output, call, text=head, output_bytes=text_bytes)
+                yield output
+                if output.final:
+                    return
+        finally:
+            self._abandon([entry], call)
+
+    def _fail(self, call: CallInfo, failed: Output) -> None:
+        """Raise a request's generation failure, under its Failure's status code."""
+        assert failed.error is not None
+        self.metrics.inc("tgi_request_failure", err="generate")
+        call.span.set_error(failed.error)
+        raise RequestError(failed.failure.value, failed.error, "generation")
+
+    async def _final_output(self, entry: Entry) -> Output:
+        output = await self._next_output(entry)
+        while not output.final:
+            output = await self._next_output(entry)
+        return output
+
+    async def _next_output(self, entry: Entry) -> Output:
+        """The entry's next output. When its deadline passes while it still waits in the queue
+        behind running requests, it is answered TIME_LIMIT with 0 tokens (TGIS services its
+        queue only while a step is in flight; an idle server runs the request, which then stops
+        with TIME_LIMIT after one token)."""
+        deadline = entry.request.deadline
+        while deadline is not None and entry.started_at is None:
+            wait_s = max(deadline - time.monotonic(), 0.0) or QUEUE_DEADLINE_POLL_S
+            try:
+                return await asyncio.wait_for(entry.outputs.get(), wait_s)
+            except TimeoutError:
+                if self.queue.busy and self.queue.remove(entry):
+                    entry.expire_in_queue()
+        return await entry.outputs.get()
+
+    def _abandon(self, entries: Sequence[Entry], call: CallInfo) -> None:
+        """The call ended (answered, failed or cancelled): unfinished entries are dropped."""
+        for index, entry in enumerate(entries, 1):
+            if entry.finished:
+                continue
+            entry.cancelled = True
+            queued = self.queue.remove(entry)
+            self.metrics.inc("tgi_request_cancellation", phase="queued" if queued else "running")
+            self.metrics.inc("tgi_request_failure", err="cancelled")
+            self._log(entry, call, StopReason.CANCELLED, entry.generated, "", index, len(entries))
+
+    # ---- metrics and the log line ---------------------------------------------------------
+
+    def _finished(
+        self,
+        entry: Entry,
+        output: Output,
+        call: CallInfo,
+        index: int = 1,
+        count: int = 1,
+        *,
+        text: str | None = None,
+        output_bytes: int = -1,
+    ) -> None:
+        """Metrics and the log line of a request that got its answer (or its error). Streams pass
+        the head of their text and its total size (their last output holds only a delta)."""
+        now = time.monotonic()
+        request = entry.request
+        generated = output.generated_tokens
+        if output.error is not None:
+            self._log(entry, call, StopReason.ERROR, generated, output.error, index, count)
+            return
+        if entry.started_at is None:  # the deadline passed in the queue
+            self.metrics.inc("tgi_request_failure", err="timeout")
+        else:
+            inference_s = now - entry.started_at
+            self.metrics.inc("tgi_request_success", stop_reason=output.stop_reason.name, kind=call.kind)
+            self.metrics.observe("tgi_request_generated_tokens", generated)
+            self.metrics.observe("tgi_request_total_tokens", request.input_length + generated)
+            self.metrics.observe("tgi_request_duration", now - request.received_at)
+            self.metrics.observe("tgi_request_inference_duration", inference_s)
+            if generated:
+                self.metrics.observe("tgi_request_mean_time_per_token_duration", inference_s / generated)
+        call.span.set_attribute("generated_tokens", generated)
+        call.span.set_attribute("stop_reason", output.stop_reason.name)
+        shown = output.text if text is None else text
+        self._log(entry, call, output.stop_reason, generated, shown, index, count, output_bytes)
+
+    def _log(
+        self,
+        entry: Entry,
+        call: CallInfo,
+        reason: StopReason,
+        generated: int,
+        text: str,
+        index: int = 1,
+        count: int = 1,
+        output_bytes: int = -1,
+    ) -> None:
+        """TGIS's per-request line: what happened, and where the time went."""
+        now = time.monotonic()
+        r = entry.request
+        started = entry.started_at
+        times = {
+            "validation_time": entry.queued_at - r.received_at,
+            "queue_time": (started or now) - entry.queued_at,
+            "inference_time": now - started if started else 0.0,
+            "time_per_token": (now - started) / generated if started and generated else 0.0,
+            "total_time": now - r.received_at,
+        }
+        fields = " ".join(f"{k}={v:.4f}s" for k, v in times.items())
+        if count > 1:
+            prefix = f"Sub-request {index} from batch of {count}"
+        else:
+            prefix = "Streaming response" if call.streaming else "Request"
+        if reason is StopReason.ERROR:
+            summary = f"failed after {generated} tokens: {text}"
+        else:
+            size = output_bytes if output_bytes >= 0 else len(text.encode())
+            shown = text[:LOGGED_TEXT_CHARS]
+            summary = f"generated {generated} tokens before {reason.name}, output {size} bytes: {shown!r}"
+        level = {
+            StopReason.ERROR: logging.ERROR,
+            StopReason.CANCELLED: logging.WARNING,
+            StopReason.TOKEN_LIMIT: logging.WARNING,
+        }
+        logger.log(
+            level.get(reason, logging.INFO),
+            "%s %s %s input_toks=%d request_id=%d correlation_id=%s",
+            prefix,
+            summary,
+            fields,
+            r.input_length,
+            entry.id,
+            clip(call.correlation_id or "-"),
+        )

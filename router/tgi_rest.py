@@ -1,0 +1,472 @@
+"""The HF TGI REST door: POST /generate, /generate_stream (SSE), / (either, by `stream`),
+/tokenize and GET /info, with TGI's parameter names, defaults, answers and error shape.
+
+Parameters become RequestParams and go through the same validation as gRPC (TGIS's messages).
+Where TGI and TGIS differ, TGI's behaviour wins at this door:
+  - sampling is on with `do_sample` or when any of temperature, top_k, top_p, typical_p is
+    set to a value other than its neutral one (1.0, 0, 1.0, 1.0), as TGI decides; a
+    temperature of 0 means greedy (TGI refuses it);
+  - max_new_tokens defaults to 100 (at most the server's MAX_NEW_TOKENS); 0 is refused;
+  - stop sequences stay in the generated text; return_full_text puts the prompt in front;
+  - stream events carry one token each (ids, logprobs, `special`), the last one the whole
+    text and the details.
+Parameters TGI has and this server does not serve (best_of > 1, watermark, grammar,
+frequency_penalty) are refused with 422, never ignored; unknown ones too.
+
+Status codes: 422 validation (error_type "validation"), 429 overloaded (over
+MAX_CONCURRENT_REQUESTS, or too much text waiting for tokenization), 424 generation (the
+request failed while generating), 503 unavailable (draining). A failure after a stream began
+is its last event: {"error": ..., "error_type": "generation"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.entry import Output
+from router.service import CallInfo, GenerationService, RequestError
+from router.stopping import StopReason
+from router.tokenizer import TokenizerBusy, TokenizerError, TokenizerPool
+from router.tracing import Tracing, correlation_id
+from router.validation import (
+    MAX_STOP_SEQUENCES,
+    RequestParams,
+    ResponseSpec,
+    StoppingSpec,
+    ValidatedRequest,
+    tokenizer_error_message,
+)
+from text_generation_common.messages import SamplingParams, TokenInfo
+
+DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 422,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+    "UNAUTHENTICATED": 401,
+    "CANCELLED": 499,  # the client is gone; nobody reads it
+}
+ERROR_TYPES = {
+    "validation": "validation",
+    "overloaded": "overloaded",
+    "tokenizer_busy": "overloaded",
+    "draining": "unavailable",
+    "generation": "generation",
+}
+FINISH_REASONS = {
+    StopReason.MAX_TOKENS: "length",
+    StopReason.TOKEN_LIMIT: "length",
+    StopReason.TIME_LIMIT: "length",
+    StopReason.EOS_TOKEN: "eos_token",
+    StopReason.STOP_SEQUENCE: "stop_sequence",
+}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
+
+
+class Parameters(BaseModel):
+    """TGI's generation parameters (unknown fields are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    adapter_id: str | None = Field(
+        default=None, description="a stored adapter or soft prompt (TGIS's adapter_id)"
+    )
+    best_of: int | None = Field(default=None, description="only 1 (or unset) is served")
+    decoder_input_details: bool = Field(default=False, description="return the prompt's tokens with logprobs")
+    details: bool = Field(default=False, description="return finish reason, token ids, logprobs and seed")
+    do_sample: bool = Field(default=False, description="sample instead of greedy decoding")
+    frequency_penalty: float | None = Field(default=None, description="not served: 0 or unset only")
+    grammar: Any | None = Field(default=None, description="not served: unset only")
+    max_new_tokens: int | None = Field(default=None, ge=1, description=f"default {DEFAULT_MAX_NEW_TOKENS}")
+    repetition_penalty: float | None = Field(default=None, description="> 0; 1.0 = off")
+    return_full_text: bool | None = Field(
+        default=False, description="put the prompt in front of the generated text"
+    )
+    seed: int | None = Field(default=None, ge=0, lt=2**64, description="sampling seed")
+    stop: list[str] = Field(default_factory=list, description="stop sequences (kept in the text)")
+    temperature: float | None = Field(default=None, description="0 = greedy; else >= 0.05")
+    top_k: int | None = Field(default=None, description="> 0")
+    top_n_tokens: int | None = Field(
+        default=None, ge=0, description="the n most likely tokens at each step (<= 10)"
+    )
+    top_p: float | None = Field(default=None, description="in (0, 1]")
+    truncate: int | None = Field(default=None, ge=0, description="keep only the prompt's last n tokens")
+    typical_p: float | None = Field(default=None, description="<= 1.0")
+    watermark: bool = Field(default=False, description="not served: false only")
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str
+    parameters: Parameters = Field(default_factory=lambda: Parameters())
+    stream: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str
+    parameters: Parameters | None = None  # accepted as TGI does; tokenization ignores them
+
+
+def unsupported(p: Parameters) -> str | None:
+    """Why TGI parameters this server does not serve refuse the request, or None."""
+    if p.best_of is not None and p.best_of > 1:
+        return "best_of > 1 is not supported by this server"
+    if p.watermark:
+        return "watermark is not supported by this server"
+    if p.grammar is not None:
+        return "grammar is not supported by this server"
+    if p.frequency_penalty:
+        return "frequency_penalty is not supported by this server"
+    return None
+
+
+def _sampling_wanted(p: Parameters) -> bool:
+    """TGI's rule: do_sample, or any sampling parameter away from its neutral value."""
+    if p.temperature == 0.0:
+        return False
+    return (
+        p.do_sample
+        or p.temperature not in (None, 1.0)
+        or p.top_k not in (None, 0)
+        or p.top_p not in (None, 1.0)
+        or p.typical_p not in (None, 1.0)
+    )
+
+
+def request_params(p: Parameters, *, stream: bool, max_new_tokens: int) -> RequestParams:
+    """TGI's parameters -> RequestParams (validated afterwards like every door's)."""
+    sampling = SamplingParams(
+        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty
+    )
+    if _sampling_wanted(p):
+        sampling = replace(
+            sampling,
+            temperature=1.0 if p.temperature is None else p.temperature,
+            top_k=p.top_k or 0,
+            top_p=1.0 if p.top_p is None else p.top_p,
+            typical_p=1.0 if p.typical_p is None else p.typical_p,
+            seed=p.seed,
+        )
+    top_n = p.top_n_tokens or 0
+    tokens = p.details or stream or top_n > 0
+    return RequestParams(
+        sampling=sampling,
+        stopping=StoppingSpec(
+            max_new_tokens=p.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens),
+            stop_sequences=tuple(p.stop),
+            include_stop_sequence=True,
+        ),
+        response=ResponseSpec(
+            input_text=bool(p.return_full_text),
+            generated_tokens=tokens,
+            input_tokens=p.decoder_input_details,
+            token_logprobs=tokens or p.decoder_input_details,
+            top_n_tokens=top_n,
+        ),
+        truncate_input_tokens=p.truncate or 0,
+    )
+
+
+def error_response(exc: RequestError) -> JSONResponse:
+    status = HTTP_STATUS.get(exc.code, 424 if exc.cause == "generation" else 500)
+    return JSONResponse({"error": exc.message, "error_type": ERROR_TYPES.get(exc.cause, exc.cause)}, status)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; cancel it when the HTTP client goes away first (RequestError then)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise RequestError("CANCELLED", "the client disconnected", "cancelled")
+        return task.result()
+    finally:
+        task.cancel()
+        watcher.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class TgiRest:
+    """The routes, bound to the shared GenerationService."""
+
+    def __init__(
+        self,
+        service: GenerationService,
+        tokenizer: TokenizerPool,
+        tracing: Tracing,
+        *,
+        info: dict[str, Any],
+        max_new_tokens: int,
+    ) -> None:
+        self.service = service
+        self.tokenizer = tokenizer
+        self.tracing = tracing
+        self.info_fields = info
+        self.max_new_tokens = max_new_tokens
+        raw = tokenizer.tokenizer
+        self._special = {i for i, t in raw.get_added_tokens_decoder().items() if t.special}
+        self.router = APIRouter(tags=["HF TGI"])
+        self.router.add_api_route("/generate", self.generate, methods=["POST"], summary="Generate (TGI)")
+        self.router.add_api_route(
+            "/generate_stream",
+            self.generate_stream,
+            methods=["POST"],
+            summary="Generate, streamed as SSE (TGI)",
+        )
+        self.router.add_api_route(
+            "/", self.compat, methods=["POST"], summary="Generate or stream, by `stream` (TGI)"
+        )
+        self.router.add_api_route("/tokenize", self.tokenize, methods=["POST"], summary="Tokenize (TGI)")
+        self.router.add_api_route("/info", self.info, methods=["GET"], summary="Model and server info (TGI)")
+
+    # ---- routes ---------------------------------------------------------------------------
+
+    async def generate(self, body: GenerateRequest, request: Request) -> Response:
+        """One generation; `details` adds tokens, logprobs, finish reason and seed."""
+        try:
+            answer = await until_disconnected(request, self._generate(body, request))
+        except RequestError as exc:
+            return error_response(exc)
+        return JSONResponse(answer)
+
+    async def compat(self, body: GenerateRequest, request: Request) -> Response:
+        """TGI's `POST /`: a stream when `stream` is true, else a one-element list."""
+        if body.stream:
+            return await self.generate_stream(body, request)
+        try:
+            answer = await until_disconnected(request, self._generate(body, request))
+        except RequestError as exc:
+            return error_response(exc)
+        return JSONResponse([answer])
+
+    async def generate_stream(self, body: GenerateRequest, request: Request) -> Response:
+        """Server-sent events: `data:{token, generated_text: null, details: null}` per token, the
+        last one with the whole text and the details."""
+        received_at = time.monotonic()
+        headers = list(request.headers.items())
+        self.service.count_call("rest_stream", 1)
+        stack = contextlib.ExitStack()
+        span = stack.enter_context(self.tracing.request_span("generate_stream", headers))
+        try:
+            if body.parameters.decoder_input_details:
+                raise RequestError(
+                    "INVALID_ARGUMENT",
+                    "decoder_input_details == true is not supported when streaming tokens",
+                    "validation",
+                )
+            stack.enter_context(self.service.admission(1))
+            (validated,) = await self._validate(body, received_at, stream=True)
+        except RequestError as exc:
+            stack.close()
+            return error_response(exc)
+        call = CallInfo("rest_stream", correlation_id(headers), span)
+        return EventStream(self._events(validated, body.inputs, call), stack)
+
+    async def tokenize(self, body: TokenizeRequest) -> Response:
+        """The prompt's tokens: id, text and character offsets (TGI's /tokenize)."""
+        started = time.monotonic()
+        metrics = self.service.metrics
+        metrics.inc("tgi_tokenize_request_count")
+        metrics.inc("tgi_tokenize_request_input_count")
+        texts = [body.inputs]
+        try:
+            (encoding,) = await self.tokenizer.run_tokenize_job(
+                texts, lambda: self.tokenizer.tokenizer.encode_batch(texts, add_special_tokens=True)
+            )
+        except TokenizerBusy as exc:
+            return error_response(RequestError("RESOURCE_EXHAUSTED", str(exc), "tokenizer_busy"))
+        except TokenizerError as exc:
+            return error_response(
+                RequestError("INVALID_ARGUMENT", tokenizer_error_message(exc), "validation")
+            )
+        tokens = [
+            {"id": i, "text": body.inputs[start:stop], "start": start, "stop": stop}
+            for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
+        ]
+        metrics.observe("tgi_tokenize_request_tokens", len(tokens))
+        metrics.observe("tgi_tokenize_request_duration", time.monotonic() - started)
+        return JSONResponse(tokens)
+
+    async def info(self) -> dict[str, Any]:
+        """TGI's /info: the model and the limits this server applies."""
+        return dict(self.info_fields)
+
+    # ---- generation -----------------------------------------------------------------------
+
+    async def _validate(
+        self, body: GenerateRequest, received_at: float, *, stream: bool
+    ) -> list[ValidatedRequest]:
+        p = body.parameters
+        refusal = unsupported(p)
+        if refusal is not None:
+            self.service.metrics.inc("tgi_request_failure", err="validation")
+            raise RequestError("INVALID_ARGUMENT", refusal, "validation")
+        params = request_params(p, stream=stream, max_new_tokens=self.max_new_tokens)
+        return await self.service.validate([body.inputs], params, received_at, adapter_id=p.adapter_id or "")
+
+    async def _generate(self, body: GenerateRequest, request: Request) -> dict[str, Any]:
+        received_at = time.monotonic()
+        headers = list(request.headers.items())
+        self.service.count_call("rest", 1)
+        with self.tracing.request_span("generate", headers) as span, self.service.admission(1):
+            (validated,) = await self._validate(body, received_at, stream=False)
+            call = CallInfo("rest", correlation_id(headers), span)
+            (output,) = await self.service.generate([validated], call)
+        answer: dict[str, Any] = {"generated_text": self._full_text(body, output.text)}
+        if body.parameters.details:
+            answer["details"] = self._details(validated, output)
+        return answer
+
+    async def _events(
+        self, validated: ValidatedRequest, prompt: str, call: CallInfo
+    ) -> AsyncGenerator[str, None]:
+        """The SSE body: one event per token, or an error event when generation fails."""
+        text = []
+        try:
+            async with contextlib.aclosing(self.service.stream(validated, call)) as outputs:
+                async for output in outputs:
+                    text.append(output.text)
+                    yield _sse(self._event(validated, output, prompt, "".join(text)))
+        except RequestError as exc:
+            yield _sse({"error": exc.message, "error_type": ERROR_TYPES.get(exc.cause, exc.cause)})
+
+    def _event(self, validated: ValidatedRequest, output: Output, prompt: str, text: str) -> dict[str, Any]:
+        token = output.tokens[-1] if output.tokens else None
+        event: dict[str, Any] = {
+            "index": output.generated_tokens,
+            "token": self._token(token, output.text) if token else None,
+            "generated_text": None,
+            "details": None,
+        }
+        if token is not None and validated.response.top_n_tokens:
+            event["top_tokens"] = [self._top(top) for top in token.top_tokens]
+        if output.final:
+            event["generated_text"] = (prompt if validated.response.input_text else "") + text
+            event["details"] = {
+                "finish_reason": FINISH_REASONS.get(output.stop_reason, "length"),
+                "generated_tokens": output.generated_tokens,
+                "seed": None if validated.sampling.greedy else validated.seed,
+                "input_length": validated.input_length,
+            }
+        return event
+
+    # ---- answer pieces --------------------------------------------------------------------
+
+    def _full_text(self, body: GenerateRequest, text: str) -> str:
+        return body.inputs + text if body.parameters.return_full_text else text
+
+    def _details(self, validated: ValidatedRequest, output: Output) -> dict[str, Any]:
+        details: dict[str, Any] = {
+            "finish_reason": FINISH_REASONS.get(output.stop_reason, "length"),
+            "generated_tokens": output.generated_tokens,
+            "seed": None if validated.sampling.greedy else validated.seed,
+            "prefill": [self._input_token(t) for t in output.input_tokens or ()],
+            "tokens": [self._token(t) for t in output.tokens],
+            "best_of_sequences": None,
+        }
+        if validated.response.top_n_tokens:
+            details["top_tokens"] = [[self._top(top) for top in t.top_tokens] for t in output.tokens]
+        return details
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _token(self, t: TokenInfo, text: str | None = None) -> dict[str, Any]:
+        return {
+            "id": t.token_id,
+            "text": self._text(t.token_id) if text is None else text,
+            "logprob": t.logprob,
+            "special": t.token_id in self._special,
+        }
+
+    def _input_token(self, t: TokenInfo) -> dict[str, Any]:
+        logprob = None if t.logprob != t.logprob else t.logprob  # NaN (the first token) -> null
+        return {"id": t.token_id, "text": self._text(t.token_id), "logprob": logprob}
+
+    def _top(self, top: Any) -> dict[str, Any]:
+        return {
+            "id": top.token_id,
+            "text": self._text(top.token_id),
+            "logprob": top.logprob,
+            "special": top.token_id in self._special,
+        }
+
+
+class EventStream(StreamingResponse):
+    """An SSE answer that, however it ends (finished, client gone, cancelled), closes its event
+    generator (which abandons the request) and then `cleanup` (the admission and the span)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], cleanup: contextlib.ExitStack) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._events = events
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._events.aclose()
+            finally:
+                self._cleanup.close()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data:{json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def info_fields(
+    *,
+    model_id: str,
+    dtype: str,
+    max_concurrent_requests: int,
+    max_sequence_length: int,
+    max_new_tokens: int,
+    max_batch_size: int,
+    max_waiting_tokens: int,
+    max_batch_prefill_tokens: int,
+    version: str,
+) -> dict[str, Any]:
+    """TGI's /info fields, filled with this server's values (null where it has none)."""
+    return {
+        "model_id": model_id,
+        "model_sha": None,
+        "model_dtype": dtype,
+        "model_device_type": None,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": max_concurrent_requests,
+        "max_best_of": 1,
+        "max_stop_sequences": MAX_STOP_SEQUENCES,
+        "max_input_tokens": max_sequence_length - 1,
+        "max_total_tokens": max_sequence_length,
+        "max_new_tokens": max_new_tokens,
+        "max_batch_size": max_batch_size,
+        "max_waiting_tokens": max_waiting_tokens,
+        "max_batch_prefill_tokens": max_batch_prefill_tokens or None,
+        "router": "text-generation-router",
+        "version": version,
+        "sha": None,
+        "docker_label": None,
+    }
