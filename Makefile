@@ -54,7 +54,7 @@ test: install test-tools ## run the test suite (installs first if needed)
 
 DEMO_MODEL := .cache/demo-model
 
-$(DEMO_MODEL)/config.json: $(INSTALL_STAMP)
+$(DEMO_MODEL)/config.json: $(INSTALL_STAMP) text_generation_server/testing/tiny_models.py
 	$(PY) -m text_generation_server.testing.tiny_models --arch llama --out $(DEMO_MODEL)
 
 demo-model: $(DEMO_MODEL)/config.json ## build the embedded demo model (tiny random Llama) offline
@@ -65,6 +65,11 @@ run: install demo-model ## start the server on the embedded demo model (gRPC :80
 	@echo "  $(PY) -m router.client generate 'def hello(world):' --max-new-tokens 20"
 	@echo "  $(PY) -m router.client generate 'import os' --stream --sample --seed 7"
 	@echo "  curl -i localhost:3000/health"
+	@echo "  curl localhost:3000/generate -H 'Content-Type: application/json' -d '{\"inputs\": \"import os\", \"parameters\": {\"max_new_tokens\": 20}}'"
+	@echo "  curl localhost:3000/v1/chat/completions -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 20}'"
+	@echo "  $(PY) -c 'from text_generation import Client; print(Client(\"http://localhost:3000\").generate(\"import os\", max_new_tokens=20).generated_text)'"
+	@echo "  $(PY) -c 'import openai; c = openai.OpenAI(base_url=\"http://localhost:3000/v1\", api_key=\"-\"); print(c.completions.create(model=c.models.list().data[0].id, prompt=\"import os\", max_tokens=20).choices[0].text)'"
+	@echo "  API docs: http://localhost:3000/docs"
 	$(VENV)/bin/text-generation-launcher --model-name $(DEMO_MODEL) --deployment-framework tgis_native \
 		--max-sequence-length 512 --max-new-tokens 256
 

@@ -1,15 +1,21 @@
 """The HTTP doors through the real launcher, driven by the real HF `text-generation` client:
-generation, streaming, details, errors, and the same answer over gRPC and TGI REST."""
+generation, streaming, details, errors, and the same answer over gRPC and TGI REST; and the
+OpenAI door through the real `openai` client."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
+import grpc
+import jwt
+import openai
 import pytest
+import text_generation.errors
 from text_generation import Client
 from text_generation.errors import ValidationError
 
-from integration_tests.servers import Server
+from integration_tests.servers import Server, launch
 from router.pb import generation_pb2 as pb
 
 # the client (last released 2024-03) calls pydantic's deprecated .dict()
@@ -70,3 +76,103 @@ def test_errors_reach_the_client_as_tgi_errors(served: Server) -> None:
         tgi.generate("Hello", max_new_tokens=100_000)
     with pytest.raises(ValidationError, match=r"must be >= 0\.05"):
         list(tgi.generate_stream("Hello", do_sample=True, temperature=0.01))
+
+
+# ---- the OpenAI door, through the `openai` client -------------------------------------------
+
+
+def openai_client(s: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{s.http_port}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_openai_completions_give_the_grpc_answer(served: Server, prompt: str) -> None:
+    expected = grpc_greedy(served, prompt, 12)
+    client = openai_client(served)
+    (model,) = client.models.list().data
+    answer = client.completions.create(model=model.id, prompt=prompt, max_tokens=12, temperature=0)
+    assert answer.choices[0].text == expected.text
+    assert answer.usage.completion_tokens == expected.generated_token_count
+    assert answer.usage.prompt_tokens == expected.input_token_count
+    chunks = list(
+        client.completions.create(
+            model=model.id,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == expected.generated_token_count
+
+
+def test_openai_chat_and_errors(served: Server) -> None:
+    client = openai_client(served)
+    (model,) = client.models.list().data
+    messages = [{"role": "user", "content": "Say hello"}]
+    answer = client.chat.completions.create(model=model.id, messages=messages, max_tokens=8, temperature=0)
+    text = answer.choices[0].message.content
+    assert answer.choices[0].message.role == "assistant" and answer.usage.completion_tokens <= 8
+    stream = client.chat.completions.create(
+        model=model.id, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    sampled = client.chat.completions.create(
+        model=model.id, messages=messages, max_tokens=8, seed=3, n=2, logprobs=True, top_logprobs=2
+    )
+    assert len(sampled.choices) == 2 and all(len(c.logprobs.content) for c in sampled.choices)
+    with pytest.raises(openai.BadRequestError, match=r"temperature must be >= 0\.05"):
+        client.completions.create(model=model.id, prompt="x", temperature=0.01)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other", prompt="x")
+
+
+# ---- authentication through the real launcher -----------------------------------------------
+
+SECRET = "integration-secret-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("auth")
+    s = launch(
+        "llama", root, "--tenant-max-concurrent-requests", "4", env={"API_KEY": "k1,k2", "JWT_SECRET": SECRET}
+    )
+    yield s
+    s.stop()
+
+
+def test_every_door_needs_a_token_and_health_stays_open(guarded: Server) -> None:
+    request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="Hello")])
+    with pytest.raises(grpc.RpcError) as error:
+        guarded.stub().Generate(request)
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert error.value.details() == "missing bearer token (Authorization: Bearer <token>)"
+    expired = jwt.encode({"sub": "team-a", "exp": int(time.time()) - 10}, SECRET)
+    with pytest.raises(grpc.RpcError) as error:
+        guarded.stub().Generate(request, metadata=[("authorization", f"Bearer {expired}")])
+    assert (error.value.code(), error.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, "token expired")
+    good = jwt.encode({"sub": "team-a"}, SECRET)
+    answer = guarded.stub().Generate(request, metadata=[("authorization", f"Bearer {good}")])
+    assert answer.responses[0].generated_token_count > 0
+    with pytest.raises(text_generation.errors.UnknownError, match="missing bearer token"):
+        client(guarded).generate("Hello", max_new_tokens=2)
+    assert (
+        Client(f"http://127.0.0.1:{guarded.http_port}", headers={"Authorization": "Bearer k2"})
+        .generate("Hello", max_new_tokens=2)
+        .generated_text
+        is not None
+    )
+    with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+        openai.OpenAI(
+            base_url=f"http://127.0.0.1:{guarded.http_port}/v1", api_key="wrong", max_retries=0
+        ).models.list()
+    authorized = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{guarded.http_port}/v1", api_key=good, max_retries=0
+    )
+    assert authorized.models.list().data
+    assert guarded.health() == 200
+    log = guarded.log()
+    assert "tenant=team-a" in log and "tenant=key#2" in log and SECRET not in log and good not in log

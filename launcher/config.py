@@ -20,10 +20,12 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from router import config as router_defaults
+from router.auth import AuthConfig
+from router.cli_options import AUTH_PARAMS, auth_config
 from text_generation_common.cpu_placement import PlacementError, ShardPlacement, shard_placements
 from text_generation_common.defaults import (
     DEFAULT_BATCH_SAFETY_MARGIN,
@@ -93,6 +95,15 @@ class LaunchFlags:
     otlp_endpoint: str | None = None
     otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
     log_level: str = "info"
+    # authentication (router/cli_options.AUTH_PARAMS): passed on to the router
+    api_key: str | None = None
+    jwt_secret: str | None = None
+    jwt_public_key_path: str | None = None
+    jwt_audience: str | None = None
+    jwt_issuer: str | None = None
+    jwt_tenant_claim: str = "sub"
+    auth_health: bool = False
+    tenant_max_concurrent_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +142,7 @@ class LaunchConfig:
     otlp_endpoint: str | None = None
     otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
     placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
+    auth: AuthConfig = field(default_factory=AuthConfig)  # the router's; secrets go in its environment
 
     def socket_path(self, rank: int) -> str:
         return shard_socket_path(self.shard_uds_path, rank)
@@ -312,6 +324,16 @@ def resolve_max_new_tokens(max_new_tokens: int, max_sequence_length: int) -> int
     return max_sequence_length - 1
 
 
+def resolve_auth(flags: LaunchFlags) -> AuthConfig:
+    try:
+        auth = auth_config({name: getattr(flags, name) for name in AUTH_PARAMS})
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from exc
+    if auth.jwt_public_key_path and not os.access(auth.jwt_public_key_path, os.R_OK):
+        raise LaunchError(f"jwt_public_key_path {auth.jwt_public_key_path} is not a readable file")
+    return auth
+
+
 def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     """Check and complete `flags`; raises LaunchError at the first problem."""
     check_quantize(flags.quantize)
@@ -321,6 +343,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)
     check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
+    auth = resolve_auth(flags)
     cache_dir = resolve_cache_dir(env)
     model_dir = resolve_model_dir(flags.model_name, flags.revision, cache_dir)
     check_model_kind(model_dir, engine)
@@ -369,6 +392,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         otlp_endpoint=flags.otlp_endpoint,
         otlp_service_name=flags.otlp_service_name,
         placements=tuple(placements),
+        auth=auth,
     )
 
 
@@ -489,6 +513,21 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         *_optional("--tls-cert-path", config.tls_cert_path),
         *_optional("--tls-key-path", config.tls_key_path),
         *_optional("--tls-client-ca-cert-path", config.tls_client_ca_cert_path),
+        *_auth_args(config.auth),
+    ]
+
+
+def _auth_args(auth: AuthConfig) -> list[str]:
+    """The router's authentication flags, but the secrets (router_env passes those)."""
+    return [
+        *_optional("--jwt-public-key-path", auth.jwt_public_key_path),
+        *_optional("--jwt-audience", auth.jwt_audience),
+        *_optional("--jwt-issuer", auth.jwt_issuer),
+        "--jwt-tenant-claim",
+        auth.tenant_claim,
+        "--auth-health" if auth.protect_health else "--no-auth-health",
+        "--tenant-max-concurrent-requests",
+        str(auth.tenant_max_concurrent_requests),
     ]
 
 
@@ -512,4 +551,12 @@ def check_tls_files(cert: str | None, key: str | None, client_ca: str | None) ->
 
 
 def router_env(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, str]:
-    return {**base, "PYTHONUNBUFFERED": "1", "LOG_LEVEL": config.log_level}
+    """The launcher's environment, plus the router's secrets (never on a command line)."""
+    env = {**base, "PYTHONUNBUFFERED": "1", "LOG_LEVEL": config.log_level}
+    env.pop("API_KEY", None)
+    env.pop("JWT_SECRET", None)
+    if config.auth.api_keys:
+        env["API_KEY"] = ",".join(config.auth.api_keys)
+    if config.auth.jwt_secret:
+        env["JWT_SECRET"] = config.auth.jwt_secret
+    return env

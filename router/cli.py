@@ -11,6 +11,7 @@ This module and router/config.py are the only readers of the environment in this
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import click
 
@@ -90,6 +91,7 @@ logger = logging.getLogger(__name__)
 @options.drain_timeout
 @options.otlp_endpoint
 @options.otlp_service_name
+@options.auth_options
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
     tokenizer_path: str,
@@ -115,6 +117,7 @@ def main(
     otlp_endpoint: str | None,
     otlp_service_name: str,
     log_level: str,
+    **auth: Any,
 ) -> None:
     """Serve the TGIS gRPC API in front of running model shards."""
     setup_logging(log_level, json_output)
@@ -150,6 +153,7 @@ def main(
             drain_timeout_s=drain_timeout_s,
             otlp_endpoint=otlp_endpoint,
             otlp_service_name=otlp_service_name,
+            auth=options.auth_config(auth),
         )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc

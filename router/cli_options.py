@@ -9,9 +9,13 @@ passes on explicitly) stay in their own command.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import click
 
 from router import config as defaults
+from router.auth import AuthConfig, parse_api_keys
 
 max_concurrent_requests = click.option(
     "--max-concurrent-requests",
@@ -113,3 +117,83 @@ otlp_service_name = click.option(
     default=defaults.DEFAULT_OTLP_SERVICE_NAME,
     help="Service name of the traces [env OTEL_SERVICE_NAME].",
 )
+
+# ---- authentication (router/auth.py): off unless a key, a secret or a public key is given ----
+
+_AUTH_OPTIONS = (
+    click.option(
+        "--api-key",
+        envvar="API_KEY",
+        default=None,
+        help="Accept these bearer tokens (one key, or several separated by commas) on every API "
+        "call, gRPC and HTTP [env API_KEY]. Prefer the env var: flags show in process lists.",
+    ),
+    click.option(
+        "--jwt-secret",
+        envvar="JWT_SECRET",
+        default=None,
+        help="Accept JWTs signed with this HS256 secret [env JWT_SECRET].",
+    ),
+    click.option(
+        "--jwt-public-key-path",
+        envvar="JWT_PUBLIC_KEY_PATH",
+        default=None,
+        help="Accept JWTs signed by this PEM public key's private key (RSA, EC or Ed25519) "
+        "[env JWT_PUBLIC_KEY_PATH].",
+    ),
+    click.option(
+        "--jwt-audience", envvar="JWT_AUDIENCE", default=None, help="Required `aud` [env JWT_AUDIENCE]."
+    ),
+    click.option("--jwt-issuer", envvar="JWT_ISSUER", default=None, help="Required `iss` [env JWT_ISSUER]."),
+    click.option(
+        "--jwt-tenant-claim",
+        envvar="JWT_TENANT_CLAIM",
+        default="sub",
+        help="The claim naming the caller's tenant, in logs and the per-tenant limit [env JWT_TENANT_CLAIM].",
+    ),
+    click.option(
+        "--auth-health/--no-auth-health",
+        envvar="AUTH_HEALTH",
+        default=False,
+        help="Also require a token for /health* and /metrics [env AUTH_HEALTH].",
+    ),
+    click.option(
+        "--tenant-max-concurrent-requests",
+        envvar="TENANT_MAX_CONCURRENT_REQUESTS",
+        type=click.IntRange(min=0),
+        default=0,
+        help="Inputs in flight per tenant before 429 / RESOURCE_EXHAUSTED; 0 = no per-tenant limit "
+        "[env TENANT_MAX_CONCURRENT_REQUESTS].",
+    ),
+)
+AUTH_PARAMS = (
+    "api_key",
+    "jwt_secret",
+    "jwt_public_key_path",
+    "jwt_audience",
+    "jwt_issuer",
+    "jwt_tenant_claim",
+    "auth_health",
+    "tenant_max_concurrent_requests",
+)
+
+
+def auth_options(command: Any) -> Any:
+    """Apply the authentication options (their values: AUTH_PARAMS)."""
+    for option in reversed(_AUTH_OPTIONS):
+        command = option(command)
+    return command
+
+
+def auth_config(values: Mapping[str, Any]) -> AuthConfig:
+    """The AuthConfig of the authentication options' values; ValueError when inconsistent."""
+    return AuthConfig(
+        api_keys=parse_api_keys(values["api_key"]),
+        jwt_secret=values["jwt_secret"],
+        jwt_public_key_path=values["jwt_public_key_path"],
+        jwt_audience=values["jwt_audience"],
+        jwt_issuer=values["jwt_issuer"],
+        tenant_claim=values["jwt_tenant_claim"],
+        protect_health=values["auth_health"],
+        tenant_max_concurrent_requests=values["tenant_max_concurrent_requests"],
+    )

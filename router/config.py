@@ -7,8 +7,9 @@ object. Validation happens in __post_init__ and raises ValueError with a one-lin
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from router.auth import AuthConfig
 from text_generation_common.defaults import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
@@ -39,9 +40,8 @@ def default_tokenization_workers(num_shards: int = 1) -> int:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     tokenizer_path: str  # directory holding tokenizer.json (or the file itself)
-    model_name: str = (
-        ""  # the model's name in the HTTP APIs (/info, /v1/models); "" = the tokenizer directory's name
-    )
+    model_name: str = ""  # in the HTTP APIs (/info, /v1/models); "" = the tokenizer dir's name
+
     master_shard_uds_path: str = ""  # "" = default_master_shard_uds_path()
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH
@@ -63,6 +63,7 @@ class RouterConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: time in-flight requests get to finish
     otlp_endpoint: str | None = None  # OpenTelemetry collector (OTLP/gRPC); None = no tracing
     otlp_service_name: str = DEFAULT_OTLP_SERVICE_NAME
+    auth: AuthConfig = field(default_factory=AuthConfig)  # API keys / JWT (router/auth.py); off by default
 
     def __post_init__(self) -> None:
         if not self.tokenizer_path:

@@ -7,7 +7,8 @@ lists them all): validation -> INVALID_ARGUMENT with TGIS's message, the concurr
 RESOURCE_EXHAUSTED "Model is overloaded", a full tokenization lane -> RESOURCE_EXHAUSTED
 "Server too busy: ...", draining -> UNAVAILABLE, generation failures -> "Request failed during
 generation: ..." with the code of their Failure (UNAVAILABLE for a shard that is gone,
-RESOURCE_EXHAUSTED for out of memory, INTERNAL for an engine fault).
+RESOURCE_EXHAUSTED for out of memory, INTERNAL for an engine fault); with authentication on
+(auth.py), every call of the service needs a bearer token (UNAUTHENTICATED otherwise).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from router.auth import Authenticator, AuthError
 from router.entry import Output
 from router.grpc_params import convert_params
 from router.metrics import Metrics
@@ -40,6 +42,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         tokenizer: TokenizerPool,
         metrics: Metrics,
         tracing: Tracing,
+        auth: Authenticator,
         *,
         seq2seq: bool,
         max_sequence_length: int,
@@ -50,6 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.tracing = tracing
+        self.auth = auth
         self.seq2seq = seq2seq
         self.max_sequence_length = max_sequence_length
         self.max_new_tokens = max_new_tokens
@@ -61,6 +65,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.BatchedGenerationRequest, context: Any
     ) -> pb.BatchedGenerationResponse:
         received_at = time.monotonic()
+        tenant = await self._tenant(context)
         count = len(request.requests)
         kind = "single" if count == 1 else "batch"
         self.service.count_call(kind, count)
@@ -70,9 +75,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         with self.tracing.request_span("Generate", metadata) as span:
             span.set_attribute("inputs", count)
             try:
-                with self.service.admission(count):
+                with self.service.admission(count, tenant):
                     validated = await self._validate(request, [r.text for r in request.requests], received_at)
-                    call = CallInfo(kind, correlation_id(metadata), span)
+                    call = CallInfo(kind, correlation_id(metadata), span, tenant)
                     outputs = await self.service.generate(validated, call)
             except RequestError as exc:
                 await _abort(context, exc)
@@ -104,11 +109,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.SingleGenerationRequest, context: Any
     ) -> AsyncIterator[pb.GenerationResponse]:
         received_at = time.monotonic()
+        tenant = await self._tenant(context)
         self.service.count_call("stream", 1)
         metadata = context.invocation_metadata()
         with self.tracing.request_span("GenerateStream", metadata) as span:
             try:
-                with self.service.admission(1):
+                with self.service.admission(1, tenant):
                     if not request.HasField("request"):
                         raise RequestError("INVALID_ARGUMENT", "missing request", "validation")
                     (validated,) = await self._validate(request, [request.request.text], received_at)
@@ -117,7 +123,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         text=validated.text if validated.response.input_text else "",
                         seed=validated.seed,
                     )
-                    call = CallInfo("stream", correlation_id(metadata), span)
+                    call = CallInfo("stream", correlation_id(metadata), span, tenant)
                     async with contextlib.aclosing(self.service.stream(validated, call)) as outputs:
                         async for output in outputs:
                             yield self._stream_message(validated, output)
@@ -140,6 +146,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return message
 
     # ---- shared ---------------------------------------------------------------------------
+
+    async def _tenant(self, context: Any) -> str | None:
+        """The caller's tenant (None with authentication off); UNAUTHENTICATED otherwise."""
+        metadata = context.invocation_metadata() or ()
+        authorization = next((v for k, v in metadata if k == "authorization"), None)
+        try:
+            return self.auth.tenant(authorization if isinstance(authorization, str) else None)
+        except AuthError as exc:
+            await _abort(context, RequestError("UNAUTHENTICATED", str(exc), "unauthenticated"))
 
     async def _validate(
         self, request: Any, texts: Sequence[str], received_at: float
@@ -171,6 +186,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request: pb.BatchedTokenizeRequest, context: Any) -> pb.BatchedTokenizeResponse:
         started = time.monotonic()
+        await self._tenant(context)
         self.metrics.inc("tgi_tokenize_request_count")
         self.metrics.inc("tgi_tokenize_request_input_count", len(request.requests))
         if self.service.draining:
@@ -202,6 +218,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return response
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: Any) -> pb.ModelInfoResponse:
+        await self._tenant(context)
         return pb.ModelInfoResponse(
             model_kind=pb.ModelInfoResponse.ENCODER_DECODER
             if self.seq2seq

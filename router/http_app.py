@@ -1,6 +1,10 @@
-"""The HTTP application: health probes, /metrics, HF TGI's REST API (tgi_rest.py), the OpenAPI
+"""The HTTP application: health probes, /metrics, HF TGI's REST API (tgi_rest.py), the OpenAI
+API (openai_api.py, under /v1: its errors in OpenAI's shape), the OpenAPI
 document at /openapi.json and its interactive docs at /docs (Swagger UI served from the
 installed swagger-ui-bundle package, so it works without internet access).
+
+With authentication on (auth.py), the API routes need a bearer token (401 otherwise, in the
+route's error shape); the probes and /metrics stay open unless AUTH_HEALTH, the docs always.
 
 Errors outside the API routes' own answers (an unknown path, a method a route does not take, a
 body that is not the route's JSON) are answered in TGI's error shape {"error", "error_type"}:
@@ -10,15 +14,18 @@ body that is not the route's JSON) are answered in TGI's error shape {"error", "
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from router.auth import Authenticator, AuthError
 from router.http_server import HealthCheck, HttpResponse, error_body
+from router.openai_api import OpenAIApi, error_json
 from router.tgi_rest import TgiRest
 from text_generation_common.logs import clip
 
@@ -31,23 +38,54 @@ def build_app(
     exposition: Callable[[], bytes],
     metrics_content_type: str,
     tgi: TgiRest,
+    openai: OpenAIApi,
+    auth: Authenticator,
     *,
     version: str,
 ) -> FastAPI:
     app = FastAPI(
         title="text-generation-server",
         version=version,
-        description="HF TGI's REST API, health probes and Prometheus metrics. The gRPC API "
-        "(fmaas.GenerationService) is on the gRPC port.",
+        description="HF TGI's REST API, the OpenAI API, health probes and Prometheus metrics. "
+        "The gRPC API (fmaas.GenerationService) is on the gRPC port.",
         docs_url=None,
         redoc_url=None,
     )
+    authenticated = [Depends(_authentication(auth))]
     _add_docs(app)
-    _add_probes(app, health, exposition, metrics_content_type)
-    app.include_router(tgi.router)
+    _add_probes(
+        app, health, exposition, metrics_content_type, authenticated if auth.config.protect_health else []
+    )
+    app.include_router(tgi.router, dependencies=authenticated)
+    app.include_router(openai.router, dependencies=authenticated)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Unauthenticated, _unauthenticated)
     return app
+
+
+class Unauthenticated(Exception):
+    """A call without a valid bearer token (401)."""
+
+
+def _authentication(auth: Authenticator) -> Callable[[Request], Awaitable[None]]:
+    async def authenticate(request: Request) -> None:
+        """Sets request.state.tenant (None with authentication off); 401 without a valid token."""
+        try:
+            request.state.tenant = auth.tenant(request.headers.get("authorization"))
+        except AuthError as exc:
+            raise Unauthenticated(str(exc)) from exc
+
+    return authenticate
+
+
+async def _unauthenticated(request: Request, exc: Exception) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"}
+    if _openai(request):
+        return JSONResponse(error_json(401, str(exc)), 401, headers=headers)
+    return Response(
+        error_body(str(exc), "unauthenticated"), 401, headers=headers, media_type="application/json"
+    )
 
 
 def _probe(handler: Callable[[], Awaitable[HttpResponse]]) -> Callable[[], Awaitable[Response]]:
@@ -64,7 +102,11 @@ PROBE_PATHS = (*HEALTH_PATHS, METRICS_PATH)  # what deployments point probes and
 
 
 def _add_probes(
-    app: FastAPI, health: HealthCheck, exposition: Callable[[], bytes], metrics_content_type: str
+    app: FastAPI,
+    health: HealthCheck,
+    exposition: Callable[[], bytes],
+    metrics_content_type: str,
+    dependencies: list[Any],
 ) -> None:
     handlers = (health.respond, health.live, health.ready)
     summaries = (
@@ -73,12 +115,26 @@ def _add_probes(
         "Readiness: not draining and the shards answer",
     )
     for path, handler, summary in zip(HEALTH_PATHS, handlers, summaries, strict=True):
-        app.add_api_route(path, _probe(handler), methods=["GET"], summary=summary, tags=["health"])
+        app.add_api_route(
+            path,
+            _probe(handler),
+            methods=["GET"],
+            summary=summary,
+            tags=["health"],
+            dependencies=dependencies,
+        )
 
     async def metrics() -> Response:
         return Response(exposition(), media_type=metrics_content_type)
 
-    app.add_api_route(METRICS_PATH, metrics, methods=["GET"], summary="Prometheus metrics", tags=["health"])
+    app.add_api_route(
+        METRICS_PATH,
+        metrics,
+        methods=["GET"],
+        summary="Prometheus metrics",
+        tags=["health"],
+        dependencies=dependencies,
+    )
 
 
 def _add_docs(app: FastAPI) -> None:
@@ -109,6 +165,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         message = str(exc.detail)
     headers = dict(exc.headers or {})
+    if _openai(request):
+        return JSONResponse(error_json(status, message), status, headers=headers)
     return Response(
         error_body(message, ERROR_TYPES.get(status, "bad_request")),
         status,
@@ -119,7 +177,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
+    if _openai(request):  # OpenAI answers a bad body with 400
+        return JSONResponse(error_json(400, describe_validation(exc)), 400)
     return Response(error_body(describe_validation(exc), "validation"), 422, media_type="application/json")
+
+
+def _openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
 
 
 def describe_validation(exc: RequestValidationError) -> str:

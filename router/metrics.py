@@ -25,13 +25,14 @@ from text_generation_common.messages import KvCacheState
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # 0.00015 s ... about 145.6 s
 TOKENIZE_BUCKETS = tuple(float(2**k) for k in range(6, 20))
-KINDS = ("single", "batch", "stream", "rest", "rest_stream")  # gRPC calls; TGI REST (tgi_rest.py)
+# gRPC calls; TGI REST (tgi_rest.py); OpenAI (openai_api.py)
+KINDS = ("single", "batch", "stream", "rest", "rest_stream", "openai", "openai_stream")
 METHODS = ("prefill", "next_token")
 MAKEUPS = ("single_only",)
 FAILURES = ("conc_limit", "queue_full", "validation", "generate", "cancelled", "timeout", "unknown")
 CALL_FAILURES = ("oom", "connection", "error")
 STOP_REASONS = tuple(r.name for r in StopReason)
-REJECTIONS = ("conc_limit", "draining", "tokenizer_busy")
+REJECTIONS = ("conc_limit", "tenant_limit", "draining", "tokenizer_busy")
 PHASES = ("queued", "running")
 
 
@@ -100,7 +101,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_request_time_to_first_token_duration", "histogram", "Receipt to first generated token (s)", DURATION, False),
     _spec("tgi_request_inter_token_duration", "histogram", "Time between consecutive tokens of a request (s)", DURATION, False),
     _spec("tgi_batch_capacity_usage", "gauge", "Used share of the running batch's tighter limit: weight (memory) or size", "", False),
-    _spec("tgi_queue_rejected", "counter", "Requests refused before queueing: over the concurrency limit, draining, or too much text waiting for tokenization", "", False, reason=REJECTIONS),
+    _spec("tgi_queue_rejected", "counter", "Requests refused before queueing: over the concurrency limit (or a tenant over its own), draining, or too much text waiting for tokenization", "", False, reason=REJECTIONS),
     _spec("tgi_request_cancellation", "counter", "Requests whose client went away, by where they were", "", False, phase=PHASES),
     _spec("tgi_kv_cache_usage", "gauge", "Share of the paged KV cache's blocks that live requests hold (tgis_native)", "", False),
     _spec("tgi_kv_cache_blocks_total", "gauge", "Blocks of the paged KV cache (tgis_native)", "", False),

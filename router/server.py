@@ -25,14 +25,17 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from router.auth import Authenticator
 from router.batcher import Batcher
 from router.capacity import CapacityError, capacity_for
+from router.chat_template import load_chat_template
 from router.config import RouterConfig
 from router.detokenizer import Detokenizer
 from router.grpc_server import GenerationServicer
 from router.http_app import build_app
 from router.http_server import HealthCheck, HttpServer
 from router.metrics import CONTENT_TYPE, Metrics
+from router.openai_api import OpenAIApi
 from router.pb import generation_pb2
 from router.reflection import enable_server_reflection
 from router.request_queue import RequestQueue
@@ -139,7 +142,8 @@ async def build(config: RouterConfig) -> Router:
             config.tls_cert_path, config.tls_key_path, config.tls_client_ca_cert_path
         )
         tracing = Tracing.setup(config.otlp_endpoint, config.otlp_service_name)
-    except (TlsConfigError, TracingError) as exc:
+        auth = Authenticator(config.auth)
+    except (TlsConfigError, TracingError, ValueError) as exc:
         raise StartupError(str(exc)) from exc
     except Exception as exc:
         raise StartupError(f"cannot load the tokenizer from {config.tokenizer_path}: {exc}") from exc
@@ -184,12 +188,15 @@ async def build(config: RouterConfig) -> Router:
         capacity=capacity,
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
-    service = GenerationService(validator, queue, limiter, metrics)
+    service = GenerationService(
+        validator, queue, limiter, metrics, tenant_limit=config.auth.tenant_max_concurrent_requests
+    )
     servicer = GenerationServicer(
         service,
         pool,
         metrics,
         tracing,
+        auth,
         seq2seq=info.seq2seq,
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
@@ -233,7 +240,18 @@ async def build(config: RouterConfig) -> Router:
         ),
         max_new_tokens=config.max_new_tokens,
     )
-    http_server = HttpServer(build_app(health_check, metrics.exposition, CONTENT_TYPE, tgi, version=version))
+    empty = pool.encode_batch_sync([""])[0]  # what the tokenizer adds before any text
+    openai = OpenAIApi(
+        service,
+        pool,
+        tracing,
+        model_name=model_name(config),
+        max_sequence_length=config.max_sequence_length,
+        max_new_tokens=config.max_new_tokens,
+        chat_template=load_chat_template(config.tokenizer_path, pool.piece(empty[0]) if empty else ""),
+    )
+    app = build_app(health_check, metrics.exposition, CONTENT_TYPE, tgi, openai, auth, version=version)
+    http_server = HttpServer(app)
     return Router(
         config,
         info,
@@ -301,6 +319,18 @@ def _log_serving(router: Router) -> None:
         config.max_sequence_length,
         config.max_new_tokens,
     )
+    auth = config.auth
+    if auth.enabled:
+        ways = [f"{len(auth.api_keys)} API key(s)"] if auth.api_keys else []
+        ways += ["JWT (HS256)"] if auth.jwt_secret else []
+        ways += [f"JWT ({auth.jwt_public_key_path})"] if auth.jwt_public_key_path else []
+        logger.info(
+            "authentication on every API call: %s; tenant claim %s, per-tenant limit %s; health, metrics %s",
+            ", ".join(ways),
+            auth.tenant_claim,
+            auth.tenant_max_concurrent_requests or "none",
+            "need a token" if auth.protect_health else "open",
+        )
 
 
 async def _build_and_serve(config: RouterConfig) -> None:

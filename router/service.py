@@ -6,7 +6,9 @@ openai_api.py for OpenAI's) translate their wire format into RequestParams and t
 Outputs they get back into their answers. Everything a door can be refused with is a
 RequestError carrying a door-neutral code, named after the gRPC status code it maps to: each door
 maps it to its own status (gRPC code, HTTP status). One ConcurrencyLimiter bounds the inputs in
-flight across all doors (MAX_CONCURRENT_REQUESTS); draining refuses new requests on every door.
+flight across all doors (MAX_CONCURRENT_REQUESTS), and, with authentication on, a per-tenant
+limit (TENANT_MAX_CONCURRENT_REQUESTS) keeps one tenant from holding them all; draining refuses
+new requests on every door.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class CallInfo:
     kind: str  # metrics.KINDS: single | batch | stream (gRPC), rest | rest_stream, openai | openai_stream
     correlation_id: str | None
     span: Span
+    tenant: str | None = None  # who, when authentication is on (auth.py)
 
     @property
     def streaming(self) -> bool:
@@ -83,12 +86,19 @@ class CallInfo:
 
 class GenerationService:
     def __init__(
-        self, validator: Validator, queue: RequestQueue, limiter: ConcurrencyLimiter, metrics: Metrics
+        self,
+        validator: Validator,
+        queue: RequestQueue,
+        limiter: ConcurrencyLimiter,
+        metrics: Metrics,
+        tenant_limit: int = 0,
     ) -> None:
         self.validator = validator
         self.queue = queue
         self.limiter = limiter
         self.metrics = metrics
+        self.tenant_limit = tenant_limit  # inputs in flight per tenant; 0 = no limit
+        self.tenant_in_flight: dict[str, int] = {}
         self.draining = False  # set on SIGTERM: new requests are refused
 
     # ---- admission and validation ---------------------------------------------------------
@@ -98,19 +108,33 @@ class GenerationService:
         self.metrics.inc("tgi_request_input_count", inputs)
 
     @contextlib.contextmanager
-    def admission(self, count: int) -> Iterator[None]:
-        """Hold `count` permits for the block; RequestError when draining or over the limit."""
+    def admission(self, count: int, tenant: str | None = None) -> Iterator[None]:
+        """Hold `count` permits for the block; RequestError when draining or over a limit."""
         if self.draining:
             self.metrics.inc("tgi_queue_rejected", reason="draining")
             raise RequestError("UNAVAILABLE", DRAINING, "draining")
+        held = self.tenant_in_flight.get(tenant, 0) if tenant is not None else 0
+        if tenant is not None and self.tenant_limit and held + count > self.tenant_limit:
+            self.metrics.inc("tgi_queue_rejected", reason="tenant_limit")
+            self.metrics.inc("tgi_request_failure", err="conc_limit")
+            message = f"Tenant {tenant} is over its limit of {self.tenant_limit} requests in flight"
+            raise RequestError("RESOURCE_EXHAUSTED", message, "overloaded")
         if not self.limiter.try_acquire(count):
             self.metrics.inc("tgi_queue_rejected", reason="conc_limit")
             self.metrics.inc("tgi_request_failure", err="conc_limit")
             raise RequestError("RESOURCE_EXHAUSTED", OVERLOADED, "overloaded")
+        if tenant is not None:
+            self.tenant_in_flight[tenant] = held + count
         try:
             yield
         finally:
             self.limiter.release(count)
+            if tenant is not None:
+                left = self.tenant_in_flight[tenant] - count
+                if left:
+                    self.tenant_in_flight[tenant] = left
+                else:
+                    del self.tenant_in_flight[tenant]
 
     async def validate(
         self,
@@ -293,11 +317,12 @@ class GenerationService:
         }
         logger.log(
             level.get(reason, logging.INFO),
-            "%s %s %s input_toks=%d request_id=%d correlation_id=%s",
+            "%s %s %s input_toks=%d request_id=%d correlation_id=%s%s",
             prefix,
             summary,
             fields,
             r.input_length,
             entry.id,
             clip(call.correlation_id or "-"),
+            f" tenant={call.tenant}" if call.tenant is not None else "",
         )

@@ -21,19 +21,19 @@ is its last event: {"error": ..., "error_type": "generation"}.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.entry import Output
+from router.http_calls import EventStream, tenant_of, until_disconnected
 from router.service import CallInfo, GenerationService, RequestError
 from router.stopping import StopReason
 from router.tokenizer import TokenizerBusy, TokenizerError, TokenizerPool
@@ -70,8 +70,6 @@ FINISH_REASONS = {
     StopReason.EOS_TOKEN: "eos_token",
     StopReason.STOP_SEQUENCE: "stop_sequence",
 }
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-T = TypeVar("T")
 
 
 class Parameters(BaseModel):
@@ -186,28 +184,6 @@ def error_response(exc: RequestError) -> JSONResponse:
     return JSONResponse({"error": exc.message, "error_type": ERROR_TYPES.get(exc.cause, exc.cause)}, status)
 
 
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`; cancel it when the HTTP client goes away first (RequestError then)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise RequestError("CANCELLED", "the client disconnected", "cancelled")
-        return task.result()
-    finally:
-        task.cancel()
-        watcher.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 class TgiRest:
     """The routes, bound to the shared GenerationService."""
 
@@ -276,12 +252,12 @@ class TgiRest:
                     "decoder_input_details == true is not supported when streaming tokens",
                     "validation",
                 )
-            stack.enter_context(self.service.admission(1))
+            stack.enter_context(self.service.admission(1, tenant_of(request)))
             (validated,) = await self._validate(body, received_at, stream=True)
         except RequestError as exc:
             stack.close()
             return error_response(exc)
-        call = CallInfo("rest_stream", correlation_id(headers), span)
+        call = CallInfo("rest_stream", correlation_id(headers), span, tenant_of(request))
         return EventStream(self._events(validated, body.inputs, call), stack)
 
     async def tokenize(self, body: TokenizeRequest) -> Response:
@@ -330,9 +306,10 @@ class TgiRest:
         received_at = time.monotonic()
         headers = list(request.headers.items())
         self.service.count_call("rest", 1)
-        with self.tracing.request_span("generate", headers) as span, self.service.admission(1):
+        tenant = tenant_of(request)
+        with self.tracing.request_span("generate", headers) as span, self.service.admission(1, tenant):
             (validated,) = await self._validate(body, received_at, stream=False)
-            call = CallInfo("rest", correlation_id(headers), span)
+            call = CallInfo("rest", correlation_id(headers), span, tenant)
             (output,) = await self.service.generate([validated], call)
         answer: dict[str, Any] = {"generated_text": self._full_text(body, output.text)}
         if body.parameters.details:
@@ -412,25 +389,6 @@ class TgiRest:
             "logprob": top.logprob,
             "special": top.token_id in self._special,
         }
-
-
-class EventStream(StreamingResponse):
-    """An SSE answer that, however it ends (finished, client gone, cancelled), closes its event
-    generator (which abandons the request) and then `cleanup` (the admission and the span)."""
-
-    def __init__(self, events: AsyncGenerator[str, None], cleanup: contextlib.ExitStack) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._events = events
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._events.aclose()
-            finally:
-                self._cleanup.close()
 
 
 def _sse(payload: dict[str, Any]) -> str:

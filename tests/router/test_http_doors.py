@@ -13,13 +13,16 @@ import aiohttp
 import pytest
 
 from router import http_server
+from router.auth import AuthConfig, Authenticator
+from router.chat_template import load_chat_template
 from router.http_app import PROBE_PATHS, build_app
 from router.http_server import HealthCheck, HttpServer
 from router.metrics import Metrics
+from router.openai_api import OpenAIApi
 from router.service import GenerationService
 from router.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
 from router.tracing import Tracing
-from tests.router.fakes import FakeShard
+from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
 
 MAX_NEW = 200
@@ -50,12 +53,19 @@ class Stack:
 
 
 @pytest.fixture
-async def stack(detokenizer, tokenizer_pool):
+def auth() -> AuthConfig:
+    """Off; auth tests parametrize it."""
+    return AuthConfig()
+
+
+@pytest.fixture
+async def stack(detokenizer, tokenizer_pool, tokenizer_dir, auth):
     shard = FakeShard(latency_s=0.002)
     service, batcher = service_over(
         shard, detokenizer, tokenizer_pool, max_batch_size=16, permits=256, max_new_tokens=MAX_NEW
     )
     metrics = service.metrics
+    service.tenant_limit = auth.tenant_max_concurrent_requests
     info = info_fields(
         model_id="tiny",
         dtype="float32",
@@ -69,7 +79,19 @@ async def stack(detokenizer, tokenizer_pool):
     )
     tgi = TgiRest(service, tokenizer_pool, Tracing.setup(None, "test"), info=info, max_new_tokens=MAX_NEW)
     health = HealthCheck(shard, batcher, tokenizer_pool, lambda: service.draining)
-    server = HttpServer(build_app(health, metrics.exposition, "text/plain", tgi, version="0.1.0"))
+    empty = tokenizer_pool.encode_batch_sync([""])[0]
+    openai = OpenAIApi(
+        service,
+        tokenizer_pool,
+        Tracing.setup(None, "test"),
+        model_name="tiny",
+        max_sequence_length=512,
+        max_new_tokens=MAX_NEW,
+        chat_template=load_chat_template(str(tokenizer_dir), tokenizer_pool.piece(empty[0])),
+    )
+    server = HttpServer(
+        build_app(health, metrics.exposition, "text/plain", tgi, openai, Authenticator(auth), version="0.1.0")
+    )
     port = free_port()
     await server.start("127.0.0.1", port)
     task = asyncio.create_task(batcher.run())
@@ -83,14 +105,16 @@ async def post(stack: Stack, path: str, body: object) -> tuple[int, object]:
         return r.status, await r.json(content_type=None)
 
 
-async def sse_events(stack: Stack, body: object, path: str = "/generate_stream") -> list[dict]:
-    events = []
+async def sse_events(stack: Stack, body: object, path: str = "/generate_stream") -> list:
+    """The stream's `data:` payloads, parsed (OpenAI's closing `[DONE]` kept as the string)."""
+    events: list = []
     async with aiohttp.ClientSession() as session, session.post(stack.url + path, json=body) as r:
         assert r.status == 200, await r.text()
         assert r.headers["content-type"].startswith("text/event-stream")
         async for line in r.content:
             if line.startswith(b"data:"):
-                events.append(json.loads(line[len(b"data:") :]))
+                data = line[len(b"data:") :].strip()
+                events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
     return events
 
 
@@ -367,3 +391,201 @@ async def test_200_streams_with_random_disconnects_leak_nothing(stack: Stack) ->
     await stack.settled(timeout_s=10.0)
     status, _ = await post(stack, "/generate", {"inputs": "still", "parameters": {"max_new_tokens": 2}})
     assert status == 200  # and still serving
+
+
+# ---- the OpenAI door ------------------------------------------------------------------------
+
+
+async def test_openai_completions_answer_like_the_tgi_door(stack: Stack) -> None:
+    _, tgi = await post(stack, "/generate", {"inputs": "hello", "parameters": {"max_new_tokens": 6}})
+    status, answer = await post(
+        stack, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0}
+    )
+    assert status == 200, answer
+    assert answer["object"] == "text_completion" and answer["model"] == "tiny"
+    (choice,) = answer["choices"]
+    assert choice["text"] == tgi["generated_text"] and choice["finish_reason"] == "length"
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert answer["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 6,
+        "total_tokens": prompt_tokens + 6,
+    }
+    events = await sse_events(
+        stack,
+        {
+            "prompt": "hello",
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        path="/v1/completions",
+    )
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == answer["usage"]
+    chunks = events[:-2]
+    assert len(chunks) == 6 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    await stack.settled()
+
+
+async def test_openai_choices_logprobs_and_echo(stack: Stack) -> None:
+    body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 3, "seed": 5, "logprobs": 2, "echo": True}
+    status, answer = await post(stack, "/v1/completions", body)
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert [c["text"][0] for c in answer["choices"]] == ["a", "a", "b", "b"]  # echoed prompts, n each
+    logprobs = answer["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 3
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"]) and logprobs["text_offset"][0] == 1
+    events = await sse_events(stack, {**body, "stream": True}, path="/v1/completions")
+    per_choice: dict[int, str] = {}
+    for event in events[:-1]:
+        for c in event["choices"]:
+            per_choice[c["index"]] = per_choice.get(c["index"], "") + c["text"]
+    assert sorted(per_choice) == [0, 1, 2, 3]
+    await stack.settled()
+
+
+async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
+    _, expected = await post(stack, "/generate", {"inputs": rendered, "parameters": {"max_new_tokens": 5}})
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_completion_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    status, answer = await post(stack, "/v1/chat/completions", body)
+    assert status == 200, answer
+    (choice,) = answer["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected["generated_text"]}
+    assert len(choice["logprobs"]["content"]) == 5
+    events = await sse_events(stack, {**body, "stream": True}, path="/v1/chat/completions")
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1])
+    assert text == expected["generated_text"] and events[-2]["choices"][0]["finish_reason"] == "length"
+    status, answer = await post(
+        stack, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}
+    )
+    assert status == 400 and answer["error"]["message"] == "roles must be system, user or assistant"
+    await stack.settled()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        ("/v1/completions", {"prompt": "hi", "model": "other"}, 404, "The model `other` does not exist."),
+        ("/v1/completions", {"prompt": "hi", "temperature": 0.01}, 400, "temperature must be >= 0.05"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "presence_penalty": 1},
+            400,
+            "presence_penalty is not supported",
+        ),
+        ("/v1/completions", {"prompt": "hi", "bogus": 1}, 400, "bogus: Extra inputs are not permitted"),
+        ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+            400,
+            "tools is not",
+        ),
+        ("/v1/nope", {}, 404, "no route /v1/nope"),
+    ],
+)
+async def test_openai_errors_in_openai_shape(
+    stack: Stack, path: str, body: dict, status: int, message: str
+) -> None:
+    got, answer = await post(stack, path, body)
+    assert got == status, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["message"].startswith(message), answer
+
+
+async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
+    stack.shard.script = lambda request, step: EOS if step == 1 else 600 + step  # EOS at the 2nd step
+    status, answer = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "temperature": 0})
+    assert answer["usage"]["completion_tokens"] == 2 and answer["choices"][0]["finish_reason"] == "stop"
+    body = {"prompt": "hi", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    status, answer = await post(stack, "/v1/completions", body)
+    assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
+    stack.service.limiter.available = 1
+    status, answer = await post(stack, "/v1/completions", {"prompt": "hi", "n": 2})
+    assert status == 429 and answer["error"]["message"] == "Model is overloaded"
+    stack.service.limiter.available = stack.service.limiter.permits
+    async with aiohttp.ClientSession() as session, session.get(stack.url + "/v1/models") as r:
+        (model,) = (await r.json())["data"]
+    assert model["id"] == "tiny" and model["max_model_len"] == 512
+
+
+# ---- authentication -------------------------------------------------------------------------
+
+SECRET = "s3cret-for-tests-only-0123456789abcdef"
+KEYED = AuthConfig(api_keys=("key-one", "key-two"), jwt_secret=SECRET, tenant_max_concurrent_requests=1)
+
+
+def token(**claims) -> str:
+    import jwt
+
+    return jwt.encode({"sub": "team-a", **claims}, SECRET, algorithm="HS256")
+
+
+async def call(stack: Stack, path: str, body: object, bearer: str | None) -> tuple[int, object, dict]:
+    headers = {"Authorization": f"Bearer {bearer}"} if bearer is not None else {}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(stack.url + path, json=body, headers=headers) as r,
+    ):
+        return r.status, await r.json(content_type=None), dict(r.headers)
+
+
+@pytest.mark.parametrize("auth", [KEYED])
+async def test_http_doors_need_a_token(stack: Stack, auth: AuthConfig, caplog) -> None:
+    body = {"inputs": "hi", "parameters": {"max_new_tokens": 2}}
+    status, answer, headers = await call(stack, "/generate", body, None)
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+    assert answer == {
+        "error": "missing bearer token (Authorization: Bearer <token>)",
+        "error_type": "unauthenticated",
+    }
+    status, answer, _ = await call(stack, "/v1/completions", {"prompt": "hi"}, "nope")
+    assert status == 401 and answer["error"]["message"] == "invalid API key"  # not a key, not a JWT
+    import time as clock
+
+    status, answer, _ = await call(stack, "/generate", body, token(exp=int(clock.time()) - 60))
+    assert (status, answer["error"]) == (401, "token expired")
+    forged = token()[:-4] + "AAAA"
+    status, answer, _ = await call(stack, "/generate", body, forged)
+    assert (status, answer["error"]) == (401, "invalid token: signature verification failed")
+    caplog.set_level("INFO", "router.service")
+    assert (await call(stack, "/generate", body, "key-two"))[0] == 200
+    assert (await call(stack, "/generate", body, token()))[0] == 200
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Request generated")]
+    assert lines[0].endswith("tenant=key#2") and lines[1].endswith("tenant=team-a"), lines
+    assert all("key-two" not in r.getMessage() and SECRET not in r.getMessage() for r in caplog.records)
+    async with aiohttp.ClientSession() as session:  # probes, metrics and docs stay open
+        for path in (*PROBE_PATHS, "/docs", "/openapi.json"):
+            async with session.get(stack.url + path) as r:
+                assert r.status == 200, path
+
+
+@pytest.mark.parametrize("auth", [KEYED])
+async def test_one_tenant_cannot_hold_every_slot(stack: Stack, auth: AuthConfig) -> None:
+    stack.shard.latency_s = 0.01
+    long = {"inputs": "hi", "parameters": {"max_new_tokens": 50}}
+    first = asyncio.create_task(call(stack, "/generate", long, token()))
+    while not stack.service.limiter.in_use:
+        await asyncio.sleep(0.005)
+    status, answer, _ = await call(stack, "/generate", long, token())  # team-a again: over its 1
+    assert status == 429 and answer["error"] == "Tenant team-a is over its limit of 1 requests in flight"
+    status, _, _ = await call(
+        stack, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 2}}, "key-one"
+    )
+    assert status == 200  # another tenant still gets in
+    assert (await first)[0] == 200
+    assert stack.metrics.counters["tgi_queue_rejected"].get(reason="tenant_limit") == 1
+    await stack.settled()
+    assert not stack.service.tenant_in_flight

@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from router.auth import AuthConfig, Authenticator
 from router.grpc_server import MAX_TOKENIZE_TEXTS, GenerationServicer
 from router.pb import generation_pb2 as pb
 from router.service import DRAINING
@@ -45,6 +46,7 @@ async def servicer(detokenizer, tokenizer_pool):
         tokenizer_pool,
         service.metrics,
         Tracing.setup(None, "test"),
+        Authenticator(AuthConfig()),
         seq2seq=False,
         max_sequence_length=512,
         max_new_tokens=200,
@@ -193,3 +195,34 @@ async def test_a_tokenizer_panic_is_the_inputs_error(servicer, monkeypatch) -> N
         grpc.StatusCode.INVALID_ARGUMENT,
         "tokenizer error index out of bounds",
     )
+
+
+class AuthContext(FakeContext):
+    def __init__(self, authorization: str | None) -> None:
+        self.authorization = authorization
+
+    def invocation_metadata(self) -> tuple:
+        extra = (("authorization", self.authorization),) if self.authorization is not None else ()
+        return (("x-correlation-id", "test"), *extra)
+
+
+async def test_every_call_needs_a_token_when_authentication_is_on(servicer) -> None:
+    s, _ = servicer
+    s.auth = Authenticator(AuthConfig(api_keys=("k",)))
+    calls = {
+        "Generate": lambda c: s.Generate(batch(["hi"], 2), c),
+        "Tokenize": lambda c: s.Tokenize(pb.BatchedTokenizeRequest(requests=[{"text": "hi"}]), c),
+        "ModelInfo": lambda c: s.ModelInfo(pb.ModelInfoRequest(), c),
+    }
+    for name, run in calls.items():
+        for header, message in [(None, "missing bearer token"), ("Bearer x", "invalid API key")]:
+            with pytest.raises(Aborted) as error:
+                await run(AuthContext(header))
+            assert error.value.code == grpc.StatusCode.UNAUTHENTICATED, name
+            assert error.value.details.startswith(message), name
+        await run(AuthContext("Bearer k"))  # answered
+    stream = s.GenerateStream(pb.SingleGenerationRequest(request={"text": "hi"}), AuthContext(None))
+    with pytest.raises(Aborted) as error:
+        await anext(stream)
+    assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert s.service.limiter.in_use == 0

@@ -52,10 +52,22 @@ class TokenizerSpec:
     add_bos: bool  # prepend <s> (Llama, BLOOM-style BOS-adding tokenizers)
     add_eos: bool  # append </s> (T5)
     has_pad: bool  # pad token configured (GPT-2 has none: pad falls back to EOS)
+    chat: bool = False  # tokenizer_config.json carries CHAT_TEMPLATE
+
+
+# A small chat template in the style of the instruct models' (roles in tags, EOS after each turn);
+# it refuses unknown roles the way real templates do, through raise_exception.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
 
 ARCHITECTURES: dict[str, TokenizerSpec] = {
-    "llama": TokenizerSpec(add_bos=True, add_eos=False, has_pad=True),
+    "llama": TokenizerSpec(add_bos=True, add_eos=False, has_pad=True, chat=True),
     "gpt2": TokenizerSpec(add_bos=False, add_eos=False, has_pad=False),
     "bloom": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True),
     "gpt_neox": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True),
@@ -65,7 +77,7 @@ ARCHITECTURES: dict[str, TokenizerSpec] = {
     # Multi-query attention (one KV head), GPT-2-like otherwise (StarCoder, Granite code v1).
     "gpt_bigcode": TokenizerSpec(add_bos=False, add_eos=False, has_pad=False),
     # Llama with GQA and the four Granite multipliers (GRANITE_MULTIPLIERS).
-    "granite": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True),
+    "granite": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True, chat=True),
     # Llama with GQA and q/k/v projection biases.
     "qwen2": TokenizerSpec(add_bos=False, add_eos=False, has_pad=True),
 }
@@ -243,6 +255,8 @@ def write_tokenizer(
         "model_input_names": ["input_ids", "attention_mask"],
         **special_map,
     }
+    if spec.chat:
+        config["chat_template"] = CHAT_TEMPLATE
     _write_json(out / "tokenizer_config.json", config)
     _write_json(out / "special_tokens_map.json", special_map)
 

@@ -1,0 +1,63 @@
+"""What the HTTP doors (tgi_rest.py, openai_api.py) share: a call that ends when its client
+leaves, and server-sent-event answers that release what they hold however they end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from router.service import RequestError
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
+
+
+def tenant_of(request: Request) -> str | None:
+    """Who is calling, as the authentication dependency found (http_app.py); None when off."""
+    return getattr(request.state, "tenant", None)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; cancel it when the HTTP client goes away first (RequestError then)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise RequestError("CANCELLED", "the client disconnected", "cancelled")
+        return task.result()
+    finally:
+        task.cancel()
+        watcher.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """An SSE answer that, however it ends (finished, client gone, cancelled), closes its event
+    generator (which abandons the request) and then `cleanup` (the admission and the span)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], cleanup: contextlib.ExitStack) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._events = events
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._events.aclose()
+            finally:
+                self._cleanup.close()

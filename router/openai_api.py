@@ -1,0 +1,513 @@
+"""The OpenAI door: GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed
+(SSE, `data: [DONE]` last) or not, with OpenAI's parameter names and error shape.
+
+Parameters become RequestParams and go through the same validation as every door (TGIS's
+messages). OpenAI's defaults hold at this door: temperature 1.0 (sampling; 0 = greedy),
+stop sequences left out of the text, max_tokens up to the server's MAX_NEW_TOKENS when unset
+(then capped to fit the context, finish_reason "length"). Extensions as vLLM accepts them:
+`top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos` (the model's EOS is masked until
+max_tokens), `include_stop_str_in_output`. Parameters that would change the answer and are not
+served (penalties, logit_bias, tools, response formats other than text, suffix, best_of > 1)
+are refused with 400; metadata fields (`user`, `metadata`, `store`, ...) are accepted.
+
+`n` > 1 and lists of prompts run as separate requests in the same batch (one concurrency
+permit each); their choices stream interleaved, each chunk naming its `index`.
+
+Status codes: 400 invalid_request_error (validation), 404 (an unknown model), 429 (overloaded),
+500 server_error (generation failed), 503 (draining). A failure after a stream began is its
+last event before `[DONE]`: {"error": {...}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.chat_template import ChatTemplate, ChatTemplateError
+from router.entry import Output
+from router.http_calls import EventStream, tenant_of, until_disconnected
+from router.service import CallInfo, GenerationService, RequestError
+from router.stopping import StopReason
+from router.tokenizer import TokenizerPool
+from router.tracing import Tracing, correlation_id
+from router.validation import RequestParams, ResponseSpec, StoppingSpec, ValidatedRequest
+from text_generation_common.messages import SamplingParams, TokenInfo
+
+MAX_CHOICES = 16  # n, or prompts in one call
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+MAX_TOP_LOGPROBS = 10  # ours (top_n_tokens); OpenAI allows 20
+FINISH_REASONS = {StopReason.EOS_TOKEN: "stop", StopReason.STOP_SEQUENCE: "stop"}  # else "length"
+STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+    "UNAUTHENTICATED": 401,
+    "CANCELLED": 499,
+}
+
+
+def error_json(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(exc: RequestError) -> JSONResponse:
+    status = 500 if exc.cause == "generation" else STATUS.get(exc.code, 500)
+    return JSONResponse(error_json(status, exc.message), status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """The parameters both routes take."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, description="default 1.0; 0 = greedy")
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, description="not served: 0 or unset only")
+    frequency_penalty: float | None = Field(default=None, description="not served: 0 or unset only")
+    logit_bias: dict[str, float] | None = Field(default=None, description="not served: empty or unset only")
+    best_of: int | None = Field(default=None, description="not served: 1 or unset only")
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    suffix: str | None = Field(default=None, description="not served")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: the template may use them
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(default=None, description="not served")
+    tool_choice: Any | None = Field(default=None, description="not served: none or unset only")
+    response_format: dict[str, Any] | None = Field(default=None, description="text only")
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    add_generation_prompt: bool = True  # extension: render the assistant turn's opening
+
+
+def unsupported(body: _Common) -> str | None:
+    """Why parameters this server does not serve refuse the request, or None."""
+    checks: list[tuple[bool, str]] = [
+        (bool(body.presence_penalty), "presence_penalty"),
+        (bool(body.frequency_penalty), "frequency_penalty"),
+        (bool(body.logit_bias), "logit_bias"),
+        (body.best_of is not None and body.best_of > 1, "best_of > 1"),
+    ]
+    if isinstance(body, CompletionRequest):
+        checks.append((body.suffix is not None, "suffix"))
+    if isinstance(body, ChatRequest):
+        checks.append((bool(body.tools), "tools"))
+        checks.append((body.tool_choice not in (None, "none"), "tool_choice"))
+        fmt = (body.response_format or {}).get("type", "text")
+        checks.append((fmt != "text", f"response_format {fmt}"))
+    for refused, what in checks:
+        if refused:
+            return f"{what} is not supported by this server"
+    return None
+
+
+def _text_content(message: ChatMessage) -> Any:
+    """A message's content for the template: text parts joined; other parts refused."""
+    if not isinstance(message.content, list):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.get("type") != "text":
+            raise RequestError(
+                "INVALID_ARGUMENT", f"content of type {part.get('type')} is not supported", "validation"
+            )
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def request_params(
+    body: _Common, *, max_new_tokens: int, top_n: int, logprobs: bool, stream: bool
+) -> RequestParams:
+    """OpenAI's parameters -> RequestParams (validated afterwards like every door's)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    sampling = SamplingParams(
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty
+    )
+    if temperature != 0.0:
+        sampling = replace(
+            sampling,
+            temperature=temperature,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        )
+    limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or max_new_tokens
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    tokens = stream or logprobs or top_n > 0
+    return RequestParams(
+        sampling=sampling,
+        stopping=StoppingSpec(
+            max_new_tokens=limit,
+            min_new_tokens=limit if body.ignore_eos else body.min_tokens,
+            stop_sequences=tuple(stops),
+            include_stop_sequence=body.include_stop_str_in_output,
+        ),
+        response=ResponseSpec(
+            generated_tokens=tokens, token_logprobs=logprobs or top_n > 0, top_n_tokens=top_n
+        ),
+    )
+
+
+@dataclass
+class _Call:
+    """One OpenAI call: its requests (choice i = requests[i]) and how to answer."""
+
+    id: str
+    kind: str  # completion | chat
+    requests: list[ValidatedRequest]
+    prompts: list[str]  # for echo
+    echo: bool
+    logprobs: bool
+    created: int
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+
+class OpenAIApi:
+    """The routes, bound to the shared GenerationService."""
+
+    def __init__(
+        self,
+        service: GenerationService,
+        tokenizer: TokenizerPool,
+        tracing: Tracing,
+        *,
+        model_name: str,
+        max_sequence_length: int,
+        max_new_tokens: int,
+        chat_template: ChatTemplate | None,
+    ) -> None:
+        self.service = service
+        self.tokenizer = tokenizer
+        self.tracing = tracing
+        self.model_name = model_name
+        self.max_sequence_length = max_sequence_length
+        self.max_new_tokens = max_new_tokens
+        self.chat_template = chat_template
+        self.created = int(time.time())
+        self.router = APIRouter(prefix="/v1", tags=["OpenAI"])
+        self.router.add_api_route(
+            "/models", self.models, methods=["GET"], summary="The served model (OpenAI)"
+        )
+        self.router.add_api_route(
+            "/completions", self.completions, methods=["POST"], summary="Completions (OpenAI)"
+        )
+        self.router.add_api_route(
+            "/chat/completions", self.chat_completions, methods=["POST"], summary="Chat completions (OpenAI)"
+        )
+
+    # ---- routes ---------------------------------------------------------------------------
+
+    async def models(self) -> dict[str, Any]:
+        """The one model this server serves."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "text-generation-server",
+                    "max_model_len": self.max_sequence_length,
+                }
+            ],
+        }
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """Text completion of a prompt (or of each prompt of a list)."""
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        top_n = body.logprobs or 0
+        return await self._serve(
+            body, request, "completion", prompts, top_n, body.logprobs is not None, body.echo
+        )
+
+    async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
+        """The assistant's reply to the messages, rendered with the model's chat template."""
+        if self.chat_template is None:
+            message = (
+                "this model has no chat template (its tokenizer_config.json has no chat_template): "
+                "use /v1/completions"
+            )
+            return JSONResponse(error_json(400, message, "messages"), 400)
+        try:
+            messages = [
+                {**m.model_dump(exclude_none=True), "content": _text_content(m)} for m in body.messages
+            ]
+            prompt = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+        except RequestError as exc:
+            return error_response(exc)
+        except ChatTemplateError as exc:
+            return JSONResponse(error_json(400, str(exc), "messages"), 400)
+        top_n = (body.top_logprobs or 0) if body.logprobs else 0
+        return await self._serve(body, request, "chat", [prompt], top_n, body.logprobs, False)
+
+    # ---- the call -------------------------------------------------------------------------
+
+    async def _serve(
+        self,
+        body: _Common,
+        request: Request,
+        kind: str,
+        prompts: list[str],
+        top_n: int,
+        logprobs: bool,
+        echo: bool,
+    ) -> Response:
+        received_at = time.monotonic()
+        door = "openai_stream" if body.stream else "openai"
+        count = len(prompts) * body.n
+        self.service.count_call(door, count)
+        headers = list(request.headers.items())
+        stack = contextlib.ExitStack()
+        span = stack.enter_context(self.tracing.request_span(f"v1/{kind}", headers))
+        try:
+            self._check(body, count)
+            stack.enter_context(self.service.admission(count, tenant_of(request)))
+            params = request_params(
+                body, max_new_tokens=self.max_new_tokens, top_n=top_n, logprobs=logprobs, stream=body.stream
+            )
+            texts = [p for p in prompts for _ in range(body.n)]
+            validated = await self.service.validate(texts, params, received_at)
+        except RequestError as exc:
+            stack.close()
+            return error_response(exc)
+        validated = _distinct_seeds(validated, body.seed)
+        call = _Call(
+            id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
+            kind=kind,
+            requests=validated,
+            prompts=texts,
+            echo=echo,
+            logprobs=logprobs,
+            created=int(time.time()),
+        )
+        info = CallInfo(door, correlation_id(headers), span, tenant_of(request))
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStream(self._events(call, info, usage), stack)
+        with stack:
+            try:
+                outputs = await until_disconnected(request, self.service.generate(validated, info))
+            except RequestError as exc:
+                return error_response(exc)
+        return JSONResponse(self._answer(call, outputs))
+
+    def _check(self, body: _Common, count: int) -> None:
+        """The door's own refusals, before admission (RequestError)."""
+        problem = None
+        if body.model is not None and body.model != self.model_name:
+            problem = RequestError("NOT_FOUND", f"The model `{body.model}` does not exist.", "validation")
+        elif count > MAX_CHOICES:
+            message = f"n x prompts must be <= {MAX_CHOICES}, got {count}"
+            problem = RequestError("INVALID_ARGUMENT", message, "validation")
+        elif (refusal := unsupported(body)) is not None:
+            problem = RequestError("INVALID_ARGUMENT", refusal, "validation")
+        if problem is not None:
+            self.service.metrics.inc("tgi_request_failure", err="validation")
+            raise problem
+
+    def _answer(self, call: _Call, outputs: Sequence[Output]) -> dict[str, Any]:
+        choices = []
+        for index, output in enumerate(outputs):
+            echoed = call.prompts[index] if call.echo else ""
+            text = echoed + output.text
+            choice: dict[str, Any] = {"index": index, "finish_reason": _finish(output.stop_reason)}
+            if call.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = self._chat_logprobs(output.tokens) if call.logprobs else None
+            else:
+                choice["text"] = text
+                logprobs = self._completion_logprobs(output.tokens, len(echoed)) if call.logprobs else None
+                choice["logprobs"] = logprobs
+            choices.append(choice)
+        return {
+            "id": call.id,
+            "object": call.object,
+            "created": call.created,
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(call.requests, outputs),
+        }
+
+    async def _events(self, call: _Call, info: CallInfo, usage: bool) -> AsyncGenerator[str, None]:
+        """SSE chunks of every choice as its tokens come, then usage (if asked) and [DONE]."""
+        queue: asyncio.Queue[tuple[int, Output | RequestError | None]] = asyncio.Queue()
+
+        async def pump(index: int, v: ValidatedRequest) -> None:
+            try:
+                async with contextlib.aclosing(self.service.stream(v, info)) as outputs:
+                    async for output in outputs:
+                        queue.put_nowait((index, output))
+            except RequestError as exc:
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        pumps = [asyncio.ensure_future(pump(i, v)) for i, v in enumerate(call.requests)]
+        final: dict[int, Output] = {}
+        offsets = [len(call.prompts[i]) if call.echo else 0 for i in range(len(call.requests))]
+        try:
+            if call.kind == "chat":
+                for index in range(len(call.requests)):
+                    yield _sse(self._chunk(call, index, {"role": "assistant", "content": ""}, None, None))
+            elif call.echo:
+                for index in range(len(call.requests)):
+                    yield _sse(self._chunk(call, index, call.prompts[index], None, None))
+            running = len(pumps)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, RequestError):
+                    yield _sse(error_json(500 if item.cause == "generation" else 400, item.message))
+                    break
+                if item.final:
+                    final[index] = item
+                yield _sse(self._delta(call, index, item, offsets))
+                offsets[index] += len(item.text)
+            else:
+                if usage:
+                    outputs = [final[i] for i in range(len(call.requests))]
+                    yield _sse(
+                        self._chunk(call, None, None, None, None) | {"usage": _usage(call.requests, outputs)}
+                    )
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    def _delta(self, call: _Call, index: int, output: Output, offsets: list[int]) -> dict[str, Any]:
+        finish = _finish(output.stop_reason) if output.final else None
+        if call.kind == "chat":
+            logprobs = self._chat_logprobs(output.tokens) if call.logprobs else None
+            return self._chunk(
+                call, index, {"content": output.text} if output.text or not finish else {}, finish, logprobs
+            )
+        logprobs = self._completion_logprobs(output.tokens, offsets[index]) if call.logprobs else None
+        return self._chunk(call, index, output.text, finish, logprobs)
+
+    def _chunk(
+        self, call: _Call, index: int | None, content: Any, finish: str | None, logprobs: Any
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": call.id,
+            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+            "created": call.created,
+            "model": self.model_name,
+            "choices": [],
+        }
+        if index is not None:
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
+            choice["delta" if call.kind == "chat" else "text"] = content
+            chunk["choices"] = [choice]
+        return chunk
+
+    # ---- token details --------------------------------------------------------------------
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, tokens: Sequence[TokenInfo], offset: int) -> dict[str, Any]:
+        pieces = [self._piece(t.token_id) for t in tokens]
+        offsets = []
+        for piece in pieces:
+            offsets.append(offset)
+            offset += len(piece)
+        return {
+            "tokens": pieces,
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [
+                {self._piece(top.token_id): top.logprob for top in t.top_tokens} for t in tokens
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, tokens: Sequence[TokenInfo]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            piece = self._piece(token_id)
+            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+        return {
+            "content": [
+                entry(t.token_id, t.logprob)
+                | {"top_logprobs": [entry(top.token_id, top.logprob) for top in t.top_tokens]}
+                for t in tokens
+            ]
+        }
+
+
+def _distinct_seeds(requests: list[ValidatedRequest], seed: int | None) -> list[ValidatedRequest]:
+    """With a seed and several choices, choice i samples with seed + i (else all would agree)."""
+    if seed is None or len(requests) == 1:
+        return requests
+    return [
+        r if r.sampling.greedy else replace(r, sampling=replace(r.sampling, seed=(seed + i) % 2**63))
+        for i, r in enumerate(requests)
+    ]
+
+
+def _finish(reason: StopReason) -> Literal["stop", "length"]:
+    return "stop" if FINISH_REASONS.get(reason) else "length"
+
+
+def _usage(requests: Sequence[ValidatedRequest], outputs: Sequence[Output]) -> dict[str, int]:
+    prompt = sum(r.input_length for r in requests)
+    completion = sum(o.generated_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
