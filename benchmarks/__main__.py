@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_systems,
         default=SYSTEMS,
         metavar="LIST",
-        help="what to run: ours (our server over gRPC), engine (engine-only loop), generate "
+        help="what to run: ours (our server over gRPC), ours-openai (the same server through its OpenAI "
+        "door, with the client that measures vLLM-CPU), engine (engine-only loop), generate "
         "(HF generate), vllm (vLLM-CPU peer; skipped with a message when not installed)",
     )
     g.add_argument(

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import SYSTEM_LABELS
+
 DTYPES = ("float32", "bfloat16")
-SYSTEM_NAMES = {"ours": "ours (gRPC)", "vllm": "vLLM-CPU", "openai": "OpenAI endpoint"}
 
 
 def _points(results: dict[str, Any], system: str) -> dict[int, dict[str, Any]]:
@@ -121,7 +122,7 @@ def markdown(by_dtype: dict[str, dict[str, Any]]) -> str:
             dtype, p = points[c]
             tpot = f"{p['mean_tpot_ms']:.1f} / {p['p50_tpot_ms']:.1f} / {p['p99_tpot_ms']:.1f}"
             lines.append(
-                f"| {SYSTEM_NAMES.get(system, system)} | {c} | {dtype} | {p['output_throughput']:,.1f} | "
+                f"| {SYSTEM_LABELS.get(system, system)} | {c} | {dtype} | {p['output_throughput']:,.1f} | "
                 f"{p['p50_ttft_ms']:,.1f} | {tpot} |"
             )
     for batch in sorted(engine):

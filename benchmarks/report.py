@@ -25,7 +25,12 @@ from benchmarks import comparisons
 from benchmarks.markdown import fmt, table
 from benchmarks.workload import LONG_MIX
 
-SYSTEM_LABELS = {"ours": "ours (gRPC)", "vllm": "vLLM-CPU", "openai": "OpenAI endpoint"}
+SYSTEM_LABELS = {
+    "ours": "ours (gRPC)",
+    "ours-openai": "ours (OpenAI door)",
+    "vllm": "vLLM-CPU",
+    "openai": "OpenAI endpoint",
+}
 BASELINE_LABELS = {"engine_only": "engine-only loop", "hf_generate": "HF generate (static)"}
 SHAPE_LABELS = (
     ("hidden_size", "hidden"),

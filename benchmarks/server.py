@@ -201,6 +201,11 @@ class OurServer(ManagedServer):
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metrics"
 
+    @property
+    def openai_url(self) -> str:
+        """Its OpenAI door (the HTTP port's /v1)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
     def resolved_dtype(self) -> str | None:
         """The dtype the shard loaded the model in, from its log line."""
         match = DTYPE_LOG.search(self.log_tail(10**7))

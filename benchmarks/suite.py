@@ -66,7 +66,8 @@ from text_generation_common.model_config import context_length
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("ours", "engine", "generate", "vllm")
+SYSTEMS = ("ours", "ours-openai", "engine", "generate", "vllm")
+OURS_OPENAI = "ours-openai"  # our server again, through its OpenAI door with vLLM-CPU's client
 DEFAULT_CONCURRENCY = (1, 8, 32)
 SWEEP = (1, 2, 4, 8, 16, 32, 64)
 RATE_WARMUP_CONCURRENCY = 8
@@ -449,7 +450,7 @@ class Run:
             pinning={"client": _cpus(cfg.client_cpus), "servers": _cpus(cfg.server_cpus)},
             options={k: (str(v) if isinstance(v, Path | set) else v) for k, v in asdict(cfg).items()},
         )
-        if "ours" in cfg.systems:
+        if "ours" in cfg.systems or OURS_OPENAI in cfg.systems:
             for variant in variants:
                 stage = functools.partial(self._ours, variant, model_dir, plans)
                 if len(variants) == 1:
@@ -490,10 +491,20 @@ class Run:
             self.save()
 
     def _ours(self, variant: ServerVariant, model_dir: Path, plans: list[PointPlan]) -> None:
+        """Our server over gRPC ("ours"), and/or the same server through its OpenAI door
+        ("ours-openai", driven by the client that measures vLLM-CPU)."""
         cfg = self.cfg
-        entry: dict[str, Any] = {"info": {"client": "grpc", "variant": variant.describe()}, "points": []}
-        self.results["systems"][variant.key] = entry
+        doors = [door for door in ("ours", OURS_OPENAI) if door in cfg.systems]
+        entries: dict[str, dict[str, Any]] = {}
+        for door in doors:
+            key = variant.key if door == "ours" else variant.key.replace("ours", OURS_OPENAI, 1)
+            client = "grpc" if door == "ours" else "openai"
+            entries[door] = {"info": {"client": client, "variant": variant.describe()}, "points": []}
+            self.results["systems"][key] = entries[door]
         if cfg.grpc_address:
+            entry = entries.get("ours")
+            if entry is None:
+                raise RuntimeError("ours-openai needs a server we start (no --grpc-address)")
             entry["info"].update(address=cfg.grpc_address, managed=False)
             entry["points"] = asyncio.run(self._drive_grpc(cfg.grpc_address, plans, None, variant.key))
             self.save()
@@ -517,11 +528,14 @@ class Run:
             resolved = server.resolved_dtype()
             if resolved:
                 self.results["metadata"]["dtype"] = resolved
-            entry["info"].update(server.info, dtype=resolved, managed=True)
-            entry["points"] = asyncio.run(
-                self._drive_grpc(server.grpc_address, plans, server.metrics_url, variant.key)
-            )
-        self.save()
+            for door, entry in entries.items():
+                entry["info"].update(server.info, dtype=resolved, managed=True)
+                if door == "ours":
+                    points = self._drive_grpc(server.grpc_address, plans, server.metrics_url, variant.key)
+                else:
+                    points = self._drive_openai(OURS_OPENAI, server.openai_url, None, plans)
+                entry["points"] = asyncio.run(points)
+                self.save()
 
     async def _drive_grpc(
         self, address: str, plans: list[PointPlan], metrics_url: str | None, system: str = "ours"
