@@ -203,8 +203,8 @@ class OurServer(ManagedServer):
 
     @property
     def openai_url(self) -> str:
-        """Its OpenAI door (the HTTP port's /v1)."""
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        """The base URL of its OpenAI door (/v1/... on the HTTP port), as vLLM-CPU's base_url."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     def resolved_dtype(self) -> str | None:
         """The dtype the shard loaded the model in, from its log line."""

@@ -491,8 +491,8 @@ class Run:
             self.save()
 
     def _ours(self, variant: ServerVariant, model_dir: Path, plans: list[PointPlan]) -> None:
-        """Our server over gRPC ("ours"), and/or the same server through its OpenAI door
-        ("ours-openai", driven by the client that measures vLLM-CPU)."""
+        """Our server over gRPC ("ours"), and/or through its OpenAI door ("ours-openai", driven by
+        the client that measures vLLM-CPU), each on a server of its own."""
         cfg = self.cfg
         doors = [door for door in ("ours", OURS_OPENAI) if door in cfg.systems]
         entries: dict[str, dict[str, Any]] = {}
@@ -513,29 +513,32 @@ class Run:
         if cfg.request_rates and not cfg.max_concurrency:
             largest = max(largest, RATE_MAX_BATCH_SIZE)  # unbounded arrivals: room to batch them
         suffix = variant.key.removeprefix("ours").strip("[]").replace(",", "-").replace("=", "")
-        server: OurServer = our_server(
-            model_dir,
-            self.out,
-            dtype=cfg.dtype,
-            max_batch_size=cfg.max_batch_size or largest,
-            extra_args=(*variant.launcher_args(), *cfg.server_args),
-            env={**variant.env(), **cfg.server_env},
-            cpus=self.server_cpus,
-            name=f"ours-{suffix}" if suffix else "ours",
-        )
-        with server:
-            server.start(cfg.startup_timeout_s)
-            resolved = server.resolved_dtype()
-            if resolved:
-                self.results["metadata"]["dtype"] = resolved
-            for door, entry in entries.items():
+        for door, entry in entries.items():
+            # A fresh server per door, as vLLM-CPU gets: the prompts repeat across systems, and a
+            # warm prefix cache would flatter the second door.
+            name = f"ours-{suffix}" if suffix else "ours"
+            server: OurServer = our_server(
+                model_dir,
+                self.out,
+                dtype=cfg.dtype,
+                max_batch_size=cfg.max_batch_size or largest,
+                extra_args=(*variant.launcher_args(), *cfg.server_args),
+                env={**variant.env(), **cfg.server_env},
+                cpus=self.server_cpus,
+                name=name if door == "ours" else name.replace("ours", OURS_OPENAI, 1),
+            )
+            with server:
+                server.start(cfg.startup_timeout_s)
+                resolved = server.resolved_dtype()
+                if resolved:
+                    self.results["metadata"]["dtype"] = resolved
                 entry["info"].update(server.info, dtype=resolved, managed=True)
                 if door == "ours":
                     points = self._drive_grpc(server.grpc_address, plans, server.metrics_url, variant.key)
                 else:
                     points = self._drive_openai(OURS_OPENAI, server.openai_url, None, plans)
                 entry["points"] = asyncio.run(points)
-                self.save()
+            self.save()
 
     async def _drive_grpc(
         self, address: str, plans: list[PointPlan], metrics_url: str | None, system: str = "ours"

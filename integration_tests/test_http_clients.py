@@ -176,3 +176,32 @@ def test_every_door_needs_a_token_and_health_stays_open(guarded: Server) -> None
     assert guarded.health() == 200
     log = guarded.log()
     assert "tenant=team-a" in log and "tenant=key#2" in log and SECRET not in log and good not in log
+
+
+def test_overload_reaches_the_clients_as_429(guarded: Server) -> None:
+    """Over the tenant's limit (4 in flight): the OpenAI and TGI clients get their overload error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    good = jwt.encode({"sub": "team-b"}, SECRET)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{guarded.http_port}/v1", api_key=good, max_retries=0)
+    streams = [  # each runs to the server's limit of 169 tokens: long enough to stay in flight
+        client.completions.create(
+            model=guarded.model_dir.as_posix(),
+            prompt="x",
+            max_tokens=169,
+            stream=True,
+            extra_body={"min_tokens": 169},
+        )
+        for _ in range(4)
+    ]
+    try:
+        for stream in streams:
+            next(iter(stream))  # all four admitted and generating
+        with pytest.raises(openai.RateLimitError, match="Tenant team-b is over its limit of 4"):
+            client.completions.create(model=guarded.model_dir.as_posix(), prompt="x", max_tokens=2)
+        tgi = Client(f"http://127.0.0.1:{guarded.http_port}", headers={"Authorization": f"Bearer {good}"})
+        with pytest.raises(text_generation.errors.OverloadedError):
+            tgi.generate("x", max_new_tokens=2)
+    finally:
+        with ThreadPoolExecutor() as pool:
+            list(pool.map(lambda s: s.close(), streams))

@@ -521,6 +521,17 @@ async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
     assert model["id"] == "tiny" and model["max_model_len"] == 512
 
 
+async def test_a_client_leaving_an_openai_stream_frees_every_choice(stack: Stack) -> None:
+    stack.shard.latency_s = 0.01
+    body = {"prompt": "hi", "n": 3, "max_tokens": MAX_NEW, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        r = await session.post(stack.url + "/v1/completions", json=body)
+        await r.content.readline()
+        r.close()
+    await stack.settled(timeout_s=2.0)
+    assert stack.metrics.counters["tgi_request_cancellation"].get(phase="running") == 3
+
+
 # ---- authentication -------------------------------------------------------------------------
 
 SECRET = "s3cret-for-tests-only-0123456789abcdef"
