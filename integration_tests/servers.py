@@ -30,6 +30,11 @@ MODELS = {
     "llama-sp": ("llama", "metaspace"),
     "gpt2": ("gpt2", "byte_level"),
     "t5": ("t5", "byte_level"),
+    "gpt_neox": ("gpt_neox", "byte_level"),
+    "mistral": ("mistral", "byte_level"),
+    "granite": ("granite", "byte_level"),
+    "qwen2": ("qwen2", "byte_level"),
+    "gpt_bigcode": ("gpt_bigcode", "byte_level"),
 }
 TGIS_TEST_FLAGS = (
     "--max-batch-size", "8",
@@ -49,9 +54,10 @@ def free_port() -> int:
 
 
 def model_dir(name: str, root: Path) -> Path:
-    arch, kind = MODELS[name]
+    """The model `name` under `root`: built there from MODELS unless a model is there already."""
     path = root / name
     if not (path / "config.json").exists():
+        arch, kind = MODELS[name]
         build_tiny_model(arch, path, tokenizer=kind)
     return path
 
@@ -114,6 +120,7 @@ def launch(name: str, root: Path, *extra: str, env: dict[str, str] | None = None
         "--port", str(http_port),
         "--grpc-port", str(grpc_port),
         "--shard-uds-path", str(root / f"{name.replace('@', '-')}-{grpc_port}"),
+        "--master-port", str(free_port()),  # sharded servers may run side by side
         *TGIS_TEST_FLAGS,
         *extra,
     ]  # fmt: skip

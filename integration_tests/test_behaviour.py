@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 
+from integration_tests.servers import Server
 from router.detokenizer import Detokenizer
 from router.pb import generation_pb2 as pb
 from router.tokenizer import load_tokenizer
@@ -79,7 +80,12 @@ async def stream_text(stub, prompt: str, params: pb.Parameters) -> tuple[list[st
 def test_batch_invariance_and_transformers_parity(server, model: str, penalty: float) -> None:
     """A prompt's greedy output is the same alone and in busy batches, unary or streamed, and
     equals transformers generate (gpt2: EOS == pad with a huge repetition penalty)."""
-    s = server(model)
+    assert_batch_invariance_and_parity(server(model), penalty)
+
+
+def assert_batch_invariance_and_parity(s: Server, penalty: float = 1.0) -> None:
+    """Six prompts alone, then all at once (unary, streamed, batched, staggered joins): every
+    answer equals transformers generate (also run by integration_tests/test_sharded.py)."""
     decoding = {"repetition_penalty": penalty} if penalty != 1.0 else {}
     lengths = [12, 7, 16, 9, 14, 5]
     expected = [oracle(str(s.model_dir), p, n, penalty) for p, n in zip(PROMPTS, lengths, strict=True)]

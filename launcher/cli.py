@@ -28,6 +28,7 @@ import click
 
 from launcher.config import (
     DEFAULT_BATCH_SAFETY_MARGIN,
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
     DEFAULT_MODEL_NAME,
@@ -251,6 +252,16 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     help="torch.distributed rendezvous port [env MASTER_PORT].",
 )
 @click.option(
+    "--collective-timeout",
+    "collective_timeout_s",
+    envvar="COLLECTIVE_TIMEOUT",
+    type=click.FloatRange(0.0, min_open=True),
+    default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+    show_default=True,
+    help="Seconds a shard waits for its peers in one collective (NUM_SHARD > 1): a rank that "
+    "died or hangs stops the server after at most this long [env COLLECTIVE_TIMEOUT].",
+)
+@click.option(
     "--json-output",
     envvar="JSON_OUTPUT",
     is_flag=True,
@@ -311,7 +322,10 @@ def main(**flags: Any) -> None:
     env = dict(os.environ)
     try:
         config = resolve_config(LaunchFlags(**flags), env)
-        check_ports_free({"--port": config.port, "--grpc-port": config.grpc_port})
+        ports = {"--port": config.port, "--grpc-port": config.grpc_port}
+        if config.num_shard > 1:  # rank 0 listens there for its peers
+            ports["--master-port"] = config.master_port
+        check_ports_free(ports)
     except LaunchError as exc:
         exit_with_error(str(exc))
     logger.info(

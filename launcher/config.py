@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "bigscience/bloom-560m"
 DEFAULT_MASTER_ADDR = "localhost"
 DEFAULT_MASTER_PORT = 29500
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 # Cache variables in order of preference; all that are set must name the same directory.
 CACHE_ENV_VARS = ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE")
 # TGIS's deprecated engine names -> the engine they stand for (used only when that engine exists).
@@ -82,6 +83,7 @@ class LaunchFlags:
     shard_uds_path: str | None = None
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     json_output: bool = False
     output_special_tokens: bool = False
     default_include_stop_seqs: bool = True
@@ -130,6 +132,7 @@ class LaunchConfig:
     shard_uds_path: str  # shard i listens on f"{shard_uds_path}-{i}"
     master_addr: str
     master_port: int
+    collective_timeout_s: float  # a shard waits this long in one collective for its peers
     json_output: bool
     output_special_tokens: bool
     default_include_stop_seqs: bool
@@ -216,18 +219,29 @@ def resolve_num_shard(num_shard: int | None, env: Mapping[str, str]) -> int:
     num_gpus = _positive_int_env(env, "NUM_GPUS")
     if num_shard is not None and num_gpus is not None and num_shard != num_gpus:
         raise LaunchError(f"--num-shard/NUM_SHARD ({num_shard}) and NUM_GPUS ({num_gpus}) disagree")
-    if num_shard is not None:
-        return num_shard
-    if num_gpus is not None:
-        return num_gpus
+    visible = _visible_devices(env)
+    wanted = num_shard if num_shard is not None else num_gpus
+    if wanted is None:
+        return max(1, visible[1]) if visible else 1
+    if wanted > 1 and visible and 0 < visible[1] < wanted:
+        raise LaunchError(
+            f"{wanted} shards need {wanted} GPUs, but {visible[0]} lists {visible[1]}: "
+            "set NUM_SHARD (or NUM_GPUS) to the number of visible GPUs"
+        )
+    return wanted
+
+
+def _visible_devices(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """(variable, count) of the first of CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES that is
+    set; count 0 where it is not a list ("all", "none", ...); None when neither is set."""
     for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         value = env.get(var)
         if value is None:
             continue
         if value.strip().lower() in NON_LIST_DEVICE_VALUES:
-            return 1
-        return max(1, len([d for d in value.split(",") if d.strip()]))
-    return 1
+            return var, 0
+        return var, len([d for d in value.split(",") if d.strip()])
+    return None
 
 
 def _positive_int_env(env: Mapping[str, str], var: str) -> int | None:
@@ -380,6 +394,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         shard_uds_path=flags.shard_uds_path or default_uds_path(),
         master_addr=flags.master_addr,
         master_port=flags.master_port,
+        collective_timeout_s=flags.collective_timeout_s,
         json_output=flags.json_output,
         output_special_tokens=flags.output_special_tokens,
         default_include_stop_seqs=flags.default_include_stop_seqs,
@@ -447,6 +462,7 @@ def shard_env(config: LaunchConfig, rank: int, base: Mapping[str, str]) -> dict[
         CROSS_RANK="0",
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(config.master_port),
+        COLLECTIVE_TIMEOUT=str(config.collective_timeout_s),
         HF_HUB_OFFLINE="1",
         HF_HUB_CACHE=config.cache_dir,
         PYTHONUNBUFFERED="1",

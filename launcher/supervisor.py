@@ -20,11 +20,12 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import IO
@@ -39,6 +40,8 @@ KILL_WAIT_S = 5.0
 SOCKET_POLL_S = 0.1
 WAITING_LOG_INTERVAL_S = 10.0
 READER_JOIN_S = 2.0
+FATAL_LINE = re.compile(rb' CRITICAL |"level": "CRITICAL"|^Error: ')
+FATAL_LINE_CHARS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +73,12 @@ class LineForwarder:
         self._out = out
         self._lock = threading.Lock()
 
-    def forward(self, stream: IO[bytes], prefix: bytes) -> None:
+    def forward(self, stream: IO[bytes], prefix: bytes, seen: Callable[[bytes], None] | None = None) -> None:
         with stream:
             for line in stream:
                 self.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
+                if seen is not None:
+                    seen(line)
 
     def write(self, data: bytes) -> None:
         with self._lock, contextlib.suppress(OSError, ValueError):  # a closed stderr must not stop draining
@@ -98,14 +103,21 @@ class Child:
         except OSError as exc:
             raise LaunchError(f"cannot start {spec.name} ({spec.argv[0]}): {exc.strerror or exc}") from None
         assert self.proc.stdout is not None
+        self.last_fatal: str | None = None  # the child's last fatal line (see _seen)
         self.reader = threading.Thread(
             target=forwarder.forward,
-            args=(self.proc.stdout, spec.log_prefix.encode()),
+            args=(self.proc.stdout, spec.log_prefix.encode(), self._seen),
             name=f"{spec.name} output",
             daemon=True,
         )
         self.reader.start()
         threading.Thread(target=self._wait, args=(events,), name=f"{spec.name} waiter", daemon=True).start()
+
+    def _seen(self, line: bytes) -> None:
+        """Keep the last line that says why the child stops: a CRITICAL log record (plain or
+        JSON) or click's one-line `Error: ...`."""
+        if FATAL_LINE.search(line):
+            self.last_fatal = line.decode(errors="replace").strip()[:FATAL_LINE_CHARS]
 
     def _wait(self, events: queue.SimpleQueue[Event]) -> None:
         events.put(ChildExited(self.spec.name, self.proc.wait()))
@@ -242,9 +254,18 @@ class Supervisor:
             logger.info("received %s: shutting down", signal.Signals(event.signum).name)
             self._stop_all()
             return 0
-        self.fail(f"{event.name} exited with code {event.returncode}")
+        reason = f"{event.name} exited with code {event.returncode}"
+        child = next((c for c in self._children() if c.spec.name == event.name), None)
+        if child is not None:
+            child.reader.join(READER_JOIN_S)  # its last lines, written before it exited
+            if child.last_fatal:
+                reason += f": {child.last_fatal}"
+        self.fail(reason)
         self._stop_all()
         return 1
+
+    def _children(self) -> list[Child]:
+        return [*self._shards, *([self._router] if self._router else [])]
 
     def _stop_all(self) -> None:
         """The router first (it drains its requests through the shards), then the shards."""
@@ -253,7 +274,7 @@ class Supervisor:
         stop_children(self._shards, self._shard_grace_s)
 
     def _kill_all(self) -> None:
-        children = [*self._shards, *([self._router] if self._router else [])]
+        children = self._children()
         for child in children:
             if child.running():
                 logger.warning("killing %s", child.spec.name)

@@ -19,15 +19,22 @@ ARCHS = ("llama", "gpt2", "bloom", "gpt_neox", "t5", "mistral")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """tiny_model(arch, safetensors=True) -> directory of that tiny model (built once)."""
+    """tiny_model(arch, safetensors=True) -> directory of that tiny model (built once). With
+    TINY_MODELS_DIR set, the models live there and one built before is reused (the sharded
+    conformance runs get theirs from the test that starts them: a process in a torch.distributed
+    group of rank > 0 cannot save a model)."""
     from text_generation_server.testing.tiny_models import build_tiny_model
 
     built: dict[tuple[str, bool], Path] = {}
+    shared = os.environ.get("TINY_MODELS_DIR")
 
     def get(arch: str, safetensors: bool = True) -> Path:
         key = (arch, safetensors)
+        name = f"{arch}{'' if safetensors else '-bin'}"
+        if key not in built and shared and (Path(shared) / name / "config.json").exists():
+            built[key] = Path(shared) / name
         if key not in built:
-            out = tmp_path_factory.mktemp(f"{arch}{'' if safetensors else '-bin'}")
+            out = Path(shared) / name if shared else tmp_path_factory.mktemp(name)
             built[key] = build_tiny_model(arch, out, safetensors=safetensors)
         return built[key]
 

@@ -180,3 +180,19 @@ def test_a_failed_step_on_a_stale_batch_is_logged_when_dropped(engine, caplog) -
         output = manager.next_token([CachedBatchRef(2)])
     assert [g.request_id for g in output.generations] == [2]
     assert "had failed: RuntimeError('engine fault')" in caplog.text
+
+
+def test_every_failed_step_reaches_the_failure_hook_in_the_call_or_ahead(engine) -> None:
+    """Sharded shards stop on the hook (distributed.end_shard); here it records."""
+    seen: list[Exception] = []
+    manager = BatchManager(engine, 8, on_step_failure=seen.append)
+    manager.prefill(1, [request(1, 6)], [])
+    ahead, now = RuntimeError("ahead"), RuntimeError("in the call")
+    engine.fail_next = ahead
+    manager.run_ahead()
+    assert seen == [ahead]
+    manager.prefill(2, [request(2, 6)], [])
+    engine.fail_next = now
+    with pytest.raises(RuntimeError, match="in the call"):
+        manager.next_token([CachedBatchRef(2)])
+    assert seen == [ahead, now]

@@ -69,7 +69,7 @@ def test_serve_until_sigterm(tiny_model, tmp_path) -> None:
 @pytest.mark.parametrize(
     ("model", "engine", "extra", "message"),
     [
-        ("gpt2", "nope", [], "unknown deployment framework 'nope'; choose one of: hf_transformers"),
+        ("gpt2", "nope", [], "unknown deployment framework 'nope'; choose one of: hf_accelerate, "),
         ("no-such/model", "hf_transformers", [], "model 'no-such/model' not found"),
         ("gpt2", "hf_transformers", ["--dtype", "int3"], "Invalid value for '--dtype'"),
         ("gpt2", "hf_transformers", ["--cpu-affinity", "0-x"], "CPU_AFFINITY: '0-x' is not a CPU number"),

@@ -215,8 +215,7 @@ def test_env_is_known_to_the_launcher_and_resolves(rendered: dict[str, list[dict
         assert grace > needed, f"{key}: grace {grace} s <= drain + router + shard stop {needed} s"
         gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         assert config.num_shard == max(gpus, 1), key
-    # What the launcher refuses today (no tgis_native engine, so no flash attention and no tensor
-    # parallelism) is exactly what the README says cannot be deployed yet.
+    # What the launcher refuses today is exactly what the README says cannot be deployed yet.
     assert set(refused) == not_deployable_yet(), refused
 
 

@@ -184,14 +184,20 @@ def test_num_shard_and_num_gpus_must_agree() -> None:
         lc.resolve_num_shard(1, {"NUM_GPUS": "2"})
     with pytest.raises(LaunchError, match="NUM_GPUS must be a positive integer"):
         lc.resolve_num_shard(None, {"NUM_GPUS": "two"})
+    with pytest.raises(LaunchError, match=r"^4 shards need 4 GPUs, but CUDA_VISIBLE_DEVICES lists 2: set"):
+        lc.resolve_num_shard(4, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    with pytest.raises(LaunchError, match=r"^2 shards need 2 GPUs, but NVIDIA_VISIBLE_DEVICES lists 1"):
+        lc.resolve_num_shard(None, {"NUM_GPUS": "2", "NVIDIA_VISIBLE_DEVICES": "3"})
+    assert lc.resolve_num_shard(2, {"CUDA_VISIBLE_DEVICES": "all"}) == 2  # not a list: nothing to check
 
 
 def test_more_than_one_shard_needs_tensor_parallel_engine(tiny_model: Callable[..., Path]) -> None:
     lc.check_num_shard(1, "hf_transformers")
     sharding = {"tp": spec("tp", tensor_parallel=True)}
     lc.check_num_shard(2, "tp", sharding)
-    with pytest.raises(LaunchError, match="2 shards need tensor parallelism, which engine 'hf_transformers'"):
-        config_for(tiny_model("llama"), {"CUDA_VISIBLE_DEVICES": "0,1"})
+    with pytest.raises(LaunchError, match="2 shards need tensor parallelism, which engine 'hf_accelerate'"):
+        config_for(tiny_model("llama"), {"CUDA_VISIBLE_DEVICES": "0,1"}, deployment_framework="hf_accelerate")
+    assert config_for(tiny_model("llama"), {"CUDA_VISIBLE_DEVICES": "0,1"}).num_shard == 2
 
 
 def spec(name: str, **capabilities: Any) -> EngineSpec:
@@ -352,6 +358,7 @@ def test_shard_exit_during_startup_exits_1_without_router(
     with caplog.at_level(logging.INFO):
         assert sv.Supervisor(io.BytesIO(), str(term)).run([shard], [str(tmp_path / "s-0")], router) == 1
     assert term.read_text() == "Shard 0 exited with code 5\n"
+
     assert "starting the router" not in caplog.text
 
 
@@ -437,6 +444,23 @@ def launch(launcher_env: dict[str, str]) -> Iterator[Callable[..., LauncherProce
     for launcher in started:
         if launcher.proc.poll() is None:
             launcher.stop()
+
+
+@pytest.mark.parametrize(
+    "fatal",
+    [
+        "2026-01-01 00:00:00,000 CRITICAL text_generation_server.distributed: shard 0: a step failed",
+        '{"level": "CRITICAL", "message": "shard 0: a step failed"}',
+        "Error: gpt_bigcode models cannot be sharded",
+    ],
+)
+def test_the_reason_a_child_gives_goes_to_the_termination_log(tmp_path: Path, fatal: str) -> None:
+    term = tmp_path / "termination-log"
+    script = f"print('loading'); print({fatal!r}); print('INFO after it'); raise SystemExit(1)"
+    shard = python_child("Shard 0", script, "Shard 0: ")
+    router = python_child("Router", "raise AssertionError('never started')")
+    assert sv.Supervisor(io.BytesIO(), str(term)).run([shard], [str(tmp_path / "s-0")], router) == 1
+    assert term.read_text() == f"Shard 0 exited with code 1: {fatal}\n"
 
 
 def run_launcher(args: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:

@@ -21,7 +21,7 @@ Not thread-safe: server.py calls it from its single worker thread only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from text_generation_common.messages import (
@@ -65,9 +65,17 @@ Cached = Batch | Ahead
 
 
 class BatchManager:
-    def __init__(self, engine: ModelEngine, max_batch_size: int) -> None:
+    def __init__(
+        self,
+        engine: ModelEngine,
+        max_batch_size: int,
+        on_step_failure: Callable[[Exception], None] | None = None,
+    ) -> None:
+        """`on_step_failure`: called with the exception of a step that raised, before it
+        propagates (tensor-parallel shards stop there: server.py)."""
         self.engine = engine
         self.max_batch_size = max_batch_size
+        self._on_step_failure = on_step_failure
         self._cache: dict[int, Cached] = {}
         self._token_budget = 0  # of the last call; run-ahead steps use it too
 
@@ -161,7 +169,12 @@ class BatchManager:
             )
 
     def _generate(self, batch: Batch, first: bool) -> tuple[StepOutput, Batch | None]:
-        return self.engine.generate_token(batch, first, self._token_budget)
+        try:
+            return self.engine.generate_token(batch, first, self._token_budget)
+        except Exception as exc:
+            if self._on_step_failure is not None:
+                self._on_step_failure(exc)
+            raise
 
     def prefill(
         self,

@@ -113,6 +113,27 @@ def pin_to(cpu_list: str) -> None:
     help="Number of shards [env WORLD_SIZE].",
 )
 @click.option(
+    "--master-addr",
+    envvar="MASTER_ADDR",
+    default="127.0.0.1",
+    help="Rendezvous address of the shards' process group [env MASTER_ADDR].",
+)
+@click.option(
+    "--master-port",
+    envvar="MASTER_PORT",
+    type=click.IntRange(1, 65535),
+    default=29500,
+    help="Rendezvous port of the shards' process group [env MASTER_PORT].",
+)
+@click.option(
+    "--collective-timeout",
+    envvar="COLLECTIVE_TIMEOUT",
+    type=click.FloatRange(0.0, min_open=True),
+    default=60.0,
+    help="Seconds a shard waits in one collective for its peers (a dead or hung rank) before it "
+    "stops [env COLLECTIVE_TIMEOUT].",
+)
+@click.option(
     "--trust-remote-code/--no-trust-remote-code",
     envvar="TRUST_REMOTE_CODE",
     default=False,
@@ -209,6 +230,9 @@ def serve(
     uds_path: str,
     rank: int,
     world_size: int,
+    master_addr: str,
+    master_port: int,
+    collective_timeout: float,
     trust_remote_code: bool,
     attn_implementation: str | None,
     linear_layout: str,
@@ -223,6 +247,7 @@ def serve(
     cuda_process_memory_fraction: float,
 ) -> None:
     """Load MODEL_NAME with DEPLOYMENT_FRAMEWORK and serve it over a Unix socket."""
+    from text_generation_server import distributed
     from text_generation_server.server import load_engine
     from text_generation_server.server import serve as serve_forever
 
@@ -238,6 +263,9 @@ def serve(
             uds_path=uds_path,
             rank=rank,
             world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            collective_timeout_s=collective_timeout,
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
             linear_layout=linear_layout,
@@ -253,10 +281,14 @@ def serve(
         )
         if config.cpu_affinity:
             pin_to(config.cpu_affinity)  # before anything loads
+        distributed.join(config)
         engine, worker = load_engine(config)
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:
         raise click.ClickException(str(exc)) from exc
-    asyncio.run(serve_forever(engine, config, worker))
+    try:
+        asyncio.run(serve_forever(engine, config, worker))
+    finally:
+        distributed.leave()
 
 
 @app.command("download-weights")

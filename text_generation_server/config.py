@@ -36,6 +36,9 @@ class ServerConfig:
     uds_path: str = ""  # socket base path; "" = default_uds_path()
     rank: int = 0
     world_size: int = 1
+    master_addr: str = "127.0.0.1"  # rendezvous of the ranks (world_size > 1)
+    master_port: int = 29500
+    collective_timeout_s: float = 60.0  # longest wait in one collective before the shard stops
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
@@ -78,6 +81,13 @@ class ServerConfig:
         if not 0.0 < self.cuda_process_memory_fraction <= 1.0:
             raise ValueError(
                 f"cuda_process_memory_fraction must be in (0, 1], got {self.cuda_process_memory_fraction}"
+            )
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective timeout must be > 0 s, got {self.collective_timeout_s}")
+        if self.world_size > 1 and self.linear_layout not in ("auto", "plain"):
+            raise ValueError(
+                f"LINEAR_LAYOUT={self.linear_layout} lays out whole linears of one shard; sharded "
+                "models keep transformers' tensor-parallel linears: use auto or plain"
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")

@@ -7,6 +7,9 @@ step. Errors become status codes here and only here:
     ShardError subclasses  -> NOT_FOUND / INVALID_ARGUMENT (the call's own input was wrong)
     out of memory          -> RESOURCE_EXHAUSTED
     anything else          -> UNKNOWN "Unexpected <class ...>: ..." (logged with its traceback)
+
+With more than one shard (tensor parallelism), a step that raises stops the shard instead
+(distributed.end_shard): its peers fail their next collective, and the launcher stops the server.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import grpc
 from text_generation_common import convert
 from text_generation_common.pb import generate_pb2 as pb
 from text_generation_common.pb import generate_pb2_grpc
+from text_generation_server import distributed
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
@@ -83,7 +87,11 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
     ) -> None:
         self.engine = engine
         self.config = config
-        self.batches = BatchManager(engine, config.max_batch_size)
+        self.batches = BatchManager(
+            engine,
+            config.max_batch_size,
+            functools.partial(distributed.end_shard, config.rank) if config.world_size > 1 else None,
+        )
         self.executor = executor or worker_thread()
 
     async def _run(

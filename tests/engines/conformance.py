@@ -13,11 +13,14 @@ real batcher, detokenizer and stop rules run on the engine's tokens.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from router.batcher import Batcher
 from router.capacity import Capacity
@@ -36,6 +39,7 @@ from text_generation_common.messages import (
     StepOutput,
     TokenInfo,
 )
+from text_generation_server import distributed
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import get_engine_class
@@ -46,6 +50,7 @@ DEFAULT_ARCHS = ("llama", "gpt2")
 SEQ2SEQ_ARCHS = ("t5",)
 ENGINE_ARCHS: dict[str, tuple[str, ...]] = {
     "fake": ("llama",),
+    "hf_accelerate": ("llama", "t5"),  # hf_transformers' steps: the loading differs
     "tgis_native": ("llama", "gpt2", "gpt_neox", "mistral", "gpt_bigcode", "granite", "qwen2"),
 }
 # engine -> (label, ServerConfig overrides, archs): the engine again on another code path
@@ -76,10 +81,27 @@ class EngineCase:
             max_sequence_length=512,
             max_new_tokens=64,
             dtype="float32",  # the oracles' exactness
+            **sharding(),
             **dict(self.options),
         )
+        if config.world_size > 1 and not torch.distributed.is_initialized():
+            distributed.join(config)
         engine_class = TEST_ENGINES.get(self.engine) or get_engine_class(self.engine)
         return engine_class(config)
+
+
+# The suite runs sharded when the environment names this process's rank (tests/engines/
+# test_sharded.py starts one pytest per rank over the same cases: every rank makes the same
+# engine calls in the same order, as the router makes them).
+SHARD_ENV = ("CONFORMANCE_RANK", "CONFORMANCE_WORLD_SIZE", "MASTER_PORT")
+
+
+def sharding() -> dict[str, Any]:
+    """ServerConfig fields of this process's rank; empty when the suite runs on one shard."""
+    rank, world_size, port = (os.environ.get(name) for name in SHARD_ENV)
+    if not world_size:
+        return {}
+    return {"rank": int(rank or 0), "world_size": int(world_size), "master_port": int(port or 29500)}
 
 
 def engine_cases() -> list[EngineCase]:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ from text_generation_common.messages import (
     StepOutput,
 )
 from text_generation_common.model_config import context_length
+from text_generation_server import distributed
 from text_generation_server.config import ServerConfig
+from text_generation_server.engines import sharded_bigcode
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.cpu_attention import use_decode_packed_sdpa
 from text_generation_server.engines.kv_cache import cache_bytes, new_cache
@@ -95,8 +98,12 @@ class Loaded:
         return str(self.dtype).removeprefix("torch.")
 
 
-def load_pretrained(config: ServerConfig, attn_implementation: str | None = None) -> Loaded:
-    """Load the model named by `config` (local files only) on its device, in eval mode."""
+def load_pretrained(
+    config: ServerConfig, attn_implementation: str | None = None, device_map: str | None = None
+) -> Loaded:
+    """Load the model named by `config` (local files only) on its device, in eval mode: this
+    rank's slices when the config has more than one shard; with `device_map` ("auto"), spread
+    by accelerate over the visible devices (the returned device is the one inputs go to)."""
     import transformers
     from transformers.utils import logging as hf_logging
 
@@ -110,6 +117,13 @@ def load_pretrained(config: ServerConfig, attn_implementation: str | None = None
     seq2seq = bool(getattr(hf_config, "is_encoder_decoder", False))
     auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
     load_kwargs: dict[str, Any] = {}
+    own_layers = config.world_size > 1 and getattr(hf_config, "model_type", None) == "gpt_bigcode"
+    if config.world_size > 1:  # this rank reads only its slices of the weights
+        distributed.check_shardable(hf_config, config.world_size)
+        if not own_layers:
+            load_kwargs["distributed_config"] = transformers.DistributedConfig(tp_plan="auto")
+    if device_map is not None:
+        load_kwargs["device_map"] = device_map
     if attn_implementation or config.attn_implementation:
         load_kwargs["attn_implementation"] = attn_implementation or config.attn_implementation
     logger.info(
@@ -120,14 +134,32 @@ def load_pretrained(config: ServerConfig, attn_implementation: str | None = None
         device,
         model_dir,
     )
-    model: Any = auto.from_pretrained(
-        model_dir,
-        dtype=dtype,
-        trust_remote_code=config.trust_remote_code,
-        local_files_only=True,
-        **load_kwargs,
+    model: Any
+    if own_layers:
+        attn = load_kwargs.get("attn_implementation")
+        shards = config.world_size
+        model = sharded_bigcode.load(Path(model_dir), hf_config, dtype, device, config.rank, shards, attn)
+    else:
+        model = auto.from_pretrained(
+            model_dir,
+            dtype=dtype,
+            trust_remote_code=config.trust_remote_code,
+            local_files_only=True,
+            **load_kwargs,
+        )
+    if device_map is not None:
+        device = model.get_input_embeddings().weight.device
+        placed = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})
+        logger.info("layers placed by device_map=%s on: %s", device_map, ", ".join(placed) or str(device))
+    elif config.world_size == 1:
+        model.to(device)
+    model.eval()
+    logger.info(
+        "shard %d/%d holds %.1f MiB of the model's weights",
+        config.rank,
+        config.world_size,
+        distributed.local_bytes(model) / 2**20,
     )
-    model.to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
     )
@@ -181,8 +213,10 @@ def model_context(loaded: Loaded, config: ServerConfig) -> ModelContext:
 
 
 class HFTransformersEngine(ModelEngine):
+    device_map: str | None = None  # how accelerate places the layers (None: all on one device)
+
     def __init__(self, config: ServerConfig) -> None:
-        loaded = load_pretrained(config)
+        loaded = load_pretrained(config, device_map=self.device_map)
         self.model = loaded.model
         self.device, self.dtype, self.dtype_reason = loaded.device, loaded.dtype, loaded.dtype_reason
         self.seq2seq = loaded.seq2seq
@@ -199,7 +233,8 @@ class HFTransformersEngine(ModelEngine):
             max_batch_size=config.max_batch_size,
             safety_margin=config.batch_safety_margin,
         )
-        if self.device.type == "cpu":  # after the steps above, which read the loaded weights
+        whole = config.world_size == 1 and self.device_map is None  # one module per linear
+        if self.device.type == "cpu" and whole:  # after the steps above, which read the weights
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
         self.info = ModelInfo(
             seq2seq=self.seq2seq,
@@ -293,3 +328,11 @@ class HFTransformersEngine(ModelEngine):
                 infos = input_token_infos(row_logits, ids, request.details)
             result.append(InputTokens(request.id, infos))
         return result
+
+
+class HFAccelerateEngine(HFTransformersEngine):
+    """TGIS's `hf_accelerate`: one process, the model's layers spread over every visible GPU by
+    accelerate (`device_map="auto"`; a single device on CPU), for models too large for one GPU
+    that have no tensor-parallel plan. Steps and batches are hf_transformers'."""
+
+    device_map = "auto"

@@ -41,6 +41,7 @@ from text_generation_common.messages import (
     RequestError,
     StepOutput,
 )
+from text_generation_server import distributed
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import cpu_kernels, paged_attention
@@ -96,7 +97,9 @@ class TgisNativeEngine(ModelEngine):
         self.kernel = cpu_kernels.use_kernel(config.cpu_attention, self.device)
         logger.info("decode attention: %s", "our CPU kernel" if self.kernel else "SDPA over gathered blocks")
         self.kv = self._allocate_cache(config)
-        if self.device.type == "cpu":  # after the probe step above, which reads the loaded weights
+        # after the probe step above, which reads the loaded weights; sharded linears keep
+        # transformers' tensor-parallel modules
+        if self.device.type == "cpu" and config.world_size == 1:
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
         self.live: weakref.WeakSet[SequenceKV] = weakref.WeakSet()  # every request's blocks
         self.prefix_query_tokens = 0
@@ -124,6 +127,9 @@ class TgisNativeEngine(ModelEngine):
         self._forward([(sequence, [self.context.pad_token_id or 0])], probe, [0])
         per_token = probe.bytes() // probe.slots
         num_blocks, why = self._num_blocks(config, per_token * self.block_size)
+        agreed = distributed.agree_min(num_blocks, self.device)  # every rank runs the same tables
+        if agreed < num_blocks:
+            num_blocks, why = agreed, f"{why}; fewer on another shard"
         logger.info(
             "KV cache: %d bytes per token, %d blocks of %d tokens (%.1f MiB, %d tokens): %s",
             per_token,
