@@ -109,6 +109,8 @@ async def run_stream(stub: Any, case: Case, seq2seq: bool) -> Outcome:
         single.params.CopyFrom(request.params)
     if request.HasField("prefix_id"):
         single.prefix_id = request.prefix_id
+    if request.HasField("adapter_id"):
+        single.adapter_id = request.adapter_id
     messages = []
     try:
         async for message in stub.GenerateStream(single):

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from integration_tests.cases import CASES_DIR, dump, load, run_unary
 from integration_tests.servers import launch
-from integration_tests.test_cases import FILES
+from integration_tests.test_cases import RUNS
+
+FILES = {file: name for file, name in RUNS if "@" not in name}  # each file's own server
 
 logger = logging.getLogger(__name__)
 

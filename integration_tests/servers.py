@@ -2,7 +2,8 @@
 
 `launch(model, ...)` builds the tiny model (once per directory), starts the launcher exactly as
 an operator would (flags of TGIS's own integration tests: batch 8, waiting tokens 10, sequence
-200, new tokens 169), waits until GET /health answers 200 and returns a Server; `stop()` sends
+200, new tokens 169) with a soft-prompt store (PREFIX_STORE_PATH, testing/tiny_prompts.py),
+waits until GET /health answers 200 and returns a Server; `stop()` sends
 SIGTERM and waits. Used by integration_tests/conftest.py and record.py.
 """
 
@@ -23,6 +24,7 @@ import grpc
 
 from router.pb import generation_pb2_grpc
 from text_generation_server.testing.tiny_models import build_tiny_model
+from text_generation_server.testing.tiny_prompts import build_prompt_store
 
 # name -> (architecture, tokenizer kind)
 MODELS = {
@@ -125,7 +127,15 @@ def launch(name: str, root: Path, *extra: str, env: dict[str, str] | None = None
         *extra,
     ]  # fmt: skip
     termination_log = root / f"{name.replace('@', '-')}-termination.log"
-    environment = {**os.environ, **(env or {}), "TERMINATION_LOG_PATH": str(termination_log)}
+    prompts = root / "prompts" / model  # TGIS's integration tests serve a prompt store too
+    if not (prompts / "nested").exists():
+        build_prompt_store(path, prompts)
+    environment = {
+        **os.environ,
+        "PREFIX_STORE_PATH": str(prompts),
+        **(env or {}),
+        "TERMINATION_LOG_PATH": str(termination_log),
+    }
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
     server = Server(name, path, grpc_port, http_port, log_path, process)

@@ -15,6 +15,7 @@ import grpc
 import psutil
 import pytest
 
+from integration_tests.cases import CASES_DIR, check, load, run_file
 from integration_tests.servers import Server, launch, model_dir
 from integration_tests.test_behaviour import assert_batch_invariance_and_parity
 from router.pb import generation_pb2 as pb
@@ -47,11 +48,27 @@ def test_two_ranks_give_the_tokens_of_one_process(root: Path, name: str) -> None
     try:
         assert len(shards_of(s)) == 2
         assert_batch_invariance_and_parity(s)
+        if name.startswith("llama@"):  # soft prompts: every rank applies the same one
+            assert_soft_prompt_cases(s)
         log = s.log()
         assert "Shard 1: " in log and "shard 1/2 holds" in log
     finally:
         s.stop()
     assert s.process.returncode == 0
+
+
+def assert_soft_prompt_cases(s: Server) -> None:
+    """The soft-prompt cases of llama.yaml (recorded on one shard) give the same answers."""
+    cases = {
+        c.name: c for c in load(CASES_DIR / "llama.yaml") if "soft prompt" in c.name or "adapter id" in c.name
+    }
+
+    async def run() -> dict:
+        return await run_file(s.aio_stub(), list(cases.values()), seq2seq=False)
+
+    outcomes = asyncio.run(run()).items()
+    problems = [f"{name} {mode}: {p}" for (name, mode), out in outcomes for p in check(cases[name], out)]
+    assert cases and not problems, problems
 
 
 def long_params() -> pb.Parameters:

@@ -80,7 +80,7 @@ LAUNCHER_OTHER_ENV = {
     "PYTORCH_CUDA_ALLOC_CONF",
 }
 # TGIS env that a patch sets ahead of the feature: no code reads it yet (deployment/README.md).
-RESERVED_ENV = {"PREFIX_STORE_PATH"}
+RESERVED_ENV: set[str] = set()  # names the manifests set before the code reads them
 
 
 def envvars(command: click.Command) -> set[str]:

@@ -113,6 +113,28 @@ def pin_to(cpu_list: str) -> None:
     help="Number of shards [env WORLD_SIZE].",
 )
 @click.option(
+    "--prefix-store-path",
+    envvar="PREFIX_STORE_PATH",
+    default=None,
+    help="Directory of tuned soft prompts, one per prefix id (decoder.pt / encoder.pt, or a PEFT "
+    "prompt-tuning save) [env PREFIX_STORE_PATH].",
+)
+@click.option(
+    "--prompt-cache-size-mb",
+    envvar="PROMPT_CACHE_SIZE_MB",
+    type=click.IntRange(min=1),
+    default=512,
+    help="Memory for loaded soft prompts, least recently used evicted first [env PROMPT_CACHE_SIZE_MB].",
+)
+@click.option(
+    "--max-prompt-prefix-length",
+    envvar="MAX_PROMPT_PREFIX_LENGTH",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Most virtual tokens of a soft prompt; default half the max sequence length "
+    "[env MAX_PROMPT_PREFIX_LENGTH].",
+)
+@click.option(
     "--master-addr",
     envvar="MASTER_ADDR",
     default="127.0.0.1",
@@ -230,6 +252,9 @@ def serve(
     uds_path: str,
     rank: int,
     world_size: int,
+    prefix_store_path: str | None,
+    prompt_cache_size_mb: int,
+    max_prompt_prefix_length: int | None,
     master_addr: str,
     master_port: int,
     collective_timeout: float,
@@ -263,6 +288,9 @@ def serve(
             uds_path=uds_path,
             rank=rank,
             world_size=world_size,
+            prefix_store_path=prefix_store_path,
+            prompt_cache_size_mb=prompt_cache_size_mb,
+            max_prompt_prefix_length=max_prompt_prefix_length,
             master_addr=master_addr,
             master_port=master_port,
             collective_timeout_s=collective_timeout,

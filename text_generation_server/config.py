@@ -48,6 +48,9 @@ class ServerConfig:
     cpu_kv_cache_space: float = 0.0  # GiB of host memory for the paged KV cache; 0 = sized by the batch
     run_ahead: bool = True  # step cached batches while the router handles the last answer
     cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned
+    prefix_store_path: str | None = None  # soft prompts (prefix_id / adapter_id); None = none stored
+    prompt_cache_size_mb: int = 512  # loaded soft prompts kept (LRU by bytes)
+    max_prompt_prefix_length: int | None = None  # most virtual tokens; None = half the sequence
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN  # % of free memory held back
     cuda_process_memory_fraction: float = 1.0  # share of the GPU this process may use
@@ -82,6 +85,10 @@ class ServerConfig:
             raise ValueError(
                 f"cuda_process_memory_fraction must be in (0, 1], got {self.cuda_process_memory_fraction}"
             )
+        if self.prompt_cache_size_mb < 1:
+            raise ValueError(f"prompt_cache_size_mb must be >= 1, got {self.prompt_cache_size_mb}")
+        if self.max_prompt_prefix_length is not None and self.max_prompt_prefix_length < 1:
+            raise ValueError(f"max_prompt_prefix_length must be >= 1, got {self.max_prompt_prefix_length}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective timeout must be > 0 s, got {self.collective_timeout_s}")
         if self.world_size > 1 and self.linear_layout not in ("auto", "plain"):

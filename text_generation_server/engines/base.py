@@ -16,10 +16,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from text_generation_common.messages import GenerationRequest, ModelInfo, RequestError, StepOutput
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
+
+if TYPE_CHECKING:  # torch stays out of this module
+    from text_generation_server.prompts import PromptStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,7 @@ class RequestLimits:
 
 class ModelEngine(ABC):
     info: ModelInfo  # reported to the router; its capacity kind matches the engine's registry entry
+    prompts: PromptStore | None = None  # tuned soft prompts, in engines that take embeddings
 
     @abstractmethod
     def __init__(self, config: ServerConfig) -> None:

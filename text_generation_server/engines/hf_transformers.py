@@ -40,6 +40,7 @@ from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
+from text_generation_server.prompts import store_for
 from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 from text_generation_server.utils.hub import resolve_model_dir
@@ -226,6 +227,10 @@ class HFTransformersEngine(ModelEngine):
             logger.info("attention: SDPA, with GQA decode steps on the packed-query kernel")
         self.batch_type: type[PaddedBatch] = Seq2SeqLMBatch if self.seq2seq else CausalLMBatch
         self.context = model_context(loaded, config)
+        embeddings = self.model.get_input_embeddings()
+        self.prompts = store_for(
+            config, embeddings, self.device, self.seq2seq, self.context.max_sequence_length
+        )
         memory_model = estimate(
             config.estimate_memory,
             self._memory_facts(hf_config, config.cuda_process_memory_fraction),
@@ -289,7 +294,10 @@ class HFTransformersEngine(ModelEngine):
     def new_batch(
         self, batch_id: int, requests: Sequence[GenerationRequest]
     ) -> tuple[PaddedBatch | None, list[RequestError]]:
-        return self.batch_type.from_requests(batch_id, requests, self.context)
+        assert self.prompts is not None
+        return self.batch_type.from_requests(
+            batch_id, requests, self.context, self.prompts.for_requests(requests)
+        )
 
     def generate_token(
         self, batch: Any, first: bool, token_budget: int = 0

@@ -8,7 +8,7 @@ of the internal protocol.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.engines.base import RequestLimits
@@ -29,15 +29,21 @@ def truncated_input_ids(request: GenerationRequest, bos_token_id: int | None) ->
 
 
 def split_valid(
-    requests: Sequence[GenerationRequest], limits: RequestLimits
+    requests: Sequence[GenerationRequest],
+    limits: RequestLimits,
+    prefix_lengths: Mapping[int, int] | None = None,
 ) -> tuple[list[GenerationRequest], list[list[int]], list[RequestError]]:
-    """Split requests into (valid, their truncated ids, errors of the others)."""
+    """Split requests into (valid, their truncated ids, errors of the others).
+    `prefix_lengths`: virtual tokens of the soft prompt of each request that names one and
+    whose prompt the engine found (the others fail with TGIS's message)."""
     valid: list[GenerationRequest] = []
     prompts: list[list[int]] = []
     errors: list[RequestError] = []
+    found = prefix_lengths or {}
     for request in requests:
         ids = truncated_input_ids(request, limits.bos_token_id)
-        message = request_error(request, ids, limits)
+        named = request.prefix_id or request.adapter_id
+        message = request_error(request, ids, limits, found.get(request.id) if named else 0)
         if message is None:
             valid.append(request)
             prompts.append(ids)
@@ -70,12 +76,15 @@ def _parameter_error(request: GenerationRequest) -> str | None:
     return None
 
 
-def request_error(request: GenerationRequest, input_ids: list[int], context: RequestLimits) -> str | None:
-    """Why `request` (with its truncated `input_ids`) cannot run, or None."""
-    if request.prefix_id:
+def request_error(
+    request: GenerationRequest, input_ids: list[int], context: RequestLimits, prefix_length: int | None = 0
+) -> str | None:
+    """Why `request` (with its truncated `input_ids` behind `prefix_length` virtual tokens;
+    None: the soft prompt it names was not found) cannot run, or None."""
+    if prefix_length is None:
+        if request.adapter_id:
+            return f"Error retrieving adapter '{request.adapter_id}'"
         return f"Error retrieving prompt prefix '{request.prefix_id}'"
-    if request.adapter_id:
-        return f"Error retrieving adapter '{request.adapter_id}'"
     if not input_ids:
         return "request has no input tokens"
     bad = next((t for t in input_ids if not 0 <= t < context.vocab_size), None)
@@ -85,9 +94,10 @@ def request_error(request: GenerationRequest, input_ids: list[int], context: Req
         return f"max_new_tokens must be >= 1, got {request.max_new_tokens}"
     if request.max_new_tokens > context.max_new_tokens:
         return f"max_new_tokens must be <= {context.max_new_tokens}"
-    if len(input_ids) + request.max_new_tokens > context.max_sequence_length:
+    if len(input_ids) + prefix_length + request.max_new_tokens > context.max_sequence_length:
+        prefix = f" plus prefix length ({prefix_length})" if prefix_length else ""
         return (
-            f"input tokens ({len(input_ids)}) plus max_new_tokens ({request.max_new_tokens}) "
+            f"input tokens ({len(input_ids)}){prefix} plus max_new_tokens ({request.max_new_tokens}) "
             f"must be <= {context.max_sequence_length}"
         )
     return _parameter_error(request)

@@ -7,7 +7,7 @@ Subclasses (padded_causal.py, padded_seq2seq.py) hold the model tensors and impl
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -17,6 +17,7 @@ from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.batch import Batch
 from text_generation_server.engines.base import RequestLimits
 from text_generation_server.engines.inputs import split_valid
+from text_generation_server.prompts import SoftPrompt
 from text_generation_server.sampling.chooser import TokenChooser
 
 
@@ -41,6 +42,40 @@ def left_pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
             ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
             mask[i, width - len(row) :] = 1
     return ids, mask
+
+
+def soft_prompt_rows(
+    requests: Sequence[GenerationRequest],
+    prompts: Sequence[list[int]],
+    soft_prompts: Mapping[int, SoftPrompt] | None,
+    part: str,
+    placeholder: int,
+) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Each request's ids behind one placeholder per virtual token of its soft prompt's `part`
+    ("decoder" or "encoder"), and those embeddings (None for a request without)."""
+    found = soft_prompts or {}
+    virtual: list[torch.Tensor | None] = [
+        getattr(found[r.id], part) if r.id in found else None for r in requests
+    ]
+    rows = [
+        [placeholder] * (v.shape[0] if v is not None else 0) + p
+        for v, p in zip(virtual, prompts, strict=True)
+    ]
+    return rows, virtual
+
+
+def with_soft_prompts(
+    model: Any, ids: torch.Tensor, lengths: Sequence[int], virtual: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
+    """Input embeddings of left-padded rows `ids` [B, S] (row i's real tokens are its last
+    lengths[i]), each row's soft prompt written over the placeholders in front of its input."""
+    embeds = model.get_input_embeddings()(ids)
+    width = ids.shape[1]
+    for row, tensor in enumerate(virtual):
+        if tensor is not None:
+            start = width - lengths[row]
+            embeds[row, start : start + tensor.shape[0]] = tensor
+    return embeds
 
 
 def extend_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -72,10 +107,13 @@ class PaddedBatch(Batch):
 
     @staticmethod
     def validate(
-        requests: Sequence[GenerationRequest], context: ModelContext
+        requests: Sequence[GenerationRequest],
+        context: ModelContext,
+        prompts: Mapping[int, SoftPrompt] | None = None,
     ) -> tuple[list[GenerationRequest], list[list[int]], list[RequestError]]:
-        """Split requests into (valid, their truncated ids, errors of the others)."""
-        return split_valid(requests, context)
+        """Split requests into (valid, their truncated ids, errors of the others); `prompts`:
+        the soft prompts found for requests that name one, by request id."""
+        return split_valid(requests, context, {i: p.length for i, p in (prompts or {}).items()})
 
     def remaining(self, rows: Sequence[int] | None = None) -> int:
         """The most tokens any of `rows` (default: all) may still generate."""

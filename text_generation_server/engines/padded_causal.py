@@ -15,7 +15,7 @@ Callers: HFTransformersEngine (engines/hf_transformers.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -23,7 +23,15 @@ import torch
 from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.engines import kv_cache
 from text_generation_server.engines.kv_cache import pad_left
-from text_generation_server.engines.padded import ModelContext, PaddedBatch, extend_mask, left_pad_rows
+from text_generation_server.engines.padded import (
+    ModelContext,
+    PaddedBatch,
+    extend_mask,
+    left_pad_rows,
+    soft_prompt_rows,
+    with_soft_prompts,
+)
+from text_generation_server.prompts import SoftPrompt
 from text_generation_server.sampling.chooser import TokenChooser
 
 
@@ -47,15 +55,24 @@ class CausalLMBatch(PaddedBatch):
         self.position_ids = position_ids
         self.lengths = lengths
         self.past = past
+        self.virtual: list[torch.Tensor | None] | None = None  # soft prompts, until the prefill
 
     @classmethod
     def from_requests(
-        cls, batch_id: int, requests: Sequence[GenerationRequest], context: ModelContext
+        cls,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        context: ModelContext,
+        soft_prompts: Mapping[int, SoftPrompt] | None = None,
     ) -> tuple[Self | None, list[RequestError]]:
-        valid, prompts, errors = cls.validate(requests, context)
+        """`soft_prompts`: the soft prompt of each request that names one (by request id); its
+        virtual tokens go in front of the prompt (placeholder ids whose embeddings the prefill
+        replaces), counted in positions and the attention mask as PEFT's prompt tuning does."""
+        valid, prompts, errors = cls.validate(requests, context, soft_prompts)
         if not valid:
             return None, errors
-        input_ids, attention_mask = left_pad_rows(prompts, context.pad_token_id)
+        rows, virtual = soft_prompt_rows(valid, prompts, soft_prompts, "decoder", context.pad_token_id)
+        input_ids, attention_mask = left_pad_rows(rows, context.pad_token_id)
         # Positions count real tokens only (padding gets 0), as transformers' generate does.
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 0)
         device = context.device
@@ -70,9 +87,11 @@ class CausalLMBatch(PaddedBatch):
             input_ids.to(device),
             attention_mask.to(device),
             position_ids.to(device),
-            [len(p) for p in prompts],
+            [len(r) for r in rows],
             prompts=prompts,
         )
+        if any(v is not None for v in virtual):
+            batch.virtual = virtual
         return batch, errors
 
     def forward(self, model: Any, all_logits: bool) -> torch.Tensor:
@@ -83,8 +102,12 @@ class CausalLMBatch(PaddedBatch):
             kwargs["position_ids"] = self.position_ids
         if self.context.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = 0 if all_logits else 1
+        if self.virtual is not None:
+            kwargs["inputs_embeds"] = with_soft_prompts(model, self.input_ids, self.lengths, self.virtual)
+            self.virtual = None
+        else:
+            kwargs["input_ids"] = self.input_ids
         out = model(
-            input_ids=self.input_ids,
             attention_mask=self.attention_mask,
             past_key_values=self.past if self.past is not None else self._prefill_cache(),
             use_cache=True,

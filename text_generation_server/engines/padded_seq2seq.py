@@ -14,7 +14,7 @@ Callers: HFTransformersEngine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -23,7 +23,15 @@ from transformers.modeling_outputs import BaseModelOutput
 from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.engines import kv_cache
 from text_generation_server.engines.kv_cache import pad_left
-from text_generation_server.engines.padded import ModelContext, PaddedBatch, extend_mask, left_pad_rows
+from text_generation_server.engines.padded import (
+    ModelContext,
+    PaddedBatch,
+    extend_mask,
+    left_pad_rows,
+    soft_prompt_rows,
+    with_soft_prompts,
+)
+from text_generation_server.prompts import SoftPrompt
 from text_generation_server.sampling.chooser import TokenChooser
 
 
@@ -53,18 +61,28 @@ class Seq2SeqLMBatch(PaddedBatch):
         self.encoder_input_ids = encoder_input_ids  # until the prefill only
         self.encoder_hidden = encoder_hidden
         self.past = past
+        self.virtual: list[torch.Tensor | None] | None = None  # encoder soft prompts, until the prefill
 
     @classmethod
     def from_requests(
-        cls, batch_id: int, requests: Sequence[GenerationRequest], context: ModelContext
+        cls,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        context: ModelContext,
+        soft_prompts: Mapping[int, SoftPrompt] | None = None,
     ) -> tuple[Self | None, list[RequestError]]:
-        valid, prompts, errors = cls.validate(requests, context)
+        """`soft_prompts`: a request's encoder soft prompt goes in front of its encoder input
+        (placeholder ids whose embeddings the prefill replaces)."""
+        valid, prompts, errors = cls.validate(requests, context, soft_prompts)
         if not valid:
             return None, errors
         start = context.decoder_start_token_id
         assert start is not None, "encoder-decoder models need a decoder start token"
         device = context.device
-        encoder_ids, encoder_mask = left_pad_rows(prompts, context.pad_token_id)
+        encoder_rows, virtual = soft_prompt_rows(
+            valid, prompts, soft_prompts, "encoder", context.pad_token_id
+        )
+        encoder_ids, encoder_mask = left_pad_rows(encoder_rows, context.pad_token_id)
         rows = len(valid)
         # Repetition penalty looks at decoder ids (start token + generated), as transformers does.
         chooser = TokenChooser.create(
@@ -76,19 +94,30 @@ class Seq2SeqLMBatch(PaddedBatch):
             chooser,
             context,
             encoder_mask.to(device),
-            [len(p) for p in prompts],
+            [len(r) for r in encoder_rows],
             torch.full((rows, 1), start, dtype=torch.long, device=device),
             torch.ones((rows, 1), dtype=torch.long, device=device),
             [1] * rows,
             encoder_input_ids=encoder_ids.to(device),
             prompts=prompts,
         )
+        if any(v is not None for v in virtual):
+            batch.virtual = virtual
         return batch, errors
 
     def forward(self, model: Any, all_logits: bool) -> torch.Tensor:
         if self.encoder_hidden is None:
+            assert self.encoder_input_ids is not None
+            encoder_inputs: dict[str, torch.Tensor] = {"input_ids": self.encoder_input_ids}
+            if self.virtual is not None:
+                encoder_inputs = {
+                    "inputs_embeds": with_soft_prompts(
+                        model, self.encoder_input_ids, self.encoder_lengths, self.virtual
+                    )
+                }
+                self.virtual = None
             out = model(
-                input_ids=self.encoder_input_ids,
+                **encoder_inputs,
                 attention_mask=self.encoder_mask,
                 decoder_input_ids=self.decoder_input_ids,
                 decoder_attention_mask=self.decoder_mask,

@@ -110,11 +110,12 @@ class BlockPool:
             self._key_of[block] = key
 
 
-def prefix_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
+def prefix_keys(tokens: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
     """One key per full block of `tokens`, each hashing every token up to the block's end (a
-    chain: equal keys mean equal prefixes)."""
+    chain: equal keys mean equal prefixes). `salt` starts the chain: the soft prompt in front
+    of the tokens, so that prompts behind different soft prompts never share blocks."""
     keys = []
-    digest = b""
+    digest = hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
         chunk = array("q", tokens[start : start + block_size]).tobytes()
         digest = hashlib.blake2b(digest + chunk, digest_size=16).digest()

@@ -14,7 +14,7 @@ concatenate. Used by the paged `tgis_native` engine and the fake test engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -24,6 +24,7 @@ from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.batch import Batch
 from text_generation_server.engines.base import RequestLimits
 from text_generation_server.engines.inputs import split_valid
+from text_generation_server.engines.padded import soft_prompt_rows
 from text_generation_server.sampling.chooser import TokenChooser
 
 
@@ -32,9 +33,19 @@ class Prefilling:
     """A request whose prompt is not fully computed yet."""
 
     request: GenerationRequest
-    prompt: list[int]  # truncated
+    prompt: list[int]  # what the KV cache holds: the soft prompt's placeholders, then the truncated ids
     computed: int = 0  # prompt tokens already computed
     prompt_logits: list[torch.Tensor] | None = None  # chunks' logits, kept for input-token details
+    virtual: torch.Tensor | None = None  # the soft prompt's embeddings [virtual_length, hidden]
+
+    @property
+    def virtual_length(self) -> int:
+        return 0 if self.virtual is None else int(self.virtual.shape[0])
+
+    @property
+    def ids(self) -> list[int]:
+        """The request's own (truncated) input ids, without the soft prompt."""
+        return self.prompt[self.virtual_length :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +63,14 @@ class Chunk:
     @property
     def tokens(self) -> list[int]:
         return self.item.prompt[self.start : self.end]
+
+    @property
+    def virtual(self) -> torch.Tensor | None:
+        """The soft-prompt embeddings of this chunk's first tokens (None: it has none)."""
+        item = self.item
+        if item.virtual is None or self.start >= item.virtual_length:
+            return None
+        return item.virtual[self.start : min(self.end, item.virtual_length)]
 
 
 class RaggedBatch(Batch):
@@ -80,14 +99,22 @@ class RaggedBatch(Batch):
 
     @classmethod
     def from_requests(
-        cls, batch_id: int, requests: Sequence[GenerationRequest], context: Any
+        cls,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        context: Any,
+        soft_prompts: Mapping[int, Any] | None = None,
     ) -> tuple[Self | None, list[RequestError]]:
+        """`soft_prompts` (prompts.SoftPrompt by request id): its virtual tokens are computed
+        first, as placeholders (id 0) whose embeddings the engine replaces."""
         limits, device = context
         assert isinstance(limits, RequestLimits)
-        valid, prompts, errors = split_valid(requests, limits)
+        found = soft_prompts or {}
+        valid, prompts, errors = split_valid(requests, limits, {i: p.length for i, p in found.items()})
         if not valid:
             return None, errors
-        prefilling = [Prefilling(r, p) for r, p in zip(valid, prompts, strict=True)]
+        rows, virtual = soft_prompt_rows(valid, prompts, found, "decoder", 0)
+        prefilling = [Prefilling(r, row, virtual=v) for r, row, v in zip(valid, rows, virtual, strict=True)]
         return cls(batch_id, [], None, prefilling, limits, device), errors
 
     def plan_prompts(self, token_budget: int) -> list[Chunk]:
@@ -111,7 +138,7 @@ class RaggedBatch(Batch):
             limits = self.limits
             joined = TokenChooser.create(
                 [p.request.params for p in done],
-                [p.prompt for p in done],
+                [p.ids for p in done],
                 limits.eos_token_id,
                 limits.vocab_size,
                 self.device,

@@ -53,9 +53,12 @@ from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import host_available_bytes
+from text_generation_server.prompts import store_for
 from text_generation_server.sampling.token_details import input_token_infos
 
 logger = logging.getLogger(__name__)
+
+Piece_ = tuple[SequenceKV, list[int], torch.Tensor | None]  # new tokens, soft-prompt embeddings
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gpt_neox", "gpt2", "gpt_bigcode", "granite", "qwen2")
 
@@ -97,6 +100,8 @@ class TgisNativeEngine(ModelEngine):
         self.kernel = cpu_kernels.use_kernel(config.cpu_attention, self.device)
         logger.info("decode attention: %s", "our CPU kernel" if self.kernel else "SDPA over gathered blocks")
         self.kv = self._allocate_cache(config)
+        max_length = self.context.max_sequence_length
+        self.prompts = store_for(config, self.model.get_input_embeddings(), self.device, False, max_length)
         # after the probe step above, which reads the loaded weights; sharded linears keep
         # transformers' tensor-parallel modules
         if self.device.type == "cpu" and config.world_size == 1:
@@ -124,7 +129,7 @@ class TgisNativeEngine(ModelEngine):
         """Measure the KV bytes per token with a one-token step, then size the pool."""
         probe = PagedKVCache(BlockPool(1, self.block_size), self.device, transposed_keys=self.kernel)
         sequence = SequenceKV(probe.pool)
-        self._forward([(sequence, [self.context.pad_token_id or 0])], probe, [0])
+        self._forward([(sequence, [self.context.pad_token_id or 0], None)], probe, [0])
         per_token = probe.bytes() // probe.slots
         num_blocks, why = self._num_blocks(config, per_token * self.block_size)
         agreed = distributed.agree_min(num_blocks, self.device)  # every rank runs the same tables
@@ -195,7 +200,9 @@ class TgisNativeEngine(ModelEngine):
     def new_batch(
         self, batch_id: int, requests: Sequence[GenerationRequest]
     ) -> tuple[RaggedBatch | None, list[RequestError]]:
-        batch, errors = RaggedBatch.from_requests(batch_id, requests, (self.context, self.device))
+        assert self.prompts is not None
+        found = self.prompts.for_requests(requests)
+        batch, errors = RaggedBatch.from_requests(batch_id, requests, (self.context, self.device), found)
         if batch is not None:
             for item in batch.prefilling:
                 keys = self._prefix_keys(item)
@@ -215,7 +222,8 @@ class TgisNativeEngine(ModelEngine):
         is off, or the request wants details of every prompt token (they need its logits)."""
         if not self.prefix_caching or item.request.details.input_tokens:
             return []
-        return prefix_keys(item.prompt[:-1], self.block_size)
+        salt = (item.request.adapter_id or item.request.prefix_id) if item.virtual is not None else ""
+        return prefix_keys(item.prompt[:-1], self.block_size, salt)
 
     def generate_token(
         self, batch: Batch, first: bool, token_budget: int = 0
@@ -228,15 +236,17 @@ class TgisNativeEngine(ModelEngine):
 
     def _step(self, batch: RaggedBatch, token_budget: int) -> tuple[StepOutput, RaggedBatch | None]:
         chunks = batch.plan_prompts(token_budget)
-        pieces = [(batch.states[r.id], [h[-1]]) for r, h in zip(batch.requests, batch.histories, strict=True)]
-        pieces += [(batch.states[c.item.request.id], c.tokens) for c in chunks]
+        pieces: list[Piece_] = [
+            (batch.states[r.id], [h[-1]], None) for r, h in zip(batch.requests, batch.histories, strict=True)
+        ]
+        pieces += [(batch.states[c.item.request.id], c.tokens, c.virtual) for c in chunks]
         ends: list[int] = []  # the packed index of each piece's last token
-        for _, tokens in pieces:
+        for _, tokens, _ in pieces:
             ends.append((ends[-1] if ends else -1) + len(tokens))
         details = [c for c in chunks if c.item.request.details.input_tokens]
         start = time.perf_counter_ns()
         logits = self._forward(pieces, self.kv, None if details else self._wanted(batch, chunks, ends))
-        for sequence, _ in pieces[len(batch.requests) :]:
+        for sequence, _, _ in pieces[len(batch.requests) :]:
             sequence.register_written()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -261,15 +271,17 @@ class TgisNativeEngine(ModelEngine):
         completed = [ends[decoding + i] for i, c in enumerate(chunks) if c.completes]
         return ends[:decoding] + completed
 
-    def _forward(
-        self, pieces: Sequence[tuple[SequenceKV, list[int]]], cache: PagedKVCache, keep: list[int] | None
-    ) -> torch.Tensor:
-        """Write and attend `pieces` (a sequence's new tokens each); logits [len(keep), vocab]
-        (every packed token when keep is None)."""
+    def _forward(self, pieces: Sequence[Piece_], cache: PagedKVCache, keep: list[int] | None) -> torch.Tensor:
+        """Write and attend `pieces` (a sequence's new tokens each, with the soft-prompt
+        embeddings of its first ones, if any); logits [len(keep), vocab] (every packed token
+        when keep is None)."""
         ids: list[int] = []
         positions: list[int] = []
         parts: list[Piece] = []
-        for sequence, tokens in pieces:
+        virtual: list[tuple[int, torch.Tensor]] = []  # (packed index, embeddings from there)
+        for sequence, tokens, embeddings in pieces:
+            if embeddings is not None:
+                virtual.append((len(ids), embeddings))
             begin = sequence.length
             sequence.reserve(len(tokens))
             ids += tokens
@@ -284,8 +296,15 @@ class TgisNativeEngine(ModelEngine):
         selected = keep is not None and self.context.accepts_logits_to_keep
         if selected:
             kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
+        packed = torch.tensor([ids], device=device)
+        if virtual:
+            embeds = self.model.get_input_embeddings()(packed)
+            for at, embeddings in virtual:
+                embeds[0, at : at + embeddings.shape[0]] = embeddings
+            kwargs["inputs_embeds"] = embeds
+        else:
+            kwargs["input_ids"] = packed
         out = self.model(
-            input_ids=torch.tensor([ids], device=device),
             position_ids=torch.tensor([positions], device=device),
             use_cache=False,
             tgis_step=layout,
@@ -303,10 +322,11 @@ class TgisNativeEngine(ModelEngine):
             if not chunk.item.request.details.input_tokens:
                 continue
             last = ends[decoding + i]
-            rows = logits[last - (chunk.end - chunk.start) + 1 : last + 1].float()
+            first = last - (chunk.end - chunk.start) + 1 + max(0, chunk.item.virtual_length - chunk.start)
+            rows = logits[first : last + 1].float()  # the request's own tokens, not its soft prompt
             chunk.item.prompt_logits = [*(chunk.item.prompt_logits or []), rows]
 
     @staticmethod
     def _input_tokens(item: Prefilling) -> InputTokens:
         logits = torch.cat(item.prompt_logits) if item.prompt_logits else None
-        return InputTokens(item.request.id, input_token_infos(logits, item.prompt, item.request.details))
+        return InputTokens(item.request.id, input_token_infos(logits, item.ids, item.request.details))
