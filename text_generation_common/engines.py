@@ -48,20 +48,27 @@ ENGINES: dict[str, EngineSpec] = {
         EngineSpec(
             "hf_transformers",
             "text_generation_server.engines.hf_transformers:HFTransformersEngine",
-            EngineCapabilities(tensor_parallel=True, capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True),
+            EngineCapabilities(
+                tensor_parallel=True, capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True, prompt_tuning=True
+            ),
             "any transformers causal or seq2seq LM, left-padded batches (CPU or CUDA)",
         ),
         EngineSpec(
             "hf_accelerate",
             "text_generation_server.engines.hf_transformers:HFAccelerateEngine",
-            EngineCapabilities(capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True),
+            EngineCapabilities(capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True, prompt_tuning=True),
             "hf_transformers with the layers spread over every visible GPU (one process, "
             "accelerate's device_map=auto) for models without a tensor-parallel plan",
         ),
         EngineSpec(
             "tgis_native",
             "text_generation_server.engines.tgis_native:TgisNativeEngine",
-            EngineCapabilities(tensor_parallel=True, capacity=CapacityKind.KV_BLOCKS, chunked_prefill=True),
+            EngineCapabilities(
+                tensor_parallel=True,
+                capacity=CapacityKind.KV_BLOCKS,
+                chunked_prefill=True,
+                prompt_tuning=True,
+            ),
             "decoder-only Llama, Mistral, GPT-NeoX, GPT-2, GPT-BigCode, Granite, Qwen2: ragged batches "
             "over a paged KV cache",
         ),

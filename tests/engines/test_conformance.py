@@ -87,6 +87,7 @@ def test_the_engine_reports_what_its_registry_entry_says(subject: Subject) -> No
     assert info.capacity is spec.capabilities.capacity
     assert info.chunked_prefill == spec.capabilities.chunked_prefill
     assert spec.capabilities.seq2seq or not info.seq2seq
+    assert (subject.engine.prompts is not None) == spec.capabilities.prompt_tuning
 
 
 def test_greedy_matches_the_oracle_alone_and_in_a_batch(subject: Subject) -> None:
