@@ -42,6 +42,11 @@ PEFT_KEY = "prompt_embeddings"
 SIZE_QUANTUM = 512
 
 
+def clipped(text: str, limit: int = 200) -> str:
+    """A client's string as log lines show it: at most `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class PromptError(ShardError):
     """A soft prompt that exists but cannot be used (INVALID_ARGUMENT, TGIS's message)."""
 
@@ -128,7 +133,7 @@ class PromptStore:
                 else:
                     found[request.id] = self.get(request.prefix_id)
             except ShardError as exc:
-                logger.warning("request %d: %s", request.id, exc)
+                logger.warning("request %d: %s", request.id, clipped(str(exc)))
         return found
 
     def get_adapter(self, adapter_id: str) -> SoftPrompt:
@@ -156,7 +161,7 @@ class PromptStore:
             while self._used + size > self.cache_bytes and self._cache:
                 evicted_id, evicted = self._cache.popitem(last=False)
                 self._used -= evicted.nbytes
-                logger.info("soft prompt %s evicted from the cache", evicted_id)
+                logger.info("soft prompt %s evicted from the cache", clipped(evicted_id))
             self._cache[prompt.prefix_id] = prompt
             self._used += size
 
@@ -167,13 +172,23 @@ class PromptStore:
             raise PromptError(f"Invalid prefix id {prefix_id}, must contain only alphanumeric, _ and - and /")
         if self.root is None:
             raise PrefixNotFoundError(prefix_id)
-        path = (self.root / prefix_id).resolve()
+        try:
+            path = (self.root / prefix_id).resolve()
+        except (OSError, ValueError):  # a name the file system cannot hold cannot be stored
+            raise PrefixNotFoundError(prefix_id) from None
         if not path.is_relative_to(self.root) or path == self.root:
             raise PromptError(f"Invalid prefix id {prefix_id}")
         return path
 
     def _load(self, prefix_id: str) -> SoftPrompt:
         path = self._directory(prefix_id)
+        try:
+            return self._load_from(prefix_id, path)
+        except OSError as exc:  # too long a name, no permission, ...: as good as missing
+            logger.warning("soft prompt %s: %s", clipped(prefix_id), exc.strerror or exc)
+            raise PrefixNotFoundError(prefix_id) from None
+
+    def _load_from(self, prefix_id: str, path: Path) -> SoftPrompt:
         peft = next((path / name for name in PEFT_FILES if (path / name).is_file()), None)
         if peft is not None:
             if self.spec.seq2seq:
@@ -194,7 +209,7 @@ class PromptStore:
                 "are not supported yet (encoder.pt is)"
             )
         prompt = SoftPrompt(prefix_id, tensors.get("decoder"), tensors.get("encoder"))
-        logger.info("soft prompt %s loaded: %d virtual tokens", prefix_id, prompt.length)
+        logger.info("soft prompt %s loaded: %d virtual tokens", clipped(prefix_id), prompt.length)
         return prompt
 
     @staticmethod
