@@ -34,6 +34,8 @@ CALL_FAILURES = ("oom", "connection", "error")
 STOP_REASONS = tuple(r.name for r in StopReason)
 REJECTIONS = ("conc_limit", "tenant_limit", "draining", "tokenizer_busy")
 PHASES = ("queued", "running")
+OPEN: tuple[str, ...] = ()  # a label whose values come from clients (adapter ids): see TwinCounter
+MAX_OPEN_VALUES = 64  # distinct values an open label exports; later ones count as "other"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,25 +112,33 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_kv_cache_blocks_cached", "gauge", "Prefix-cache blocks no live request holds, reclaimable (tgis_native)", "", False),
     _spec("tgi_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache (tgis_native)", "", False),
     _spec("tgi_prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache, their prefill skipped (tgis_native)", "", False),
+    _spec("tgi_adapter_request_count", "counter", "Requests that finished with an answer, per adapter (prefix_id or adapter_id); the first 64 ids, then \"other\"", "", False, adapter_id=OPEN),
+    _spec("tgi_adapter_generated_tokens", "counter", "Tokens generated for those requests, per adapter", "", False, adapter_id=OPEN),
 )  # fmt: skip
 
 
 class TwinCounter:
-    """A labelled counter exported as both `name` and `name_total` (same labels and values)."""
+    """A labelled counter exported as both `name` and `name_total` (same labels and values).
+    A counter with one OPEN label (values from clients) exports the first MAX_OPEN_VALUES
+    values it sees, each from its first event, and counts later ones as "other"."""
 
     def __init__(self, spec: MetricSpec) -> None:
         self.spec = spec
         self._labels = tuple(spec.labels)
-        self._values = dict.fromkeys(itertools.product(*spec.labels.values()), 0.0)
+        self._open = len(self._labels) == 1 and next(iter(spec.labels.values())) == OPEN
+        self._values = {} if self._open else dict.fromkeys(itertools.product(*spec.labels.values()), 0.0)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         key = tuple(labels.get(name, "") for name in self._labels)
+        if self._open and key not in self._values and len(labels) == 1:
+            key = key if len(self._values) < MAX_OPEN_VALUES else ("other",)
+            self._values.setdefault(key, 0.0)
         if key not in self._values or len(labels) != len(self._labels):
             raise ValueError(f"{self.spec.name}: labels {labels} are not in {dict(self.spec.labels)}")
         self._values[key] += amount
 
     def get(self, **labels: str) -> float:
-        return self._values[tuple(labels[name] for name in self._labels)]
+        return self._values.get(tuple(labels[name] for name in self._labels), 0.0)
 
     def expose(self) -> str:
         lines = []
@@ -136,9 +146,14 @@ class TwinCounter:
             lines.append(f"# HELP {name} {self.spec.description}")
             lines.append(f"# TYPE {name} counter")
             for key, value in self._values.items():
-                labels = ",".join(f'{n}="{v}"' for n, v in zip(self._labels, key, strict=True))
+                labels = ",".join(f'{n}="{_escaped(v)}"' for n, v in zip(self._labels, key, strict=True))
                 lines.append(f"{name}{{{labels}}} {value!r}" if labels else f"{name} {value!r}")
         return "\n".join(lines) + "\n"
+
+
+def _escaped(value: str) -> str:
+    """A label value in the text exposition format."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _linear(limit: int, count: int = 64) -> tuple[float, ...]:
@@ -244,7 +259,10 @@ def markdown_table() -> str:
     """The README's metrics table (tests/router/test_metrics.py keeps the README equal to it)."""
     rows = ["| metric | kind | labels | meaning | buckets |", "|---|---|---|---|---|"]
     for spec in METRICS:
-        labels = ", ".join(f"`{name}`={'/'.join(values)}" for name, values in spec.labels.items()) or "—"
+        labels = (
+            ", ".join(f"`{name}`={'/'.join(values) or 'the id'}" for name, values in spec.labels.items())
+            or "—"
+        )
         name = f"`{spec.name}`" + ("" if spec.tgis else " (ours)")
         rows.append(f"| {name} | {spec.kind} | {labels} | {spec.description} | {spec.buckets or '—'} |")
     return "\n".join(rows) + "\n"

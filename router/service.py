@@ -267,6 +267,10 @@ class GenerationService:
             inference_s = now - entry.started_at
             self.metrics.inc("tgi_request_success", stop_reason=output.stop_reason.name, kind=call.kind)
             self.metrics.observe("tgi_request_generated_tokens", generated)
+            adapter = request.adapter_id or request.prefix_id
+            if adapter:
+                self.metrics.inc("tgi_adapter_request_count", adapter_id=adapter)
+                self.metrics.inc("tgi_adapter_generated_tokens", generated, adapter_id=adapter)
             self.metrics.observe("tgi_request_total_tokens", request.input_length + generated)
             self.metrics.observe("tgi_request_duration", now - request.received_at)
             self.metrics.observe("tgi_request_inference_duration", inference_s)

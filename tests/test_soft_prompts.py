@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.adapter_helpers import engine_with_store, peft_generate
 from tests.engines.conformance import Runner, alone
 from text_generation_common.messages import GenerationRequest
-from text_generation_server.config import ServerConfig
-from text_generation_server.engines import get_engine_class
+from text_generation_server.adapters import AdapterSet
 from text_generation_server.errors import PrefixNotFoundError
+from text_generation_server.lora import AdapterError
 from text_generation_server.prompts import PromptError, PromptSpec, PromptStore
 
 PROMPT = (5, 17, 42, 99, 7, 300, 12)
@@ -41,25 +42,6 @@ def peft_prompt(base_dir: Path, out: Path, seed: int, virtual: int = VIRTUAL) ->
     return out
 
 
-def peft_generate(base_dir: Path, adapter: Path | None, ids: tuple[int, ...], max_new: int) -> list[int]:
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter).eval()
-    input_ids = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=model.config.eos_token_id,
-        )
-    return out[0, -max_new:].tolist() if adapter is not None else out[0, len(ids) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def store(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("prompts")
@@ -76,27 +58,13 @@ def store(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFact
     return root
 
 
-def engine(name: str, model_dir: Path, store: Path, **overrides):
-    config = ServerConfig(
-        model_name=str(model_dir),
-        deployment_framework=name,
-        max_batch_size=8,
-        max_sequence_length=256,
-        max_new_tokens=32,
-        dtype="float32",
-        prefix_store_path=str(store),
-        **overrides,
-    )
-    return get_engine_class(name)(config)
-
-
 ENGINES = ["hf_transformers", "tgis_native"]
 
 
 @pytest.mark.parametrize("name", ENGINES)
 def test_soft_prompts_equal_peft_alone_and_mixed(name: str, tiny_model, store: Path) -> None:
     base = tiny_model("llama")
-    e = engine(name, base, store)
+    e = engine_with_store(name, base, store)
     want = {
         "sentiment": peft_generate(base, store / "sentiment", PROMPT, 12),
         "nested/deeper/style": peft_generate(base, store / "nested" / "deeper" / "style", OTHER, 12),
@@ -121,7 +89,7 @@ def test_soft_prompts_equal_peft_alone_and_mixed(name: str, tiny_model, store: P
 
 @pytest.mark.parametrize("name", ENGINES)
 def test_a_missing_prompt_fails_its_request_alone(name: str, tiny_model, store: Path) -> None:
-    e = engine(name, tiny_model("llama"), store)
+    e = engine_with_store(name, tiny_model("llama"), store)
     runner = Runner(e)
     requests = [GenerationRequest(1, PROMPT, 4, prefix_id="nope"), GenerationRequest(2, PROMPT, 4)]
     out = runner.run({0: requests})
@@ -183,10 +151,16 @@ def test_overflow_after_the_cast_and_the_cache_bound(tmp_path: Path) -> None:
 def test_adapter_ids_resolve_by_their_peft_type(tmp_path: Path) -> None:
     (tmp_path / "lora").mkdir()
     (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
-    store = PromptStore(str(tmp_path), spec(), 2**20)
-    with pytest.raises(PromptError, match="adapter lora is a LORA adapter"):
-        store.get_adapter("lora")
+    (tmp_path / "ia3").mkdir()
+    (tmp_path / "ia3" / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
+    adapters = AdapterSet(PromptStore(str(tmp_path), spec(), 2**20), None)
+    with pytest.raises(
+        AdapterError, match="adapter lora is a LoRA adapter, which this engine does not apply"
+    ):
+        adapters.lookup(adapter_id="lora")
+    with pytest.raises(AdapterError, match="adapter ia3 is a IA3 adapter: PROMPT_TUNING and LORA are served"):
+        adapters.lookup(adapter_id="ia3")
     with pytest.raises(PrefixNotFoundError, match='adapter id "gone" not found'):
-        store.get_adapter("gone")
+        adapters.lookup(adapter_id="gone")
     with pytest.raises(PrefixNotFoundError):
         PromptStore(None, spec(), 2**20).get("any")  # no store configured

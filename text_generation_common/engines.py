@@ -49,14 +49,20 @@ ENGINES: dict[str, EngineSpec] = {
             "hf_transformers",
             "text_generation_server.engines.hf_transformers:HFTransformersEngine",
             EngineCapabilities(
-                tensor_parallel=True, capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True, prompt_tuning=True
+                tensor_parallel=True,
+                capacity=CapacityKind.PADDED_WEIGHTS,
+                seq2seq=True,
+                prompt_tuning=True,
+                lora=True,
             ),
             "any transformers causal or seq2seq LM, left-padded batches (CPU or CUDA)",
         ),
         EngineSpec(
             "hf_accelerate",
             "text_generation_server.engines.hf_transformers:HFAccelerateEngine",
-            EngineCapabilities(capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True, prompt_tuning=True),
+            EngineCapabilities(
+                capacity=CapacityKind.PADDED_WEIGHTS, seq2seq=True, prompt_tuning=True, lora=True
+            ),
             "hf_transformers with the layers spread over every visible GPU (one process, "
             "accelerate's device_map=auto) for models without a tensor-parallel plan",
         ),
@@ -68,6 +74,7 @@ ENGINES: dict[str, EngineSpec] = {
                 capacity=CapacityKind.KV_BLOCKS,
                 chunked_prefill=True,
                 prompt_tuning=True,
+                lora=True,
             ),
             "decoder-only Llama, Mistral, GPT-NeoX, GPT-2, GPT-BigCode, Granite, Qwen2: ragged batches "
             "over a paged KV cache",

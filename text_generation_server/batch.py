@@ -13,7 +13,7 @@ Engines define the concrete classes (e.g. left-padded rectangles with a KV cache
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Self
 
 from text_generation_common.messages import GenerationRequest, RequestError
@@ -29,13 +29,13 @@ class Batch(ABC):
         batch_id: int,
         requests: Sequence[GenerationRequest],
         context: Any,
-        soft_prompts: Mapping[int, Any] | None = None,
+        adapters: Any = None,
     ) -> tuple[Self | None, list[RequestError]]:
         """Build a batch of the valid requests; invalid ones come back as errors.
 
         Returns None for the batch when no request is valid. `context` is the engine's model
-        context (device, special token ids, limits); `soft_prompts` the soft prompts
-        (prompts.SoftPrompt) found for the requests that name one, by request id.
+        context (device, special token ids, limits); `adapters` (adapters.Resolved) the soft
+        prompts and LoRA adapters found for the requests that name one.
         """
 
     @classmethod

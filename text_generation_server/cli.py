@@ -135,6 +135,20 @@ def pin_to(cpu_list: str) -> None:
     "[env MAX_PROMPT_PREFIX_LENGTH].",
 )
 @click.option(
+    "--max-loras",
+    envvar="MAX_LORAS",
+    type=click.IntRange(min=1),
+    default=8,
+    help="LoRA adapters resident at once, least recently used evicted first [env MAX_LORAS].",
+)
+@click.option(
+    "--lora-cache-size-mb",
+    envvar="LORA_CACHE_SIZE_MB",
+    type=click.IntRange(min=1),
+    default=1024,
+    help="Memory for resident LoRA adapters [env LORA_CACHE_SIZE_MB].",
+)
+@click.option(
     "--master-addr",
     envvar="MASTER_ADDR",
     default="127.0.0.1",
@@ -255,6 +269,8 @@ def serve(
     prefix_store_path: str | None,
     prompt_cache_size_mb: int,
     max_prompt_prefix_length: int | None,
+    max_loras: int,
+    lora_cache_size_mb: int,
     master_addr: str,
     master_port: int,
     collective_timeout: float,
@@ -291,6 +307,8 @@ def serve(
             prefix_store_path=prefix_store_path,
             prompt_cache_size_mb=prompt_cache_size_mb,
             max_prompt_prefix_length=max_prompt_prefix_length,
+            max_loras=max_loras,
+            lora_cache_size_mb=lora_cache_size_mb,
             master_addr=master_addr,
             master_port=master_port,
             collective_timeout_s=collective_timeout,

@@ -51,6 +51,8 @@ class ServerConfig:
     prefix_store_path: str | None = None  # soft prompts (prefix_id / adapter_id); None = none stored
     prompt_cache_size_mb: int = 512  # loaded soft prompts kept (LRU by bytes)
     max_prompt_prefix_length: int | None = None  # most virtual tokens; None = half the sequence
+    max_loras: int = 8  # LoRA adapters resident at once (least recently used evicted)
+    lora_cache_size_mb: int = 1024  # memory for resident LoRA adapters
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN  # % of free memory held back
     cuda_process_memory_fraction: float = 1.0  # share of the GPU this process may use
@@ -84,6 +86,11 @@ class ServerConfig:
         if not 0.0 < self.cuda_process_memory_fraction <= 1.0:
             raise ValueError(
                 f"cuda_process_memory_fraction must be in (0, 1], got {self.cuda_process_memory_fraction}"
+            )
+        if self.max_loras < 1 or self.lora_cache_size_mb < 1:
+            raise ValueError(
+                f"max_loras and lora_cache_size_mb must be >= 1, got {self.max_loras} and "
+                f"{self.lora_cache_size_mb}"
             )
         if self.prompt_cache_size_mb < 1:
             raise ValueError(f"prompt_cache_size_mb must be >= 1, got {self.prompt_cache_size_mb}")

@@ -18,21 +18,16 @@ the worker thread keeps stepping; a step that finds its prompt evicted loads it 
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from text_generation_common.messages import GenerationRequest
 from text_generation_server.config import ServerConfig
 from text_generation_server.errors import PrefixNotFoundError, ShardError
+from text_generation_server.lru import LoadedCache
 
 logger = logging.getLogger(__name__)
 
@@ -85,87 +80,25 @@ class PromptStore:
         root: str | None,
         spec: PromptSpec,
         cache_bytes: int,
-        observe_load: Callable[[float], None] | None = None,
     ) -> None:
         self.root = Path(root).resolve() if root else None
         self.spec = spec
-        self.cache_bytes = cache_bytes
-        self._observe_load = observe_load
-        self._cache: OrderedDict[str, SoftPrompt] = OrderedDict()
-        self._used = 0
-        self._lock = threading.Lock()
-        self._loading: dict[str, threading.Lock] = {}  # one load per id at a time
+        self._cache: LoadedCache[SoftPrompt] = LoadedCache(
+            "soft prompt",
+            lambda prompt: prompt.nbytes,
+            cache_bytes,
+            lambda prefix_id: PromptError(f"Prefix ID object {prefix_id} exceeds the allowed cache size"),
+        )
 
     def get(self, prefix_id: str) -> SoftPrompt:
         """The soft prompt `prefix_id`, loaded on first use; PrefixNotFoundError or PromptError."""
-        with self._lock:
-            prompt = self._cache.get(prefix_id)
-            if prompt is not None:
-                self._cache.move_to_end(prefix_id)
-                return prompt
-            loading = self._loading.setdefault(prefix_id, threading.Lock())
-        with loading:  # a second caller waits for the first load instead of repeating it
-            try:
-                with self._lock:
-                    prompt = self._cache.get(prefix_id)
-                if prompt is not None:
-                    return prompt
-                start = time.perf_counter()
-                prompt = self._load(prefix_id)
-                if self._observe_load is not None:
-                    self._observe_load(time.perf_counter() - start)
-                self._insert(prompt)
-                return prompt
-            finally:
-                with self._lock:
-                    self._loading.pop(prefix_id, None)
-
-    def for_requests(self, requests: Sequence[GenerationRequest]) -> dict[int, SoftPrompt]:
-        """The soft prompt of every request that names one and whose prompt loads (by request
-        id); a request whose prompt fails is left out (it fails alone: engines/inputs.py)."""
-        found: dict[int, SoftPrompt] = {}
-        for request in requests:
-            if not (request.prefix_id or request.adapter_id):
-                continue
-            try:
-                if request.adapter_id:
-                    found[request.id] = self.get_adapter(request.adapter_id)
-                else:
-                    found[request.id] = self.get(request.prefix_id)
-            except ShardError as exc:
-                logger.warning("request %d: %s", request.id, clipped(str(exc)))
-        return found
-
-    def get_adapter(self, adapter_id: str) -> SoftPrompt:
-        """The adapter stored under `adapter_id`, by the type its adapter_config.json names
-        (vllm-tgis-adapter's `adapter_id`): a PEFT prompt-tuning adapter is a soft prompt."""
-        path = self._directory(adapter_id)
-        config = path / "adapter_config.json"
-        if not config.is_file():
-            raise PrefixNotFoundError(adapter_id, "adapter")
-        try:
-            kind = json.loads(config.read_text()).get("peft_type")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise PromptError(f"adapter {adapter_id} has an unreadable adapter_config.json: {exc}") from None
-        if kind != "PROMPT_TUNING":
-            raise PromptError(
-                f"adapter {adapter_id} is a {kind} adapter; this server serves PROMPT_TUNING adapters"
-            )
-        return self.get(adapter_id)
-
-    def _insert(self, prompt: SoftPrompt) -> None:
-        size = prompt.nbytes
-        if size > self.cache_bytes:
-            raise PromptError(f"Prefix ID object {prompt.prefix_id} exceeds the allowed cache size")
-        with self._lock:
-            while self._used + size > self.cache_bytes and self._cache:
-                evicted_id, evicted = self._cache.popitem(last=False)
-                self._used -= evicted.nbytes
-                logger.info("soft prompt %s evicted from the cache", clipped(evicted_id))
-            self._cache[prompt.prefix_id] = prompt
-            self._used += size
+        return self._cache.get(prefix_id, lambda: self._load(prefix_id))
 
     # ---- loading ---------------------------------------------------------------------------
+
+    def directory(self, prefix_id: str) -> Path:
+        """Where `prefix_id` is stored (TGIS's id rules: PromptError, or PrefixNotFoundError)."""
+        return self._directory(prefix_id)
 
     def _directory(self, prefix_id: str) -> Path:
         if not ID_PATTERN.fullmatch(prefix_id):

@@ -179,22 +179,18 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
     async def PrefixLookup(self, request: pb.PrefixLookupRequest, context: Any) -> pb.PrefixLookupResponse:
         """Load the soft prompt (or adapter) into the engine's cache and answer its length.
         Loads run on a thread of their own: the worker thread keeps stepping meanwhile."""
-        store = self.engine.prompts
-        if store is None:  # an engine that takes no soft prompts: every id is unknown
+        adapters = self.engine.adapters
+        if adapters is None:  # an engine that takes no adapters: every id is unknown
             if request.adapter_id:
                 await self._abort(context, PrefixNotFoundError(request.adapter_id, "adapter"))
             await self._abort(context, PrefixNotFoundError(request.prefix_id))
-        assert store is not None
-        load = (
-            functools.partial(store.get_adapter, request.adapter_id)
-            if request.adapter_id
-            else (functools.partial(store.get, request.prefix_id))
-        )
+        assert adapters is not None
+        load = functools.partial(adapters.lookup, request.prefix_id, request.adapter_id)
         try:
-            prompt = await asyncio.get_running_loop().run_in_executor(None, load)
+            length = await asyncio.get_running_loop().run_in_executor(None, load)
         except Exception as exc:  # every failure must become a status code
             await self._abort(context, exc)
-        return pb.PrefixLookupResponse(prefix_length=prompt.length)
+        return pb.PrefixLookupResponse(prefix_length=length)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from router.capacity import capacity_for
 from router.entry import Output
@@ -87,7 +88,10 @@ def test_the_engine_reports_what_its_registry_entry_says(subject: Subject) -> No
     assert info.capacity is spec.capabilities.capacity
     assert info.chunked_prefill == spec.capabilities.chunked_prefill
     assert spec.capabilities.seq2seq or not info.seq2seq
-    assert (subject.engine.prompts is not None) == spec.capabilities.prompt_tuning
+    adapters = subject.engine.adapters
+    assert (adapters is not None) == spec.capabilities.prompt_tuning
+    one_shard = not torch.distributed.is_initialized()  # sharded models take no LoRA yet
+    assert (adapters is not None and adapters.lora is not None) == (spec.capabilities.lora and one_shard)
 
 
 def test_greedy_matches_the_oracle_alone_and_in_a_batch(subject: Subject) -> None:

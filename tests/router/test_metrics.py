@@ -89,3 +89,15 @@ def test_readme_metrics_table_matches_the_code() -> None:
     assert match.group(1) == markdown_table(), (
         "README.md's metrics table is out of date: replace it with `python -m router.metrics`"
     )
+
+
+def test_open_labels_export_the_first_values_seen_then_other() -> None:
+    metrics = Metrics()
+    assert "tgi_adapter_request_count{" not in metrics.exposition().decode()
+    for i in range(70):
+        metrics.inc("tgi_adapter_request_count", adapter_id=f"a{i % 66}")
+    metrics.inc("tgi_adapter_request_count", adapter_id='odd"id')
+    text = metrics.exposition().decode()
+    assert 'tgi_adapter_request_count_total{adapter_id="a0"} 2.0' in text
+    assert 'tgi_adapter_request_count{adapter_id="other"} 3.0' in text  # a64, a65 and odd"id
+    assert text.count("tgi_adapter_request_count{") == 65

@@ -23,7 +23,7 @@ from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
 
 if TYPE_CHECKING:  # torch stays out of this module
-    from text_generation_server.prompts import PromptStore
+    from text_generation_server.adapters import AdapterSet
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class RequestLimits:
 
 class ModelEngine(ABC):
     info: ModelInfo  # reported to the router; its capacity kind matches the engine's registry entry
-    prompts: PromptStore | None = None  # tuned soft prompts, in engines that take embeddings
+    adapters: AdapterSet | None = None  # soft prompts and LoRA, in engines that take them
 
     @abstractmethod
     def __init__(self, config: ServerConfig) -> None:

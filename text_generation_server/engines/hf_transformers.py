@@ -8,6 +8,7 @@ Called only from the shard's worker thread (server.py).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -29,6 +30,7 @@ from text_generation_common.messages import (
 )
 from text_generation_common.model_config import context_length
 from text_generation_server import distributed
+from text_generation_server.adapters import adapters_for
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import sharded_bigcode
 from text_generation_server.engines.base import ModelEngine
@@ -39,8 +41,8 @@ from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
+from text_generation_server.lora import LoraWeights, groups_of
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
-from text_generation_server.prompts import store_for
 from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 from text_generation_server.utils.hub import resolve_model_dir
@@ -227,10 +229,8 @@ class HFTransformersEngine(ModelEngine):
             logger.info("attention: SDPA, with GQA decode steps on the packed-query kernel")
         self.batch_type: type[PaddedBatch] = Seq2SeqLMBatch if self.seq2seq else CausalLMBatch
         self.context = model_context(loaded, config)
-        embeddings = self.model.get_input_embeddings()
-        self.prompts = store_for(
-            config, embeddings, self.device, self.seq2seq, self.context.max_sequence_length
-        )
+        max_length = self.context.max_sequence_length
+        self.adapters = adapters_for(config, self.model, self.device, self.seq2seq, max_length)
         memory_model = estimate(
             config.estimate_memory,
             self._memory_facts(hf_config, config.cuda_process_memory_fraction),
@@ -294,9 +294,9 @@ class HFTransformersEngine(ModelEngine):
     def new_batch(
         self, batch_id: int, requests: Sequence[GenerationRequest]
     ) -> tuple[PaddedBatch | None, list[RequestError]]:
-        assert self.prompts is not None
+        assert self.adapters is not None
         return self.batch_type.from_requests(
-            batch_id, requests, self.context, self.prompts.for_requests(requests)
+            batch_id, requests, self.context, self.adapters.for_requests(requests)
         )
 
     def generate_token(
@@ -309,7 +309,8 @@ class HFTransformersEngine(ModelEngine):
     def _step(self, batch: PaddedBatch, first: bool) -> tuple[StepOutput, PaddedBatch | None]:
         want_input_logits = first and not self.seq2seq and batch.wants_input_logits
         start = time.perf_counter_ns()
-        logits = batch.forward(self.model, all_logits=want_input_logits)
+        with self._lora(batch.loras):
+            logits = batch.forward(self.model, all_logits=want_input_logits)
         last = logits[:, -1, :].to(torch.float32, copy=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -320,6 +321,13 @@ class HFTransformersEngine(ModelEngine):
             output.input_tokens = self._input_tokens(batch, logits if want_input_logits else None)
         batch.append_tokens(next_ids)
         return output, drop_failed(batch, output)
+
+    def _lora(self, loras: list[LoraWeights | None]) -> contextlib.AbstractContextManager[None]:
+        """The LoRA adapters of the batch's rows, applied to the forward pass inside."""
+        lora = self.adapters.lora if self.adapters is not None else None
+        if lora is None or not any(loras):
+            return contextlib.nullcontext()
+        return lora.applied(groups_of(loras, self.device, "rows"))
 
     def _input_tokens(self, batch: PaddedBatch, logits: torch.Tensor | None) -> list[InputTokens]:
         prompts = batch.prompts

@@ -7,9 +7,9 @@ Subclasses (padded_causal.py, padded_seq2seq.py) hold the model tensors and impl
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -17,7 +17,10 @@ from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.batch import Batch
 from text_generation_server.engines.base import RequestLimits
 from text_generation_server.engines.inputs import split_valid
-from text_generation_server.prompts import SoftPrompt
+from text_generation_server.lora import LoraWeights
+
+if TYPE_CHECKING:
+    from text_generation_server.adapters import Resolved
 from text_generation_server.sampling.chooser import TokenChooser
 
 
@@ -47,13 +50,13 @@ def left_pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
 def soft_prompt_rows(
     requests: Sequence[GenerationRequest],
     prompts: Sequence[list[int]],
-    soft_prompts: Mapping[int, SoftPrompt] | None,
+    adapters: Resolved | None,
     part: str,
     placeholder: int,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """Each request's ids behind one placeholder per virtual token of its soft prompt's `part`
     ("decoder" or "encoder"), and those embeddings (None for a request without)."""
-    found = soft_prompts or {}
+    found = adapters.prompts if adapters else {}
     virtual: list[torch.Tensor | None] = [
         getattr(found[r.id], part) if r.id in found else None for r in requests
     ]
@@ -97,6 +100,7 @@ class PaddedBatch(Batch):
         self.chooser = chooser
         self.context = context
         self.prompts = prompts  # truncated prompt ids, until the prefill step only
+        self.loras: list[LoraWeights | None] = [None] * len(requests)  # each row's LoRA adapter
 
     @property
     def request_ids(self) -> list[int]:
@@ -107,13 +111,11 @@ class PaddedBatch(Batch):
 
     @staticmethod
     def validate(
-        requests: Sequence[GenerationRequest],
-        context: ModelContext,
-        prompts: Mapping[int, SoftPrompt] | None = None,
+        requests: Sequence[GenerationRequest], context: ModelContext, adapters: Resolved | None = None
     ) -> tuple[list[GenerationRequest], list[list[int]], list[RequestError]]:
-        """Split requests into (valid, their truncated ids, errors of the others); `prompts`:
-        the soft prompts found for requests that name one, by request id."""
-        return split_valid(requests, context, {i: p.length for i, p in (prompts or {}).items()})
+        """Split requests into (valid, their truncated ids, errors of the others); `adapters`:
+        the adapters found for requests that name one."""
+        return split_valid(requests, context, adapters.prefix_lengths() if adapters else None)
 
     def remaining(self, rows: Sequence[int] | None = None) -> int:
         """The most tokens any of `rows` (default: all) may still generate."""
@@ -132,7 +134,20 @@ class PaddedBatch(Batch):
             return None
         if len(rows) == len(self.requests):
             return self
-        return self._select(rows)
+        selected = self._select(rows)
+        selected.loras = [self.loras[i] for i in rows]
+        return selected
+
+    @classmethod
+    def concatenate(cls, batches: Sequence[Self]) -> Self:
+        merged = cls._concatenate(batches)
+        merged.loras = [w for b in batches for w in b.loras]
+        return merged
+
+    @classmethod
+    @abstractmethod
+    def _concatenate(cls, batches: Sequence[Self]) -> Self:
+        """The batches stacked in order (rows follow each other)."""
 
     @abstractmethod
     def forward(self, model: Any, all_logits: bool) -> torch.Tensor:

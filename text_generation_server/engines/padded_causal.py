@@ -15,8 +15,8 @@ Callers: HFTransformersEngine (engines/hf_transformers.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -31,8 +31,10 @@ from text_generation_server.engines.padded import (
     soft_prompt_rows,
     with_soft_prompts,
 )
-from text_generation_server.prompts import SoftPrompt
 from text_generation_server.sampling.chooser import TokenChooser
+
+if TYPE_CHECKING:
+    from text_generation_server.adapters import Resolved
 
 
 class CausalLMBatch(PaddedBatch):
@@ -63,15 +65,15 @@ class CausalLMBatch(PaddedBatch):
         batch_id: int,
         requests: Sequence[GenerationRequest],
         context: ModelContext,
-        soft_prompts: Mapping[int, SoftPrompt] | None = None,
+        adapters: Resolved | None = None,
     ) -> tuple[Self | None, list[RequestError]]:
         """`soft_prompts`: the soft prompt of each request that names one (by request id); its
         virtual tokens go in front of the prompt (placeholder ids whose embeddings the prefill
         replaces), counted in positions and the attention mask as PEFT's prompt tuning does."""
-        valid, prompts, errors = cls.validate(requests, context, soft_prompts)
+        valid, prompts, errors = cls.validate(requests, context, adapters)
         if not valid:
             return None, errors
-        rows, virtual = soft_prompt_rows(valid, prompts, soft_prompts, "decoder", context.pad_token_id)
+        rows, virtual = soft_prompt_rows(valid, prompts, adapters, "decoder", context.pad_token_id)
         input_ids, attention_mask = left_pad_rows(rows, context.pad_token_id)
         # Positions count real tokens only (padding gets 0), as transformers' generate does.
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 0)
@@ -92,6 +94,8 @@ class CausalLMBatch(PaddedBatch):
         )
         if any(v is not None for v in virtual):
             batch.virtual = virtual
+        if adapters is not None and adapters.loras:
+            batch.loras = [adapters.loras.get(r.id) for r in valid]
         return batch, errors
 
     def forward(self, model: Any, all_logits: bool) -> torch.Tensor:
@@ -147,7 +151,7 @@ class CausalLMBatch(PaddedBatch):
         )
 
     @classmethod
-    def concatenate(cls, batches: Sequence[Self]) -> Self:
+    def _concatenate(cls, batches: Sequence[Self]) -> Self:
         first = batches[0]
         width = max(b.attention_mask.shape[1] for b in batches)
         return cls(

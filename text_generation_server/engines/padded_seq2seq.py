@@ -14,8 +14,8 @@ Callers: HFTransformersEngine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from transformers.modeling_outputs import BaseModelOutput
@@ -31,8 +31,10 @@ from text_generation_server.engines.padded import (
     soft_prompt_rows,
     with_soft_prompts,
 )
-from text_generation_server.prompts import SoftPrompt
 from text_generation_server.sampling.chooser import TokenChooser
+
+if TYPE_CHECKING:
+    from text_generation_server.adapters import Resolved
 
 
 class Seq2SeqLMBatch(PaddedBatch):
@@ -69,19 +71,17 @@ class Seq2SeqLMBatch(PaddedBatch):
         batch_id: int,
         requests: Sequence[GenerationRequest],
         context: ModelContext,
-        soft_prompts: Mapping[int, SoftPrompt] | None = None,
+        adapters: Resolved | None = None,
     ) -> tuple[Self | None, list[RequestError]]:
         """`soft_prompts`: a request's encoder soft prompt goes in front of its encoder input
         (placeholder ids whose embeddings the prefill replaces)."""
-        valid, prompts, errors = cls.validate(requests, context, soft_prompts)
+        valid, prompts, errors = cls.validate(requests, context, adapters)
         if not valid:
             return None, errors
         start = context.decoder_start_token_id
         assert start is not None, "encoder-decoder models need a decoder start token"
         device = context.device
-        encoder_rows, virtual = soft_prompt_rows(
-            valid, prompts, soft_prompts, "encoder", context.pad_token_id
-        )
+        encoder_rows, virtual = soft_prompt_rows(valid, prompts, adapters, "encoder", context.pad_token_id)
         encoder_ids, encoder_mask = left_pad_rows(encoder_rows, context.pad_token_id)
         rows = len(valid)
         # Repetition penalty looks at decoder ids (start token + generated), as transformers does.
@@ -103,6 +103,8 @@ class Seq2SeqLMBatch(PaddedBatch):
         )
         if any(v is not None for v in virtual):
             batch.virtual = virtual
+        if adapters is not None and adapters.loras:
+            batch.loras = [adapters.loras.get(r.id) for r in valid]
         return batch, errors
 
     def forward(self, model: Any, all_logits: bool) -> torch.Tensor:
@@ -172,7 +174,7 @@ class Seq2SeqLMBatch(PaddedBatch):
         )
 
     @classmethod
-    def concatenate(cls, batches: Sequence[Self]) -> Self:
+    def _concatenate(cls, batches: Sequence[Self]) -> Self:
         first = batches[0]
         enc_width = max(b.encoder_mask.shape[1] for b in batches)
         dec_width = max(b.decoder_mask.shape[1] for b in batches)

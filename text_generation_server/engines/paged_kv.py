@@ -23,6 +23,7 @@ import weakref
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -137,6 +138,7 @@ class SequenceKV:
         self.length = len(self.blocks) * pool.block_size
         self.registered = len(self.blocks)
         self.max_blocks = -(-max_tokens // pool.block_size)
+        self.lora: Any = None  # the request's LoRA adapter (lora.LoraWeights), if it has one
         weakref.finalize(self, pool.release, self.blocks)
 
     @property

@@ -14,9 +14,9 @@ concatenate. Used by the paged `tgis_native` engine and the fake test engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -26,6 +26,9 @@ from text_generation_server.engines.base import RequestLimits
 from text_generation_server.engines.inputs import split_valid
 from text_generation_server.engines.padded import soft_prompt_rows
 from text_generation_server.sampling.chooser import TokenChooser
+
+if TYPE_CHECKING:
+    from text_generation_server.adapters import Resolved
 
 
 @dataclass(eq=False, slots=True)
@@ -103,17 +106,18 @@ class RaggedBatch(Batch):
         batch_id: int,
         requests: Sequence[GenerationRequest],
         context: Any,
-        soft_prompts: Mapping[int, Any] | None = None,
+        adapters: Resolved | None = None,
     ) -> tuple[Self | None, list[RequestError]]:
-        """`soft_prompts` (prompts.SoftPrompt by request id): its virtual tokens are computed
-        first, as placeholders (id 0) whose embeddings the engine replaces."""
+        """`adapters`: a soft prompt's virtual tokens are computed first, as placeholders (id 0)
+        whose embeddings the engine replaces; LoRA adapters are the engine's business."""
         limits, device = context
         assert isinstance(limits, RequestLimits)
-        found = soft_prompts or {}
-        valid, prompts, errors = split_valid(requests, limits, {i: p.length for i, p in found.items()})
+        valid, prompts, errors = split_valid(
+            requests, limits, adapters.prefix_lengths() if adapters else None
+        )
         if not valid:
             return None, errors
-        rows, virtual = soft_prompt_rows(valid, prompts, found, "decoder", 0)
+        rows, virtual = soft_prompt_rows(valid, prompts, adapters, "decoder", 0)
         prefilling = [Prefilling(r, row, virtual=v) for r, row, v in zip(valid, rows, virtual, strict=True)]
         return cls(batch_id, [], None, prefilling, limits, device), errors
 

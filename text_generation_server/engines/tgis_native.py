@@ -23,6 +23,7 @@ one line naming the engine that serves them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -42,6 +43,7 @@ from text_generation_common.messages import (
     StepOutput,
 )
 from text_generation_server import distributed
+from text_generation_server.adapters import adapters_for
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import cpu_kernels, paged_attention
@@ -52,8 +54,8 @@ from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, Seq
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
+from text_generation_server.lora import groups_of
 from text_generation_server.memory import host_available_bytes
-from text_generation_server.prompts import store_for
 from text_generation_server.sampling.token_details import input_token_infos
 
 logger = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ class TgisNativeEngine(ModelEngine):
         logger.info("decode attention: %s", "our CPU kernel" if self.kernel else "SDPA over gathered blocks")
         self.kv = self._allocate_cache(config)
         max_length = self.context.max_sequence_length
-        self.prompts = store_for(config, self.model.get_input_embeddings(), self.device, False, max_length)
+        self.adapters = adapters_for(config, self.model, self.device, False, max_length)
         # after the probe step above, which reads the loaded weights; sharded linears keep
         # transformers' tensor-parallel modules
         if self.device.type == "cpu" and config.world_size == 1:
@@ -200,14 +202,15 @@ class TgisNativeEngine(ModelEngine):
     def new_batch(
         self, batch_id: int, requests: Sequence[GenerationRequest]
     ) -> tuple[RaggedBatch | None, list[RequestError]]:
-        assert self.prompts is not None
-        found = self.prompts.for_requests(requests)
+        assert self.adapters is not None
+        found = self.adapters.for_requests(requests)
         batch, errors = RaggedBatch.from_requests(batch_id, requests, (self.context, self.device), found)
         if batch is not None:
             for item in batch.prefilling:
                 keys = self._prefix_keys(item)
                 max_tokens = len(item.prompt) + item.request.max_new_tokens
                 sequence = SequenceKV(self.kv.pool, keys, max_tokens)
+                sequence.lora = found.loras.get(item.request.id)
                 item.computed = sequence.length  # prefix-cache hit: those blocks are not prefilled
                 batch.states[item.request.id] = sequence
                 self.live.add(sequence)
@@ -222,7 +225,8 @@ class TgisNativeEngine(ModelEngine):
         is off, or the request wants details of every prompt token (they need its logits)."""
         if not self.prefix_caching or item.request.details.input_tokens:
             return []
-        salt = (item.request.adapter_id or item.request.prefix_id) if item.virtual is not None else ""
+        # K/V behind a soft prompt or through a LoRA adapter are the adapter's: keyed by its id
+        salt = item.request.adapter_id or item.request.prefix_id
         return prefix_keys(item.prompt[:-1], self.block_size, salt)
 
     def generate_token(
@@ -296,6 +300,13 @@ class TgisNativeEngine(ModelEngine):
         selected = keep is not None and self.context.accepts_logits_to_keep
         if selected:
             kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
+        token_loras = [s.lora for s, tokens, _ in pieces for _ in tokens]
+        lora = self.adapters.lora if self.adapters is not None else None
+        applied = (
+            lora.applied(groups_of(token_loras, device, "tokens"))
+            if lora is not None and any(token_loras)
+            else contextlib.nullcontext()
+        )
         packed = torch.tensor([ids], device=device)
         if virtual:
             embeds = self.model.get_input_embeddings()(packed)
@@ -304,12 +315,13 @@ class TgisNativeEngine(ModelEngine):
             kwargs["inputs_embeds"] = embeds
         else:
             kwargs["input_ids"] = packed
-        out = self.model(
-            position_ids=torch.tensor([positions], device=device),
-            use_cache=False,
-            tgis_step=layout,
-            **kwargs,
-        )
+        with applied:
+            out = self.model(
+                position_ids=torch.tensor([positions], device=device),
+                use_cache=False,
+                tgis_step=layout,
+                **kwargs,
+            )
         logits = out.logits[0]
         return logits[keep] if keep is not None and not selected else logits
 

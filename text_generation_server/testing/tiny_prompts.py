@@ -1,4 +1,4 @@
-"""A soft-prompt store for a tiny model (integration tests and the demo): TGIS's formats with
+"""An adapter store for a tiny model (integration tests and the demo): TGIS's formats with
 seeded random tensors, including the broken ones the tests expect errors for.
 
     sentiment/            PEFT prompt tuning: adapter_config.json + adapter_model.safetensors
@@ -7,6 +7,7 @@ seeded random tensors, including the broken ones the tests expect errors for.
     wide/                 one column more than the model's hidden size
     not-finite/           a NaN
     too-long/             `too_long` virtual tokens (more than the server allows)
+    lora/                 a PEFT LoRA adapter (rank 4, every attention and MLP projection)
 
     python -m text_generation_server.testing.tiny_prompts MODEL_DIR OUT [--too-long N]
 """
@@ -56,6 +57,47 @@ def build_prompt_store(model_dir: Path, out: Path, too_long: int = 101) -> Path:
     broken[1, 0] = float("nan")
     write("not-finite", broken)
     write("too-long", tensor(too_long, 5))
+    build_lora(model_dir, out / "lora", seed=6)
+    return out
+
+
+LORA_TARGETS = {  # the projections of each family's attention and MLP
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "t5": ["q", "k", "v", "o", "wi", "wo"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "gpt_bigcode": ["c_attn", "c_proj", "c_fc"],
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "bloom": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+}
+
+
+def build_lora(
+    model_dir: Path, out: Path, seed: int, rank: int = 4, targets: list[str] | None = None
+) -> Path:
+    """A PEFT LoRA adapter of the model in `model_dir` with seeded non-zero A and B (PEFT
+    starts B at zero, which would make the adapter a no-op), saved the way PEFT saves it."""
+    import peft
+    import torch
+    import transformers
+
+    config = json.loads((model_dir / "config.json").read_text())
+    seq2seq = bool(config.get("is_encoder_decoder"))
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32)
+    family = config.get("model_type", "llama")
+    lora = peft.LoraConfig(
+        task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM",
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=targets or LORA_TARGETS.get(family, LORA_TARGETS["llama"]),
+    )
+    tuned = peft.get_peft_model(model, lora)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    tuned.save_pretrained(str(out))
     return out
 
 

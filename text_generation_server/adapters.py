@@ -1,0 +1,113 @@
+"""What a request's `prefix_id` / `adapter_id` names, for the engines that take adapters.
+
+`prefix_id` is TGIS's soft prompt (prompts.py). `adapter_id` resolves by the type the stored
+adapter's adapter_config.json names, as vllm-tgis-adapter's clients expect: PROMPT_TUNING is a
+soft prompt, LORA a LoRA adapter (lora.py). Both live in the one store, PREFIX_STORE_PATH/<id>/.
+The router's PrefixLookup loads an adapter before its first request runs (`lookup`, any
+thread); a step resolves its new requests again from the caches (`for_requests`, the worker
+thread), reloading what was evicted meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from text_generation_common.messages import GenerationRequest
+from text_generation_server.config import ServerConfig
+from text_generation_server.errors import PrefixNotFoundError, ShardError
+from text_generation_server.lora import AdapterError, Adapters, LoraWeights
+from text_generation_server.prompts import PromptStore, SoftPrompt, clipped, store_for
+
+logger = logging.getLogger(__name__)
+
+PROMPT_TUNING, LORA = "PROMPT_TUNING", "LORA"
+
+
+@dataclass(slots=True)
+class Resolved:
+    """The adapters of a batch's requests, by request id (requests whose adapter failed to
+    load are in neither: they fail alone, engines/inputs.py)."""
+
+    prompts: dict[int, SoftPrompt] = field(default_factory=dict)
+    loras: dict[int, LoraWeights] = field(default_factory=dict)
+
+    def prefix_lengths(self) -> dict[int, int]:
+        """Virtual tokens of every request whose adapter was found (0 for LoRA)."""
+        return {**{i: 0 for i in self.loras}, **{i: p.length for i, p in self.prompts.items()}}
+
+
+class AdapterSet:
+    def __init__(self, prompts: PromptStore, lora: Adapters | None) -> None:
+        self.prompts = prompts
+        self.lora = lora  # None: the engine cannot apply LoRA here (see its reason)
+
+    def kind(self, adapter_id: str) -> str:
+        """PROMPT_TUNING or LORA, from the stored adapter_config.json."""
+        path = self.prompts.directory(adapter_id)
+        try:
+            config = json.loads((path / "adapter_config.json").read_text())
+            kind = config.get("peft_type") if isinstance(config, dict) else None
+        except FileNotFoundError:
+            raise PrefixNotFoundError(adapter_id, "adapter") from None
+        except (OSError, ValueError) as exc:
+            raise AdapterError(f"adapter {adapter_id} has an unreadable adapter_config.json: {exc}") from None
+        if kind not in (PROMPT_TUNING, LORA):
+            raise AdapterError(f"adapter {adapter_id} is a {kind} adapter: PROMPT_TUNING and LORA are served")
+        return str(kind)
+
+    def get(self, prefix_id: str = "", adapter_id: str = "") -> SoftPrompt | LoraWeights:
+        if not adapter_id:
+            return self.prompts.get(prefix_id)
+        if self.kind(adapter_id) == PROMPT_TUNING:
+            return self.prompts.get(adapter_id)
+        if self.lora is None:
+            raise AdapterError(f"adapter {adapter_id} is a LoRA adapter, which this engine does not apply")
+        return self.lora.get(adapter_id, self.prompts.directory(adapter_id))
+
+    def lookup(self, prefix_id: str = "", adapter_id: str = "") -> int:
+        """Load the adapter; its virtual tokens (0 for LoRA)."""
+        found = self.get(prefix_id, adapter_id)
+        return found.length if isinstance(found, SoftPrompt) else 0
+
+    def for_requests(self, requests: Sequence[GenerationRequest]) -> Resolved:
+        resolved = Resolved()
+        for request in requests:
+            if not (request.prefix_id or request.adapter_id):
+                continue
+            try:
+                found = self.get(request.prefix_id, request.adapter_id)
+            except ShardError as exc:
+                logger.warning("request %d: %s", request.id, clipped(str(exc)))
+                continue
+            if isinstance(found, SoftPrompt):
+                resolved.prompts[request.id] = found
+            else:
+                resolved.loras[request.id] = found
+        if resolved.loras and self.lora is not None:
+            self.lora.install(list(resolved.loras.values()))
+        return resolved
+
+
+def adapters_for(
+    config: ServerConfig, model: Any, device: torch.device, seq2seq: bool, max_sequence_length: int
+) -> AdapterSet:
+    """The adapters of an engine's `model`: soft prompts always, LoRA on one shard (a sharded
+    model's linears hold slices: LoRA there is not implemented)."""
+    prompts = store_for(config, model.get_input_embeddings(), device, seq2seq, max_sequence_length)
+    lora = None
+    if config.world_size == 1:
+        weight = model.get_input_embeddings().weight
+        lora = Adapters(
+            model,
+            config.max_loras,
+            config.lora_cache_size_mb * 2**20,
+            weight.dtype,
+            device,
+        )
+    return AdapterSet(prompts, lora)
