@@ -232,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
         "compare chunked prefill with whole prompts); default: the router's",
     )
     g.add_argument(
+        "--adapters",
+        type=_budgets,
+        default=(),
+        metavar="COUNT[,COUNT...]",
+        help="LoRA adapters (rank 8, every projection) in our server's store, one server per count; "
+        "requests name them in turn (0 = the base model; e.g. 0,4 for the 4-adapter mixed workload "
+        "against the base model)",
+    )
+    g.add_argument(
         "--max-batch-size",
         type=int,
         default=None,
@@ -338,7 +347,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         long_output_len=args.long_output_len,
         long_interval_s=args.long_interval,
     )
-    variants = plan_variants(args.engine, args.prefix_cache, args.prefill_budget)
+    variants = plan_variants(args.engine, args.prefix_cache, args.prefill_budget, args.adapters)
     if args.grpc_address and len(variants) > 1:
         raise ValueError(
             "--grpc-address measures one running server: give one engine, prefix-cache "
@@ -378,6 +387,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         engines=args.engine,
         prefix_cache=args.prefix_cache,
         prefill_budgets=args.prefill_budget,
+        adapters=args.adapters,
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import grpc
@@ -57,15 +58,23 @@ def _finished(result: RequestResult) -> RequestResult:
 class GrpcClient:
     name = "grpc"
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, adapter_ids: Sequence[str] = ()) -> None:
+        """`adapter_ids`: requests name them in turn (none: the base model)."""
         self.address = address
         self.timeout_s = timeout_s
+        self.adapter_ids = list(adapter_ids)
+        self._sent = 0
         options = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 64 << 20)]
         self.channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     def request(self, prompt: Prompt) -> pb.SingleGenerationRequest:
+        adapter = {}
+        if self.adapter_ids:
+            adapter = {"adapter_id": self.adapter_ids[self._sent % len(self.adapter_ids)]}
+            self._sent += 1
         return pb.SingleGenerationRequest(
+            **adapter,
             request=pb.GenerationRequest(text=prompt.text),
             params=pb.Parameters(
                 method=pb.GREEDY,

@@ -34,7 +34,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ from benchmarks.stats import (
     server_breakdown,
     summarize,
 )
-from benchmarks.variants import ServerVariant, baseline_key, plan_variants
+from benchmarks.variants import ServerVariant, adapter_id, baseline_key, plan_variants
 from benchmarks.workload import LONG_MIX, Prompt, PromptMaker, WorkloadSpec, build_long_mix, build_workload
 from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
 from text_generation_common.model_config import context_length
@@ -102,6 +102,7 @@ class BenchConfig:
     engines: tuple[str, ...] = (DEFAULT_DEPLOYMENT_FRAMEWORK,)  # our server once per engine
     prefix_cache: str = "default"  # default | on | off | both (variants.plan_variants)
     prefill_budgets: tuple[int, ...] = ()  # --max-batch-prefill-tokens per variant; () = default
+    adapters: tuple[int, ...] = ()  # LoRA adapters per variant, named by requests in turn; () = none
     vllm_dtype: str | None = None  # None: the dtype our server resolved
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -425,7 +426,7 @@ class Run:
         model_dir = fit_context(cfg.model_dir or ensure_reference_model(DEFAULT_DIR), cfg)
         maker = PromptMaker(model_dir)
         plans = plan_points(cfg, maker)
-        variants = plan_variants(cfg.engines, cfg.prefix_cache, cfg.prefill_budgets)
+        variants = plan_variants(cfg.engines, cfg.prefix_cache, cfg.prefill_budgets, cfg.adapters)
         mix = cfg.workload.kind == LONG_MIX
         meta = self.results["metadata"]
         meta.update(
@@ -517,13 +518,14 @@ class Run:
             # A fresh server per door, as vLLM-CPU gets: the prompts repeat across systems, and a
             # warm prefix cache would flatter the second door.
             name = f"ours-{suffix}" if suffix else "ours"
+            store = self._adapter_store(model_dir, variant.adapters)
             server: OurServer = our_server(
                 model_dir,
                 self.out,
                 dtype=cfg.dtype,
                 max_batch_size=cfg.max_batch_size or largest,
                 extra_args=(*variant.launcher_args(), *cfg.server_args),
-                env={**variant.env(), **cfg.server_env},
+                env={**variant.env(), **store, **cfg.server_env},
                 cpus=self.server_cpus,
                 name=name if door == "ours" else name.replace("ours", OURS_OPENAI, 1),
             )
@@ -534,16 +536,36 @@ class Run:
                     self.results["metadata"]["dtype"] = resolved
                 entry["info"].update(server.info, dtype=resolved, managed=True)
                 if door == "ours":
-                    points = self._drive_grpc(server.grpc_address, plans, server.metrics_url, variant.key)
+                    points = self._drive_grpc(
+                        server.grpc_address, plans, server.metrics_url, variant.key, variant.adapter_ids
+                    )
                 else:
                     points = self._drive_openai(OURS_OPENAI, server.openai_url, None, plans)
                 entry["points"] = asyncio.run(points)
             self.save()
 
+    def _adapter_store(self, model_dir: Path, count: int) -> dict[str, str]:
+        """The environment of a server whose store holds `count` LoRA adapters of the model
+        (rank 8 on every projection, built once per run), or {} for none."""
+        if not count:
+            return {}
+        from text_generation_server.testing.tiny_prompts import build_lora
+
+        root = self.out / "adapters"
+        for index in range(count):
+            if not (root / adapter_id(index) / "adapter_config.json").exists():
+                build_lora(model_dir, root / adapter_id(index), seed=100 + index, rank=8)
+        return {"PREFIX_STORE_PATH": str(root)}
+
     async def _drive_grpc(
-        self, address: str, plans: list[PointPlan], metrics_url: str | None, system: str = "ours"
+        self,
+        address: str,
+        plans: list[PointPlan],
+        metrics_url: str | None,
+        system: str = "ours",
+        adapter_ids: Sequence[str] = (),
     ) -> list[dict[str, Any]]:
-        client = GrpcClient(address, self.cfg.request_timeout_s)
+        client = GrpcClient(address, self.cfg.request_timeout_s, adapter_ids)
         try:
             return await measure(client, plans, system, self.cfg, metrics_url)
         finally:

@@ -30,12 +30,18 @@ OURS = "ours"
 
 @dataclass(frozen=True, slots=True)
 class ServerVariant:
-    """One configuration of our server: engine, prefix caching, prefill token budget."""
+    """One configuration of our server: engine, prefix caching, prefill token budget, LoRA
+    adapters the requests name (round robin)."""
 
     key: str  # "ours", or "ours[...]" naming what varies in this run
     engine: str
     prefix_cache: bool | None = None  # None: the server's default (on)
     prefill_budget: int | None = None  # --max-batch-prefill-tokens; None: the router's default
+    adapters: int = 0  # LoRA adapters in the server's store; requests name them in turn
+
+    @property
+    def adapter_ids(self) -> list[str]:
+        return [adapter_id(i) for i in range(self.adapters)]
 
     def launcher_args(self) -> tuple[str, ...]:
         """Arguments the launcher gets for this variant (before the user's --server-arg)."""
@@ -56,7 +62,12 @@ class ServerVariant:
             "engine": self.engine,
             "prefix_cache": "default" if self.prefix_cache is None else self.prefix_cache,
             "prefill_budget": "default" if self.prefill_budget is None else self.prefill_budget,
+            "adapters": self.adapters,
         }
+
+
+def adapter_id(index: int) -> str:
+    return f"lora-{index}"
 
 
 def parse_engines(text: str) -> tuple[str, ...]:
@@ -90,9 +101,11 @@ def plan_variants(
     engines: Sequence[str] = (DEFAULT_DEPLOYMENT_FRAMEWORK,),
     prefix_cache: str = "default",
     budgets: Sequence[int] = (),
+    adapters: Sequence[int] = (),
 ) -> list[ServerVariant]:
-    """Every combination of engine x prefix caching x budget, in that order. Prefix-cache
-    settings apply to engines that cache prefixes; the others run once with their default."""
+    """Every combination of engine x prefix caching x budget x adapter count, in that order.
+    Prefix-cache settings apply to engines that cache prefixes; the others run once with their
+    default."""
     if prefix_cache not in PREFIX_CACHE_MODES:
         raise ValueError(f"prefix cache mode must be one of {', '.join(PREFIX_CACHE_MODES)}")
     settings: dict[str, tuple[bool | None, ...]] = {
@@ -102,17 +115,19 @@ def plan_variants(
         "both": (True, False),
     }
     budget_choices: tuple[int | None, ...] = tuple(budgets) or (None,)
+    adapter_choices = tuple(adapters) or (0,)
     combos = [
-        (engine, cache, budget)
+        (engine, cache, budget, count)
         for engine in engines
         for cache in (settings[prefix_cache] if caches_prefixes(engine) else (None,))
         for budget in budget_choices
+        for count in adapter_choices
     ]
     several_engines = len(set(engines)) > 1
-    several_caches = len({c for _, c, _ in combos}) > 1
+    several_caches = len({c for _, c, _, _ in combos}) > 1
     several_budgets = len(budget_choices) > 1
     variants = []
-    for engine, cache, budget in combos:
+    for engine, cache, budget, count in combos:
         parts = []
         if several_engines:
             parts.append(engine)
@@ -120,8 +135,10 @@ def plan_variants(
             parts.append("prefix-cache" if cache else "no-prefix-cache")
         if several_budgets:
             parts.append(f"budget={budget}")
+        if len(adapter_choices) > 1 or count:
+            parts.append(f"adapters={count}")
         key = f"{OURS}[{','.join(parts)}]" if parts else OURS
-        variants.append(ServerVariant(key, engine, cache, budget))
+        variants.append(ServerVariant(key, engine, cache, budget, count))
     return variants
 
 

@@ -271,7 +271,12 @@ def test_variants_name_only_what_varies() -> None:
         "--max-batch-prefill-tokens",
         "256",
     )
-    assert off.describe() == {"engine": "tgis_native", "prefix_cache": False, "prefill_budget": 256}
+    assert off.describe() == {
+        "engine": "tgis_native",
+        "prefix_cache": False,
+        "prefill_budget": 256,
+        "adapters": 0,
+    }
     budgets = plan_variants(("tgis_native",), "default", (256, 100000))
     assert [v.key for v in budgets] == ["ours[budget=256]", "ours[budget=100000]"]
     assert baseline_key("engine_only", "tgis_native", ("tgis_native",)) == "engine_only"
@@ -509,3 +514,24 @@ def test_baseline_prompts_are_new_for_every_run(tiny_model: Callable[..., Path])
 def test_the_server_dtype_is_read_from_its_log(line: str, dtype: str) -> None:
     match = DTYPE_LOG.search(line)
     assert match is not None and match.group(1) == dtype
+
+
+def test_adapter_variants_and_round_robin_requests() -> None:
+    from benchmarks.clients import GrpcClient
+    from benchmarks.workload import Prompt
+
+    cfg = _config("--engine", "tgis_native", "--adapters", "0,4")
+    assert cfg.adapters == (0, 4)
+    base, mixed = plan_variants(("tgis_native",), "default", (), (0, 4))
+    assert (base.key, mixed.key) == ("ours[adapters=0]", "ours[adapters=4]")
+    assert base.adapter_ids == [] and mixed.adapter_ids == ["lora-0", "lora-1", "lora-2", "lora-3"]
+    client = GrpcClient.__new__(GrpcClient)
+    client.adapter_ids, client._sent = mixed.adapter_ids, 0
+    prompt = Prompt("x", (1,), 4)
+    assert [client.request(prompt).adapter_id for _ in range(5)] == [
+        "lora-0",
+        "lora-1",
+        "lora-2",
+        "lora-3",
+        "lora-0",
+    ]
