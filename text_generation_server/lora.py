@@ -13,12 +13,17 @@ modules, per-module rank or alpha patterns).
 LORA_CACHE_SIZE_MB) resident, least recently used evicted first; a batch holds the weights of
 its own requests, so an evicted adapter stays valid for the requests already running with it.
 `install` (on the worker thread, before a step) wraps each target module once in a LoraLinear,
-which adds, for every adapter of the step, B(A(x)) * scale to the rows (padded batches) or
-tokens (packed batches) of the requests that use it:
+which adds B_a(A_a(x)) * scale_a to the rows (padded batches) or packed tokens (ragged batches)
+of the requests that use adapter a. The adapters of a step are applied side by side, with a
+mask, in four operations per module however many there are:
 
-    y = base(x);  y[idx_a] += (x[idx_a] @ A_a^T) @ B_a^T * scale_a   for each adapter a
+    A = [A_1; ...; A_n]  (R = r_1 + ... + r_n rows),  B = [B_1 ... B_n]
+    y = base(x) + ((x @ A^T) * M) @ B^T,   M[i, j] = scale of column j's adapter if row i uses it, else 0
 
-Requests without an adapter get the base output unchanged.
+Rows without an adapter get the base output unchanged (their mask row is zero). The extra work
+is the rank of all the step's adapters (a small share of a projection), against one
+gather / two matmuls / scatter per adapter and module for the grouped form: on the 4-adapter
+benchmark the grouped form cost half the throughput.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -55,17 +59,43 @@ class LoraWeights:
 
 
 @dataclass(slots=True)
-class Group:
-    """The rows (padded batches: [rows]) or tokens (packed batches: [tokens]) of one adapter."""
+class Step:
+    """The adapters of one forward pass: `slots[i]` is the index in `adapters` of row i (padded
+    batches, `by_rows`) or packed token i (ragged batches) of the batch, -1 for the base model."""
 
-    weights: LoraWeights
-    rows: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
+    adapters: list[LoraWeights]
+    slots: torch.Tensor  # [rows or tokens], long
+    by_rows: bool
+    masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, columns: tuple[int, ...], scales: torch.Tensor) -> torch.Tensor:
+        """[rows or tokens, R]: the scale of column j where the row's adapter owns it, else 0
+        (`columns[j]`: the index in `adapters` of the adapter column j belongs to)."""
+        mask = self.masks.get(columns)
+        if mask is None:
+            owner = torch.tensor(columns, device=self.slots.device)
+            mask = (self.slots[:, None] == owner[None, :]).to(scales.dtype) * scales[None, :]
+            self.masks[columns] = mask
+        return mask
 
 
 @dataclass(slots=True)
 class Routing:
-    groups: list[Group] = field(default_factory=list)
+    step: Step | None = None  # set around a forward pass (Adapters.applied)
+
+
+@dataclass(slots=True)
+class Layout:
+    """One module's LoRA weights of the adapters of a step, side by side: A [R, in], B [out, R]
+    with R the sum of their ranks (a step computes every adapter's rank on every row and masks
+    what a row does not own: four operations per module however many adapters)."""
+
+    key: tuple[int, ...]  # id() of each adapter's LoraWeights, in column order
+    a: torch.Tensor
+    b: torch.Tensor
+    owners: tuple[int, ...]  # per adapter of the layout: its index in the step's adapters
+    ranks: tuple[int, ...]
+    scales: torch.Tensor  # [R]
 
 
 class LoraLinear(nn.Module):
@@ -76,6 +106,7 @@ class LoraLinear(nn.Module):
         self.base = base
         self.path = path
         self.routing = routing
+        self._layout: Layout | None = None  # of the last step (steps mostly repeat their adapters)
 
     @property
     def weight(self) -> torch.Tensor:  # model code reads its layers' weights (T5: the dtype of wo)
@@ -85,24 +116,44 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.routing.groups:
+        step = self.routing.step
+        if step is None:
             return y
-        flat_x = x.reshape(-1, x.shape[-1])
-        flat_y = y.view(-1, y.shape[-1])
-        for group in self.routing.groups:
-            pair = group.weights.modules.get(self.path)
-            if pair is None:
-                continue
-            a, b, scale = pair
-            index = group.tokens
-            if index is None:
-                assert group.rows is not None
-                width = x.shape[1] if x.dim() == 3 else 1
-                steps = torch.arange(width, device=x.device)
-                index = (group.rows[:, None] * width + steps[None, :]).reshape(-1)
-            delta = (flat_x.index_select(0, index) @ a.t()) @ b.t()
-            flat_y.index_add_(0, index, delta.to(flat_y.dtype), alpha=scale)
-        return y
+        layout = self._layout_of(step)
+        if layout is None:
+            return y
+        columns = tuple(o for o, r in zip(layout.owners, layout.ranks, strict=True) for _ in range(r))
+        mask = step.mask(columns, layout.scales)
+        h = x @ layout.a.t()  # [..., R]
+        if step.by_rows:  # rows [B, ...]: one mask row per batch row
+            h = h * mask.view(mask.shape[0], *([1] * (h.dim() - 2)), mask.shape[1])
+        else:  # packed tokens [1, T, ...]
+            h = (h.reshape(-1, h.shape[-1]) * mask).view(h.shape)
+        return y.add_((h @ layout.b.t()).to(y.dtype))
+
+    def _layout_of(self, step: Step) -> Layout | None:
+        present = [(i, w) for i, w in enumerate(step.adapters) if self.path in w.modules]
+        if not present:
+            return None
+        key = tuple(id(w) for _, w in present)
+        layout = self._layout
+        if layout is None or layout.key != key:
+            pairs = [w.modules[self.path] for _, w in present]
+            ranks = tuple(a.shape[0] for a, _, _ in pairs)
+            scales = torch.cat(
+                [torch.full((a.shape[0],), scale, dtype=a.dtype, device=a.device) for a, _, scale in pairs]
+            )
+            layout = Layout(
+                key,
+                torch.cat([a for a, _, _ in pairs]) if len(pairs) > 1 else pairs[0][0],
+                torch.cat([b for _, b, _ in pairs], dim=1) if len(pairs) > 1 else pairs[0][1],
+                (),
+                ranks,
+                scales,
+            )
+            self._layout = layout
+        layout.owners = tuple(i for i, _ in present)
+        return layout
 
 
 def _features(module: nn.Module) -> tuple[int, int] | None:
@@ -255,24 +306,29 @@ class Adapters:
                 setattr(parent, name, LoraLinear(module, path, self.routing))
 
     @contextlib.contextmanager
-    def applied(self, groups: list[Group]) -> Iterator[None]:
-        """The forward pass inside applies `groups` (none: the base model)."""
-        self.routing.groups = groups
+    def applied(self, step: Step | None) -> Iterator[None]:
+        """The forward pass inside applies `step` (None: the base model)."""
+        self.routing.step = step
         try:
             yield
         finally:
-            self.routing.groups = []
+            self.routing.step = None
 
 
-def groups_of(adapters: Sequence[Any], device: torch.device, by: str) -> list[Group]:
-    """One group per distinct adapter among `adapters` (one entry per row or token, None = no
-    adapter), with the row / token indices that use it (`by`: "rows" or "tokens")."""
-    index: dict[int, tuple[LoraWeights, list[int]]] = {}
-    for i, weights in enumerate(adapters):
-        if weights is not None:
-            index.setdefault(id(weights), (weights, []))[1].append(i)
-    groups = []
-    for weights, positions in index.values():
-        tensor = torch.tensor(positions, device=device)
-        groups.append(Group(weights, rows=tensor) if by == "rows" else Group(weights, tokens=tensor))
-    return groups
+def step_of(adapters: Sequence[LoraWeights | None], device: torch.device, by_rows: bool) -> Step | None:
+    """The step of a batch whose rows (or packed tokens) use `adapters` (None: the base
+    model); None when none uses one."""
+    distinct: dict[int, int] = {}
+    chosen: list[LoraWeights] = []
+    slots = []
+    for weights in adapters:
+        if weights is None:
+            slots.append(-1)
+            continue
+        if id(weights) not in distinct:
+            distinct[id(weights)] = len(chosen)
+            chosen.append(weights)
+        slots.append(distinct[id(weights)])
+    if not chosen:
+        return None
+    return Step(chosen, torch.tensor(slots, device=device), by_rows)

@@ -41,7 +41,7 @@ from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
-from text_generation_server.lora import LoraWeights, groups_of
+from text_generation_server.lora import LoraWeights, step_of
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
 from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
@@ -327,7 +327,7 @@ class HFTransformersEngine(ModelEngine):
         lora = self.adapters.lora if self.adapters is not None else None
         if lora is None or not any(loras):
             return contextlib.nullcontext()
-        return lora.applied(groups_of(loras, self.device, "rows"))
+        return lora.applied(step_of(loras, self.device, by_rows=True))
 
     def _input_tokens(self, batch: PaddedBatch, logits: torch.Tensor | None) -> list[InputTokens]:
         prompts = batch.prompts

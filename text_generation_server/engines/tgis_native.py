@@ -54,7 +54,7 @@ from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, Seq
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
-from text_generation_server.lora import groups_of
+from text_generation_server.lora import step_of
 from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
 
@@ -303,7 +303,7 @@ class TgisNativeEngine(ModelEngine):
         token_loras = [s.lora for s, tokens, _ in pieces for _ in tokens]
         lora = self.adapters.lora if self.adapters is not None else None
         applied = (
-            lora.applied(groups_of(token_loras, device, "tokens"))
+            lora.applied(step_of(token_loras, device, by_rows=False))
             if lora is not None and any(token_loras)
             else contextlib.nullcontext()
         )
