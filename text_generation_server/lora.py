@@ -68,14 +68,18 @@ class Step:
     by_rows: bool
     masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, columns: tuple[int, ...], scales: torch.Tensor) -> torch.Tensor:
-        """[rows or tokens, R]: the scale of column j where the row's adapter owns it, else 0
-        (`columns[j]`: the index in `adapters` of the adapter column j belongs to)."""
-        mask = self.masks.get(columns)
+    def mask(self, columns: tuple[int, ...], scales: torch.Tensor, per_row: int) -> torch.Tensor:
+        """[tokens, R]: the scale of column j where the token's adapter owns it, else 0
+        (`columns[j]`: the index in `adapters` of the adapter column j belongs to; `per_row`:
+        tokens per row of a padded batch, 1 for packed tokens)."""
+        key = (*columns, -per_row)
+        mask = self.masks.get(key)
         if mask is None:
             owner = torch.tensor(columns, device=self.slots.device)
             mask = (self.slots[:, None] == owner[None, :]).to(scales.dtype) * scales[None, :]
-            self.masks[columns] = mask
+            if per_row > 1:
+                mask = mask.repeat_interleave(per_row, dim=0)
+            self.masks[key] = mask
         return mask
 
 
@@ -123,13 +127,12 @@ class LoraLinear(nn.Module):
         if layout is None:
             return y
         columns = tuple(o for o, r in zip(layout.owners, layout.ranks, strict=True) for _ in range(r))
-        mask = step.mask(columns, layout.scales)
-        h = x @ layout.a.t()  # [..., R]
-        if step.by_rows:  # rows [B, ...]: one mask row per batch row
-            h = h * mask.view(mask.shape[0], *([1] * (h.dim() - 2)), mask.shape[1])
-        else:  # packed tokens [1, T, ...]
-            h = (h.reshape(-1, h.shape[-1]) * mask).view(h.shape)
-        return y.add_((h @ layout.b.t()).to(y.dtype))
+        tokens = x.reshape(-1, x.shape[-1])
+        per_row = tokens.shape[0] // step.slots.shape[0] if step.by_rows else 1
+        h = tokens @ layout.a.t()  # [tokens, R]
+        h.mul_(step.mask(columns, layout.scales, per_row))
+        y.view(-1, y.shape[-1]).addmm_(h, layout.b.t())
+        return y
 
     def _layout_of(self, step: Step) -> Layout | None:
         present = [(i, w) for i, w in enumerate(step.adapters) if self.path in w.modules]
