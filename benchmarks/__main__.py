@@ -236,9 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_budgets,
         default=(),
         metavar="COUNT[,COUNT...]",
-        help="LoRA adapters (rank 8, every projection) in our server's store, one server per count; "
+        help="LoRA adapters (rank 8, on --adapter-targets) in our server's store, one server per count; "
         "requests name them in turn (0 = the base model; e.g. 0,4 for the 4-adapter mixed workload "
         "against the base model)",
+    )
+    g.add_argument(
+        "--adapter-targets",
+        type=lambda text: tuple(t.strip() for t in text.split(",") if t.strip()),
+        default=("q_proj", "v_proj"),
+        metavar="MODULE[,MODULE...]",
+        help="the modules the --adapters adapt (default PEFT's for Llama: q_proj,v_proj; e.g. "
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj for every projection)",
     )
     g.add_argument(
         "--max-batch-size",
@@ -388,6 +396,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prefix_cache=args.prefix_cache,
         prefill_budgets=args.prefill_budget,
         adapters=args.adapters,
+        adapter_targets=args.adapter_targets,
     )
 
 

@@ -103,6 +103,7 @@ class BenchConfig:
     prefix_cache: str = "default"  # default | on | off | both (variants.plan_variants)
     prefill_budgets: tuple[int, ...] = ()  # --max-batch-prefill-tokens per variant; () = default
     adapters: tuple[int, ...] = ()  # LoRA adapters per variant, named by requests in turn; () = none
+    adapter_targets: tuple[str, ...] = ("q_proj", "v_proj")  # the modules they adapt (PEFT's Llama default)
     vllm_dtype: str | None = None  # None: the dtype our server resolved
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -546,15 +547,16 @@ class Run:
 
     def _adapter_store(self, model_dir: Path, count: int) -> dict[str, str]:
         """The environment of a server whose store holds `count` LoRA adapters of the model
-        (rank 8 on every projection, built once per run), or {} for none."""
+        (rank 8 on `--adapter-targets`, built once per run), or {} for none."""
         if not count:
             return {}
         from text_generation_server.testing.tiny_prompts import build_lora
 
-        root = self.out / "adapters"
+        targets = list(self.cfg.adapter_targets)
+        root = self.out / f"adapters-{'-'.join(targets)}"
         for index in range(count):
             if not (root / adapter_id(index) / "adapter_config.json").exists():
-                build_lora(model_dir, root / adapter_id(index), seed=100 + index, rank=8)
+                build_lora(model_dir, root / adapter_id(index), seed=100 + index, rank=8, targets=targets)
         return {"PREFIX_STORE_PATH": str(root)}
 
     async def _drive_grpc(
