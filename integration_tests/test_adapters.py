@@ -5,6 +5,7 @@ with requests for the other adapter and for none; the router counts requests per
 from __future__ import annotations
 
 import asyncio
+import re
 import urllib.request
 from functools import cache
 from pathlib import Path
@@ -65,4 +66,10 @@ def test_adapters_equal_peft_in_one_busy_batch(server, name: str) -> None:
         assert got == peft_tokens(str(s.model_dir), adapter, prompt, 8), (adapter, prompt)
     with urllib.request.urlopen(f"http://127.0.0.1:{s.http_port}/metrics", timeout=10) as response:
         metrics = response.read().decode()
-    assert 'tgi_adapter_request_count_total{adapter_id="lora"}' in metrics
+    def value(sample: str) -> float:  # the servers are shared: other tests load adapters too
+        return float(re.search(rf"^{re.escape(sample)} (\S+)$", metrics, re.M).group(1))
+
+    assert value('tgi_adapter_request_count_total{adapter_id="lora"}') >= 3
+    assert value('tgi_adapters_resident{kind="lora"}') == 1 == value('tgi_adapter_loads_total{kind="lora"}')
+    assert value('tgi_adapters_resident{kind="prompt"}') >= 1
+    assert value("tgi_adapter_lookup_cache_hits_total") >= 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from router.stopping import StopReason
-from text_generation_common.messages import KvCacheState
+from text_generation_common.messages import AdapterCacheState, KvCacheState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # 0.00015 s ... about 145.6 s
@@ -34,6 +34,7 @@ CALL_FAILURES = ("oom", "connection", "error")
 STOP_REASONS = tuple(r.name for r in StopReason)
 REJECTIONS = ("conc_limit", "tenant_limit", "draining", "tokenizer_busy")
 PHASES = ("queued", "running")
+ADAPTER_KINDS = ("prompt", "lora")
 OPEN: tuple[str, ...] = ()  # a label whose values come from clients (adapter ids): see TwinCounter
 MAX_OPEN_VALUES = 64  # distinct values an open label exports; later ones count as "other"
 
@@ -112,6 +113,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_kv_cache_blocks_cached", "gauge", "Prefix-cache blocks no live request holds, reclaimable (tgis_native)", "", False),
     _spec("tgi_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache (tgis_native)", "", False),
     _spec("tgi_prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache, their prefill skipped (tgis_native)", "", False),
+    _spec("tgi_adapters_resident", "gauge", "Adapters loaded in the shard, by kind (soft prompts: PROMPT_CACHE_SIZE_MB; LoRA: MAX_LORAS)", "", False, kind=ADAPTER_KINDS),
+    _spec("tgi_adapter_loads", "counter", "Adapters loaded into the shard's caches, by kind", "", False, kind=ADAPTER_KINDS),
+    _spec("tgi_adapter_evictions", "counter", "Adapters evicted from the shard's caches (least recently used), by kind", "", False, kind=ADAPTER_KINDS),
+    _spec("tgi_adapter_lookup_cache_hits", "counter", "prefix_id / adapter_id lookups the router answered from its own cache (no shard call)", "", False),
     _spec("tgi_adapter_request_count", "counter", "Requests that finished with an answer, per adapter (prefix_id or adapter_id); the first 64 ids, then \"other\"", "", False, adapter_id=OPEN),
     _spec("tgi_adapter_generated_tokens", "counter", "Tokens generated for those requests, per adapter", "", False, adapter_id=OPEN),
 )  # fmt: skip
@@ -195,7 +200,10 @@ class Metrics:
                         h.labels(*combination)
                 self.histograms[spec.name] = h
             else:
-                self.gauges[spec.name] = Gauge(spec.name, spec.description, registry=self.registry)
+                gauge = Gauge(spec.name, spec.description, list(spec.labels), registry=self.registry)
+                for combination in itertools.product(*spec.labels.values()) if spec.labels else ():
+                    gauge.labels(*combination)
+                self.gauges[spec.name] = gauge
 
     def exposition(self) -> bytes:
         twins = "".join(c.expose() for c in self.counters.values())
@@ -238,6 +246,17 @@ class Metrics:
 
     def shard_call_failed(self, method: str, reason: str) -> None:
         self.inc("tgi_batch_inference_failure", method=method, reason=reason)
+
+    def adapter_cache(self, state: AdapterCacheState) -> None:
+        """The shard's adapter caches as its last PrefixLookup left them; totals become steps."""
+        for kind in ADAPTER_KINDS:
+            resident = state.resident_prompts if kind == "prompt" else state.resident_loras
+            self.gauges["tgi_adapters_resident"].labels(kind=kind).set(resident)
+            for name, field in (("tgi_adapter_loads", "loads"), ("tgi_adapter_evictions", "evictions")):
+                total = getattr(state, f"{kind}_{field}")
+                seen = self._shard_totals.get(f"{name}:{kind}", 0)
+                self.inc(name, total - seen if total >= seen else total, kind=kind)  # below: a restart
+                self._shard_totals[f"{name}:{kind}"] = total
 
     def kv_cache(self, state: KvCacheState) -> None:
         """The paged KV cache as a step left it; its prefix-cache totals become counter steps."""

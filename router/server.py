@@ -179,6 +179,7 @@ async def build(config: RouterConfig) -> Router:
         eos_token_id=info.eos_token_id,
         max_waiting_tokens=config.max_waiting_tokens,
     )
+    client.on_adapter_state = metrics.adapter_cache
     validator = Validator(
         pool,
         PrefixLengths(client.prefix_lookup, metrics),

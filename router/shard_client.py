@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
 
 from text_generation_common import convert
-from text_generation_common.messages import CachedBatchRef, GenerationRequest, ModelInfo, StepOutput
+from text_generation_common.messages import (
+    AdapterCacheState,
+    CachedBatchRef,
+    GenerationRequest,
+    ModelInfo,
+    StepOutput,
+)
 from text_generation_common.pb import generate_pb2 as pb
 from text_generation_common.pb import generate_pb2_grpc
 
@@ -91,6 +97,7 @@ class GrpcShardClient:
     ):
         self._stubs = list(stubs)
         self._channels = list(channels)
+        self.on_adapter_state: Callable[[AdapterCacheState], None] | None = None  # metrics
 
     @classmethod
     async def connect(cls, master_uds_path: str) -> GrpcShardClient:
@@ -173,6 +180,8 @@ class GrpcShardClient:
         )
         reply = await self._all("PrefixLookup", lookup, PREFIX_LOOKUP_TIMEOUT_S)
         assert isinstance(reply, pb.PrefixLookupResponse)
+        if reply.HasField("adapters") and self.on_adapter_state is not None:
+            self.on_adapter_state(convert.adapter_cache_from_pb(reply.adapters))
         return reply.prefix_length
 
     async def health(self) -> None:

@@ -185,6 +185,7 @@ class PrefixLengths:
         hit = self._entries.pop(key, None)
         if hit is not None and now - hit[1] < PREFIX_CACHE_TTL_S:
             self._entries[key] = hit  # most recently used last
+            self._metrics.inc("tgi_adapter_lookup_cache_hits")
             return hit[0]
         try:
             length = await self._lookup(prefix_id, adapter)

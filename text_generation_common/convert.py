@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
+    AdapterCacheState,
     CachedBatchRef,
     Generation,
     GenerationRequest,
@@ -34,6 +35,7 @@ CAPACITY_TO_PB = {
     CapacityKind.UNPADDED_WEIGHTS: pb.ModelInfoResponse.UNPADDED_WEIGHTS,
     CapacityKind.KV_BLOCKS: pb.ModelInfoResponse.KV_BLOCKS,
 }
+ADAPTER_CACHE_FIELDS = tuple(AdapterCacheState.__dataclass_fields__)
 KV_CACHE_FIELDS = (
     "total_blocks",
     "used_blocks",
@@ -223,3 +225,11 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
     )
+
+
+def adapter_cache_to_pb(state: AdapterCacheState) -> pb.AdapterCacheState:
+    return pb.AdapterCacheState(**{name: getattr(state, name) for name in ADAPTER_CACHE_FIELDS})
+
+
+def adapter_cache_from_pb(state: pb.AdapterCacheState) -> AdapterCacheState:
+    return AdapterCacheState(**{name: getattr(state, name) for name in ADAPTER_CACHE_FIELDS})

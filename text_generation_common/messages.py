@@ -120,6 +120,18 @@ class RequestError:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterCacheState:
+    """The shard's loaded adapters: resident now, and loads / evictions since start."""
+
+    resident_prompts: int = 0
+    resident_loras: int = 0
+    prompt_loads: int = 0
+    lora_loads: int = 0
+    prompt_evictions: int = 0
+    lora_evictions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class KvCacheState:
     """A paged KV cache after a step, over every request the shard holds (KV_BLOCKS engines)."""
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from text_generation_common.messages import GenerationRequest
+from text_generation_common.messages import AdapterCacheState, GenerationRequest
 from text_generation_server.config import ServerConfig
 from text_generation_server.errors import PrefixNotFoundError, ShardError
 from text_generation_server.lora import AdapterError, Adapters, LoraWeights
@@ -69,6 +69,17 @@ class AdapterSet:
         if self.lora is None:
             raise AdapterError(f"adapter {adapter_id} is a LoRA adapter, which this engine does not apply")
         return self.lora.get(adapter_id, self.prompts.directory(adapter_id))
+
+    def state(self) -> AdapterCacheState:
+        prompts, lora = self.prompts.cache, (self.lora.cache if self.lora is not None else None)
+        return AdapterCacheState(
+            resident_prompts=len(prompts.keys()),
+            resident_loras=len(lora.keys()) if lora else 0,
+            prompt_loads=prompts.loads,
+            lora_loads=lora.loads if lora else 0,
+            prompt_evictions=prompts.evictions,
+            lora_evictions=lora.evictions if lora else 0,
+        )
 
     def lookup(self, prefix_id: str = "", adapter_id: str = "") -> int:
         """Load the adapter; its virtual tokens (0 for LoRA)."""

@@ -185,7 +185,7 @@ class Adapters:
     ) -> None:
         self.model = model
         self.dtype, self.device = dtype, device
-        self._resident: LoadedCache[LoraWeights] = LoadedCache(
+        self.cache: LoadedCache[LoraWeights] = LoadedCache(
             "LoRA adapter",
             lambda weights: weights.nbytes,
             cache_bytes,
@@ -198,15 +198,15 @@ class Adapters:
 
     def get(self, adapter_id: str, directory: Path) -> LoraWeights:
         """Adapter `adapter_id` (stored in `directory`), loaded on first use."""
-        return self._resident.get(adapter_id, lambda: self._load(adapter_id, directory))
+        return self.cache.get(adapter_id, lambda: self._load(adapter_id, directory))
 
     @property
     def resident(self) -> list[str]:
-        return self._resident.keys()
+        return self.cache.keys()
 
     @property
     def evictions(self) -> int:
-        return self._resident.evictions
+        return self.cache.evictions
 
     # ---- loading ------------------------------------------------------------------------------
 

@@ -83,7 +83,7 @@ class PromptStore:
     ) -> None:
         self.root = Path(root).resolve() if root else None
         self.spec = spec
-        self._cache: LoadedCache[SoftPrompt] = LoadedCache(
+        self.cache: LoadedCache[SoftPrompt] = LoadedCache(
             "soft prompt",
             lambda prompt: prompt.nbytes,
             cache_bytes,
@@ -92,7 +92,7 @@ class PromptStore:
 
     def get(self, prefix_id: str) -> SoftPrompt:
         """The soft prompt `prefix_id`, loaded on first use; PrefixNotFoundError or PromptError."""
-        return self._cache.get(prefix_id, lambda: self._load(prefix_id))
+        return self.cache.get(prefix_id, lambda: self._load(prefix_id))
 
     # ---- loading ---------------------------------------------------------------------------
 

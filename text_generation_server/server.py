@@ -190,7 +190,9 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
             length = await asyncio.get_running_loop().run_in_executor(None, load)
         except Exception as exc:  # every failure must become a status code
             await self._abort(context, exc)
-        return pb.PrefixLookupResponse(prefix_length=length)
+        return pb.PrefixLookupResponse(
+            prefix_length=length, adapters=convert.adapter_cache_to_pb(adapters.state())
+        )
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

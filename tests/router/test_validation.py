@@ -266,9 +266,11 @@ async def test_prefix_lengths_are_cached() -> None:
         calls.append(prefix_id)
         return 3
 
-    cache = PrefixLengths(lookup, Metrics())
-    assert await cache.get("a") == 3 and await cache.get("a") == 3
-    assert calls == ["a"]
+    metrics = Metrics()
+    cache = PrefixLengths(lookup, metrics)
+    assert await cache.get("a") == 3 and await cache.get("a") == 3 and await cache.get("a", adapter=True) == 3
+    assert calls == ["a", "a"]  # a prefix_id and an adapter_id of the same name are looked up apart
+    assert metrics.counters["tgi_adapter_lookup_cache_hits"].get() == 1
 
 
 @pytest.mark.parametrize("bos", [None, 1])
