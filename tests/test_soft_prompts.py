@@ -164,3 +164,50 @@ def test_adapter_ids_resolve_by_their_peft_type(tmp_path: Path) -> None:
         adapters.lookup(adapter_id="gone")
     with pytest.raises(PrefixNotFoundError):
         PromptStore(None, spec(), 2**20).get("any")  # no store configured
+
+
+def by_hand_seq2seq(base_dir: Path, encoder, decoder, ids: tuple[int, ...], max_new: int) -> list[int]:
+    """Greedy T5 with the soft prompts prepended to the embeddings by hand: the encoder's in front
+    of the input, the decoder's in front of the start token; no cache, no batching."""
+    import transformers
+
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    embed = model.get_input_embeddings()
+    start = model.config.decoder_start_token_id
+    with torch.inference_mode():
+        enc = embed(torch.tensor([ids]))
+        if encoder is not None:
+            enc = torch.cat([encoder[None], enc], dim=1)
+        new: list[int] = []
+        for _ in range(max_new):
+            dec = embed(torch.tensor([[start, *new]]))
+            if decoder is not None:
+                dec = torch.cat([decoder[None], dec], dim=1)
+            logits = model(inputs_embeds=enc, decoder_inputs_embeds=dec).logits
+            new.append(int(logits[0, -1].argmax()))
+            if new[-1] == model.config.eos_token_id:
+                break
+    return new
+
+
+def test_encoder_and_decoder_prompts_of_seq2seq_models(tiny_model, tmp_path: Path) -> None:
+    base = tiny_model("t5")
+    hidden = 64
+    tensors = {
+        name: torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed)) * 0.5
+        for name, rows, seed in (("enc", 4, 11), ("dec", 3, 12))
+    }
+    save(tmp_path, "both", tensors["enc"], "encoder.pt")
+    save(tmp_path, "both", tensors["dec"], "decoder.pt")
+    save(tmp_path, "enc-only", tensors["enc"], "encoder.pt")
+    save(tmp_path, "dec-only", tensors["dec"], "decoder.pt")
+    e = engine_with_store("hf_transformers", base, tmp_path)
+    cases = {"both": ("enc", "dec"), "enc-only": ("enc", None), "dec-only": (None, "dec"), "": (None, None)}
+    requests, expected = [], {}
+    for i, (prefix, (enc, dec)) in enumerate(cases.items()):
+        ids = PROMPT if i % 2 else OTHER
+        requests.append(GenerationRequest(i, ids, 10, prefix_id=prefix))
+        expected[i] = by_hand_seq2seq(base, tensors.get(enc or ""), tensors.get(dec or ""), ids, 10)
+    assert expected[0] != by_hand_seq2seq(base, None, None, OTHER, 10) != expected[2]  # the prompts matter
+    assert {r.id: alone(e, r) for r in requests} == expected
+    assert Runner(e).run({0: requests[:2], 2: requests[2:]}) == expected  # mixed, with a join

@@ -3,8 +3,9 @@
 PREFIX_STORE_PATH/<id>/ holds one soft prompt, in TGIS's formats:
 
     decoder.pt                  a 2-D tensor [virtual_tokens, hidden] (torch.save; read with
-                                weights_only=True); decoder-only models need it
-    encoder.pt                  the same for the encoder of encoder-decoder models
+                                weights_only=True); decoder-only models need it; for
+                                encoder-decoder models it goes in front of the decoder start token
+    encoder.pt                  the same, in front of the encoder input (encoder-decoder models)
     adapter_model.safetensors   PEFT prompt tuning (`prompt_embeddings`), or adapter_model.bin;
                                 decoder-only models only (TGIS's rule)
 
@@ -136,11 +137,6 @@ class PromptStore:
             for part, file in (("decoder", decoder), ("encoder", encoder))
             if file.is_file() and (part == "decoder" or self.spec.seq2seq)
         }
-        if self.spec.seq2seq and "decoder" in tensors:
-            raise PromptError(
-                f"Prefix {prefix_id} has a decoder.pt: decoder soft prompts of encoder-decoder models "
-                "are not supported yet (encoder.pt is)"
-            )
         prompt = SoftPrompt(prefix_id, tensors.get("decoder"), tensors.get("encoder"))
         logger.info("soft prompt %s loaded: %d virtual tokens", clipped(prefix_id), prompt.length)
         return prompt

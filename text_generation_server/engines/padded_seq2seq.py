@@ -64,6 +64,7 @@ class Seq2SeqLMBatch(PaddedBatch):
         self.encoder_hidden = encoder_hidden
         self.past = past
         self.virtual: list[torch.Tensor | None] | None = None  # encoder soft prompts, until the prefill
+        self.decoder_virtual: list[torch.Tensor | None] | None = None  # decoder soft prompts, likewise
 
     @classmethod
     def from_requests(
@@ -73,17 +74,21 @@ class Seq2SeqLMBatch(PaddedBatch):
         context: ModelContext,
         adapters: Resolved | None = None,
     ) -> tuple[Self | None, list[RequestError]]:
-        """`soft_prompts`: a request's encoder soft prompt goes in front of its encoder input
-        (placeholder ids whose embeddings the prefill replaces)."""
+        """`adapters`: a request's soft prompt goes in front of its encoder input (encoder.pt)
+        and in front of the decoder start token (decoder.pt), as placeholder ids whose
+        embeddings the prefill replaces."""
         valid, prompts, errors = cls.validate(requests, context, adapters)
         if not valid:
             return None, errors
         start = context.decoder_start_token_id
         assert start is not None, "encoder-decoder models need a decoder start token"
         device = context.device
-        encoder_rows, virtual = soft_prompt_rows(valid, prompts, adapters, "encoder", context.pad_token_id)
+        pad = context.pad_token_id
+        encoder_rows, virtual = soft_prompt_rows(valid, prompts, adapters, "encoder", pad)
         encoder_ids, encoder_mask = left_pad_rows(encoder_rows, context.pad_token_id)
         rows = len(valid)
+        decoder_rows, decoder_virtual = soft_prompt_rows(valid, [[start]] * rows, adapters, "decoder", pad)
+        decoder_ids, decoder_mask = left_pad_rows(decoder_rows, pad)
         # Repetition penalty looks at decoder ids (start token + generated), as transformers does.
         chooser = TokenChooser.create(
             [r.params for r in valid], [[start]] * rows, context.eos_token_id, context.vocab_size, device
@@ -95,14 +100,16 @@ class Seq2SeqLMBatch(PaddedBatch):
             context,
             encoder_mask.to(device),
             [len(r) for r in encoder_rows],
-            torch.full((rows, 1), start, dtype=torch.long, device=device),
-            torch.ones((rows, 1), dtype=torch.long, device=device),
-            [1] * rows,
+            decoder_ids.to(device),
+            decoder_mask.to(device),
+            [len(r) for r in decoder_rows],
             encoder_input_ids=encoder_ids.to(device),
             prompts=prompts,
         )
         if any(v is not None for v in virtual):
             batch.virtual = virtual
+        if any(v is not None for v in decoder_virtual):
+            batch.decoder_virtual = decoder_virtual
         if adapters is not None and adapters.loras:
             batch.loras = [adapters.loras.get(r.id) for r in valid]
         return batch, errors
@@ -118,12 +125,20 @@ class Seq2SeqLMBatch(PaddedBatch):
                     )
                 }
                 self.virtual = None
+            decoder_inputs: dict[str, torch.Tensor] = {"decoder_input_ids": self.decoder_input_ids}
+            if self.decoder_virtual is not None:
+                embeds = with_soft_prompts(
+                    model, self.decoder_input_ids, self.decoder_lengths, self.decoder_virtual
+                )
+                decoder_inputs = {"decoder_inputs_embeds": embeds}
+                self.decoder_virtual = None
+            capacity = self.decoder_input_ids.shape[1] + self.remaining()
             out = model(
                 **encoder_inputs,
+                **decoder_inputs,
                 attention_mask=self.encoder_mask,
-                decoder_input_ids=self.decoder_input_ids,
                 decoder_attention_mask=self.decoder_mask,
-                past_key_values=kv_cache.new_cache(seq2seq=True, capacity=1 + self.remaining()),
+                past_key_values=kv_cache.new_cache(seq2seq=True, capacity=capacity),
                 use_cache=True,
             )
             self.encoder_hidden = out.encoder_last_hidden_state
