@@ -48,7 +48,7 @@ def test_two_ranks_give_the_tokens_of_one_process(root: Path, name: str) -> None
     try:
         assert len(shards_of(s)) == 2
         assert_batch_invariance_and_parity(s)
-        if name.startswith("llama@"):  # soft prompts: every rank applies the same one
+        if name.startswith("llama@"):  # adapters: every rank applies the same one
             assert_soft_prompt_cases(s)
         log = s.log()
         assert "Shard 1: " in log and "shard 1/2 holds" in log
@@ -58,7 +58,7 @@ def test_two_ranks_give_the_tokens_of_one_process(root: Path, name: str) -> None
 
 
 def assert_soft_prompt_cases(s: Server) -> None:
-    """The soft-prompt cases of llama.yaml (recorded on one shard) give the same answers."""
+    """The soft-prompt and LoRA cases of llama.yaml (recorded on one shard) give the same answers."""
     cases = {
         c.name: c for c in load(CASES_DIR / "llama.yaml") if "soft prompt" in c.name or "adapter id" in c.name
     }

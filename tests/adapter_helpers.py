@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests.engines.conformance import joined, sharding
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import get_engine_class
 from text_generation_server.engines.base import ModelEngine
@@ -19,9 +20,10 @@ def engine_with_store(name: str, model_dir: Path, store: Path, **overrides) -> M
         max_new_tokens=32,
         dtype="float32",
         prefix_store_path=str(store),
+        **sharding(),
         **overrides,
     )
-    return get_engine_class(name)(config)
+    return get_engine_class(name)(joined(config))
 
 
 def peft_generate(

@@ -108,11 +108,12 @@ class AdapterSet:
 def adapters_for(
     config: ServerConfig, model: Any, device: torch.device, seq2seq: bool, max_sequence_length: int
 ) -> AdapterSet:
-    """The adapters of an engine's `model`: soft prompts always, LoRA on one shard (a sharded
-    model's linears hold slices: LoRA there is not implemented)."""
+    """The adapters of an engine's `model`: soft prompts always; LoRA on one shard or sharded by
+    transformers' tensor-parallel plans (GPT-BigCode's own sharded layers take no LoRA yet)."""
     prompts = store_for(config, model.get_input_embeddings(), device, seq2seq, max_sequence_length)
     lora = None
-    if config.world_size == 1:
+    own_layers = getattr(getattr(model, "config", None), "model_type", None) == "gpt_bigcode"
+    if config.world_size == 1 or not own_layers:
         weight = model.get_input_embeddings().weight
         lora = Adapters(
             model,

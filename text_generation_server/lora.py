@@ -111,6 +111,7 @@ class LoraLinear(nn.Module):
         self.path = path
         self.routing = routing
         self._layout: Layout | None = None  # of the last step (steps mostly repeat their adapters)
+        self.row_parallel = False  # a sharded module whose input is this rank's slice (see forward)
 
     @property
     def weight(self) -> torch.Tensor:  # model code reads its layers' weights (T5: the dtype of wo)
@@ -130,6 +131,8 @@ class LoraLinear(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         per_row = tokens.shape[0] // step.slots.shape[0] if step.by_rows else 1
         h = tokens @ layout.a.t()  # [tokens, R]
+        if self.row_parallel:  # each rank saw its slice of the input: sum the partial products
+            torch.distributed.all_reduce(h)
         h.mul_(step.mask(columns, layout.scales, per_row))
         y.view(-1, y.shape[-1]).addmm_(h, layout.b.t())
         return y
@@ -157,6 +160,38 @@ class LoraLinear(nn.Module):
             self._layout = layout
         layout.owners = tuple(i for i, _ in present)
         return layout
+
+
+def _parallel_style(module: nn.Module) -> str | None:
+    """ "col" (output features split over the ranks), "row" (input features split, outputs
+    summed) or None, from how transformers' tensor-parallel plan placed the module's weight."""
+    if isinstance(module, LoraLinear):
+        module = module.base
+    placements = getattr(getattr(module, "weight", None), "placements", None)
+    if not placements:
+        return None
+    dim = getattr(placements[0], "dim", None)
+    return {0: "col", 1: "row", -1: "row"}.get(dim) if dim is not None else None
+
+
+def _this_ranks_part(
+    module: nn.Module, a: torch.Tensor, b: torch.Tensor, adapter_id: str, path: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B as this rank needs them: B's rows of its output slice (column-parallel module),
+    A's columns of its input slice (row-parallel: the step sums the partial A·x over ranks)."""
+    style = _parallel_style(module)
+    if style is None:
+        return a, b
+    ranks, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    split = b if style == "col" else a.t()
+    if split.shape[0] % ranks:
+        raise AdapterError(
+            f"adapter {adapter_id}: {path} has {split.shape[0]} features, which do not divide over "
+            f"{ranks} shards"
+        )
+    size = split.shape[0] // ranks
+    part = split[rank * size : (rank + 1) * size]
+    return (a, part) if style == "col" else (part.t(), b)
 
 
 def _features(module: nn.Module) -> tuple[int, int] | None:
@@ -264,6 +299,7 @@ class Adapters:
                 raise AdapterError(f"adapter {adapter_id} contains non-finite weights ({path})")
             rank_of[path] = rank
             scale = alpha / (rank**0.5 if rslora else rank)
+            a, b = _this_ranks_part(module, a, b, adapter_id, path)
             a = a.to(device=self.device, dtype=self.dtype).contiguous()
             b = b.to(device=self.device, dtype=self.dtype).contiguous()
             modules[path] = (a, b, scale)
@@ -306,7 +342,9 @@ class Adapters:
                     continue
                 parent_path, _, name = path.rpartition(".")
                 parent = self.model.get_submodule(parent_path) if parent_path else self.model
-                setattr(parent, name, LoraLinear(module, path, self.routing))
+                wrapped = LoraLinear(module, path, self.routing)
+                wrapped.row_parallel = _parallel_style(module) == "row"
+                setattr(parent, name, wrapped)
 
     @contextlib.contextmanager
     def applied(self, step: Step | None) -> Iterator[None]:

@@ -84,8 +84,7 @@ class EngineCase:
             **sharding(),
             **dict(self.options),
         )
-        if config.world_size > 1 and not torch.distributed.is_initialized():
-            distributed.join(config)
+        joined(config)
         engine_class = TEST_ENGINES.get(self.engine) or get_engine_class(self.engine)
         return engine_class(config)
 
@@ -94,6 +93,13 @@ class EngineCase:
 # test_sharded.py starts one pytest per rank over the same cases: every rank makes the same
 # engine calls in the same order, as the router makes them).
 SHARD_ENV = ("CONFORMANCE_RANK", "CONFORMANCE_WORLD_SIZE", "MASTER_PORT")
+
+
+def joined(config: ServerConfig) -> ServerConfig:
+    """`config`, with this process in its rank's group first when it is sharded."""
+    if config.world_size > 1 and not torch.distributed.is_initialized():
+        distributed.join(config)
+    return config
 
 
 def sharding() -> dict[str, Any]:

@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -29,15 +29,8 @@ SHARDED = {
 TIMEOUT_S = 600
 
 
-@pytest.mark.parametrize("engine", sorted(SHARDED))
-def test_the_conformance_suite_passes_on_two_ranks(
-    engine: str, tiny_model: Callable[..., Path], tmp_path: Path
-) -> None:
-    archs = SHARDED[engine]
-    models = tmp_path / "models"
-    for arch in archs:  # built here: a rank > 0 cannot save a model
-        shutil.copytree(tiny_model(arch), models / arch)
-    selection = " or ".join(f"{engine}-{arch}" for arch in archs)
+def on_two_ranks(tmp_path: Path, models: Path, test_file: str, selection: str) -> list[tuple[int, str]]:
+    """Run the selected tests in one pytest per rank of a 2-rank group; (returncode, output)."""
     port = free_port()
     ranks = []
     for rank in range(2):
@@ -54,8 +47,7 @@ def test_the_conformance_suite_passes_on_two_ranks(
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
             "--basetemp", str(tmp_path / f"rank{rank}"),
             "-o", "log_cli=true", "--log-cli-level=INFO",  # shows what each rank holds
-            "tests/engines/test_conformance.py",
-            "-k", f"({selection}) and not stream_equals",
+            test_file, "-k", selection,
         ]  # fmt: skip
         ranks.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = []
@@ -66,11 +58,41 @@ def test_the_conformance_suite_passes_on_two_ranks(
             for other in ranks:
                 if other.poll() is None and process.returncode is None:
                     other.kill()
-        outputs.append(out.decode(errors="replace"))
-    for rank, (process, out) in enumerate(zip(ranks, outputs, strict=True)):
-        assert process.returncode == 0, f"rank {rank}:\n{out[-6000:]}"
+        outputs.append((process.returncode, out.decode(errors="replace")))
+    return outputs
+
+
+def copied(tiny_model: Callable[..., Path], archs: Sequence[str], models: Path) -> Path:
+    for arch in archs:  # built here: a rank > 0 cannot save a model
+        shutil.copytree(tiny_model(arch), models / arch)
+    return models
+
+
+def assert_passed(outputs: list[tuple[int, str]], at_least: int, archs: Sequence[str]) -> None:
+    for rank, (code, out) in enumerate(outputs):
+        assert code == 0, f"rank {rank}:\n{out[-6000:]}"
         summary = out.strip().splitlines()[-1]
         passed = int(summary.split(" passed")[0].split()[-1])
-        assert passed >= 9 * len(archs), summary  # every selected case ran
+        assert passed >= at_least, summary  # every selected case ran
         assert "failed" not in summary and "error" not in summary, summary
         assert out.count(f"shard {rank}/2 holds") >= len(archs), "the engines were not sharded"
+
+
+@pytest.mark.parametrize("engine", sorted(SHARDED))
+def test_the_conformance_suite_passes_on_two_ranks(
+    engine: str, tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    archs = SHARDED[engine]
+    models = copied(tiny_model, archs, tmp_path / "models")
+    selection = " or ".join(f"{engine}-{arch}" for arch in archs)
+    outputs = on_two_ranks(
+        tmp_path, models, "tests/engines/test_conformance.py", f"({selection}) and not stream_equals"
+    )
+    assert_passed(outputs, 9 * len(archs), archs)
+
+
+def test_lora_equals_peft_on_two_ranks(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """tests/test_lora.py's parity cases for Llama on both engines, each engine sharded."""
+    models = copied(tiny_model, ("llama", "t5", "gpt_neox"), tmp_path / "models")
+    outputs = on_two_ranks(tmp_path, models, "tests/test_lora.py", "equals_peft and llama")
+    assert_passed(outputs, 2, ("llama",))
