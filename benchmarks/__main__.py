@@ -161,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         help="long-prompt-mix: seconds between long prompts (the first once every stream decodes)",
     )
+    g.add_argument(
+        "--long-adapters",
+        action="store_true",
+        help="long-prompt-mix: long prompt i names LoRA adapter lora-i, not loaded before (the "
+        "streams stay on the base model): how a first use stalls the streams",
+    )
 
     g = p.add_argument_group("load")
     g.add_argument(
@@ -354,6 +360,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         long_count=args.long_count,
         long_output_len=args.long_output_len,
         long_interval_s=args.long_interval,
+        long_adapters=args.long_adapters,
     )
     variants = plan_variants(args.engine, args.prefix_cache, args.prefill_budget, args.adapters)
     if args.grpc_address and len(variants) > 1:

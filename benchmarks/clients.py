@@ -69,8 +69,8 @@ class GrpcClient:
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     def request(self, prompt: Prompt) -> pb.SingleGenerationRequest:
-        adapter = {}
-        if self.adapter_ids:
+        adapter = {"adapter_id": prompt.adapter_id} if prompt.adapter_id else {}
+        if self.adapter_ids and not adapter:
             adapter = {"adapter_id": self.adapter_ids[self._sent % len(self.adapter_ids)]}
             self._sent += 1
         return pb.SingleGenerationRequest(

@@ -141,8 +141,13 @@ def plan_mix(cfg: BenchConfig, maker: PromptMaker) -> list[PointPlan]:
             warmup_concurrency=spec.streams + spec.long_count,
             repeats=[],
             mix_warmup=[build_long_mix(maker, spec, f"warmup-{r}") for r in range(cfg.warmup_rounds)],
-            mix_repeats=[
-                build_long_mix(maker, spec, f"point-0-{r}" if r else "point-0")
+            mix_repeats=[  # warm-ups name no adapter: every measured one is loaded on first use
+                build_long_mix(
+                    maker,
+                    spec,
+                    f"point-0-{r}" if r else "point-0",
+                    r * spec.long_count if spec.long_adapters else None,
+                )
                 for r in range(max(1, cfg.repeats))
             ],
         )
@@ -519,7 +524,9 @@ class Run:
             # A fresh server per door, as vLLM-CPU gets: the prompts repeat across systems, and a
             # warm prefix cache would flatter the second door.
             name = f"ours-{suffix}" if suffix else "ours"
-            store = self._adapter_store(model_dir, variant.adapters)
+            long_adapters = cfg.workload.long_adapters
+            cold = cfg.workload.long_count * max(1, cfg.repeats)  # one new adapter per measured long prompt
+            store = self._adapter_store(model_dir, cold if long_adapters else variant.adapters)
             server: OurServer = our_server(
                 model_dir,
                 self.out,
@@ -538,7 +545,11 @@ class Run:
                 entry["info"].update(server.info, dtype=resolved, managed=True)
                 if door == "ours":
                     points = self._drive_grpc(
-                        server.grpc_address, plans, server.metrics_url, variant.key, variant.adapter_ids
+                        server.grpc_address,
+                        plans,
+                        server.metrics_url,
+                        variant.key,
+                        () if long_adapters else variant.adapter_ids,  # prompts name their own
                     )
                 else:
                     points = self._drive_openai(OURS_OPENAI, server.openai_url, None, plans)

@@ -38,6 +38,7 @@ class Prompt:
     text: str
     ids: tuple[int, ...]  # the tokenizer's ids for `text`, special tokens included
     output_len: int
+    adapter_id: str = ""  # the adapter this request names (long-prompt-mix with long_adapters)
 
     @property
     def input_len(self) -> int:
@@ -58,6 +59,7 @@ class WorkloadSpec:
     long_count: int = 4  # long-prompt-mix: long prompts per run
     long_output_len: int = 16  # long-prompt-mix: tokens each long prompt generates
     long_interval_s: float = 0.5  # long-prompt-mix: seconds between long prompts
+    long_adapters: bool = False  # long-prompt-mix: each measured long prompt names an adapter not loaded yet
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -91,6 +93,7 @@ class WorkloadSpec:
                 f"{self.kind}: {self.streams} streams of {self.input_len} in / {self.output_len} out, "
                 f"{self.long_count} long prompts of {self.long_len} in / {self.long_output_len} out "
                 f"every {self.long_interval_s:g} s while they decode"
+                + (", each naming an adapter not loaded yet" if self.long_adapters else "")
             )
         return base
 
@@ -193,10 +196,11 @@ def build_workload(maker: PromptMaker, spec: WorkloadSpec, count: int, salt: str
 
 
 def build_long_mix(
-    maker: PromptMaker, spec: WorkloadSpec, salt: str | int = 0
+    maker: PromptMaker, spec: WorkloadSpec, salt: str | int = 0, adapters_from: int | None = None
 ) -> tuple[list[Prompt], list[Prompt]]:
     """The stream prompts (`streams` of input_len / output_len) and the long prompts
-    (`long_count` of long_len / long_output_len) of one long-prompt-mix run."""
+    (`long_count` of long_len / long_output_len) of one long-prompt-mix run; with
+    `adapters_from`, long prompt i names adapter lora-(adapters_from + i)."""
     if spec.kind != LONG_MIX:
         raise ValueError(f"build_long_mix needs the {LONG_MIX} workload, got {spec.kind!r}")
     rng = random.Random(f"{spec.seed}:{salt}:{spec.kind}")
@@ -204,5 +208,13 @@ def build_long_mix(
     longs = [maker.exact(spec.long_len, rng) for _ in range(spec.long_count)]
     return (
         [Prompt(p.text, p.ids, spec.output_len) for p in streams],
-        [Prompt(p.text, p.ids, spec.long_output_len) for p in longs],
+        [
+            Prompt(
+                p.text,
+                p.ids,
+                spec.long_output_len,
+                "" if adapters_from is None else f"lora-{adapters_from + i}",
+            )
+            for i, p in enumerate(longs)
+        ],
     )

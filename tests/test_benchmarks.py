@@ -535,3 +535,20 @@ def test_adapter_variants_and_round_robin_requests() -> None:
         "lora-3",
         "lora-0",
     ]
+
+
+def test_long_adapters_name_a_new_adapter_per_measured_long_prompt(tiny_model) -> None:
+    from benchmarks.clients import GrpcClient
+    from benchmarks.suite import plan_mix
+    from benchmarks.workload import PromptMaker
+
+    cfg = _config("--workload", "long-prompt-mix", "--long-adapters", "--long-len", "16", "--repeats", "2")
+    assert cfg.workload.long_adapters and "each naming an adapter not loaded yet" in cfg.workload.describe()
+    (plan,) = plan_mix(cfg, PromptMaker(tiny_model("llama")))
+    assert all(not p.adapter_id for streams, longs in plan.mix_warmup for p in streams + longs)
+    named = [[p.adapter_id for p in longs] for _, longs in plan.mix_repeats]
+    assert named == [[f"lora-{i}" for i in range(4)], [f"lora-{i}" for i in range(4, 8)]]
+    assert all(not p.adapter_id for streams, _ in plan.mix_repeats for p in streams)
+    client = GrpcClient.__new__(GrpcClient)
+    client.adapter_ids, client._sent = [], 0
+    assert client.request(plan.mix_repeats[0][1][2]).adapter_id == "lora-2"
