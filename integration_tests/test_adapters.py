@@ -66,6 +66,7 @@ def test_adapters_equal_peft_in_one_busy_batch(server, name: str) -> None:
         assert got == peft_tokens(str(s.model_dir), adapter, prompt, 8), (adapter, prompt)
     with urllib.request.urlopen(f"http://127.0.0.1:{s.http_port}/metrics", timeout=10) as response:
         metrics = response.read().decode()
+
     def value(sample: str) -> float:  # the servers are shared: other tests load adapters too
         return float(re.search(rf"^{re.escape(sample)} (\S+)$", metrics, re.M).group(1))
 

@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 
+from integration_tests.faults import long_params
 from integration_tests.servers import Server
 from router.detokenizer import Detokenizer
 from router.pb import generation_pb2 as pb
@@ -133,12 +134,6 @@ def test_identical_sampled_inputs_get_distinct_seeds(server) -> None:
     seeds = [r.seed for r in reply.responses]
     assert len(set(seeds)) == 5 and all(0 < seed <= 2**32 - 1 for seed in seeds)
     assert len({r.text for r in reply.responses}) == 5
-
-
-def long_params(time_limit_ms: int = 0) -> pb.Parameters:
-    return pb.Parameters(
-        stopping=pb.StoppingCriteria(max_new_tokens=169, min_new_tokens=169, time_limit_millis=time_limit_ms)
-    )
 
 
 @pytest.mark.parametrize("limit_ms", [1, 40])

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -24,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from integration_tests.faults import long_params, outcomes_when, shard_processes
 from integration_tests.servers import Server, launch
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc
@@ -35,12 +35,6 @@ STORY = "A very long story:\n"
 def generate(stub, texts: list[str], **params) -> pb.BatchedGenerationResponse:
     return stub.Generate(
         pb.BatchedGenerationRequest(requests=[{"text": t} for t in texts], params=params or None)
-    )
-
-
-def long_params(time_limit_ms: int = 0) -> pb.Parameters:
-    return pb.Parameters(
-        stopping=pb.StoppingCriteria(max_new_tokens=169, min_new_tokens=169, time_limit_millis=time_limit_ms)
     )
 
 
@@ -415,48 +409,9 @@ def test_sigterm_drains_in_flight_requests(root) -> None:
     logger.info("drain took %.2f s", drained_s)
 
 
-def _shard_process(s: Server) -> psutil.Process:
-    return next(p for p in psutil.Process(s.process.pid).children(recursive=True) if "serve" in p.cmdline())
-
-
-def _outcomes_when(s: Server, requests: int, break_shard) -> list[tuple[str, float]]:
-    """Start `requests` long generations, call `break_shard()`, and return each call's status
-    code name ("OK" if it succeeded) with how many seconds after the break it ended."""
-
-    async def run() -> list[tuple[str, float]]:
-        stub = s.aio_stub()
-        generating = asyncio.Event()  # a stream got its first token: the batch is running
-
-        async def one(i: int) -> tuple[str, float]:
-            """Unary, batch and stream calls in turn: a failure must look the same in each."""
-            texts = [f"x{i}"] if i % 3 == 0 else [f"x{i}", f"y{i}"]
-            try:
-                if i % 3 == 2:
-                    request = pb.SingleGenerationRequest(request={"text": texts[0]}, params=long_params())
-                    async for message in stub.GenerateStream(request):
-                        if message.generated_token_count:
-                            generating.set()
-                else:
-                    requests = [{"text": t} for t in texts]
-                    await stub.Generate(pb.BatchedGenerationRequest(requests=requests, params=long_params()))
-            except grpc.aio.AioRpcError as error:
-                return error.code().name, time.monotonic()
-            return "OK", time.monotonic()
-
-        assert requests >= 3, "the third call is the stream that says when generation runs"
-        calls = [asyncio.ensure_future(one(i)) for i in range(requests)]
-        # Break it mid-generation, however fast the engine is (a fixed sleep raced 169 tokens).
-        await asyncio.wait_for(generating.wait(), 60)
-        break_shard()
-        broken = time.monotonic()
-        return [(code, at - broken) for code, at in await asyncio.gather(*calls)]
-
-    return asyncio.run(run())
-
-
 def test_a_dead_shard_fails_in_flight_requests_promptly(root) -> None:
     s = launch("llama", root)
-    outcomes = _outcomes_when(s, 6, _shard_process(s).kill)
+    outcomes = outcomes_when(s, 6, shard_processes(s)[0].kill)
     # A status a client can act on (retry elsewhere), the same through unary, batch and stream.
     assert all(code == "UNAVAILABLE" for code, _ in outcomes), outcomes
     assert max(after for _, after in outcomes) < 3.0, outcomes
@@ -469,9 +424,9 @@ def test_a_dead_shard_fails_in_flight_requests_promptly(root) -> None:
 def test_a_frozen_shard_fails_in_flight_requests_promptly(root) -> None:
     """SIGSTOP: the shard process exists but answers nothing; keepalive notices within seconds."""
     s = launch("llama", root)
-    shard = _shard_process(s)
+    shard = shard_processes(s)[0]
     try:
-        outcomes = _outcomes_when(s, 3, shard.suspend)
+        outcomes = outcomes_when(s, 3, shard.suspend)
     finally:
         shard.kill()
     assert all(code == "UNAVAILABLE" for code, _ in outcomes), outcomes

@@ -11,14 +11,13 @@ import shutil
 import time
 from pathlib import Path
 
-import grpc
 import psutil
 import pytest
 
 from integration_tests.cases import CASES_DIR, check, load, run_file
+from integration_tests.faults import outcomes_when, shard_processes
 from integration_tests.servers import Server, launch, model_dir
 from integration_tests.test_behaviour import assert_batch_invariance_and_parity
-from router.pb import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +35,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(tmp_path_factory.mktemp("sharded"))
 
 
-def shards_of(s: Server) -> list[psutil.Process]:
-    """The shard processes, by rank."""
-    found = [p for p in psutil.Process(s.process.pid).children(recursive=True) if "serve" in p.cmdline()]
-    return sorted(found, key=lambda p: int(p.environ().get("RANK", "0")))
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_two_ranks_give_the_tokens_of_one_process(root: Path, name: str) -> None:
     s = launch(name, root, *SHARDS)
     try:
-        assert len(shards_of(s)) == 2
+        assert len(shard_processes(s)) == 2
         assert_batch_invariance_and_parity(s)
         if name.startswith("llama@"):  # adapters: every rank applies the same one
             assert_soft_prompt_cases(s)
@@ -71,41 +64,6 @@ def assert_soft_prompt_cases(s: Server) -> None:
     assert cases and not problems, problems
 
 
-def long_params() -> pb.Parameters:
-    return pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=169, min_new_tokens=169))
-
-
-def outcomes_when_broken(s: Server, break_rank) -> list[tuple[str, float]]:
-    """Start three long generations (unary, batch, stream), call `break_rank()` once tokens flow,
-    and return each call's status name with how many seconds after the break it ended."""
-
-    async def run() -> list[tuple[str, float]]:
-        stub = s.aio_stub()
-        generating = asyncio.Event()
-
-        async def one(i: int) -> tuple[str, float]:
-            try:
-                if i == 2:
-                    request = pb.SingleGenerationRequest(request={"text": "x"}, params=long_params())
-                    async for message in stub.GenerateStream(request):
-                        if message.generated_token_count:
-                            generating.set()
-                else:
-                    texts = [{"text": f"x{j}"} for j in range(i + 1)]
-                    await stub.Generate(pb.BatchedGenerationRequest(requests=texts, params=long_params()))
-            except grpc.aio.AioRpcError as error:
-                return error.code().name, time.monotonic()
-            return "OK", time.monotonic()
-
-        calls = [asyncio.ensure_future(one(i)) for i in range(3)]
-        await asyncio.wait_for(generating.wait(), 60)
-        break_rank()
-        broken = time.monotonic()
-        return [(code, at - broken) for code, at in await asyncio.gather(*calls)]
-
-    return asyncio.run(run())
-
-
 def assert_nothing_left(processes: list[psutil.Process]) -> None:
     _, alive = psutil.wait_procs(processes, timeout=10)
     assert not alive, f"left behind: {alive}"
@@ -115,7 +73,7 @@ def test_a_rank_that_dies_takes_the_server_down(tmp_path: Path) -> None:
     root = tmp_path
     s = launch("llama@tgis_native", root, *SHARDS)
     processes = [psutil.Process(s.process.pid), *psutil.Process(s.process.pid).children(recursive=True)]
-    outcomes = outcomes_when_broken(s, shards_of(s)[1].kill)
+    outcomes = outcomes_when(s, 3, shard_processes(s)[1].kill)
     assert all(code == "UNAVAILABLE" for code, _ in outcomes), outcomes
     assert max(after for _, after in outcomes) < 5.0, outcomes
     assert s.process.wait(60) == 1
@@ -133,8 +91,8 @@ def test_a_rank_that_hangs_takes_the_server_down(tmp_path: Path) -> None:
     root = tmp_path
     s = launch("llama@tgis_native", root, *SHARDS, "--collective-timeout", "3")
     processes = [psutil.Process(s.process.pid), *psutil.Process(s.process.pid).children(recursive=True)]
-    frozen = shards_of(s)[1]
-    outcomes = outcomes_when_broken(s, frozen.suspend)
+    frozen = shard_processes(s)[1]
+    outcomes = outcomes_when(s, 3, frozen.suspend)
     broken = time.monotonic()
     assert all(code == "UNAVAILABLE" for code, _ in outcomes), outcomes
     assert max(after for _, after in outcomes) < 5.0, outcomes
@@ -182,7 +140,7 @@ def memory_of(s: Server) -> list[tuple[float, int, int]]:
             rank = int(line.split("shard ")[-1].split("/")[0])
             held[rank] = float(line.split(" holds ")[1].split(" MiB")[0])
     result = []
-    for rank, process in enumerate(shards_of(s)):
+    for rank, process in enumerate(shard_processes(s)):
         status = Path(f"/proc/{process.pid}/status").read_text()
         peak = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM"))
         result.append((held[rank], process.memory_info().rss, peak))

@@ -10,6 +10,7 @@ thread), reloading what was evicted meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -64,6 +65,12 @@ class AdapterSet:
     def get(self, prefix_id: str = "", adapter_id: str = "") -> SoftPrompt | LoraWeights:
         if not adapter_id:
             return self.prompts.get(prefix_id)
+        # loaded before: no disk access (steps resolve every new request's adapter again)
+        cached: SoftPrompt | LoraWeights | None = self.prompts.cache.peek(adapter_id)
+        if cached is None and self.lora is not None:
+            cached = self.lora.cache.peek(adapter_id)
+        if cached is not None:
+            return cached
         if self.kind(adapter_id) == PROMPT_TUNING:
             return self.prompts.get(adapter_id)
         if self.lora is None:
@@ -85,6 +92,18 @@ class AdapterSet:
         """Load the adapter; its virtual tokens (0 for LoRA)."""
         found = self.get(prefix_id, adapter_id)
         return found.length if isinstance(found, SoftPrompt) else 0
+
+    def applied(
+        self,
+        loras: Sequence[LoraWeights | None],
+        device: torch.device,
+        by_rows: bool,
+        repeats: Sequence[int] | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """The forward pass inside applies `loras` (lora.Adapters.applied), when any is set."""
+        if self.lora is None or not any(loras):
+            return contextlib.nullcontext()
+        return self.lora.applied(loras, device, by_rows, repeats)
 
     def for_requests(self, requests: Sequence[GenerationRequest]) -> Resolved:
         resolved = Resolved()
@@ -114,12 +133,6 @@ def adapters_for(
     lora = None
     own_layers = getattr(getattr(model, "config", None), "model_type", None) == "gpt_bigcode"
     if config.world_size == 1 or not own_layers:
-        weight = model.get_input_embeddings().weight
-        lora = Adapters(
-            model,
-            config.max_loras,
-            config.lora_cache_size_mb * 2**20,
-            weight.dtype,
-            device,
-        )
+        cache_bytes = config.lora_cache_size_mb * 2**20
+        lora = Adapters(model, config.max_loras, cache_bytes, prompts.spec.dtype, device)
     return AdapterSet(prompts, lora)

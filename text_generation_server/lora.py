@@ -15,15 +15,16 @@ its own requests, so an evicted adapter stays valid for the requests already run
 `install` (on the worker thread, before a step) wraps each target module once in a LoraLinear,
 which adds B_a(A_a(x)) * scale_a to the rows (padded batches) or packed tokens (ragged batches)
 of the requests that use adapter a. The adapters of a step are applied side by side, with a
-mask, in four operations per module however many there are:
+mask, in three operations per module however many there are (matmul, in-place mask, addmm
+into the base output; sharded row-parallel modules add one all-reduce of x @ A^T):
 
     A = [A_1; ...; A_n]  (R = r_1 + ... + r_n rows),  B = [B_1 ... B_n]
     y = base(x) + ((x @ A^T) * M) @ B^T,   M[i, j] = scale of column j's adapter if row i uses it, else 0
 
 Rows without an adapter get the base output unchanged (their mask row is zero). The extra work
 is the rank of all the step's adapters (a small share of a projection), against one
-gather / two matmuls / scatter per adapter and module for the grouped form: on the 4-adapter
-benchmark the grouped form cost half the throughput.
+gather / two matmuls / scatter per adapter and module for a grouped form, which halved the
+throughput of the 4-adapter benchmark.
 """
 
 from __future__ import annotations
@@ -88,16 +89,15 @@ class Routing:
     step: Step | None = None  # set around a forward pass (Adapters.applied)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Layout:
-    """One module's LoRA weights of the adapters of a step, side by side: A [R, in], B [out, R]
-    with R the sum of their ranks (a step computes every adapter's rank on every row and masks
-    what a row does not own: four operations per module however many adapters)."""
+    """One module's LoRA weights of some adapters, side by side: A [R, in], B [out, R] with R
+    the sum of their ranks (a step computes every adapter's rank on every row and masks what a
+    row does not own: three operations per module however many adapters)."""
 
     key: tuple[int, ...]  # id() of each adapter's LoraWeights, in column order
     a: torch.Tensor
     b: torch.Tensor
-    owners: tuple[int, ...]  # per adapter of the layout: its index in the step's adapters
     ranks: tuple[int, ...]
     scales: torch.Tensor  # [R]
 
@@ -124,10 +124,12 @@ class LoraLinear(nn.Module):
         step = self.routing.step
         if step is None:
             return y
-        layout = self._layout_of(step)
-        if layout is None:
+        present = [(i, w) for i, w in enumerate(step.adapters) if self.path in w.modules]
+        if not present:
             return y
-        columns = tuple(o for o, r in zip(layout.owners, layout.ranks, strict=True) for _ in range(r))
+        layout = self._layout_of([w for _, w in present])
+        # the column owners: each column's adapter as an index in the step's adapters
+        columns = tuple(i for (i, _), r in zip(present, layout.ranks, strict=True) for _ in range(r))
         tokens = x.reshape(-1, x.shape[-1])
         per_row = tokens.shape[0] // step.slots.shape[0] if step.by_rows else 1
         h = tokens @ layout.a.t()  # [tokens, R]
@@ -137,14 +139,12 @@ class LoraLinear(nn.Module):
         y.view(-1, y.shape[-1]).addmm_(h, layout.b.t())
         return y
 
-    def _layout_of(self, step: Step) -> Layout | None:
-        present = [(i, w) for i, w in enumerate(step.adapters) if self.path in w.modules]
-        if not present:
-            return None
-        key = tuple(id(w) for _, w in present)
+    def _layout_of(self, adapters: list[LoraWeights]) -> Layout:
+        """This module's weights of `adapters` side by side (kept while steps repeat them)."""
+        key = tuple(id(w) for w in adapters)
         layout = self._layout
         if layout is None or layout.key != key:
-            pairs = [w.modules[self.path] for _, w in present]
+            pairs = [w.modules[self.path] for w in adapters]
             ranks = tuple(a.shape[0] for a, _, _ in pairs)
             scales = torch.cat(
                 [torch.full((a.shape[0],), scale, dtype=a.dtype, device=a.device) for a, _, scale in pairs]
@@ -153,12 +153,10 @@ class LoraLinear(nn.Module):
                 key,
                 torch.cat([a for a, _, _ in pairs]) if len(pairs) > 1 else pairs[0][0],
                 torch.cat([b for _, b, _ in pairs], dim=1) if len(pairs) > 1 else pairs[0][1],
-                (),
                 ranks,
                 scales,
             )
             self._layout = layout
-        layout.owners = tuple(i for i, _ in present)
         return layout
 
 
@@ -228,6 +226,7 @@ class Adapters:
             max_loras,
         )
         self.routing = Routing()  # what the LoraLinear layers apply in the current forward
+        self._wrapped: set[str] = set()  # module paths wrapped in a LoraLinear
 
     # ---- the resident set -------------------------------------------------------------------
 
@@ -336,29 +335,41 @@ class Adapters:
     def install(self, weights: Sequence[LoraWeights]) -> None:
         """Wrap the target modules of `weights` not wrapped yet (worker thread only)."""
         for lora in weights:
-            for path in lora.modules:
+            for path in lora.modules.keys() - self._wrapped:
                 module = self.model.get_submodule(path)
-                if isinstance(module, LoraLinear):
-                    continue
                 parent_path, _, name = path.rpartition(".")
                 parent = self.model.get_submodule(parent_path) if parent_path else self.model
                 wrapped = LoraLinear(module, path, self.routing)
                 wrapped.row_parallel = _parallel_style(module) == "row"
                 setattr(parent, name, wrapped)
+                self._wrapped.add(path)
 
     @contextlib.contextmanager
-    def applied(self, step: Step | None) -> Iterator[None]:
-        """The forward pass inside applies `step` (None: the base model)."""
-        self.routing.step = step
+    def applied(
+        self,
+        adapters: Sequence[LoraWeights | None],
+        device: torch.device,
+        by_rows: bool,
+        repeats: Sequence[int] | None = None,
+    ) -> Iterator[None]:
+        """The forward pass inside applies `adapters`: one per row of a padded batch
+        (`by_rows`), or per piece of a packed batch, piece i being `repeats[i]` tokens (None:
+        the base model). Nothing to do when no entry has an adapter."""
+        self.routing.step = step_of(adapters, device, by_rows, repeats)
         try:
             yield
         finally:
             self.routing.step = None
 
 
-def step_of(adapters: Sequence[LoraWeights | None], device: torch.device, by_rows: bool) -> Step | None:
-    """The step of a batch whose rows (or packed tokens) use `adapters` (None: the base
-    model); None when none uses one."""
+def step_of(
+    adapters: Sequence[LoraWeights | None],
+    device: torch.device,
+    by_rows: bool,
+    repeats: Sequence[int] | None = None,
+) -> Step | None:
+    """The step of a batch whose rows or pieces use `adapters` (None: the base model; see
+    Adapters.applied); None when none uses one."""
     distinct: dict[int, int] = {}
     chosen: list[LoraWeights] = []
     slots = []
@@ -372,4 +383,7 @@ def step_of(adapters: Sequence[LoraWeights | None], device: torch.device, by_row
         slots.append(distinct[id(weights)])
     if not chosen:
         return None
-    return Step(chosen, torch.tensor(slots, device=device), by_rows)
+    per_entry = torch.tensor(slots, device=device)
+    if repeats is not None:
+        per_entry = per_entry.repeat_interleave(torch.tensor(repeats, device=device))
+    return Step(chosen, per_entry, by_rows)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -27,19 +26,25 @@ class LoadedCache(Generic[T]):
         max_bytes: int,
         too_big: Callable[[str], Exception],
         max_items: int | None = None,
-        observe_load: Callable[[float], None] | None = None,
     ) -> None:
         self.what = what  # for log lines: "soft prompt", "LoRA adapter"
         self._size_of = size_of
         self.max_bytes = max_bytes
         self.max_items = max_items
         self._too_big = too_big
-        self._observe_load = observe_load
         self._values: OrderedDict[str, T] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
         self.loads = self.evictions = 0
+
+    def peek(self, key: str) -> T | None:
+        """The cached value of `key` (now the most recently used), or None; never loads."""
+        with self._lock:
+            if key in self._values:
+                self._values.move_to_end(key)
+                return self._values[key]
+            return None
 
     def get(self, key: str, load: Callable[[], T]) -> T:
         with self._lock:
@@ -52,10 +57,7 @@ class LoadedCache(Generic[T]):
                 with self._lock:
                     if key in self._values:
                         return self._values[key]
-                start = time.perf_counter()
                 value = load()
-                if self._observe_load is not None:
-                    self._observe_load(time.perf_counter() - start)
                 self._admit(key, value)
                 return value
             finally:

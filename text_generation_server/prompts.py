@@ -99,9 +99,6 @@ class PromptStore:
 
     def directory(self, prefix_id: str) -> Path:
         """Where `prefix_id` is stored (TGIS's id rules: PromptError, or PrefixNotFoundError)."""
-        return self._directory(prefix_id)
-
-    def _directory(self, prefix_id: str) -> Path:
         if not ID_PATTERN.fullmatch(prefix_id):
             raise PromptError(f"Invalid prefix id {prefix_id}, must contain only alphanumeric, _ and - and /")
         if self.root is None:
@@ -115,7 +112,7 @@ class PromptStore:
         return path
 
     def _load(self, prefix_id: str) -> SoftPrompt:
-        path = self._directory(prefix_id)
+        path = self.directory(prefix_id)
         try:
             return self._load_from(prefix_id, path)
         except OSError as exc:  # too long a name, no permission, ...: as good as missing

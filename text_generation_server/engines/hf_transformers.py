@@ -8,7 +8,6 @@ Called only from the shard's worker thread (server.py).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import time
@@ -41,7 +40,6 @@ from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
-from text_generation_server.lora import LoraWeights, step_of
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
 from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
@@ -309,7 +307,8 @@ class HFTransformersEngine(ModelEngine):
     def _step(self, batch: PaddedBatch, first: bool) -> tuple[StepOutput, PaddedBatch | None]:
         want_input_logits = first and not self.seq2seq and batch.wants_input_logits
         start = time.perf_counter_ns()
-        with self._lora(batch.loras):
+        assert self.adapters is not None
+        with self.adapters.applied(batch.loras, self.device, by_rows=True):
             logits = batch.forward(self.model, all_logits=want_input_logits)
         last = logits[:, -1, :].to(torch.float32, copy=True)
         if self.device.type == "cuda":
@@ -321,13 +320,6 @@ class HFTransformersEngine(ModelEngine):
             output.input_tokens = self._input_tokens(batch, logits if want_input_logits else None)
         batch.append_tokens(next_ids)
         return output, drop_failed(batch, output)
-
-    def _lora(self, loras: list[LoraWeights | None]) -> contextlib.AbstractContextManager[None]:
-        """The LoRA adapters of the batch's rows, applied to the forward pass inside."""
-        lora = self.adapters.lora if self.adapters is not None else None
-        if lora is None or not any(loras):
-            return contextlib.nullcontext()
-        return lora.applied(step_of(loras, self.device, by_rows=True))
 
     def _input_tokens(self, batch: PaddedBatch, logits: torch.Tensor | None) -> list[InputTokens]:
         prompts = batch.prompts

@@ -54,7 +54,6 @@ from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, Seq
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
-from text_generation_server.lora import step_of
 from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
 
@@ -300,11 +299,11 @@ class TgisNativeEngine(ModelEngine):
         selected = keep is not None and self.context.accepts_logits_to_keep
         if selected:
             kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
-        token_loras = [s.lora for s, tokens, _ in pieces for _ in tokens]
-        lora = self.adapters.lora if self.adapters is not None else None
         applied = (
-            lora.applied(step_of(token_loras, device, by_rows=False))
-            if lora is not None and any(token_loras)
+            self.adapters.applied(
+                [s.lora for s, _, _ in pieces], device, False, [len(t) for _, t, _ in pieces]
+            )
+            if self.adapters is not None  # None only in the probe step of start-up
             else contextlib.nullcontext()
         )
         packed = torch.tensor([ids], device=device)
