@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from integration_tests.servers import free_port
 
 PACKAGE = "prometheus"
 BINARY_ENV = "PROMETHEUS_BINARY"  # an explicit binary (e.g. a downloaded release) wins over PATH
@@ -95,12 +96,6 @@ def _find() -> str:
     if not found:
         raise PrometheusUnavailable(f"prometheus is not installed: {INSTALL_HINT}")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PrometheusServer:

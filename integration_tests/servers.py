@@ -10,6 +10,7 @@ SIGTERM and waits. Used by integration_tests/conftest.py and record.py.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,10 +50,27 @@ TGIS_TEST_FLAGS = (
 STARTUP_TIMEOUT_S = 120.0
 
 
+LOWEST_PORT = 10000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now and below the kernel's ephemeral range. Ports the kernel hands out
+    (bind to 0) come from that range, where the processes a test starts take theirs too: the
+    ranks of a sharded server open many connections, and one took the HTTP port picked for the
+    router before the router bound it."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    for _ in range(1000):
+        port = random.randrange(LOWEST_PORT, max(first_ephemeral, LOWEST_PORT + 1000))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def model_dir(name: str, root: Path) -> Path:
