@@ -15,6 +15,7 @@ import torch
 from tests.adapter_helpers import engine_with_store, peft_generate
 from tests.engines.conformance import Runner, alone
 from text_generation_common.messages import GenerationRequest
+from text_generation_server import lora as lora_layers
 from text_generation_server.lora import AdapterError
 from text_generation_server.testing.tiny_prompts import build_lora
 
@@ -62,10 +63,19 @@ def store(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFact
 CASES = [("hf_transformers", "llama"), ("tgis_native", "llama"), ("hf_transformers", "t5")]
 
 
+@pytest.mark.parametrize("path", ["kernel", "matmul"])
 @pytest.mark.parametrize(("name", "arch"), CASES, ids=lambda v: v)
-def test_lora_equals_peft_alone_and_in_mixed_batches(name: str, arch: str, tiny_model, store: Path) -> None:
+def test_lora_equals_peft_alone_and_in_mixed_batches(
+    name: str, arch: str, path: str, tiny_model, store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step on one of the two ways a step applies LoRA (lora.py): the CPU kernel, or the
+    adapters side by side with a mask."""
     base = tiny_model(arch)
     e = engine_with_store(name, base, store / arch)
+    assert e.adapters is not None and e.adapters.lora is not None
+    if path == "kernel" and not e.adapters.lora.kernel:
+        pytest.skip("the CPU kernels cannot be built here")
+    monkeypatch.setattr(lora_layers, "KERNEL_MAX_WORK", 10**9 if path == "kernel" else -1)
     want = {
         (adapter, p): peft_generate(base, store / arch / adapter if adapter else None, PROMPTS[p], 10)
         for adapter in ("a", "b", "")

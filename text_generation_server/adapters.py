@@ -21,6 +21,7 @@ import torch
 
 from text_generation_common.messages import AdapterCacheState, GenerationRequest
 from text_generation_server.config import ServerConfig
+from text_generation_server.engines import cpu_kernels
 from text_generation_server.errors import PrefixNotFoundError, ShardError
 from text_generation_server.lora import AdapterError, Adapters, LoraWeights
 from text_generation_server.prompts import PromptStore, SoftPrompt, clipped, store_for
@@ -134,5 +135,17 @@ def adapters_for(
     own_layers = getattr(getattr(model, "config", None), "model_type", None) == "gpt_bigcode"
     if config.world_size == 1 or not own_layers:
         cache_bytes = config.lora_cache_size_mb * 2**20
-        lora = Adapters(model, config.max_loras, cache_bytes, prompts.spec.dtype, device)
+        kernel = device.type == "cpu" and bool(config.prefix_store_path) and lora_kernel_builds()
+        lora = Adapters(model, config.max_loras, cache_bytes, prompts.spec.dtype, device, kernel)
     return AdapterSet(prompts, lora)
+
+
+def lora_kernel_builds() -> bool:
+    """Whether our CPU LoRA kernel serves the steps with few adapter tokens (lora.py); where it
+    cannot be built (no compiler) every step takes the matmul form, which computes the same."""
+    try:
+        cpu_kernels.load()
+    except cpu_kernels.KernelBuildError as exc:
+        logger.warning("LoRA steps use matmuls only (no CPU kernel): %s", exc)
+        return False
+    return True

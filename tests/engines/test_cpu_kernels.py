@@ -1,5 +1,6 @@
 """Our C++ decode attention (engines/csrc/paged_decode_cpu.cpp) against SDPA over the same keys,
-the transposed-key cache layout it reads, and how CPU_ATTENTION behaves where it cannot build."""
+the transposed-key cache layout it reads, and how CPU_ATTENTION behaves where it cannot build;
+the LoRA kernel (engines/csrc/lora_cpu.cpp) against a per-token float reference."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from text_generation_server.engines import cpu_kernels
 from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LORA_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,52 @@ def test_bad_shapes_are_refused(kernel) -> None:
         cpu_kernels.paged_decode(query.bfloat16(), cache, tables, lengths, 16, 1.0, None)
     with pytest.raises(RuntimeError, match="one block table and one length per query row"):
         cpu_kernels.paged_decode(query, cache, tables[:2], lengths, 16, 1.0, None)
+
+
+def lora_reference(y, x, slots, per_row, a, bt, scales) -> torch.Tensor:
+    """y + scale_s * (x @ A_s^T) @ Bt_s token by token, in float."""
+    out = y.float().clone()
+    for i in range(x.shape[0]):
+        s = int(slots[i // per_row])
+        if s >= 0 and a[s] is not None:
+            out[i] += scales[s] * (x[i].float() @ a[s].float().t()) @ bt[s].float()
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_lora_apply_equals_the_per_token_reference(kernel, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    # features on and off the 16-lane vectors, padded rows of several tokens, an adapter that
+    # does not target the module, ranks that differ, rows of the base model
+    for tokens, features_in, features_out, per_row in ((17, 512, 96, 1), (12, 100, 37, 3), (4, 16, 5, 2)):
+        x = torch.randn(tokens, features_in, generator=gen).to(dtype)
+        wide = torch.randn(tokens, features_out + 7, generator=gen).to(dtype)
+        y = wide[:, :features_out]  # rows strided, as a view of a wider output
+        beside = wide[:, features_out:].clone()
+        a = [torch.randn(r, features_in, generator=gen).to(dtype) if r else None for r in (8, 0, 3)]
+        bt = [torch.randn(r, features_out, generator=gen).to(dtype) if r else None for r in (8, 0, 3)]
+        slots = torch.tensor([(row % 4) - 1 for row in range(tokens // per_row)])
+        scales = [0.5, 1.0, 2.0]
+        expected = lora_reference(y, x, slots, per_row, a, bt, scales)
+        cpu_kernels.lora_apply(y, x, slots, per_row, a, bt, scales)
+        # relative to the values (sums of 512 products): the output's rounding, float sums reordered
+        error = ((y.float() - expected).abs() / expected.abs().clamp(min=1)).max().item()
+        assert error < LORA_TOLERANCE[dtype], (tokens, features_in, features_out, error)
+        assert torch.equal(wide[:, features_out:], beside)  # the columns beside y stay
+
+
+def test_lora_apply_refuses_what_does_not_fit(kernel) -> None:
+    x, y, slots = torch.zeros(4, 8), torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)
+    a, bt = torch.zeros(2, 8), torch.zeros(2, 6)
+    cpu_kernels.lora_apply(y, x, slots, 1, [a], [bt], [1.0])
+    with pytest.raises(RuntimeError, match=r"A must be \[rank, in\] and Bt \[rank, out\]"):
+        cpu_kernels.lora_apply(y, x, slots, 1, [a], [torch.zeros(2, 5)], [1.0])
+    with pytest.raises(RuntimeError, match="slots \\* per_row must equal the tokens"):
+        cpu_kernels.lora_apply(y, x, slots, 2, [a], [bt], [1.0])
+    with pytest.raises(RuntimeError, match="slot 1 names no adapter"):
+        cpu_kernels.lora_apply(y, x, torch.tensor([0, 1, -1, 0]), 1, [a], [bt], [1.0])
+    with pytest.raises(RuntimeError, match="dtype differs"):
+        cpu_kernels.lora_apply(y, x, slots, 1, [a.bfloat16()], [bt.bfloat16()], [1.0])
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

@@ -1,5 +1,8 @@
 """Our C++ CPU kernels (engines/csrc/), built on first use with torch's extension builder.
 
+`lora_apply` (csrc/lora_cpu.cpp) adds each token's LoRA adapter to a module's output in one
+call that visits only the tokens with an adapter (lora.py uses it for steps with few of them).
+
 `paged_decode` (csrc/paged_decode_cpu.cpp) attends single-token queries straight from the
 paged KV cache: per (sequence, KV head) task on torch's thread pool, online softmax over the
 sequence's blocks where they lie, float accumulation, keys read from blocks stored transposed so
@@ -32,7 +35,9 @@ from text_generation_server.utils.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_decode_cpu.cpp", CSRC / "lora_cpu.cpp")
+HEADERS = (CSRC / "float_vectors.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")
 
 _loaded: str | None = None  # the library name once loaded in this process
@@ -44,7 +49,9 @@ class KernelBuildError(RuntimeError):
 
 def library_name() -> str:
     """A name unique to the source, the compiler flags and this CPU's features."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(" ".join(sorted(cpu_flags())).encode())
     digest.update(torch.__version__.encode())
@@ -87,16 +94,17 @@ def load() -> None:
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as exc:  # the compiler's or loader's own message says why
-        raise KernelBuildError(f"building {SOURCE.name} failed: {str(exc).strip().splitlines()[-1]}") from exc
+        reason = str(exc).strip().splitlines()[-1]
+        raise KernelBuildError(f"building the CPU kernels failed: {reason}") from exc
     _loaded = name
-    logger.info("CPU kernels: %s loaded (%s)", SOURCE.name, name)
+    logger.info("CPU kernels loaded (%s)", name)
 
 
 def use_kernel(mode: str, device: torch.device) -> bool:
@@ -126,3 +134,18 @@ def paged_decode(
     (K blocks transposed: paged_kv.PagedKVCache with transposed_keys) with block tables
     [rows, width] and key counts [rows] -> [rows, heads, dim]."""
     return torch.ops.tgis_cpu.paged_decode(query, cache, tables, lengths, block_size, scale, window or 0)
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    per_row: int,
+    a: list[torch.Tensor | None],
+    bt: list[torch.Tensor | None],
+    scales: list[float],
+) -> None:
+    """y [tokens, out] += scale_s * (x [tokens, in] @ a[s]^T) @ bt[s] for each token whose row
+    (token // per_row) has slot s >= 0 in `slots` [rows]; a[s] [r, in] and bt[s] [r, out]
+    (None: adapter s does not target this module)."""
+    torch.ops.tgis_cpu.lora_apply(y, x, slots, per_row, a, bt, scales)

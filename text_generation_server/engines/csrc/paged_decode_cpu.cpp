@@ -27,6 +27,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_vectors.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -38,41 +40,11 @@
 
 namespace {
 
+using namespace tgis_cpu;
+
 // -ffast-math assumes no infinities: the running maximum starts at the lowest finite float
 // instead of -inf (exp of it minus any score is 0), and keys outside the window score it too.
 constexpr float kNoScore = std::numeric_limits<float>::lowest();
-constexpr int64_t kLanes = 16;
-using vf = float __attribute__((vector_size(kLanes * sizeof(float))));
-
-// ---- loads as float -----------------------------------------------------------------------
-
-inline float scalar(float x) { return x; }
-inline float scalar(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float scalar(c10::Half x) { return static_cast<float>(x); }
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vf load(const c10::BFloat16* p) {  // bfloat16 is the upper half of a float
-  using vh = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  using vu = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu bits = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
-inline vf load(const c10::Half* p) {
-  using vh = _Float16 __attribute__((vector_size(kLanes * sizeof(_Float16))));
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, vf);
-}
 
 // ---- one sequence, one group of query heads -------------------------------------------------
 
