@@ -14,6 +14,7 @@ Every failure is a LaunchError carrying one line for the operator. No torch, no 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -262,6 +263,16 @@ def check_num_shard(num_shard: int, engine: str, engines: Mapping[str, EngineSpe
         )
 
 
+def check_engine_installed(engine: str, engines: Mapping[str, EngineSpec] = ENGINES) -> None:
+    """An engine that needs an optional extra (onnxruntime) fails here, before any process starts."""
+    spec = engines[engine].capabilities
+    missing = [module for module in spec.requires if importlib.util.find_spec(module) is None]
+    if missing:
+        raise LaunchError(
+            f"engine {engine!r} needs {', '.join(missing)}, which is not installed: {spec.install_hint}"
+        )
+
+
 def check_quantize(quantize: str | None) -> None:
     if quantize:
         raise LaunchError(f"quantization ({quantize}) is not supported by any engine yet: unset QUANTIZE")
@@ -356,6 +367,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     dtype = resolve_dtype(flags.dtype, flags.dtype_str)
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)
+    check_engine_installed(engine)
     check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
     auth = resolve_auth(flags)
     cache_dir = resolve_cache_dir(env)

@@ -212,6 +212,18 @@ def test_an_encoder_decoder_model_needs_a_seq2seq_engine(tiny_model: Callable[..
         lc.check_model_kind(tiny_model("t5"), "decoder_only", engines)
 
 
+def test_an_engine_of_an_optional_extra_needs_it_installed() -> None:
+    engines = {
+        "extra": spec("extra", requires=("no_such_module_here",), install_hint="pip install 'x[extra]'"),
+        "core": spec("core", requires=("json",)),
+    }
+    lc.check_engine_installed("core", engines)
+    missing = r"engine 'extra' needs no_such_module_here, which is not installed: pip install 'x\[extra\]'"
+    with pytest.raises(LaunchError, match=missing):
+        lc.check_engine_installed("extra", engines)
+    lc.check_engine_installed("hf_optimum_ort")  # the onnx extra is part of the dev install
+
+
 def test_unknown_engine_lists_the_choices() -> None:
     engines = {
         name: EngineSpec(name, "m:A", EngineCapabilities(), "") for name in ("hf_transformers", "onnx")

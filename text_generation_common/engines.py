@@ -32,6 +32,8 @@ class EngineCapabilities:
     prompt_tuning: bool = False  # tuned soft prompts (prefix_id, or adapter_id naming one)
     lora: bool = False  # LoRA adapters (adapter_id)
     chunked_prefill: bool = False  # can compute part of a prompt per step (a token budget)
+    requires: tuple[str, ...] = ()  # modules beyond the core install (an extra), checked by the launcher
+    install_hint: str = ""  # how to get them
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,17 @@ ENGINES: dict[str, EngineSpec] = {
             ),
             "decoder-only Llama, Mistral, GPT-NeoX, GPT-2, GPT-BigCode, Granite, Qwen2: ragged batches "
             "over a paged KV cache",
+        ),
+        EngineSpec(
+            "hf_optimum_ort",
+            "text_generation_server.engines.hf_optimum_ort:OnnxRuntimeEngine",
+            EngineCapabilities(
+                capacity=CapacityKind.PADDED_WEIGHTS,
+                requires=("onnxruntime",),
+                install_hint="pip install 'text-generation-server[onnx]' (or onnxruntime-gpu for CUDA)",
+            ),
+            "a decoder-only model's ONNX export (optimum's layout; exported on first load when missing) "
+            "on ONNX Runtime, left-padded batches (CPU or CUDA provider)",
         ),
     )
 }

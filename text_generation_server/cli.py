@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from pathlib import Path
 
 import click
 
@@ -398,6 +399,44 @@ def convert_to_fast_tokenizer(model_name: str, revision: str | None, output_path
     except (FileNotFoundError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(str(path))
+
+
+@app.command("convert-to-onnx")
+@click.argument("model_name")
+@click.argument("target", required=False)
+@click.option("--revision", envvar="REVISION", default=None, help="Revision in the HF cache [env REVISION].")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16"]),
+    default="float32",
+    help="Weights and activations of the export: float32 for CPUs, float16 for the CUDA provider.",
+)
+@click.option(
+    "--optimize/--no-optimize",
+    envvar="OPTIMIZE_ONNX_MODEL",
+    default=False,
+    help="Save the graph with ONNX Runtime's extended optimizations applied [env OPTIMIZE_ONNX_MODEL].",
+)
+@click.option(
+    "--merge-graphs/--no-merge-graphs",
+    envvar="MERGE_ONNX_GRAPHS",
+    default=True,
+    help="Accepted for TGIS compatibility: the export is always one graph for prefill and decode.",
+)
+def convert_to_onnx(
+    model_name: str, target: str | None, revision: str | None, dtype: str, optimize: bool, merge_graphs: bool
+) -> None:
+    """Export MODEL_NAME (local dir or HF cache) to an ONNX decoder in optimum's layout, in TARGET
+    (default: the model directory), with the model's config and tokenizer beside it."""
+    from text_generation_server.utils import hub, onnx_export
+
+    try:
+        model_dir = hub.resolve_model_dir(model_name, revision)
+        out = Path(target) if target else Path(model_dir)
+        written = onnx_export.export(Path(model_dir), out, dtype=dtype, optimize=optimize)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(str(written))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ ENGINE_ARCHS: dict[str, tuple[str, ...]] = {
     "fake": ("llama",),
     "hf_accelerate": ("llama", "t5"),  # hf_transformers' steps: the loading differs
     "tgis_native": ("llama", "gpt2", "gpt_neox", "mistral", "gpt_bigcode", "granite", "qwen2"),
+    "hf_optimum_ort": ("llama", "gpt_neox", "gpt_bigcode"),
 }
 # engine -> (label, ServerConfig overrides, archs): the engine again on another code path
 ENGINE_VARIANTS: dict[str, tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...]] = {
@@ -59,6 +61,19 @@ ENGINE_VARIANTS: dict[str, tuple[tuple[str, dict[str, Any], tuple[str, ...]], ..
     "tgis_native": (("sdpa", {"cpu_attention": "sdpa"}, ("llama", "mistral", "gpt_bigcode")),),
 }
 TEST_ENGINES: dict[str, Callable[[ServerConfig], ModelEngine]] = {"fake": FakeEngine}
+
+
+def without_onnx(model_dir: Path) -> Path:
+    """A copy of a tiny model with no ONNX file (once per model): hf_optimum_ort exports it on
+    first load, as it does for a user's model, and the copy keeps the export for the next case."""
+    copy = model_dir.with_name(model_dir.name + "-onnx")
+    if not (copy / "config.json").exists():
+        shutil.copytree(model_dir, copy, dirs_exist_ok=True)
+    return copy
+
+
+# engine -> the model directory it serves, made from a tiny model's (default: that directory)
+ENGINE_MODEL_DIRS: dict[str, Callable[[Path], Path]] = {"hf_optimum_ort": without_onnx}
 MAX_BATCH = 16
 
 
@@ -72,6 +87,11 @@ class EngineCase:
     @property
     def id(self) -> str:
         return f"{self.engine}[{self.variant}]-{self.arch}" if self.variant else f"{self.engine}-{self.arch}"
+
+    def model_dir(self, tiny: Path) -> Path:
+        """The directory this case serves, given the tiny model's."""
+        prepare = ENGINE_MODEL_DIRS.get(self.engine)
+        return prepare(tiny) if prepare else tiny
 
     def build(self, model_dir: Path) -> ModelEngine:
         config = ServerConfig(

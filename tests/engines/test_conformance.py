@@ -71,7 +71,7 @@ class Subject:
 @pytest.fixture(scope="module", params=engine_cases(), ids=lambda c: c.id)
 def subject(request, tiny_model) -> Iterator[Subject]:
     case: EngineCase = request.param
-    model_dir = tiny_model(case.arch)
+    model_dir = case.model_dir(tiny_model(case.arch))
     engine = case.build(model_dir)
     yield Subject(case, engine, oracle_for(case, engine, model_dir), model_dir)
 

@@ -8,6 +8,7 @@ Called only from the shard's worker thread (server.py).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -68,7 +69,7 @@ def select_dtype(
     return default_cpu_dtype(cpu_flags() if flags is None else flags)
 
 
-def _config_int(hf_config: Any, names: Sequence[str], default: int) -> int:
+def config_int(hf_config: Any, names: Sequence[str], default: int) -> int:
     for name in names:
         value = getattr(hf_config, name, None)
         if isinstance(value, int) and value > 0:
@@ -169,8 +170,35 @@ def load_pretrained(
 
 def model_context(loaded: Loaded, config: ServerConfig) -> ModelContext:
     """Special tokens, vocabulary and limits of a loaded model."""
-    hf_config, tokenizer = loaded.hf_config, loaded.tokenizer
-    generation_config = getattr(loaded.model, "generation_config", None)
+    output = loaded.model.get_output_embeddings()
+    vocab_size = int(output.weight.shape[0]) if output is not None else int(loaded.hf_config.vocab_size)
+    forward_params = inspect.signature(loaded.model.forward).parameters
+    return build_context(
+        loaded.hf_config,
+        loaded.tokenizer,
+        getattr(loaded.model, "generation_config", None),
+        vocab_size,
+        config,
+        loaded.device,
+        seq2seq=loaded.seq2seq,
+        accepts_position_ids="position_ids" in forward_params,
+        accepts_logits_to_keep="logits_to_keep" in forward_params,
+    )
+
+
+def build_context(
+    hf_config: Any,
+    tokenizer: Any,
+    generation_config: Any,
+    vocab_size: int,
+    config: ServerConfig,
+    device: torch.device,
+    *,
+    seq2seq: bool,
+    accepts_position_ids: bool,
+    accepts_logits_to_keep: bool,
+) -> ModelContext:
+    """Special tokens (config.json, then the generation config, then the tokenizer) and limits."""
     eos = _first_id(hf_config.eos_token_id)
     if eos is None and generation_config is not None:
         eos = _first_id(generation_config.eos_token_id)
@@ -185,61 +213,52 @@ def model_context(loaded: Loaded, config: ServerConfig) -> ModelContext:
         pad = eos  # padding is masked out: any valid id will do
     probe = tokenizer("a")["input_ids"]
     bos = tokenizer.bos_token_id if probe and probe[0] == tokenizer.bos_token_id else None
-    output = loaded.model.get_output_embeddings()
-    vocab_size = int(output.weight.shape[0]) if output is not None else int(hf_config.vocab_size)
     model_max = context_length(hf_config.to_dict())
     max_sequence_length = config.max_sequence_length or model_max or DEFAULT_MAX_SEQUENCE_LENGTH
     if model_max is not None and max_sequence_length > model_max:
         logger.warning(
             "max_sequence_length %d is above the model's own limit of %d", max_sequence_length, model_max
         )
-    forward_params = inspect.signature(loaded.model.forward).parameters
     decoder_start = None
-    if loaded.seq2seq:
+    if seq2seq:
         decoder_start = _first_id(hf_config.decoder_start_token_id)
         if decoder_start is None:
             decoder_start = pad
     return ModelContext(
-        device=loaded.device,
+        device=device,
         vocab_size=vocab_size,
         eos_token_id=eos,
         pad_token_id=pad,
         bos_token_id=bos,
         max_sequence_length=max_sequence_length,
         max_new_tokens=config.max_new_tokens,
-        accepts_position_ids="position_ids" in forward_params,
-        accepts_logits_to_keep="logits_to_keep" in forward_params,
+        accepts_position_ids=accepts_position_ids,
+        accepts_logits_to_keep=accepts_logits_to_keep,
         decoder_start_token_id=decoder_start,
     )
 
 
-class HFTransformersEngine(ModelEngine):
-    device_map: str | None = None  # how accelerate places the layers (None: all on one device)
+class PaddedEngine(ModelEngine):
+    """Steps over left-padded batches (padded_causal.py, padded_seq2seq.py) of a model that
+    the subclass loads: `model` is what the batches' forward runs."""
 
-    def __init__(self, config: ServerConfig) -> None:
-        loaded = load_pretrained(config, device_map=self.device_map)
-        self.model = loaded.model
-        self.device, self.dtype, self.dtype_reason = loaded.device, loaded.dtype, loaded.dtype_reason
-        self.seq2seq = loaded.seq2seq
-        dtype_name = loaded.dtype_name
-        hf_config = loaded.hf_config
-        if self.device.type == "cpu" and use_decode_packed_sdpa(self.model):
-            logger.info("attention: SDPA, with GQA decode steps on the packed-query kernel")
-        self.batch_type: type[PaddedBatch] = Seq2SeqLMBatch if self.seq2seq else CausalLMBatch
-        self.context = model_context(loaded, config)
-        max_length = self.context.max_sequence_length
-        self.adapters = adapters_for(config, self.model, self.device, self.seq2seq, max_length)
+    model: Any
+    device: torch.device
+    seq2seq: bool
+    dtype_reason: str
+    batch_type: type[PaddedBatch]
+    context: ModelContext
+
+    def padded_info(self, config: ServerConfig, facts: MemoryFacts, dtype_name: str) -> ModelInfo:
+        """What the router learns of the engine: limits, special tokens, the batch-weight model."""
         memory_model = estimate(
             config.estimate_memory,
-            self._memory_facts(hf_config, config.cuda_process_memory_fraction),
+            facts,
             max_sequence_length=self.context.max_sequence_length,
             max_batch_size=config.max_batch_size,
             safety_margin=config.batch_safety_margin,
         )
-        whole = config.world_size == 1 and self.device_map is None  # one module per linear
-        if self.device.type == "cpu" and whole:  # after the steps above, which read the weights
-            choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
-        self.info = ModelInfo(
+        return ModelInfo(
             seq2seq=self.seq2seq,
             eos_token_id=self.context.eos_token_id,
             vocab_size=self.context.vocab_size,
@@ -251,51 +270,11 @@ class HFTransformersEngine(ModelEngine):
             dtype_reason=self.dtype_reason,
         )
 
-    def _memory_facts(self, hf_config: Any, cuda_fraction: float) -> MemoryFacts:
-        """Measure KV bytes per token with a one-token forward pass; estimate the rest."""
-        ctx = self.context
-        with torch.inference_mode():
-            if self.seq2seq:
-                out = self.model(
-                    input_ids=torch.full((1, 2), ctx.pad_token_id, device=self.device),
-                    decoder_input_ids=torch.full((1, 1), ctx.decoder_start_token_id or 0, device=self.device),
-                    past_key_values=new_cache(seq2seq=True, capacity=1),
-                    use_cache=True,
-                )
-                hidden = out.encoder_last_hidden_state
-                kv_in = cache_bytes(out.past_key_values.cross_attention_cache) // 2
-                kv_in += hidden.shape[-1] * hidden.element_size()  # the kept encoder output
-                kv_out = cache_bytes(out.past_key_values.self_attention_cache)
-            else:
-                out = self.model(
-                    input_ids=torch.full((1, 1), ctx.pad_token_id, device=self.device),
-                    past_key_values=new_cache(seq2seq=False, capacity=1),
-                    use_cache=True,
-                )
-                kv_in = kv_out = cache_bytes(out.past_key_values)
-        width = _config_int(hf_config, ("hidden_size", "n_embd", "d_model"), 1024)
-        inner = _config_int(hf_config, ("intermediate_size", "n_inner", "d_ff"), 4 * width)
-        element = torch.finfo(self.dtype).bits // 8
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            allowed = int(total * cuda_fraction) - torch.cuda.memory_allocated(self.device)
-            free = max(0, min(free, allowed))
-        else:
-            free = host_available_bytes()
-        return MemoryFacts(
-            kv_bytes_per_input_token=kv_in,
-            kv_bytes_per_output_token=kv_out,
-            prefill_bytes_per_token=(4 * width + 2 * inner) * element,
-            free_bytes=free,
-        )
-
     def new_batch(
         self, batch_id: int, requests: Sequence[GenerationRequest]
     ) -> tuple[PaddedBatch | None, list[RequestError]]:
-        assert self.adapters is not None
-        return self.batch_type.from_requests(
-            batch_id, requests, self.context, self.adapters.for_requests(requests)
-        )
+        found = self.adapters.for_requests(requests) if self.adapters is not None else None
+        return self.batch_type.from_requests(batch_id, requests, self.context, found)
 
     def generate_token(
         self, batch: Any, first: bool, token_budget: int = 0
@@ -307,8 +286,12 @@ class HFTransformersEngine(ModelEngine):
     def _step(self, batch: PaddedBatch, first: bool) -> tuple[StepOutput, PaddedBatch | None]:
         want_input_logits = first and not self.seq2seq and batch.wants_input_logits
         start = time.perf_counter_ns()
-        assert self.adapters is not None
-        with self.adapters.applied(batch.loras, self.device, by_rows=True):
+        applied = (
+            self.adapters.applied(batch.loras, self.device, by_rows=True)
+            if self.adapters is not None
+            else contextlib.nullcontext()
+        )
+        with applied:
             logits = batch.forward(self.model, all_logits=want_input_logits)
         last = logits[:, -1, :].to(torch.float32, copy=True)
         if self.device.type == "cuda":
@@ -336,6 +319,68 @@ class HFTransformersEngine(ModelEngine):
                 infos = input_token_infos(row_logits, ids, request.details)
             result.append(InputTokens(request.id, infos))
         return result
+
+
+class HFTransformersEngine(PaddedEngine):
+    device_map: str | None = None  # how accelerate places the layers (None: all on one device)
+
+    def __init__(self, config: ServerConfig) -> None:
+        loaded = load_pretrained(config, device_map=self.device_map)
+        self.model = loaded.model
+        self.device, self.dtype, self.dtype_reason = loaded.device, loaded.dtype, loaded.dtype_reason
+        self.seq2seq = loaded.seq2seq
+        dtype_name = loaded.dtype_name
+        hf_config = loaded.hf_config
+        if self.device.type == "cpu" and use_decode_packed_sdpa(self.model):
+            logger.info("attention: SDPA, with GQA decode steps on the packed-query kernel")
+        self.batch_type: type[PaddedBatch] = Seq2SeqLMBatch if self.seq2seq else CausalLMBatch
+        self.context = model_context(loaded, config)
+        max_length = self.context.max_sequence_length
+        self.adapters = adapters_for(config, self.model, self.device, self.seq2seq, max_length)
+        self.info = self.padded_info(
+            config, self._memory_facts(hf_config, config.cuda_process_memory_fraction), dtype_name
+        )
+        whole = config.world_size == 1 and self.device_map is None  # one module per linear
+        if self.device.type == "cpu" and whole:  # after the steps above, which read the weights
+            choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
+
+    def _memory_facts(self, hf_config: Any, cuda_fraction: float) -> MemoryFacts:
+        """Measure KV bytes per token with a one-token forward pass; estimate the rest."""
+        ctx = self.context
+        with torch.inference_mode():
+            if self.seq2seq:
+                out = self.model(
+                    input_ids=torch.full((1, 2), ctx.pad_token_id, device=self.device),
+                    decoder_input_ids=torch.full((1, 1), ctx.decoder_start_token_id or 0, device=self.device),
+                    past_key_values=new_cache(seq2seq=True, capacity=1),
+                    use_cache=True,
+                )
+                hidden = out.encoder_last_hidden_state
+                kv_in = cache_bytes(out.past_key_values.cross_attention_cache) // 2
+                kv_in += hidden.shape[-1] * hidden.element_size()  # the kept encoder output
+                kv_out = cache_bytes(out.past_key_values.self_attention_cache)
+            else:
+                out = self.model(
+                    input_ids=torch.full((1, 1), ctx.pad_token_id, device=self.device),
+                    past_key_values=new_cache(seq2seq=False, capacity=1),
+                    use_cache=True,
+                )
+                kv_in = kv_out = cache_bytes(out.past_key_values)
+        width = config_int(hf_config, ("hidden_size", "n_embd", "d_model"), 1024)
+        inner = config_int(hf_config, ("intermediate_size", "n_inner", "d_ff"), 4 * width)
+        element = torch.finfo(self.dtype).bits // 8
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            allowed = int(total * cuda_fraction) - torch.cuda.memory_allocated(self.device)
+            free = max(0, min(free, allowed))
+        else:
+            free = host_available_bytes()
+        return MemoryFacts(
+            kv_bytes_per_input_token=kv_in,
+            kv_bytes_per_output_token=kv_out,
+            prefill_bytes_per_token=(4 * width + 2 * inner) * element,
+            free_bytes=free,
+        )
 
 
 class HFAccelerateEngine(HFTransformersEngine):

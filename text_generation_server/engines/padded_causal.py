@@ -131,13 +131,21 @@ class CausalLMBatch(PaddedBatch):
         self.lengths = [n + 1 for n in self.lengths]
         self.prompts = None
 
+    # the KV cache's row and length surgery (kv_cache.py); a subclass whose cache is another
+    # kind (hf_optimum_ort: plain tensors) brings its own
+    @staticmethod
+    def _select_past(past: Any, rows: torch.Tensor, keep_last: int, capacity: int) -> Any:
+        return kv_cache.select(past, rows, keep_last=keep_last, capacity=capacity)
+
+    @staticmethod
+    def _concatenate_past(pasts: Sequence[Any], length: int, capacity: int) -> Any:
+        return kv_cache.concatenate(pasts, length=length, capacity=capacity)
+
     def _select(self, rows: list[int]) -> Self:
         index = torch.tensor(rows, device=self.context.device)
         lengths = [self.lengths[i] for i in rows]
         width = max(lengths)
-        past = kv_cache.select(
-            self.past, index, keep_last=width - 1, capacity=width - 1 + self.remaining(rows)
-        )
+        past = self._select_past(self.past, index, width - 1, width - 1 + self.remaining(rows))
         return type(self)(
             self.batch_id,
             [self.requests[i] for i in rows],
@@ -163,9 +171,7 @@ class CausalLMBatch(PaddedBatch):
             torch.cat([pad_left(b.attention_mask, width) for b in batches]),
             torch.cat([b.position_ids for b in batches]),
             [n for b in batches for n in b.lengths],
-            kv_cache.concatenate(
-                [b.past for b in batches],
-                length=width - 1,
-                capacity=width - 1 + max(b.remaining() for b in batches),
+            cls._concatenate_past(
+                [b.past for b in batches], width - 1, width - 1 + max(b.remaining() for b in batches)
             ),
         )
