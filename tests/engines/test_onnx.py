@@ -64,8 +64,10 @@ def test_the_cli_export_is_a_servable_model_directory(exported: Path, tiny_model
     graph = onnx.load(str(exported / "model.onnx"))
     inputs = [i.name for i in graph.graph.input]
     outputs = [o.name for o in graph.graph.output]
-    assert inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
-    assert "past_key_values.0.key" in inputs and "present.1.value" in outputs and outputs[0] == "logits"
+    assert {"input_ids", "attention_mask", "position_ids", "logits_to_keep", "past_key_values.0.key"} <= set(
+        inputs
+    )
+    assert "present.1.value" in outputs and outputs[0] == "logits"
     engine = ort_engine(exported)
     oracle = transformers_oracle(tiny_model("llama"))
     requests = [GenerationRequest(i, p, 10) for i, p in enumerate(PROMPTS)]
@@ -185,6 +187,9 @@ def test_prefill_past_and_logits_shapes(exported: Path) -> None:
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits, present = session.run(ids, mask, positions, session.empty_past(2))
     assert logits.shape == (2, 3, session.vocab_size)
+    last, _ = session.run(ids, mask, positions, session.empty_past(2), all_logits=False)  # logits_to_keep
+    assert last.shape == (2, 1, session.vocab_size)
+    assert torch.allclose(last[:, 0], logits[:, -1], atol=1e-5)
     assert len(present) == 2 * session.io.layers
     assert present[0].shape == (2, session.io.kv_heads, 3, session.io.head_dim)
     step, present = session.run(

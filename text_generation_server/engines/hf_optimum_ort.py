@@ -48,7 +48,9 @@ class OrtCausalBatch(CausalLMBatch):
     def forward(self, model: Any, all_logits: bool) -> torch.Tensor:
         assert isinstance(model, DecoderSession)
         past = self.past if self.past is not None else model.empty_past(len(self.requests))
-        logits, self.past = model.run(self.input_ids, self.attention_mask, self.position_ids, past)
+        logits, self.past = model.run(
+            self.input_ids, self.attention_mask, self.position_ids, past, all_logits
+        )
         return logits if all_logits else logits[:, -1:]
 
     @staticmethod

@@ -8,6 +8,10 @@ writes, onnx_export.py):
              [B, kv_heads, P, head_dim] per layer (P = 0 for a prefill)
     outputs  logits [B, S, vocab], present.{i}.key / .value [B, kv_heads, P + S, head_dim]
 
+Our exports (convert-to-onnx) add an optional input, `logits_to_keep` [K] int64: the positions
+whose logits to compute (a prefill needs only the last one, unless token details of the prompt
+are asked for), which spares a [B, S, vocab] projection and its memory.
+
 The names transformers' own exporter writes (`input.past_key_values.layers.{i}.keys`,
 `output.past_key_values.layers.{i}.values`, `input.`/`output.` in front of the others) are read
 too, and optimum's older merged decoder (`decoder_model_merged.onnx`, with a `use_cache_branch`
@@ -58,6 +62,7 @@ class DecoderIO:
     input_ids: str
     attention_mask: str
     position_ids: str | None
+    logits_to_keep: str | None
     use_cache_branch: str | None
     past: tuple[tuple[str, str], ...]  # per layer: (key, value) inputs
     logits: str
@@ -144,8 +149,9 @@ def describe(inputs: list[Any], outputs: list[Any], file: str) -> DecoderIO:
         n for pair in past_names for n in pair
     }
     position = by_name.get("position_ids")
+    keep = by_name.get("logits_to_keep")
     branch = by_name.get("use_cache_branch")
-    known |= {x.name for x in (position, branch) if x is not None}
+    known |= {x.name for x in (position, keep, branch) if x is not None}
     unknown = [i.name for i in inputs if i.name not in known]
     if unknown:
         raise OnnxModelError(f"{file} has inputs this engine does not feed: {', '.join(unknown)}")
@@ -153,6 +159,7 @@ def describe(inputs: list[Any], outputs: list[Any], file: str) -> DecoderIO:
         input_ids=by_name["input_ids"].name,
         attention_mask=by_name["attention_mask"].name,
         position_ids=position.name if position is not None else None,
+        logits_to_keep=keep.name if keep is not None else None,
         use_cache_branch=branch.name if branch is not None else None,
         past=past_names,
         logits=logits.name,
@@ -228,9 +235,11 @@ class DecoderSession:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         past: list[torch.Tensor],
+        all_logits: bool = True,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits [B, S, vocab] and the presents (keys and values of layer 0, 1, ...: the past
-        of the next step) of the pending tokens `input_ids` [B, S] over `past`."""
+        """Logits [B, S, vocab] (or [B, 1, vocab], the last position's, without `all_logits`
+        where the graph takes logits_to_keep) and the presents (keys and values of layer 0, 1,
+        ...: the past of the next step) of the pending tokens `input_ids` [B, S] over `past`."""
         io = self.io
         batch, seq = input_ids.shape
         length = past[0].shape[2] + seq
@@ -260,12 +269,17 @@ class DecoderSession:
         bind_input(io.attention_mask, attention_mask)
         if io.position_ids is not None:
             bind_input(io.position_ids, position_ids)
+        kept = seq
+        if io.logits_to_keep is not None:
+            keep = torch.arange(seq) if all_logits else torch.tensor([seq - 1])
+            kept = keep.shape[0]
+            bind_input(io.logits_to_keep, keep.to(self.device))
         if io.use_cache_branch is not None:
             bind_input(io.use_cache_branch, torch.tensor([past[0].shape[2] > 0], device=self.device))
         for layer, (key, value) in enumerate(io.past):
             bind_input(key, past[2 * layer])
             bind_input(value, past[2 * layer + 1])
-        logits = bind_output(io.logits, (batch, seq, self.vocab_size), io.logits_dtype)
+        logits = bind_output(io.logits, (batch, kept, self.vocab_size), io.logits_dtype)
         present_shape = (batch, io.kv_heads, length, io.head_dim)
         present = [bind_output(name, present_shape, io.kv_dtype) for pair in io.present for name in pair]
         self.session.run_with_iobinding(binding)

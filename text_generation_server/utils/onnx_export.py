@@ -44,6 +44,61 @@ class ExportError(ValueError):
     """The model cannot be exported (one line saying why)."""
 
 
+# The attention the export traces (registered with transformers under this name): the query heads
+# of each KV head packed into one matrix, so the graph neither repeats KV heads (GQA, MQA) nor
+# copies transposed keys. ONNX Runtime fuses the key transpose into its MatMul. Measured with
+# ONNX Runtime on a 2-core AMD EPYC, the benchmarks' Llama (8 query / 2 KV heads, 8 layers), a
+# decode step of 32 rows over 200 cached positions: 56 ms with transformers' SDPA decomposed
+# (repeat_kv's Expand and the Transposes were half of it) against 26 ms with this one.
+EXPORT_ATTENTION = "onnx_grouped"
+
+
+def grouped_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query [B, heads, S, d], key/value [B, kv_heads, L, d], mask [B, 1, S, L] (True = attend,
+    or additive) -> [B, S, heads, d_v], transformers' attention-interface contract."""
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    batch, heads, seq, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    packed = query.reshape(batch, kv_heads, groups * seq, dim)  # row g * S + s: head g of the group
+    scores = torch.matmul(packed, key.transpose(-1, -2)) * (scaling if scaling is not None else dim**-0.5)
+    if attention_mask is None:  # causal over the new positions (the mask was skipped as trivial)
+        attention_mask = torch.ones(seq, length, dtype=torch.bool, device=query.device).tril(length - seq)
+        attention_mask = attention_mask[None, None]
+    mask = attention_mask[:, :, :, :length]
+    if groups > 1:
+        mask = mask.repeat(1, 1, groups, 1)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs, value).reshape(batch, heads, seq, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(EXPORT_ATTENTION, grouped_attention)
+    AttentionMaskInterface.register(EXPORT_ATTENTION, sdpa_mask)
+
+
 def past_names(layers: int) -> list[str]:
     return [f"past_key_values.{i}.{part}" for i in range(layers) for part in ("key", "value")]
 
@@ -53,41 +108,34 @@ def present_names(layers: int) -> list[str]:
 
 
 class _Decoder(torch.nn.Module):
-    """The model as the ONNX graph sees it: flat past in, logits and flat presents out."""
+    """The model as the ONNX graph sees it: flat past in, logits and flat presents out;
+    position_ids and logits_to_keep (positions whose logits to compute) where the model takes
+    them."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.model = model
 
-    def step(
+    def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        position_ids: torch.Tensor | None,
         past: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        position_ids: torch.Tensor | None = None,
+        logits_to_keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         from transformers import DynamicCache
 
-        kwargs = {"position_ids": position_ids} if position_ids is not None else {}
+        optional = {"position_ids": position_ids, "logits_to_keep": logits_to_keep}
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             past_key_values=DynamicCache(ddp_cache_data=past),
             use_cache=True,
-            **kwargs,
+            **{name: value for name, value in optional.items() if value is not None},
         )
         flat = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
         return (out.logits, *flat)
-
-
-class _DecoderWithPositions(_Decoder):
-    def forward(self, input_ids, attention_mask, position_ids, past):
-        return self.step(input_ids, attention_mask, position_ids, past)
-
-
-class _DecoderWithoutPositions(_Decoder):  # ALiBi models (BLOOM): no position ids
-    def forward(self, input_ids, attention_mask, past):
-        return self.step(input_ids, attention_mask, None, past)
 
 
 def _kv_shape(model: Any) -> tuple[int, int, int]:
@@ -131,22 +179,30 @@ def export(model_dir: Path, target: Path, dtype: str = "float32", optimize: bool
         raise ExportError(
             f"{config.model_type} is an encoder-decoder model: only decoder-only models export to ONNX here"
         )
+    _register_attention()
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype), local_files_only=True
         ).eval()
     except (ValueError, OSError) as exc:
         raise ExportError(f"cannot load {model_dir} as a causal LM: {str(exc).splitlines()[0]}") from None
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":  # models on the attention interface
+        model.set_attn_implementation(EXPORT_ATTENTION)
     layers, kv_heads, head_dim = _kv_shape(model)
-    positions = "position_ids" in inspect.signature(model.forward).parameters
-    wrapper = (_DecoderWithPositions if positions else _DecoderWithoutPositions)(model).eval()
-    sample = _sample(config, layers, kv_heads, head_dim, getattr(torch, dtype), positions)
-    batch, seq, past_len, total = (torch.export.Dim.DYNAMIC,) * 4
-    dynamic: dict[str, Any] = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: total}}
-    if positions:
-        dynamic["position_ids"] = {0: batch, 1: seq}
-    dynamic["past"] = tuple(({0: batch, 2: past_len}, {0: batch, 2: past_len}) for _ in range(layers))
-    names = ["input_ids", "attention_mask", *(["position_ids"] if positions else []), *past_names(layers)]
+    accepted = inspect.signature(model.forward).parameters
+    wrapper = _Decoder(model).eval()
+    sample = _sample(config, layers, kv_heads, head_dim, getattr(torch, dtype), accepted)
+    batch, seq, past_len, total, kept = (torch.export.Dim.DYNAMIC,) * 5
+    axes = {
+        "input_ids": {0: batch, 1: seq},
+        "attention_mask": {0: batch, 1: total},
+        "past": tuple(({0: batch, 2: past_len}, {0: batch, 2: past_len}) for _ in range(layers)),
+        "position_ids": {0: batch, 1: seq},
+        "logits_to_keep": {0: kept},
+    }
+    dynamic = {name: axes[name] for name in sample}
+    # graph inputs in the order torch flattens the sample: its keys, the past as one name per tensor
+    names = [n for name in sample for n in (past_names(layers) if name == "past" else [name])]
     target.mkdir(parents=True, exist_ok=True)
     logger.info(
         "exporting %s (%s, %d layers) to ONNX in %s; this takes a while",
@@ -161,8 +217,9 @@ def export(model_dir: Path, target: Path, dtype: str = "float32", optimize: bool
             with torch.inference_mode(False), torch.no_grad(), _quiet():
                 torch.onnx.export(
                     wrapper,
-                    tuple(sample.values()),
+                    (),
                     str(file),
+                    kwargs=sample,
                     dynamo=True,
                     input_names=names,
                     output_names=["logits", *present_names(layers)],
@@ -208,10 +265,12 @@ def _large(model: Any) -> bool:
 
 
 def _sample(
-    config: Any, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: bool
+    config: Any, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, accepted: Any
 ) -> dict[str, Any]:
-    """Inputs of two rows, three new tokens over three cached positions (sizes of 2 and more keep
-    the exported dimensions dynamic; the first row left-padded by one)."""
+    """The wrapper's keyword inputs for two rows, three new tokens over three cached positions
+    (sizes of 2 and more keep the exported dimensions dynamic; the first row left-padded by one),
+    the logits of the last two positions kept; position_ids and logits_to_keep only where the
+    model's forward takes them."""
     generator = torch.Generator().manual_seed(0)
     batch, seq, past = 2, 3, 3
     vocab = int(getattr(config, "vocab_size", 100))
@@ -221,13 +280,15 @@ def _sample(
         "input_ids": torch.randint(0, vocab, (batch, seq), generator=generator),
         "attention_mask": mask,
     }
-    if positions:
-        sample["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
     shape = (batch, kv_heads, past, head_dim)
     sample["past"] = tuple(
         (torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype))
         for _ in range(layers)
     )
+    if "position_ids" in accepted:
+        sample["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+    if "logits_to_keep" in accepted:
+        sample["logits_to_keep"] = torch.tensor([seq - 2, seq - 1])
     return sample
 
 
@@ -263,7 +324,7 @@ def _check(file: Path, wrapper: _Decoder, sample: dict[str, Any], dtype: str) ->
             feeds[name] = value.numpy()
     got = torch.from_numpy(session.run(["logits"], feeds)[0])
     with torch.inference_mode():
-        want = wrapper(*sample.values())[0]
+        want = wrapper(**sample)[0]
     error = (got.float() - want.float()).abs().max().item()
     if not error <= CHECK_TOLERANCE[dtype]:
         raise ExportError(f"the ONNX export does not match the model (max logit difference {error:.3g})")
