@@ -30,6 +30,7 @@ from router.pb import generation_pb2 as pb
 CASES_DIR = Path(__file__).parent / "cases"
 REL_TOLERANCE = 5e-4
 STAGGER_S = 0.03
+MAX_IN_FLIGHT = 24  # cases in flight; their inputs stay below TGIS_TEST_FLAGS' 64 concurrent
 
 
 @dataclass
@@ -182,7 +183,9 @@ def assemble_stream(
 async def run_file(
     stub: Any, cases: list[Case], seq2seq: bool, seed: int = 0
 ) -> dict[tuple[str, str], Outcome]:
-    """Every case unary, and single-input generate cases streamed too, all at once."""
+    """Every case unary, and single-input generate cases streamed too, all at once (at most
+    MAX_IN_FLIGHT cases at a time: on a slow machine they would otherwise pile up past the
+    server's --max-concurrent-requests and get 'Model is overloaded')."""
     jobs: list[tuple[tuple[str, str], Any]] = []
     for case in cases:
         jobs.append(((case.name, "unary"), lambda c=case: run_unary(stub, c)))
@@ -190,9 +193,12 @@ async def run_file(
             jobs.append(((case.name, "stream"), lambda c=case: run_stream(stub, c, seq2seq)))
     random.Random(seed).shuffle(jobs)
 
+    in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+
     async def staggered(position: int, job: Any) -> Outcome:
         await asyncio.sleep(position * STAGGER_S)
-        return await job()
+        async with in_flight:
+            return await job()
 
     outcomes = await asyncio.gather(*(staggered(i, job) for i, (_, job) in enumerate(jobs)))
     return {key: outcome for (key, _), outcome in zip(jobs, outcomes, strict=True)}

@@ -109,7 +109,9 @@ def parameters(r: random.Random) -> pb.Parameters | None:
         if guided < 0.05:
             d.format = _pick(r, pb.DecodingParameters.TEXT, pb.DecodingParameters.JSON)
         elif guided < 0.08:
-            d.regex = "[a-z]+"
+            d.regex = _pick(r, "[a-z]+", "(a")
+        elif guided < 0.1:
+            d.choice.choices.extend(_pick(r, ["a", "b"], []))
     if r.random() < 0.6:
         o = p.response
         o.input_text, o.generated_tokens, o.input_tokens = (r.random() < 0.4 for _ in range(3))

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from router.pb import generation_pb2 as pb
 from router.validation import DEFAULT_MAX_NEW_TOKENS, RequestParams, ResponseSpec, StoppingSpec
-from text_generation_common.messages import LengthPenalty, SamplingParams
+from text_generation_common.messages import Guided, GuidedKind, LengthPenalty, SamplingParams
 
 
 def _signed32(value: int) -> int:
@@ -53,11 +53,8 @@ def convert_params(params: pb.Parameters | None, default_include_stop_seqs: bool
             seed=s.seed if s.HasField("seed") else None,
         )
     r = params.response
-    guided = d.WhichOneof("guided")
-    if guided == "format" and d.format == pb.DecodingParameters.TEXT:
-        guided = None  # TEXT = no constraint
     return RequestParams(
-        sampling=sampling,
+        sampling=replace(sampling, guided=convert_guided(d)),
         stopping=stopping,
         response=ResponseSpec(
             input_text=r.input_text,
@@ -68,5 +65,20 @@ def convert_params(params: pb.Parameters | None, default_include_stop_seqs: bool
             top_n_tokens=r.top_n_tokens,
         ),
         truncate_input_tokens=params.truncate_input_tokens,
-        guided=guided,
     )
+
+
+def convert_guided(d: pb.DecodingParameters) -> Guided | None:
+    """vllm-tgis-adapter's `guided` oneof; format TEXT (or nothing) = free text."""
+    which = d.WhichOneof("guided")
+    if which == "format":
+        return Guided(GuidedKind.JSON) if d.format == pb.DecodingParameters.JSON else None
+    if which == "json_schema":
+        return Guided(GuidedKind.JSON_SCHEMA, d.json_schema)
+    if which == "regex":
+        return Guided(GuidedKind.REGEX, d.regex)
+    if which == "choice":
+        return Guided(GuidedKind.CHOICE, choices=tuple(d.choice.choices))
+    if which == "grammar":
+        return Guided(GuidedKind.GRAMMAR, d.grammar)
+    return None

@@ -12,6 +12,7 @@ fails is not tokenized (input_bound.py): its message then says "at least N" toke
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
@@ -22,9 +23,11 @@ from router.capacity import Capacity, Load
 from router.input_bound import min_tokens
 from router.metrics import Metrics
 from router.tokenizer import TokenizerError, TokenizerPool
+from text_generation_common.guided import Grammars, GuidedError
 from text_generation_common.logs import clip
 from text_generation_common.messages import (
     GenerationRequest,
+    Guided,
     RequestedDetails,
     SamplingParams,
 )
@@ -120,7 +123,6 @@ class RequestParams:
     stopping: StoppingSpec = field(default_factory=lambda: StoppingSpec(DEFAULT_MAX_NEW_TOKENS))
     response: ResponseSpec = field(default_factory=ResponseSpec)
     truncate_input_tokens: int = 0
-    guided: str | None = None  # the guided-decoding oneof field in use, if it constrains output
 
 
 def tokenizer_error_message(exc: Exception) -> str:
@@ -166,8 +168,6 @@ def check_params(p: RequestParams, max_new_tokens: int) -> None:
         raise ValidationError(f"top_n_tokens ({r.top_n_tokens}) must be <= {MAX_TOP_N_TOKENS}")
     if any(not seq or len(seq.encode()) > MAX_STOP_SEQUENCE_BYTES for seq in st.stop_sequences):
         raise ValidationError(STOP_SEQUENCES_MESSAGE)
-    if p.guided is not None:
-        raise ValidationError(f"guided decoding ({p.guided}) is not supported by this server")
 
 
 class PrefixLengths:
@@ -209,8 +209,10 @@ class Validator:
         max_sequence_length: int,
         max_new_tokens: int,
         capacity: Capacity | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars  # guided decoding over the model's tokenizer (None: not offered)
         self.capacity = capacity  # refuses requests larger than the whole batch can ever hold
         self.prefixes = prefixes
         self.metrics = metrics
@@ -229,6 +231,8 @@ class Validator:
         Both may be set only to the same id, which then counts as an adapter id."""
         p = params or RequestParams()
         check_params(p, self.max_new_tokens)
+        if p.sampling.guided is not None:
+            await self._check_guided(p.sampling.guided)
         if adapter_id and prefix_id:
             if adapter_id != prefix_id:
                 raise ValidationError(TWO_ADAPTERS_MESSAGE)
@@ -275,6 +279,18 @@ class Validator:
         if at_least + prefix_length < limit:
             return None
         return f"input tokens ({shown}) plus prefix length ({prefix_length}) must be < {limit}"
+
+    async def _check_guided(self, guided: Guided) -> None:
+        """The constraint must compile for this tokenizer (off the event loop: a large schema
+        or grammar takes milliseconds; compiled ones are cached)."""
+        if self.grammars is None:
+            raise ValidationError(
+                "guided decoding needs the model's tokenizer.json, which this model does not have"
+            )
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.grammars.check, guided)
+        except GuidedError as exc:
+            raise ValidationError(f"invalid {guided.kind.value} for guided decoding: {exc}") from None
 
     async def _prefix_length(self, prefix_id: str, adapter: bool) -> int:
         try:

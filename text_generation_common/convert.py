@@ -16,6 +16,8 @@ from text_generation_common.messages import (
     CachedBatchRef,
     Generation,
     GenerationRequest,
+    Guided,
+    GuidedKind,
     InputTokens,
     KvCacheState,
     LengthPenalty,
@@ -58,6 +60,11 @@ def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
         length_penalty=(
             LengthPenalty(p.length_penalty.start_index, p.length_penalty.decay_factor)
             if p.HasField("length_penalty")
+            else None
+        ),
+        guided=(
+            Guided(GuidedKind(p.guided.kind), p.guided.spec, tuple(p.guided.choices))
+            if p.HasField("guided")
             else None
         ),
     )
@@ -153,6 +160,10 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.NextTokenChooserParameters:
     if p.length_penalty is not None:
         out.length_penalty.start_index = p.length_penalty.start_index
         out.length_penalty.decay_factor = p.length_penalty.decay_factor
+    if p.guided is not None:
+        out.guided.kind = p.guided.kind.value
+        out.guided.spec = p.guided.spec
+        out.guided.choices.extend(p.guided.choices)
     return out
 
 

@@ -8,6 +8,7 @@ Batch.from_requests -> engine.generate_token -> StepOutput -> GenerateResult -> 
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,25 @@ class LengthPenalty:
     decay_factor: float  # boost = |score[eos]| * (decay_factor ** k - 1), k = generated - start_index
 
 
+class GuidedKind(enum.Enum):
+    """What a guided-decoding constraint's spec is (vllm-tgis-adapter's `guided` oneof)."""
+
+    JSON = "json"  # any JSON value (TGIS ResponseFormat.JSON; OpenAI json_object): no spec
+    JSON_SCHEMA = "json_schema"  # spec: a JSON Schema document
+    REGEX = "regex"  # spec: a regular expression the whole output must match
+    CHOICE = "choice"  # choices: the output is exactly one of them
+    GRAMMAR = "grammar"  # spec: a context-free grammar (Lark syntax)
+
+
+@dataclass(frozen=True, slots=True)
+class Guided:
+    """A constraint on a request's generated text (checked by the router, applied by the shard)."""
+
+    kind: GuidedKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token of one request is chosen (all logits processing is per request)."""
@@ -36,6 +56,7 @@ class SamplingParams:
     seed: int | None = None  # sampling generator seed; the router sets one for every sampling request
     repetition_penalty: float = 1.0  # 1.0 = off
     length_penalty: LengthPenalty | None = None
+    guided: Guided | None = None  # guided decoding: the output must satisfy it
 
     @property
     def greedy(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,8 @@ from router.validation import (
     check_params,
     shard_input_ids,
 )
-from text_generation_common.messages import GenerationRequest
+from text_generation_common.guided import Grammars
+from text_generation_common.messages import GenerationRequest, Guided, GuidedKind
 from text_generation_server.engines.inputs import truncated_input_ids
 
 MAX_SEQ = 200
@@ -123,10 +125,6 @@ def test_include_stop_sequence_default_comes_from_the_server() -> None:
             params(response=pb.ResponseOptions(top_n_tokens=2)),
             "must request input and/or generated tokens to request extra token detail",
         ),
-        (
-            params(decoding=pb.DecodingParameters(regex="a+")),
-            "guided decoding (regex) is not supported by this server",
-        ),
         (sample(temperature=float("nan")), "temperature must be >= 0.05"),
         (sample(temperature=float("inf")), "temperature must be >= 0.05"),
         (sample(top_p=float("nan")), "top_p must be > 0.0 and <= 1.0"),
@@ -172,6 +170,39 @@ def test_checks_run_in_tgis_order() -> None:
 def test_text_format_is_no_constraint() -> None:
     p = convert_params(params(decoding=pb.DecodingParameters(format=pb.DecodingParameters.TEXT)), True)
     check_params(p, MAX_NEW)
+    assert p.sampling.guided is None
+
+
+@pytest.mark.parametrize(
+    ("decoding", "guided"),
+    [
+        (pb.DecodingParameters(format=pb.DecodingParameters.JSON), Guided(GuidedKind.JSON)),
+        (
+            pb.DecodingParameters(json_schema='{"type": "integer"}'),
+            Guided(GuidedKind.JSON_SCHEMA, '{"type": "integer"}'),
+        ),
+        (pb.DecodingParameters(regex="[a-z]+"), Guided(GuidedKind.REGEX, "[a-z]+")),
+        (
+            pb.DecodingParameters(choice={"choices": ["a", "b"]}),
+            Guided(GuidedKind.CHOICE, choices=("a", "b")),
+        ),
+        (pb.DecodingParameters(grammar='start: "x"'), Guided(GuidedKind.GRAMMAR, 'start: "x"')),
+    ],
+    ids=["json", "json_schema", "regex", "choice", "grammar"],
+)
+def test_the_guided_oneof_becomes_the_constraint(decoding: pb.DecodingParameters, guided: Guided) -> None:
+    assert convert_params(params(decoding=decoding), True).sampling.guided == guided
+
+
+async def test_guided_decoding_is_checked_against_the_tokenizer(tokenizer_pool, tokenizer_dir: Path) -> None:
+    validator = make_validator(tokenizer_pool)
+    with pytest.raises(ValidationError, match=r"guided decoding needs the model's tokenizer\.json"):
+        await validator.validate(["hi"], params(decoding=pb.DecodingParameters(regex="a+")), "", 0.0)
+    validator.grammars = Grammars((tokenizer_dir / "tokenizer.json").read_text(), 2000, 2)
+    ok = await validator.validate(["hi"], params(decoding=pb.DecodingParameters(regex="a+")), "", 0.0)
+    assert ok[0].sampling.guided == Guided(GuidedKind.REGEX, "a+")
+    with pytest.raises(ValidationError, match=r"^invalid regex for guided decoding: .*unclosed group"):
+        await validator.validate(["hi"], params(decoding=pb.DecodingParameters(regex="(a")), "", 0.0)
 
 
 def test_max_new_tokens_limit_at_the_boundary() -> None:

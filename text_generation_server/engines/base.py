@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from text_generation_common.guided import Grammars
 from text_generation_common.messages import GenerationRequest, ModelInfo, RequestError, StepOutput
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
@@ -35,6 +36,8 @@ class RequestLimits:
     bos_token_id: int | None  # set iff the tokenizer prepends BOS (re-inserted on truncation)
     max_sequence_length: int
     max_new_tokens: int  # largest max_new_tokens a request may ask for
+    # guided decoding over the model's tokenizer (None: the model has no tokenizer.json)
+    grammars: Grammars | None = field(default=None, kw_only=True)
 
 
 class ModelEngine(ABC):

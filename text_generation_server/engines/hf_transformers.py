@@ -21,6 +21,7 @@ import torch
 
 from text_generation_common.defaults import DEFAULT_MAX_SEQUENCE_LENGTH
 from text_generation_common.engines import CapacityKind
+from text_generation_common.guided import grammars_for
 from text_generation_common.messages import (
     GenerationRequest,
     InputTokens,
@@ -227,6 +228,7 @@ def build_context(
     return ModelContext(
         device=device,
         vocab_size=vocab_size,
+        grammars=grammars_for(resolve_model_dir(config.model_name, config.revision), vocab_size, eos),
         eos_token_id=eos,
         pad_token_id=pad,
         bos_token_id=bos,

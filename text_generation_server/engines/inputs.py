@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from text_generation_common.guided import UNAVAILABLE, GuidedError
 from text_generation_common.messages import GenerationRequest, RequestError
 from text_generation_server.engines.base import RequestLimits
 
@@ -100,4 +101,17 @@ def request_error(
             f"input tokens ({len(input_ids)}){prefix} plus max_new_tokens ({request.max_new_tokens}) "
             f"must be <= {context.max_sequence_length}"
         )
-    return _parameter_error(request)
+    return _parameter_error(request) or _guided_error(request, context)
+
+
+def _guided_error(request: GenerationRequest, context: RequestLimits) -> str | None:
+    guided = request.params.guided
+    if guided is None:
+        return None
+    if context.grammars is None:
+        return UNAVAILABLE
+    try:
+        context.grammars.check(guided)  # cached: the matcher is made from it right after
+    except GuidedError as exc:
+        return f"invalid {guided.kind.value} for guided decoding: {exc}"
+    return None

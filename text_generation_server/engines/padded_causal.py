@@ -79,7 +79,12 @@ class CausalLMBatch(PaddedBatch):
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 0)
         device = context.device
         chooser = TokenChooser.create(
-            [r.params for r in valid], prompts, context.eos_token_id, context.vocab_size, device
+            [r.params for r in valid],
+            prompts,
+            context.eos_token_id,
+            context.vocab_size,
+            device,
+            context.grammars,
         )
         batch = cls(
             batch_id,

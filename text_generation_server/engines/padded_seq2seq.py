@@ -91,7 +91,12 @@ class Seq2SeqLMBatch(PaddedBatch):
         decoder_ids, decoder_mask = left_pad_rows(decoder_rows, pad)
         # Repetition penalty looks at decoder ids (start token + generated), as transformers does.
         chooser = TokenChooser.create(
-            [r.params for r in valid], [[start]] * rows, context.eos_token_id, context.vocab_size, device
+            [r.params for r in valid],
+            [[start]] * rows,
+            context.eos_token_id,
+            context.vocab_size,
+            device,
+            context.grammars,
         )
         batch = cls(
             batch_id,

@@ -146,6 +146,7 @@ class RaggedBatch(Batch):
                 limits.eos_token_id,
                 limits.vocab_size,
                 self.device,
+                limits.grammars,
             )
             before = [self.chooser] if self.chooser is not None else []
             self.chooser = TokenChooser.concatenate([*before, joined])

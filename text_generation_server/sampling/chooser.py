@@ -8,19 +8,23 @@ batch it runs in.
 Per step (`choose`), in TGIS order:
   1. EOS masked while fewer than min_new_tokens were generated, else the length penalty;
   2. repetition penalty over the prompt + generated ids;
-  3. if any row samples: temperature -> top-k -> top-p -> typical-p (greedy rows untouched);
-  4. greedy rows take the argmax, sampling rows argmax(softmax / Exponential(1)) drawn from the
+  3. guided decoding: each constrained row's grammar masks what it does not allow (guided.py);
+  4. if any row samples: temperature -> top-k -> top-p -> typical-p (greedy rows untouched);
+  5. greedy rows take the argmax, sampling rows argmax(softmax / Exponential(1)) drawn from the
      row's own torch.Generator.
-Then `advance` records the chosen ids.
+Then `advance` records the chosen ids and feeds them to the rows' grammar matchers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from text_generation_common.guided import Grammars
 from text_generation_common.messages import SamplingParams
+from text_generation_server.sampling import guided
 from text_generation_server.sampling import logits_process as lp
 
 
@@ -44,8 +48,12 @@ class TokenChooser:
         vocab_size: int,
         device: torch.device,
         seen: torch.Tensor | None = None,
+        matchers: Sequence[Any | None] | None = None,
     ) -> None:
         self.params = list(params)
+        # guided decoding: each row's llguidance matcher (None: free text)
+        self.matchers = list(matchers) if matchers is not None else [None] * len(self.params)
+        self.any_guided = any(m is not None for m in self.matchers)
         self.histories = list(histories)  # prompt ids (after truncation) + generated ids, per row
         self.generated = list(generated)  # tokens generated so far, per row
         self.generators = list(generators)  # None for greedy rows
@@ -88,8 +96,15 @@ class TokenChooser:
         eos_token_id: int,
         vocab_size: int,
         device: torch.device,
+        grammars: Grammars | None = None,
     ) -> TokenChooser:
+        """`grammars`: the model's, for rows with guided decoding (inputs.py refused those
+        requests where the model has none)."""
         generators = [None if p.greedy else make_generator(p.seed, device) for p in params]
+        matchers = None
+        if any(p.guided is not None for p in params):
+            assert grammars is not None, "guided requests reach a chooser only with the model's grammars"
+            matchers = [grammars.matcher(p.guided) if p.guided is not None else None for p in params]
         return cls(
             params,
             [list(ids) for ids in prompts],
@@ -98,6 +113,7 @@ class TokenChooser:
             eos_token_id,
             vocab_size,
             device,
+            matchers=matchers,
         )
 
     def __len__(self) -> int:
@@ -131,6 +147,8 @@ class TokenChooser:
                 scores = lp.apply_length_penalty(scores, eos, factor_t)
         if self.seen is not None and self.penalty is not None:
             scores = lp.apply_repetition_penalty(scores, self.seen, self.penalty)
+        if self.any_guided:
+            guided.apply_masks(self.matchers, scores, eos)
         if self.sample_rows:
             if self.temperature is not None:
                 scores = lp.apply_temperature(scores, self.temperature)
@@ -164,6 +182,8 @@ class TokenChooser:
         if self.seen is not None:
             rows = torch.arange(len(next_ids), device=self.device)
             self.seen[rows, torch.tensor(next_ids, device=self.device)] = True
+        if self.any_guided:
+            guided.advance(self.matchers, next_ids)
 
     def select(self, rows: Sequence[int]) -> TokenChooser:
         """A chooser for the given rows (in that order), carrying their state."""
@@ -179,6 +199,7 @@ class TokenChooser:
             self.vocab_size,
             self.device,
             seen,
+            [self.matchers[i] for i in rows],
         )
 
     @classmethod
@@ -196,4 +217,5 @@ class TokenChooser:
             first.vocab_size,
             first.device,
             seen,
+            [m for c in choosers for m in c.matchers],
         )

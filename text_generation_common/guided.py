@@ -1,0 +1,156 @@
+"""Guided decoding: a request's constraint (messages.Guided) as an llguidance grammar over the
+model's tokenizer, checked by the router and matched token by token in the shard.
+
+Why llguidance: it needs no other package (one Rust extension), takes every kind the doors
+carry (JSON Schema, regex, choice, Lark and GBNF grammars), compiles lazily (a schema costs
+microseconds to accept; token masks are computed as the generation goes, with its lexer and
+Earley parser), and fills a batch's masks on its own threads without the GIL. Measured against
+xgrammar 0.2.8 and outlines-core 0.2.14 on our tiny tokenizers (README, Guided decoding).
+
+`Grammars` is built once per process from the model's tokenizer.json, the model's vocabulary
+size (ids past the tokenizer's are never allowed) and its EOS id (allowed only where the
+grammar accepts the text so far). `check` is the router's validation (run off the event loop:
+a large schema can take milliseconds); `matcher` gives the shard a fresh matcher per request,
+copied from a pristine one kept per (kind, spec) in an LRU of CACHE_SIZE entries.
+What one constraint may cost is bounded three ways: its text (MAX_SPEC_BYTES), llguidance's
+parser limits (grammar size, lexer states, work per token: its defaults), and the router's check
+computing the first token mask once (a regex like `(a{1000}){1000}` compiles in a millisecond
+and then needs seconds per mask): each refusal says why.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from text_generation_common.messages import Guided, GuidedKind
+
+CACHE_SIZE = 256  # pristine matchers kept, by (kind, spec)
+MAX_SPEC_BYTES = 64 * 1024  # a schema, regex or grammar (or all choices) longer than this is refused
+MAX_FIRST_MASK_S = 0.5  # a constraint whose first token mask takes longer is refused as too complex
+
+# the JSON kind (TGIS ResponseFormat.JSON, OpenAI json_object): a JSON object
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+# JSON is written compact, ", " and ": " between items (no free whitespace): a model can no
+# longer fill its token budget with spaces and newlines between the values
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+UNAVAILABLE = "guided decoding needs the model's tokenizer.json, which this model does not have"
+
+
+class GuidedError(ValueError):
+    """A constraint that cannot be used (the message is the library's reason, one line)."""
+
+
+def _first_line(text: str) -> str:
+    """The library's reason on one line: its first line, and the `error: ...` line of a regex
+    parser's report (which follows a picture of the pattern)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return "invalid"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), "")
+    return f"{lines[0]} {detail}".strip()[:500]
+
+
+def grammar_text(guided: Guided) -> str:
+    """The llguidance grammar of a constraint; GuidedError when it does not parse."""
+    import llguidance
+
+    kind = guided.kind
+    try:
+        if kind in (GuidedKind.JSON, GuidedKind.JSON_SCHEMA):
+            schema = ANY_JSON_OBJECT if kind is GuidedKind.JSON else _schema(guided.spec)
+            return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": JSON_LAYOUT}))
+        if kind is GuidedKind.REGEX:
+            return llguidance.grammar_from("regex", guided.spec)
+        if kind is GuidedKind.CHOICE:
+            if not guided.choices:
+                raise GuidedError("choice needs at least one string")
+            return llguidance.grammar_from("choice", json.dumps(list(guided.choices)))
+        return llguidance.grammar_from("grammar", guided.spec)  # Lark, or GBNF converted
+    except GuidedError:
+        raise
+    except Exception as exc:  # the library's reason, e.g. a GBNF rule that is not defined
+        raise GuidedError(_first_line(str(exc))) from None
+
+
+def _schema(text: str) -> dict[str, Any]:
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise GuidedError(f"json_schema is not valid JSON: {exc}") from None
+    if isinstance(schema, bool):  # true: anything; false: nothing (refused by the compiler)
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise GuidedError("json_schema must be a JSON object")
+    return schema
+
+
+class Grammars:
+    """Constraints over one model's tokenizer (thread-safe)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int) -> None:
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+        self.limits = llguidance.LLParserLimits()
+        self._pristine: OrderedDict[tuple[str, str, tuple[str, ...]], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, guided: Guided) -> None:
+        """Raise GuidedError unless `guided` compiles for this tokenizer and its first token
+        mask is computed within MAX_FIRST_MASK_S (the router's check)."""
+        import llguidance.numpy
+
+        matcher = self._pristine_matcher(guided).deep_copy()
+        started = time.monotonic()
+        mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+        took = time.monotonic() - started
+        if matcher.is_error():
+            raise GuidedError(_first_line(matcher.get_error()))
+        if took > MAX_FIRST_MASK_S:
+            raise GuidedError(
+                f"too complex: its first token mask took {took:.1f} s (the limit is {MAX_FIRST_MASK_S} s)"
+            )
+
+    def matcher(self, guided: Guided) -> Any:
+        """A fresh llguidance.LLMatcher for one request."""
+        return self._pristine_matcher(guided).deep_copy()
+
+    def _pristine_matcher(self, guided: Guided) -> Any:
+        import llguidance
+
+        size = len(guided.spec.encode()) + sum(len(c.encode()) for c in guided.choices)
+        if size > MAX_SPEC_BYTES:
+            raise GuidedError(f"{size} bytes long, more than the {MAX_SPEC_BYTES} allowed")
+        key = (guided.kind.value, guided.spec, guided.choices)
+        with self._lock:
+            found = self._pristine.get(key)
+            if found is not None:
+                self._pristine.move_to_end(key)
+                return found
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(guided), limits=self.limits, log_level=0)
+        if matcher.is_error():
+            raise GuidedError(_first_line(matcher.get_error()))
+        with self._lock:
+            self._pristine[key] = matcher
+            while len(self._pristine) > CACHE_SIZE:
+                self._pristine.popitem(last=False)
+        return matcher
+
+
+def grammars_for(model_dir: str | Path, vocab_size: int, eos_token_id: int) -> Grammars | None:
+    """The constraints of the model in `model_dir` (its tokenizer.json), or None without one
+    (requests that ask for guided decoding then fail with a clear line)."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    return Grammars(path.read_text(encoding="utf-8"), vocab_size, eos_token_id)
