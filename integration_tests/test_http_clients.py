@@ -4,6 +4,8 @@ OpenAI door through the real `openai` client."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -68,6 +70,46 @@ def test_details_and_sampling(served: Server) -> None:
     assert all(len(top) == 2 for top in details.top_tokens)
     again = tgi.generate("Hello", max_new_tokens=5, do_sample=True, seed=42)
     assert again.generated_text == answer.generated_text  # a seed makes sampling repeatable
+
+
+def test_guided_decoding_on_every_door(served: Server) -> None:
+    """The gRPC oneof, TGI's grammar and OpenAI's response_format / vLLM's guided_* give the
+    same constrained answers; a constraint that does not compile is each door's validation error."""
+    choices = ["red", "green", "blue"]
+    decoding = pb.DecodingParameters(choice=pb.DecodingParameters.StringChoices(choices=choices))
+    params = pb.Parameters(decoding=decoding, stopping=pb.StoppingCriteria(max_new_tokens=10))
+    request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="Hello")], params=params)
+    expected = served.stub().Generate(request).responses[0].text
+    assert expected in choices
+    oai = openai_client(served)
+    model = oai.models.list().data[0].id
+    answer = oai.completions.create(
+        model=model, prompt="Hello", max_tokens=10, temperature=0, extra_body={"guided_choice": choices}
+    )
+    assert answer.choices[0].text == expected
+    tgi = client(served)
+    digits = tgi.generate("Hello", max_new_tokens=12, grammar={"type": "regex", "value": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", digits.generated_text)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    chat = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "a number"}],
+        max_tokens=30,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    content = chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop", content
+    assert set(json.loads(content)) == {"n"} and 0 <= json.loads(content)["n"] <= 99
+    with pytest.raises(ValidationError, match="invalid regex for guided decoding"):
+        tgi.generate("Hello", max_new_tokens=4, grammar={"type": "regex", "value": "(a"})
+    with pytest.raises(openai.BadRequestError, match="invalid regex for guided decoding"):
+        oai.completions.create(model=model, prompt="Hello", max_tokens=4, extra_body={"guided_regex": "(a"})
 
 
 def test_errors_reach_the_client_as_tgi_errors(served: Server) -> None:

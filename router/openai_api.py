@@ -41,7 +41,8 @@ from router.stopping import StopReason
 from router.tokenizer import TokenizerPool
 from router.tracing import Tracing, correlation_id
 from router.validation import RequestParams, ResponseSpec, StoppingSpec, ValidatedRequest
-from text_generation_common.messages import SamplingParams, TokenInfo
+from text_generation_common.guided import schema_text
+from text_generation_common.messages import Guided, GuidedKind, SamplingParams, TokenInfo
 
 MAX_CHOICES = 16  # n, or prompts in one call
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
@@ -98,6 +99,14 @@ class _Common(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # guided decoding: OpenAI's response_format, or one of vLLM's guided_* extensions
+    response_format: dict[str, Any] | None = Field(
+        default=None, description="text, json_object or json_schema ({json_schema: {schema}})"
+    )
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -121,7 +130,6 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(default=None, description="not served")
     tool_choice: Any | None = Field(default=None, description="not served: none or unset only")
-    response_format: dict[str, Any] | None = Field(default=None, description="text only")
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -142,12 +150,47 @@ def unsupported(body: _Common) -> str | None:
     if isinstance(body, ChatRequest):
         checks.append((bool(body.tools), "tools"))
         checks.append((body.tool_choice not in (None, "none"), "tool_choice"))
-        fmt = (body.response_format or {}).get("type", "text")
-        checks.append((fmt != "text", f"response_format {fmt}"))
+    fmt = (body.response_format or {}).get("type", "text")
+    checks.append((fmt not in RESPONSE_FORMATS, f"response_format {fmt}"))
     for refused, what in checks:
         if refused:
             return f"{what} is not supported by this server"
     return None
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def guided_of(body: _Common) -> Guided | None:
+    """The request's constraint: response_format or one guided_* field (RequestError for
+    more than one, or a json_schema format without its schema)."""
+    found: list[Guided] = []
+    fmt = body.response_format or {}
+    if fmt.get("type") == "json_object":
+        found.append(Guided(GuidedKind.JSON))
+    elif fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise RequestError(
+                "INVALID_ARGUMENT", "response_format json_schema needs json_schema.schema", "validation"
+            )
+        found.append(Guided(GuidedKind.JSON_SCHEMA, schema_text(schema)))
+    if body.guided_json is not None:
+        found.append(Guided(GuidedKind.JSON_SCHEMA, schema_text(body.guided_json)))
+    if body.guided_regex is not None:
+        found.append(Guided(GuidedKind.REGEX, body.guided_regex))
+    if body.guided_choice is not None:
+        found.append(Guided(GuidedKind.CHOICE, choices=tuple(body.guided_choice)))
+    if body.guided_grammar is not None:
+        found.append(Guided(GuidedKind.GRAMMAR, body.guided_grammar))
+    if len(found) > 1:
+        raise RequestError(
+            "INVALID_ARGUMENT",
+            "only one of response_format (json), guided_json, guided_regex, guided_choice and guided_grammar "
+            "may be given",
+            "validation",
+        )
+    return found[0] if found else None
 
 
 def _text_content(message: ChatMessage) -> Any:
@@ -170,7 +213,8 @@ def request_params(
     """OpenAI's parameters -> RequestParams (validated afterwards like every door's)."""
     temperature = 1.0 if body.temperature is None else body.temperature
     sampling = SamplingParams(
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        guided=guided_of(body),
     )
     if temperature != 0.0:
         sampling = replace(

@@ -10,8 +10,9 @@ Where TGI and TGIS differ, TGI's behaviour wins at this door:
   - stop sequences stay in the generated text; return_full_text puts the prompt in front;
   - stream events carry one token each (ids, logprobs, `special`), the last one the whole
     text and the details.
-Parameters TGI has and this server does not serve (best_of > 1, watermark, grammar,
-frequency_penalty) are refused with 422, never ignored; unknown ones too.
+Parameters TGI has and this server does not serve (best_of > 1, watermark, frequency_penalty)
+are refused with 422, never ignored; unknown ones too. `grammar` is guided decoding:
+{"type": "json", "value": <JSON Schema>} or {"type": "regex", "value": <regex>}.
 
 Status codes: 422 validation (error_type "validation"), 429 overloaded (over
 MAX_CONCURRENT_REQUESTS, or too much text waiting for tokenization), 424 generation (the
@@ -26,7 +27,7 @@ import json
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -46,7 +47,8 @@ from router.validation import (
     ValidatedRequest,
     tokenizer_error_message,
 )
-from text_generation_common.messages import SamplingParams, TokenInfo
+from text_generation_common.guided import schema_text
+from text_generation_common.messages import Guided, GuidedKind, SamplingParams, TokenInfo
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
 HTTP_STATUS = {
@@ -72,6 +74,23 @@ FINISH_REASONS = {
 }
 
 
+class Grammar(BaseModel):
+    """TGI's grammar parameter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json", "regex"]
+    value: Any
+
+
+def guided_of(grammar: Grammar | None) -> Guided | None:
+    if grammar is None:
+        return None
+    if grammar.type == "json":
+        return Guided(GuidedKind.JSON_SCHEMA, schema_text(grammar.value))
+    return Guided(GuidedKind.REGEX, str(grammar.value))
+
+
 class Parameters(BaseModel):
     """TGI's generation parameters (unknown fields are refused)."""
 
@@ -85,7 +104,7 @@ class Parameters(BaseModel):
     details: bool = Field(default=False, description="return finish reason, token ids, logprobs and seed")
     do_sample: bool = Field(default=False, description="sample instead of greedy decoding")
     frequency_penalty: float | None = Field(default=None, description="not served: 0 or unset only")
-    grammar: Any | None = Field(default=None, description="not served: unset only")
+    grammar: Grammar | None = Field(default=None, description="guided decoding: a JSON schema or a regex")
     max_new_tokens: int | None = Field(default=None, ge=1, description=f"default {DEFAULT_MAX_NEW_TOKENS}")
     repetition_penalty: float | None = Field(default=None, description="> 0; 1.0 = off")
     return_full_text: bool | None = Field(
@@ -125,8 +144,6 @@ def unsupported(p: Parameters) -> str | None:
         return "best_of > 1 is not supported by this server"
     if p.watermark:
         return "watermark is not supported by this server"
-    if p.grammar is not None:
-        return "grammar is not supported by this server"
     if p.frequency_penalty:
         return "frequency_penalty is not supported by this server"
     return None
@@ -148,7 +165,8 @@ def _sampling_wanted(p: Parameters) -> bool:
 def request_params(p: Parameters, *, stream: bool, max_new_tokens: int) -> RequestParams:
     """TGI's parameters -> RequestParams (validated afterwards like every door's)."""
     sampling = SamplingParams(
-        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty
+        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+        guided=guided_of(p.grammar),
     )
     if _sampling_wanted(p):
         sampling = replace(

@@ -79,6 +79,11 @@ def grammar_text(guided: Guided) -> str:
         raise GuidedError(_first_line(str(exc))) from None
 
 
+def schema_text(value: Any) -> str:
+    """A JSON Schema given as an object (HTTP doors) or as its text (gRPC), as text."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def _schema(text: str) -> dict[str, Any]:
     try:
         schema = json.loads(text)

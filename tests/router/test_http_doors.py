@@ -18,12 +18,15 @@ from router.chat_template import load_chat_template
 from router.http_app import PROBE_PATHS, build_app
 from router.http_server import HealthCheck, HttpServer
 from router.metrics import Metrics
-from router.openai_api import OpenAIApi
-from router.service import GenerationService
+from router.openai_api import ChatRequest, OpenAIApi
+from router.openai_api import request_params as openai_request_params
+from router.openai_api import unsupported as openai_unsupported
+from router.service import GenerationService, RequestError
 from router.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
 from router.tracing import Tracing
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
+from text_generation_common.messages import Guided, GuidedKind
 
 MAX_NEW = 200
 
@@ -158,12 +161,45 @@ def test_parameters_this_server_does_not_serve_are_refused() -> None:
     assert unsupported(Parameters(best_of=2)) == "best_of > 1 is not supported by this server"
     assert unsupported(Parameters(watermark=True)) == "watermark is not supported by this server"
     assert (
-        unsupported(Parameters(grammar={"type": "json", "value": {}}))
-        == "grammar is not supported by this server"
-    )
-    assert (
         unsupported(Parameters(frequency_penalty=0.5)) == "frequency_penalty is not supported by this server"
     )
+
+
+def test_tgi_grammar_and_openai_guided_parameters_become_constraints() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tgi = request_params(
+        Parameters(grammar={"type": "json", "value": schema}), stream=False, max_new_tokens=100
+    )
+    assert tgi.sampling.guided == Guided(GuidedKind.JSON_SCHEMA, json.dumps(schema))
+    tgi = request_params(
+        Parameters(grammar={"type": "regex", "value": "a+"}), stream=False, max_new_tokens=100
+    )
+    assert tgi.sampling.guided == Guided(GuidedKind.REGEX, "a+")
+    with pytest.raises(ValueError, match="type"):
+        Parameters(grammar={"type": "lark", "value": "x"})
+
+    def openai(**fields) -> Guided | None:
+        body = ChatRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+        assert openai_unsupported(body) is None
+        return openai_request_params(
+            body, max_new_tokens=100, top_n=0, logprobs=False, stream=False
+        ).sampling.guided
+
+    assert openai() is None and openai(response_format={"type": "text"}) is None
+    assert openai(response_format={"type": "json_object"}) == Guided(GuidedKind.JSON)
+    assert openai(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    ) == Guided(GuidedKind.JSON_SCHEMA, json.dumps(schema))
+    assert openai(guided_json=schema) == Guided(GuidedKind.JSON_SCHEMA, json.dumps(schema))
+    assert openai(guided_regex="a+") == Guided(GuidedKind.REGEX, "a+")
+    assert openai(guided_choice=["x", "y"]) == Guided(GuidedKind.CHOICE, choices=("x", "y"))
+    assert openai(guided_grammar='start: "x"') == Guided(GuidedKind.GRAMMAR, 'start: "x"')
+    with pytest.raises(RequestError, match="only one of response_format"):
+        openai(guided_regex="a", guided_choice=["a"])
+    with pytest.raises(RequestError, match=r"json_schema needs json_schema\.schema"):
+        openai(response_format={"type": "json_schema"})
+    refused = ChatRequest(messages=[{"role": "user", "content": "hi"}], response_format={"type": "xml"})
+    assert openai_unsupported(refused) == "response_format xml is not supported by this server"
 
 
 # ---- routes ---------------------------------------------------------------------------------
