@@ -378,6 +378,6 @@ class Batcher:
                     entry.fail_detokenization(str(exc) or type(exc).__name__)
             finished.append(entry.id)
         self.metrics.shard_call_succeeded(
-            method, step.call_s, output.forward_ns / 1e9, time.monotonic() - now
+            method, step.call_s, output.forward_ns / 1e9, time.monotonic() - now, output.guided_mask_ns / 1e9
         )
         return finished

@@ -84,6 +84,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_batch_inference_batch_size", "histogram", "Requests per shard call", "1 .. max_batch_size", method=METHODS),
     _spec("tgi_batch_inference_duration", "histogram", "Whole shard call incl. RPC (s)", DURATION, method=METHODS, makeup=MAKEUPS),
     _spec("tgi_batch_inference_forward_duration", "histogram", "Model forward time reported by the shard (s)", DURATION, method=METHODS, makeup=MAKEUPS),
+    _spec("tgi_batch_inference_guided_mask_duration", "histogram", "Guided-decoding mask and matcher time of a call with constrained requests, reported by the shard (s)", DURATION, method=METHODS),
     _spec("tgi_batch_inference_tokproc_duration", "histogram", "Router token processing per call (s)", DURATION, method=METHODS, makeup=MAKEUPS),
     _spec("tgi_batch_next_tokens", "histogram", "Tokens of each prefill batch incl. padding", "default"),
     _spec("tgi_batch_current_size", "gauge", "Requests in the running batch"),
@@ -236,13 +237,15 @@ class Metrics:
             self.observe("tgi_batch_next_tokens", prefill_tokens)
 
     def shard_call_succeeded(
-        self, method: str, duration_s: float, forward_s: float, tokproc_s: float
+        self, method: str, duration_s: float, forward_s: float, tokproc_s: float, guided_s: float = 0.0
     ) -> None:
         self.inc("tgi_batch_inference_success", method=method)
         labels = {"method": method, "makeup": "single_only"}
         self.observe("tgi_batch_inference_duration", duration_s, **labels)
         self.observe("tgi_batch_inference_forward_duration", forward_s, **labels)
         self.observe("tgi_batch_inference_tokproc_duration", tokproc_s, **labels)
+        if guided_s > 0:
+            self.observe("tgi_batch_inference_guided_mask_duration", guided_s, method=method)
 
     def shard_call_failed(self, method: str, reason: str) -> None:
         self.inc("tgi_batch_inference_failure", method=method, reason=reason)

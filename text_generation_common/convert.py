@@ -106,6 +106,7 @@ def result_to_pb(out: StepOutput) -> pb.GenerateResult:
         errors=[pb.RequestError(request_id=e.request_id, message=e.message) for e in out.errors],
         forward_ns=out.forward_ns,
         pending_ids=out.pending,
+        guided_mask_ns=out.guided_mask_ns,
     )
     if out.batch_id is not None:
         result.batch_id = out.batch_id
@@ -205,6 +206,7 @@ def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTok
         ],
         batch_id=result.batch_id if result.HasField("batch_id") else None,
         forward_ns=result.forward_ns,
+        guided_mask_ns=result.guided_mask_ns,
         pending=list(result.pending_ids),
         kv_cache=(
             KvCacheState(**{name: getattr(result.kv_cache, name) for name in KV_CACHE_FIELDS})

@@ -182,6 +182,7 @@ class StepOutput:
     forward_ns: int = 0
     pending: list[int] = field(default_factory=list)  # request ids
     kv_cache: KvCacheState | None = None  # KV_BLOCKS engines: the cache after this step
+    guided_mask_ns: int = 0  # guided decoding: token masks and matchers (0: no constrained row)
 
     @property
     def request_ids(self) -> list[int]:
@@ -203,6 +204,7 @@ class StepOutput:
             self.forward_ns,
             [i for i in self.pending if i not in completed_ids],
             self.kv_cache,
+            self.guided_mask_ns,
         )
 
     @classmethod
@@ -217,6 +219,7 @@ class StepOutput:
             forward_ns=sum(o.forward_ns for o in outputs),
             pending=[i for o in outputs for i in o.pending],
             kv_cache=states[-1] if states else None,
+            guided_mask_ns=sum(o.guided_mask_ns for o in outputs),
         )
 
 

@@ -42,7 +42,7 @@ def choose_tokens(
     next_list = next_ids.tolist()
     infos = generated_token_infos(scores, next_list, [r.details for r in requests])
     chooser.advance(next_list)
-    output = StepOutput(forward_ns=forward_ns)
+    output = StepOutput(forward_ns=forward_ns, guided_mask_ns=chooser.guided_ns)
     for request, info, nan in zip(requests, infos, nan_rows, strict=True):
         if nan:
             output.errors.append(RequestError(request.id, NAN_LOGITS_MESSAGE))

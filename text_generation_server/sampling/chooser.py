@@ -17,6 +17,7 @@ Then `advance` records the chosen ids and feeds them to the rows' grammar matche
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ class TokenChooser:
         # guided decoding: each row's llguidance matcher (None: free text)
         self.matchers = list(matchers) if matchers is not None else [None] * len(self.params)
         self.any_guided = any(m is not None for m in self.matchers)
+        self.guided_ns = 0  # time in guided masks and matchers since the last `choose`
         self.histories = list(histories)  # prompt ids (after truncation) + generated ids, per row
         self.generated = list(generated)  # tokens generated so far, per row
         self.generators = list(generators)  # None for greedy rows
@@ -148,7 +150,9 @@ class TokenChooser:
         if self.seen is not None and self.penalty is not None:
             scores = lp.apply_repetition_penalty(scores, self.seen, self.penalty)
         if self.any_guided:
+            started = time.perf_counter_ns()
             guided.apply_masks(self.matchers, scores, eos)
+            self.guided_ns = time.perf_counter_ns() - started
         if self.sample_rows:
             if self.temperature is not None:
                 scores = lp.apply_temperature(scores, self.temperature)
@@ -183,7 +187,9 @@ class TokenChooser:
             rows = torch.arange(len(next_ids), device=self.device)
             self.seen[rows, torch.tensor(next_ids, device=self.device)] = True
         if self.any_guided:
+            started = time.perf_counter_ns()
             guided.advance(self.matchers, next_ids)
+            self.guided_ns += time.perf_counter_ns() - started
 
     def select(self, rows: Sequence[int]) -> TokenChooser:
         """A chooser for the given rows (in that order), carrying their state."""
