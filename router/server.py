@@ -47,7 +47,7 @@ from router.tls import TlsConfigError, server_credentials
 from router.tokenizer import TokenizerPool, load_tokenizer
 from router.tracing import Tracing, TracingError
 from router.validation import PrefixLengths, Validator
-from text_generation_common.guided import Grammars
+from text_generation_common.guided import grammars_of
 from text_generation_common.messages import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ async def build(config: RouterConfig) -> Router:
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
         capacity=capacity,
-        grammars=Grammars(tokenizer.to_str(), info.vocab_size, info.eos_token_id),
+        grammars=grammars_of(tokenizer.to_str(), info.vocab_size, info.eos_token_id),
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
     service = GenerationService(

@@ -23,7 +23,7 @@ from router.capacity import Capacity, Load
 from router.input_bound import min_tokens
 from router.metrics import Metrics
 from router.tokenizer import TokenizerError, TokenizerPool
-from text_generation_common.guided import Grammars, GuidedError
+from text_generation_common.guided import UNAVAILABLE, Grammars, GuidedError
 from text_generation_common.logs import clip
 from text_generation_common.messages import (
     GenerationRequest,
@@ -284,9 +284,7 @@ class Validator:
         """The constraint must compile for this tokenizer (off the event loop: a large schema
         or grammar takes milliseconds; compiled ones are cached)."""
         if self.grammars is None:
-            raise ValidationError(
-                "guided decoding needs the model's tokenizer.json, which this model does not have"
-            )
+            raise ValidationError(UNAVAILABLE)
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.grammars.check, guided)
         except GuidedError as exc:

@@ -181,3 +181,12 @@ def test_a_bad_constraint_fails_its_request_alone_in_the_shard(tiny_model) -> No
     tokenizer = Tokenizer.from_file(str(tiny_model("llama") / "tokenizer.json"))
     text, ended = text_of(tokenizer, alone(e, good), e.info.eos_token_id)
     assert ended and re.fullmatch(REGEX, text)
+
+
+def test_a_tokenizer_llguidance_cannot_read_leaves_guided_decoding_off(tmp_path: Path, caplog) -> None:
+    from text_generation_common.guided import grammars_of
+    from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
+
+    write_tokenizer(tmp_path, ARCHITECTURES["llama"], kind="wordpiece")
+    assert grammars_of((tmp_path / "tokenizer.json").read_text(), 2000, 2) is None  # the server still starts
+    assert "guided decoding is unavailable for this tokenizer: " in caplog.text

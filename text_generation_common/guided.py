@@ -21,6 +21,7 @@ and then needs seconds per mask): each refusal says why.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from text_generation_common.messages import Guided, GuidedKind
+
+logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # pristine matchers kept, by (kind, spec)
 MAX_SPEC_BYTES = 64 * 1024  # a schema, regex or grammar (or all choices) longer than this is refused
@@ -40,7 +43,7 @@ ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-UNAVAILABLE = "guided decoding needs the model's tokenizer.json, which this model does not have"
+UNAVAILABLE = "guided decoding needs the model's tokenizer.json in a form it reads (see the log at start-up)"
 
 
 class GuidedError(ValueError):
@@ -158,4 +161,15 @@ def grammars_for(model_dir: str | Path, vocab_size: int, eos_token_id: int) -> G
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         return None
-    return Grammars(path.read_text(encoding="utf-8"), vocab_size, eos_token_id)
+    return grammars_of(path.read_text(encoding="utf-8"), vocab_size, eos_token_id)
+
+
+def grammars_of(tokenizer_json: str, vocab_size: int, eos_token_id: int) -> Grammars | None:
+    """Grammars over this tokenizer, or None (with a warning saying why) for a tokenizer
+    llguidance cannot read (e.g. WordPiece decoders): the server runs, guided requests are
+    refused with UNAVAILABLE's line."""
+    try:
+        return Grammars(tokenizer_json, vocab_size, eos_token_id)
+    except Exception as exc:  # the library's reason, once at start-up
+        logger.warning("guided decoding is unavailable for this tokenizer: %s", _first_line(str(exc)))
+        return None
