@@ -1,11 +1,11 @@
 """The guided-decoding matchers of a chooser's rows: each constrained row's allowed next tokens
 masked into its scores, and its matcher advanced by the token chosen.
 
-One mask per step for the whole batch: a [rows, vocab / 32] int32 bitmask starting all-allowed,
-the constrained rows' words filled by llguidance on its own threads (no GIL), then applied to
-the scores in place. A row whose every token ends up masked (its grammar is complete and only
-EOS remains, while min_new_tokens masks EOS) gets EOS back: the grammar wins, the output stays
-valid. Matchers travel with their rows through prune and concatenate, like the RNG state.
+One mask per step for the constrained rows: a [rows, vocab / 32] int32 bitmask filled by
+llguidance on its own threads (no GIL), unpacked and applied to those rows' scores. A row
+whose every token ends up masked (its grammar is complete and only EOS remains, while
+min_new_tokens masks EOS) gets EOS back: the grammar wins, the output stays valid. Matchers
+travel with their rows through prune and concatenate, like the RNG state.
 """
 
 from __future__ import annotations
@@ -27,19 +27,29 @@ def _executor() -> Any:
     return llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
 
 
-def apply_masks(matchers: Sequence[Any | None], scores: torch.Tensor, eos_token_id: int) -> None:
-    """Mask `scores` [rows, vocab] in place to what each row's matcher allows (None: free)."""
-    import llguidance.torch as llt
+SHIFTS = torch.arange(32, dtype=torch.int32)  # bit k of a mask word: token 32 * word + k
 
-    rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+
+def apply_masks(matchers: Sequence[Any | None], scores: torch.Tensor, eos_token_id: int) -> None:
+    """Mask `scores` [rows, vocab] in place to what each row's matcher allows (None: free).
+    The bits are unpacked with plain torch (llguidance's own apply is a torch.compile kernel:
+    seconds at its first call in every process, and a compiler the release image lacks)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return
-    bitmask = llt.allocate_token_bitmask(len(matchers), scores.shape[-1])
-    llt.fill_next_token_bitmask_par(_executor(), rows, bitmask)
-    llt.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True))
-    stuck = torch.isneginf(scores).all(dim=-1)
+    vocab = scores.shape[-1]
+    words = (vocab + 31) // 32
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    _executor().unsafe_compute_mask_ptr(
+        [(matchers[row], i) for i, row in enumerate(rows)], bitmask.data_ptr(), words * 4, len(rows)
+    )
+    allowed = ((bitmask.unsqueeze(-1) >> SHIFTS) & 1).view(len(rows), -1)[:, :vocab].bool()
+    index = torch.tensor(rows, device=scores.device)
+    masked = scores.index_select(0, index).masked_fill_(~allowed.to(scores.device), float("-inf"))
+    stuck = torch.isneginf(masked).all(dim=-1)
     if bool(stuck.any()):
-        scores[stuck, eos_token_id] = 0.0
+        masked[stuck, eos_token_id] = 0.0
+    scores.index_copy_(0, index, masked)
 
 
 def advance(matchers: Sequence[Any | None], next_ids: Sequence[int]) -> None:
