@@ -255,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj for every projection)",
     )
     g.add_argument(
+        "--guided-json",
+        action="store_true",
+        help="our gRPC requests carry a JSON schema (guided decoding; benchmarks/clients.py "
+        "GUIDED_SCHEMA); the breakdown reports the shard's mask time per decode call",
+    )
+    g.add_argument(
         "--max-batch-size",
         type=int,
         default=None,
@@ -404,6 +410,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prefill_budgets=args.prefill_budget,
         adapters=args.adapters,
         adapter_targets=args.adapter_targets,
+        guided_json=args.guided_json,
     )
 
 

@@ -55,11 +55,29 @@ def _finished(result: RequestResult) -> RequestResult:
     return result
 
 
+# --guided-json: an object whose string and array stay open as long as the model writes
+# (EOS is masked until the output length, unless the JSON is complete)
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["title", "year", "tags"],
+    "additionalProperties": False,
+}
+
+
 class GrpcClient:
     name = "grpc"
 
-    def __init__(self, address: str, timeout_s: float, adapter_ids: Sequence[str] = ()) -> None:
-        """`adapter_ids`: requests name them in turn (none: the base model)."""
+    def __init__(
+        self, address: str, timeout_s: float, adapter_ids: Sequence[str] = (), guided_json: bool = False
+    ) -> None:
+        """`adapter_ids`: requests name them in turn (none: the base model); `guided_json`:
+        every request is constrained to GUIDED_SCHEMA (guided decoding)."""
+        self.decoding = pb.DecodingParameters(json_schema=json.dumps(GUIDED_SCHEMA)) if guided_json else None
         self.address = address
         self.timeout_s = timeout_s
         self.adapter_ids = list(adapter_ids)
@@ -82,6 +100,7 @@ class GrpcClient:
                     max_new_tokens=prompt.output_len, min_new_tokens=prompt.output_len
                 ),
                 truncate_input_tokens=prompt.input_len,
+                decoding=self.decoding,
             ),
         )
 

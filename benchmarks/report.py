@@ -335,7 +335,7 @@ def _breakdown_lines(results: dict[str, Any]) -> list[str]:
                     ]
                 ),
                 f"{int(nxt.get('calls', 0))} / {fmt(nxt.get('mean_batch_size'))}",
-                " / ".join(fmt(nxt.get(f"mean_{k}_ms"), 2) for k in ("call", "forward", "tokproc")),
+                " / ".join(fmt(nxt.get(f"mean_{k}_ms"), 2) for k in ("call", "forward", "guided", "tokproc")),
                 " / ".join(
                     f"{100 * (pre.get(k, 0.0) + nxt.get(k, 0.0)):.0f}%"
                     for k in ("forward_share", "call_share", "tokproc_share")
@@ -348,7 +348,8 @@ def _breakdown_lines(results: dict[str, Any]) -> list[str]:
         return []
     header = (["system"] if len(keys) > 1 else []) + [
         "c", "prefill calls / mean batch / ms", "decode calls / mean batch",
-        "decode ms: shard call / forward / router tokproc", "wall share: forward / shard calls / tokproc",
+        "decode ms: shard call / forward / guided mask / router tokproc",
+        "wall share: forward / shard calls / tokproc",
         "batcher idle", "queue ms",
     ]  # fmt: skip
     return [

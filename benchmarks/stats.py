@@ -198,6 +198,7 @@ BREAKDOWN_HISTOGRAMS = {
     "call": "tgi_batch_inference_duration",  # whole shard call incl. the RPC
     "forward": "tgi_batch_inference_forward_duration",  # model forward, as the shard timed it
     "tokproc": "tgi_batch_inference_tokproc_duration",  # router token processing
+    "guided": "tgi_batch_inference_guided_mask_duration",  # guided-decoding masks (constrained calls)
     "batch_size": "tgi_batch_inference_batch_size",
 }
 QUEUE_HISTOGRAM = "tgi_request_queue_duration"
@@ -234,7 +235,7 @@ def server_breakdown(before: Scrape, after: Scrape, duration: float) -> dict[str
         entry: dict[str, float] = {"calls": calls}
         if calls:
             entry["mean_batch_size"] = delta(f"{BREAKDOWN_HISTOGRAMS['batch_size']}_sum", labels) / calls
-            for key in ("call", "forward", "tokproc"):
+            for key in ("call", "forward", "tokproc", "guided"):
                 total = delta(f"{BREAKDOWN_HISTOGRAMS[key]}_sum", labels)
                 entry[f"mean_{key}_ms"] = 1000.0 * total / calls
                 entry[f"{key}_share"] = total / duration if duration > 0 else 0.0

@@ -104,6 +104,7 @@ class BenchConfig:
     prefill_budgets: tuple[int, ...] = ()  # --max-batch-prefill-tokens per variant; () = default
     adapters: tuple[int, ...] = ()  # LoRA adapters per variant, named by requests in turn; () = none
     adapter_targets: tuple[str, ...] = ("q_proj", "v_proj")  # the modules they adapt (PEFT's Llama default)
+    guided_json: bool = False  # our gRPC requests carry a JSON schema (clients.GUIDED_SCHEMA)
     vllm_dtype: str | None = None  # None: the dtype our server resolved
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -578,7 +579,7 @@ class Run:
         system: str = "ours",
         adapter_ids: Sequence[str] = (),
     ) -> list[dict[str, Any]]:
-        client = GrpcClient(address, self.cfg.request_timeout_s, adapter_ids)
+        client = GrpcClient(address, self.cfg.request_timeout_s, adapter_ids, self.cfg.guided_json)
         try:
             return await measure(client, plans, system, self.cfg, metrics_url)
         finally:

@@ -526,7 +526,7 @@ def test_adapter_variants_and_round_robin_requests() -> None:
     assert (base.key, mixed.key) == ("ours[adapters=0]", "ours[adapters=4]")
     assert base.adapter_ids == [] and mixed.adapter_ids == ["lora-0", "lora-1", "lora-2", "lora-3"]
     client = GrpcClient.__new__(GrpcClient)
-    client.adapter_ids, client._sent = mixed.adapter_ids, 0
+    client.adapter_ids, client._sent, client.decoding = mixed.adapter_ids, 0, None
     prompt = Prompt("x", (1,), 4)
     assert [client.request(prompt).adapter_id for _ in range(5)] == [
         "lora-0",
@@ -550,5 +550,22 @@ def test_long_adapters_name_a_new_adapter_per_measured_long_prompt(tiny_model) -
     assert named == [[f"lora-{i}" for i in range(4)], [f"lora-{i}" for i in range(4, 8)]]
     assert all(not p.adapter_id for streams, _ in plan.mix_repeats for p in streams)
     client = GrpcClient.__new__(GrpcClient)
-    client.adapter_ids, client._sent = [], 0
+    client.adapter_ids, client._sent, client.decoding = [], 0, None
     assert client.request(plan.mix_repeats[0][1][2]).adapter_id == "lora-2"
+
+
+async def test_guided_json_requests_carry_the_schema() -> None:
+    import json
+
+    from benchmarks.clients import GUIDED_SCHEMA, GrpcClient
+    from benchmarks.workload import Prompt
+
+    assert _config("--guided-json").guided_json and not _config().guided_json
+    guided, free = GrpcClient("127.0.0.1:1", 1.0, guided_json=True), GrpcClient("127.0.0.1:1", 1.0)
+    try:
+        request = guided.request(Prompt("x", (1,), 4))
+        assert json.loads(request.params.decoding.json_schema) == GUIDED_SCHEMA
+        assert not free.request(Prompt("x", (1,), 4)).params.HasField("decoding")
+    finally:
+        await guided.close()
+        await free.close()
