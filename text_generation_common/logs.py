@@ -1,5 +1,6 @@
 """Logging setup shared by the launcher, the router and the shards: plain lines or JSON lines;
-`clip` bounds the client strings that error messages and log lines echo."""
+`clip` bounds the client strings that error messages and log lines echo; `first_line` is an
+exception's reason on one line."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}...({len(text)} characters)"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): a library's
+    reason for an error line, without the traceback or report that may follow it."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class JsonFormatter(logging.Formatter):

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from text_generation_common.logs import first_line
 from text_generation_server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -84,9 +85,9 @@ def join(config: ServerConfig) -> None:
             device_id=device if device.type == "cuda" else None,
         )
     except (RuntimeError, ValueError) as exc:  # the store's rendezvous timed out or failed
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ShardingError(
-            f"shard {rank}/{world_size} could not join its peers at {master_addr}:{master_port}: {first}"
+            f"shard {rank}/{world_size} could not join its peers at {master_addr}:{master_port}: "
+            f"{first_line(exc)}"
         ) from None
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from text_generation_common.logs import first_line
 from text_generation_server.engines import cpu_kernels
 from text_generation_server.errors import PrefixNotFoundError, ShardError
 from text_generation_server.lru import LoadedCache
@@ -383,8 +384,8 @@ class Adapters:
                 raise ValueError("not a state dict")
             return dict(loaded)
         except Exception as exc:  # a corrupt or foreign file: one clear line
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise AdapterError(f"adapter {adapter_id} could not be read from {file.name}: {first}") from None
+            reason = first_line(exc)
+            raise AdapterError(f"adapter {adapter_id} could not be read from {file.name}: {reason}") from None
 
     # ---- steps --------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from text_generation_common.logs import first_line
 from text_generation_server.config import ServerConfig
 from text_generation_server.errors import PrefixNotFoundError, ShardError
 from text_generation_server.lru import LoadedCache
@@ -148,8 +149,9 @@ class PromptStore:
             loaded = torch.load(file, map_location="cpu", weights_only=True)
             return loaded.get(key) if key is not None and isinstance(loaded, dict) else loaded
         except Exception as exc:  # a corrupt or foreign file: one clear line, not a traceback
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise PromptError(f"Prefix {prefix_id} could not be read from {file.name}: {first}") from None
+            raise PromptError(
+                f"Prefix {prefix_id} could not be read from {file.name}: {first_line(exc)}"
+            ) from None
 
     def _checked(self, tensor: object, prefix_id: str) -> torch.Tensor:
         spec = self.spec

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from text_generation_common.logs import first_line
+
 logger = logging.getLogger(__name__)
 
 # the ONNX files a model directory may hold, in the order they are looked for
@@ -209,8 +211,7 @@ class DecoderSession:
         except OnnxModelError:
             raise
         except Exception as exc:  # a corrupt file, an unsupported opset: ORT's first line says which
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise OnnxModelError(f"ONNX Runtime cannot load {file.name}: {first}") from None
+            raise OnnxModelError(f"ONNX Runtime cannot load {file.name}: {first_line(exc)}") from None
         self.io = describe(self.session.get_inputs(), self.session.get_outputs(), file.name)
         self.device = device
         self.file = file

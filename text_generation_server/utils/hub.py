@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from text_generation_common.logs import first_line
 from text_generation_server.utils import weights
 
 logger = logging.getLogger(__name__)
@@ -336,13 +337,8 @@ def _hub_errors(repo_id: str, revision: str, action: str) -> Iterator[None]:
         ) from exc
     except (httpx2.HTTPError, OSError) as exc:
         raise HubUnavailableError(
-            f"{action} of model {repo_id!r} from {endpoint} failed: {_first_line(exc)}"
+            f"{action} of model {repo_id!r} from {endpoint} failed: {first_line(exc)}"
         ) from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _endpoint() -> str:
@@ -361,4 +357,4 @@ def _ensure_fast_tokenizer(model_dir: Path) -> None:
     try:
         weights.convert_to_fast_tokenizer(model_dir)
     except Exception as exc:  # best effort: the model stays usable without tokenizer.json
-        logger.warning("could not write a fast tokenizer for %s: %s", model_dir, _first_line(exc))
+        logger.warning("could not write a fast tokenizer for %s: %s", model_dir, first_line(exc))

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from text_generation_common.logs import first_line
+
 logger = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".data")
@@ -185,7 +187,7 @@ def export(model_dir: Path, target: Path, dtype: str = "float32", optimize: bool
             model_dir, dtype=getattr(torch, dtype), local_files_only=True
         ).eval()
     except (ValueError, OSError) as exc:
-        raise ExportError(f"cannot load {model_dir} as a causal LM: {str(exc).splitlines()[0]}") from None
+        raise ExportError(f"cannot load {model_dir} as a causal LM: {first_line(exc)}") from None
     if getattr(model.config, "_attn_implementation", None) == "sdpa":  # models on the attention interface
         model.set_attn_implementation(EXPORT_ATTENTION)
     layers, kv_heads, head_dim = _kv_shape(model)
@@ -229,8 +231,7 @@ def export(model_dir: Path, target: Path, dtype: str = "float32", optimize: bool
                     verbose=False,
                 )
         except Exception as exc:  # torch.export's reasons run long: the first line names the failing op
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ExportError(f"{config.model_type} cannot be exported to ONNX: {first}") from None
+            raise ExportError(f"{config.model_type} cannot be exported to ONNX: {first_line(exc)}") from None
         if optimize:
             _optimize(file)
         _check(file, wrapper, sample, dtype)

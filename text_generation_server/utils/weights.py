@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from text_generation_common.logs import first_line
+
 if TYPE_CHECKING:
     import torch
 
@@ -118,7 +120,7 @@ def _convert_file(source: Path, target: Path, tied_targets: TiedTargets) -> dict
     try:
         state = torch.load(source, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-        raise ValueError(f"cannot load {source} as plain tensors (weights_only): {_first_line(exc)}") from exc
+        raise ValueError(f"cannot load {source} as plain tensors (weights_only): {first_line(exc)}") from exc
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{source} does not hold a flat state dict of tensors")
     tensors = _unshare(_drop_duplicate_names(dict(state), tied_targets))
@@ -279,7 +281,7 @@ def _load_fast_tokenizer(model_dir: Path) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"cannot load a tokenizer from {model_dir}: {_first_line(exc)}") from exc
+        raise ValueError(f"cannot load a tokenizer from {model_dir}: {first_line(exc)}") from exc
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             f"the tokenizer of {model_dir} ({type(tokenizer).__name__}) has no fast version to write "
@@ -310,8 +312,3 @@ def _move_files(src: Path, dst: Path, *, keep_existing: bool) -> None:
             logger.debug("keeping the existing %s", target)
             continue
         os.replace(file, target)  # replaces a symlink itself, never the blob it points to
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
