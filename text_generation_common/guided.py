@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,14 @@ def _schema(text: str) -> dict[str, Any]:
     return schema
 
 
+@dataclass(slots=True)
+class _Compiled:
+    """A constraint's pristine matcher, and the outcome of its first-mask check once run."""
+
+    matcher: Any
+    verdict: str | None = None  # "" passed, else the refusal; None: not checked yet
+
+
 class Grammars:
     """Constraints over one model's tokenizer (thread-safe)."""
 
@@ -109,31 +118,39 @@ class Grammars:
         self.eos_token_id = eos_token_id
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
         self.limits = llguidance.LLParserLimits()
-        self._pristine: OrderedDict[tuple[str, str, tuple[str, ...]], Any] = OrderedDict()
+        self._pristine: OrderedDict[tuple[str, str, tuple[str, ...]], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
 
     def check(self, guided: Guided) -> None:
         """Raise GuidedError unless `guided` compiles for this tokenizer and its first token
-        mask is computed within MAX_FIRST_MASK_S (the router's check)."""
+        mask is computed within MAX_FIRST_MASK_S (the router's check, and the shard's for
+        clients of the internal protocol). The mask is computed once per cached constraint:
+        later requests with it get the same verdict without the work."""
         import llguidance.numpy
 
-        matcher = self._pristine_matcher(guided).deep_copy()
-        started = time.monotonic()
-        mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
-        took = time.monotonic() - started
-        if matcher.is_error():
-            raise GuidedError(_first_line(matcher.get_error()))
-        if took > MAX_FIRST_MASK_S:
-            raise GuidedError(
-                f"too complex: its first token mask took {took:.1f} s (the limit is {MAX_FIRST_MASK_S} s)"
-            )
+        compiled = self._compiled(guided)
+        if compiled.verdict is None:
+            matcher = compiled.matcher.deep_copy()
+            started = time.monotonic()
+            mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+            took = time.monotonic() - started
+            if matcher.is_error():
+                compiled.verdict = _first_line(matcher.get_error())
+            elif took > MAX_FIRST_MASK_S:
+                compiled.verdict = (
+                    f"too complex: its first token mask took {took:.1f} s (the limit is {MAX_FIRST_MASK_S} s)"
+                )
+            else:
+                compiled.verdict = ""
+        if compiled.verdict:
+            raise GuidedError(compiled.verdict)
 
     def matcher(self, guided: Guided) -> Any:
         """A fresh llguidance.LLMatcher for one request."""
-        return self._pristine_matcher(guided).deep_copy()
+        return self._compiled(guided).matcher.deep_copy()
 
-    def _pristine_matcher(self, guided: Guided) -> Any:
+    def _compiled(self, guided: Guided) -> _Compiled:
         import llguidance
 
         size = len(guided.spec.encode()) + sum(len(c.encode()) for c in guided.choices)
@@ -148,11 +165,12 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(guided), limits=self.limits, log_level=0)
         if matcher.is_error():
             raise GuidedError(_first_line(matcher.get_error()))
+        compiled = _Compiled(matcher)
         with self._lock:
-            self._pristine[key] = matcher
+            self._pristine[key] = compiled
             while len(self._pristine) > CACHE_SIZE:
                 self._pristine.popitem(last=False)
-        return matcher
+        return compiled
 
 
 def grammars_for(model_dir: str | Path, vocab_size: int, eos_token_id: int) -> Grammars | None:
