@@ -198,14 +198,12 @@ def providers(device: torch.device) -> list[str]:
 class DecoderSession:
     """One ONNX Runtime session over a decoder file; `run` is one forward pass."""
 
-    def __init__(self, file: Path, device: torch.device, threads: int = 0) -> None:
+    def __init__(self, file: Path, device: torch.device) -> None:
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3  # errors only: ORT's warnings about its own fusions are noise here
-        if threads:
-            options.intra_op_num_threads = threads
         try:
             self.session = onnxruntime.InferenceSession(str(file), options, providers=providers(device))
         except OnnxModelError:
