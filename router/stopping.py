@@ -6,7 +6,7 @@ Checked after every generated token, first match wins (tgis-api §6):
   3. the token is EOS                 -> EOS_TOKEN
   4. max_new_tokens reached           -> TOKEN_LIMIT if the server capped it, else MAX_TOKENS
   5. a stop sequence ends in the text
-     that this token added            -> STOP_SEQUENCE
+     that this token added            -> STOP_SEQUENCE (its earliest such occurrence)
 Callers: router/entry.py.
 """
 
@@ -50,12 +50,16 @@ def find_stop_sequence(output: str, new_chars: int, stop_sequences: Sequence[str
     """The stop sequence completed by the last `new_chars` characters of `output`.
 
     Only matches that include at least one new character count (earlier text was checked
-    before). Sequences are tried in order; the first that matches wins, at its last occurrence
-    in the window. Character matching equals TGIS's byte matching: UTF-8 is self-synchronising.
+    before). Sequences are tried in order; the first that matches wins, at its earliest
+    occurrence in the window: the cut a character-by-character check would make, so a token
+    that adds several overlapping matches ("   " with the stop "  ") cuts where the stream of
+    the same text would. NOTE: TGIS takes the last occurrence (rfind), which cuts overlapping
+    matches later than the text's first match. Character matching equals TGIS's byte matching:
+    UTF-8 is self-synchronising.
     """
     for seq in stop_sequences:
         start = max(0, len(output) + 1 - new_chars - len(seq))
-        at = output.rfind(seq, start)
+        at = output.find(seq, start)
         if at >= 0:
             return StopMatch(seq, at, at + len(seq))
     return None

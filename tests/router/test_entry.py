@@ -128,3 +128,26 @@ def test_decoding_failure_fails_only_its_request(tmp_path) -> None:
     assert (
         ok.error is None and ok.generated_tokens == 4 and ok.text == detokenizer.decode(list(range(600, 604)))
     )
+
+
+def test_a_token_with_overlapping_stop_matches_cuts_at_the_first(detokenizer: Detokenizer) -> None:
+    """A single token that completes a stop sequence more than once ("   " with "  "): the output
+    is cut at the first match, the cut a stream of the same characters makes."""
+    found = next(
+        (
+            (i, text, char)
+            for i in range(3, 2000)
+            for text in [detokenizer.decode([i])]
+            for char in dict.fromkeys(text)
+            if char * 3 in text
+        ),
+        None,
+    )
+    assert found is not None, "the tiny tokenizer has a token with a character three times in a row"
+    token, text, char = found
+    first = text.index(char * 2)
+    for include, expected in ((False, text[:first]), (True, text[: first + 2])):
+        (unary,) = feed(Entry(request([char * 2], include, 5), stream=False), [token], detokenizer)
+        streamed = feed(Entry(request([char * 2], include, 5), stream=True), [token], detokenizer)
+        assert unary.stop_reason is StopReason.STOP_SEQUENCE and unary.text == expected, (text, include)
+        assert "".join(o.text for o in streamed) == expected

@@ -23,12 +23,23 @@ def test_stop_sequence_mid_token() -> None:
     assert match is not None and text[: match.end] == "a little bit confu"
 
 
-def test_first_listed_sequence_wins_at_its_last_occurrence() -> None:
+def test_first_listed_sequence_wins_at_its_earliest_new_occurrence() -> None:
     text = "xx ab ab"
     match = find_stop_sequence(text, 5, ["b", "ab"])
-    assert match is not None and match.sequence == "b" and match.start == 7
+    assert match is not None and match.sequence == "b" and match.start == 4
     match = find_stop_sequence(text, 5, ["ab"])
+    assert match is not None and match.start == 3
+    match = find_stop_sequence(text, 2, ["ab"])  # "ab" at 3 was complete before the new text
     assert match is not None and match.start == 6
+
+
+def test_overlapping_matches_in_one_token_cut_at_the_first() -> None:
+    """One token "   " and the stop "  ": the first two spaces complete it (a stream of the
+    same characters would stop there), not the last two."""
+    match = find_stop_sequence("   ", 3, ["  "])
+    assert match is not None and (match.start, match.end) == (0, 2)
+    match = find_stop_sequence("ab   ", 2, ["  "])  # "ab " was there: the match must touch "  "
+    assert match is not None and (match.start, match.end) == (2, 4)
 
 
 def test_non_ascii_stop_sequences() -> None:
