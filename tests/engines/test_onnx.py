@@ -199,3 +199,18 @@ def test_prefill_past_and_logits_shapes(exported: Path) -> None:
         present,
     )
     assert step.shape == (2, 1, session.vocab_size) and present[0].shape[2] == 4
+
+
+def test_a_gpu_without_the_cuda_provider_runs_on_the_cpu_with_a_warning(monkeypatch, caplog) -> None:
+    from text_generation_server.engines import onnx_session
+
+    monkeypatch.setattr(onnx_session, "has_cuda_provider", lambda: False)
+    with caplog.at_level("WARNING", logger=onnx_session.__name__):
+        assert onnx_session.session_device(torch.device("cuda", 0)) == torch.device("cpu")
+    assert [r.getMessage() for r in caplog.records] == [
+        "a GPU is visible but this onnxruntime has no CUDA provider (install onnxruntime-gpu): "
+        "hf_optimum_ort runs on the CPU"
+    ]
+    monkeypatch.setattr(onnx_session, "has_cuda_provider", lambda: True)
+    assert onnx_session.session_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert onnx_session.session_device(torch.device("cpu")) == torch.device("cpu")

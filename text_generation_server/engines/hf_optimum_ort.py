@@ -32,7 +32,12 @@ from text_generation_server.engines.hf_transformers import (
     select_device,
 )
 from text_generation_server.engines.kv_cache import pad_left
-from text_generation_server.engines.onnx_session import DecoderSession, OnnxModelError, find_decoder
+from text_generation_server.engines.onnx_session import (
+    DecoderSession,
+    OnnxModelError,
+    find_decoder,
+    session_device,
+)
 from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.memory import MemoryFacts, host_available_bytes
 from text_generation_server.utils.hub import resolve_model_dir
@@ -97,7 +102,7 @@ class OnnxRuntimeEngine(PaddedEngine):
         if config.world_size > 1:
             raise ValueError("hf_optimum_ort runs on one shard (NUM_SHARD=1)")
         model_dir = Path(resolve_model_dir(config.model_name, config.revision))
-        device = select_device(config.rank)
+        device = session_device(select_device(config.rank))
         hf_config = transformers.AutoConfig.from_pretrained(
             model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
         )

@@ -182,15 +182,29 @@ def find_decoder(model_dir: Path) -> Path | None:
     return None
 
 
-def providers(device: torch.device) -> list[str]:
-    """ONNX Runtime's execution providers for `device`, CUDA only where asked for and present."""
+def has_cuda_provider() -> bool:
     import onnxruntime
 
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+def session_device(device: torch.device) -> torch.device:
+    """Where sessions run: `device` (the shard's, picked by what is visible), or the CPU when it
+    is a GPU this onnxruntime cannot use (the CPU-only package), with one warning."""
+    if device.type == "cuda" and not has_cuda_provider():
+        logger.warning(
+            "a GPU is visible but this onnxruntime has no CUDA provider (install onnxruntime-gpu): "
+            "hf_optimum_ort runs on the CPU"
+        )
+        return torch.device("cpu")
+    return device
+
+
+def providers(device: torch.device) -> list[str]:
+    """ONNX Runtime's execution providers for `device` (session_device's choice)."""
     if device.type == "cuda":
-        if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-            raise OnnxModelError(
-                "a GPU is visible but this onnxruntime has no CUDA provider (install onnxruntime-gpu)"
-            )
+        if not has_cuda_provider():
+            raise OnnxModelError("this onnxruntime has no CUDA provider (install onnxruntime-gpu)")
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
 
