@@ -22,6 +22,8 @@ from integration_tests.test_behaviour import assert_batch_invariance_and_parity
 logger = logging.getLogger(__name__)
 
 SHARDS = ("--num-shard", "2")
+# The ranks run on the CPU over gloo even where GPUs are visible (a GPU host may have fewer than two).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 # qwen2 shards too (tests/engines/test_sharded.py, on token ids): here the oracle's tokenizer
 # (transformers' Qwen2Tokenizer splits digits) differs from the tiny model's tokenizer.json.
 FAMILIES = [
@@ -37,7 +39,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_two_ranks_give_the_tokens_of_one_process(root: Path, name: str) -> None:
-    s = launch(name, root, *SHARDS)
+    s = launch(name, root, *SHARDS, env=CPU_ONLY)
     try:
         assert len(shard_processes(s)) == 2
         assert_batch_invariance_and_parity(s)
@@ -71,7 +73,7 @@ def assert_nothing_left(processes: list[psutil.Process]) -> None:
 
 def test_a_rank_that_dies_takes_the_server_down(tmp_path: Path) -> None:
     root = tmp_path
-    s = launch("llama@tgis_native", root, *SHARDS)
+    s = launch("llama@tgis_native", root, *SHARDS, env=CPU_ONLY)
     processes = [psutil.Process(s.process.pid), *psutil.Process(s.process.pid).children(recursive=True)]
     outcomes = outcomes_when(s, 3, shard_processes(s)[1].kill)
     assert all(code == "UNAVAILABLE" for code, _ in outcomes), outcomes
@@ -89,7 +91,7 @@ def test_a_rank_that_hangs_takes_the_server_down(tmp_path: Path) -> None:
     """SIGSTOP on rank 1: the router's keepalive fails the calls; rank 0 gives up waiting in its
     collective after COLLECTIVE_TIMEOUT and stops, with its reason in the termination log."""
     root = tmp_path
-    s = launch("llama@tgis_native", root, *SHARDS, "--collective-timeout", "3")
+    s = launch("llama@tgis_native", root, *SHARDS, "--collective-timeout", "3", env=CPU_ONLY)
     processes = [psutil.Process(s.process.pid), *psutil.Process(s.process.pid).children(recursive=True)]
     frozen = shard_processes(s)[1]
     outcomes = outcomes_when(s, 3, frozen.suspend)
@@ -151,7 +153,7 @@ def test_each_rank_holds_half_of_the_weights(root: Path) -> None:
     build_wide_llama(root / "models" / "llama-wide", model_dir("llama", root / "models"))
     measured = {}
     for shards in (1, 2):
-        s = launch("llama-wide@tgis_native", root, "--num-shard", str(shards))
+        s = launch("llama-wide@tgis_native", root, "--num-shard", str(shards), env=CPU_ONLY)
         try:
             measured[shards] = memory_of(s)
         finally:
@@ -171,7 +173,7 @@ def test_each_rank_holds_half_of_the_weights(root: Path) -> None:
 
 def test_a_family_that_cannot_shard_stops_at_start_with_one_line(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="exited with 1"):
-        launch("gpt2", tmp_path, *SHARDS)
+        launch("gpt2", tmp_path, *SHARDS, env=CPU_ONLY)
     termination = (tmp_path / "gpt2-termination.log").read_text()
     assert termination.startswith("Shard "), termination
     assert "Error: gpt2 models cannot be sharded: tensor parallelism (NUM_SHARD > 1) needs" in termination

@@ -42,6 +42,7 @@ def on_two_ranks(tmp_path: Path, models: Path, test_file: str, selection: str) -
             "MASTER_PORT": str(port),
             "TINY_MODELS_DIR": str(models),
             "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",  # gloo on the CPU, also where GPUs are visible
         }
         command = [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
