@@ -228,6 +228,15 @@ def pin_to(cpu_list: str) -> None:
     "MAX_BATCH_SIZE sequences of MAX_SEQUENCE_LENGTH, within free memory [env CPU_KV_CACHE_SPACE].",
 )
 @click.option(
+    "--kv-cache-blocks",
+    envvar="KV_CACHE_BLOCKS",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Blocks of KV_BLOCK_SIZE tokens in the paged KV cache, on any device (tgis_native; like "
+    "vLLM's --num-gpu-blocks-override); 0 = sized by memory (CPU_KV_CACHE_SPACE, MAX_BATCH_SIZE "
+    "sequences on CPU, the free GPU memory on CUDA) [env KV_CACHE_BLOCKS].",
+)
+@click.option(
     "--run-ahead/--no-run-ahead",
     envvar="RUN_AHEAD",
     default=True,
@@ -283,6 +292,7 @@ def serve(
     cpu_attention: str,
     prefix_caching: bool,
     cpu_kv_cache_space: float,
+    kv_cache_blocks: int,
     run_ahead: bool,
     estimate_memory: str,
     batch_safety_margin: int,
@@ -321,6 +331,7 @@ def serve(
             cpu_attention=cpu_attention,
             prefix_caching=prefix_caching,
             cpu_kv_cache_space=cpu_kv_cache_space,
+            kv_cache_blocks=kv_cache_blocks,
             cpu_affinity=cpu_affinity,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,

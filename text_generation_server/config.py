@@ -46,6 +46,7 @@ class ServerConfig:
     cpu_attention: str = "auto"  # paged decode attention on CPU: auto | kernel (ours, C++) | sdpa
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (tgis_native)
     cpu_kv_cache_space: float = 0.0  # GiB of host memory for the paged KV cache; 0 = sized by the batch
+    kv_cache_blocks: int = 0  # blocks of the paged KV cache on any device; 0 = sized by memory
     run_ahead: bool = True  # step cached batches while the router handles the last answer
     cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned
     prefix_store_path: str | None = None  # soft prompts (prefix_id / adapter_id); None = none stored
@@ -70,6 +71,10 @@ class ServerConfig:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
         if self.cpu_kv_cache_space < 0:
             raise ValueError(f"cpu_kv_cache_space must be >= 0 GiB, got {self.cpu_kv_cache_space}")
+        if self.kv_cache_blocks < 0:
+            raise ValueError(f"kv_cache_blocks must be >= 0, got {self.kv_cache_blocks}")
+        if self.kv_cache_blocks and self.cpu_kv_cache_space:
+            raise ValueError("set KV_CACHE_BLOCKS or CPU_KV_CACHE_SPACE, not both")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.linear_layout not in LINEAR_LAYOUTS:

@@ -101,6 +101,7 @@ class EngineCase:
             max_sequence_length=512,
             max_new_tokens=64,
             dtype="float32",  # the oracles' exactness
+            kv_cache_blocks=MAX_BATCH * 512 // 16 + 1,  # tgis_native: the CPU's default size, also on a GPU
             **sharding(),
             **dict(self.options),
         )

@@ -8,6 +8,7 @@ import gc
 import random
 
 import pytest
+import torch
 
 from router.capacity import KVBlockCapacity, Load, capacity_for
 from router.metrics import Metrics
@@ -22,12 +23,21 @@ from text_generation_server.engines.tgis_native import TgisNativeEngine
 BLOCK = 4
 
 
+def small_config(model_dir, **overrides) -> ServerConfig:
+    # 2 sequences of 64 tokens + the block held back: 2 * 16 + 1 = 33 blocks of 4 tokens (the
+    # CPU's default size, set here so that a GPU gets the same cache)
+    values = {
+        "max_batch_size": 2,
+        "max_sequence_length": 64,
+        "max_new_tokens": 32,
+        "dtype": "float32",
+        "kv_cache_blocks": 33,
+    }
+    return ServerConfig(model_name=str(model_dir), kv_block_size=BLOCK, **{**values, **overrides})
+
+
 def small_engine(model_dir, **overrides) -> TgisNativeEngine:
-    # 2 sequences of 64 tokens + the block held back: 2 * 16 + 1 = 33 blocks of 4 tokens
-    values = {"max_batch_size": 2, "max_sequence_length": 64, "max_new_tokens": 32, "dtype": "float32"}
-    return TgisNativeEngine(
-        ServerConfig(model_name=str(model_dir), kv_block_size=BLOCK, **{**values, **overrides})
-    )
+    return TgisNativeEngine(small_config(model_dir, **overrides))
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +141,16 @@ def test_a_request_larger_than_the_whole_cache_is_refused(engine) -> None:
         "input tokens plus max_new_tokens (60 + 69) need 33 KV-cache blocks of 4 tokens; "
         "the whole cache holds 32"
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the default cache takes the free GPU memory")
+def test_by_default_the_cpu_cache_holds_max_batch_size_sequences(tiny_model) -> None:
+    engine = small_engine(tiny_model("llama"), kv_cache_blocks=0)
+    assert engine.kv.pool.num_blocks == 2 * (64 // BLOCK) + 1
+
+
+def test_kv_cache_blocks_beyond_the_memory_there_is_are_refused(tiny_model) -> None:
+    with pytest.raises(ValueError, match=r"^KV_CACHE_BLOCKS=1000000000 needs [0-9.]+ GiB, more than the "):
+        small_engine(tiny_model("llama"), kv_cache_blocks=10**9)
+    with pytest.raises(ValueError, match="set KV_CACHE_BLOCKS or CPU_KV_CACHE_SPACE, not both"):
+        small_config(tiny_model("llama"), cpu_kv_cache_space=1.0)

@@ -11,7 +11,7 @@ dense mask, on one packed batch per step:
 
 Every request owns a block table (paged_kv.py) that grows as its tokens are written and goes
 back to the pool when it leaves. The KV cache holds `num_blocks` blocks of KV_BLOCK_SIZE tokens,
-sized by `_num_blocks` (CPU_KV_CACHE_SPACE, or MAX_BATCH_SIZE sequences of the maximum length
+sized by `_num_blocks` (KV_CACHE_BLOCKS, CPU_KV_CACHE_SPACE, or MAX_BATCH_SIZE sequences of the maximum length
 within free memory; on CUDA the free memory). Every step reports the cache's state (`kv_state`:
 blocks used, blocks the live requests may still take at their longest, reclaimable prefix-cache
 blocks, prefix-cache totals); the router admits a request only when its longest length fits
@@ -148,19 +148,30 @@ class TgisNativeEngine(ModelEngine):
         return PagedKVCache(BlockPool(num_blocks, self.block_size), self.device, transposed_keys=self.kernel)
 
     def _num_blocks(self, config: ServerConfig, per_block: int) -> tuple[int, str]:
-        """How many blocks the cache gets, and why: on CUDA all the free memory the process may
-        use less BATCH_SAFETY_MARGIN; on CPU CPU_KV_CACHE_SPACE GiB, or else room for
-        MAX_BATCH_SIZE sequences of the longest length (+1 block held back for health checks)
-        within free memory less the margin."""
+        """How many blocks the cache gets, and why: KV_CACHE_BLOCKS where set (on any device,
+        within the memory there is); on CUDA all the free memory the process may use less
+        BATCH_SAFETY_MARGIN; on CPU CPU_KV_CACHE_SPACE GiB, or else room for MAX_BATCH_SIZE
+        sequences of the longest length (+1 block held back for health checks) within free
+        memory less the margin."""
         margin = (100 - config.batch_safety_margin) / 100
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            usable = free - int(total * (1 - config.cuda_process_memory_fraction))  # this process's share
-            num_blocks = int(usable * margin) // per_block
+            available = free - int(total * (1 - config.cuda_process_memory_fraction))  # this process's share
+            where = "free GPU memory this process may use"
+        else:
+            available, where = host_available_bytes(), "memory available"
+        if config.kv_cache_blocks:
+            num_blocks, why = config.kv_cache_blocks, f"KV_CACHE_BLOCKS={config.kv_cache_blocks}"
+            if num_blocks * per_block > available:
+                raise ValueError(
+                    f"KV_CACHE_BLOCKS={num_blocks} needs {num_blocks * per_block / 2**30:.2f} GiB, more than "
+                    f"the {available / 2**30:.2f} GiB of {where}"
+                )
+        elif self.device.type == "cuda":
+            num_blocks = int(available * margin) // per_block
             why = f"{config.batch_safety_margin}% of the free GPU memory held back"
         elif config.cpu_kv_cache_space:
             wanted = int(config.cpu_kv_cache_space * 2**30)
-            available = host_available_bytes()
             if wanted > available:
                 raise ValueError(
                     f"CPU_KV_CACHE_SPACE={config.cpu_kv_cache_space:g} GiB is more than the "
@@ -170,7 +181,7 @@ class TgisNativeEngine(ModelEngine):
         else:
             longest = self.context.max_sequence_length
             wanted = config.max_batch_size * -(-longest // self.block_size) + 1
-            affordable = int(host_available_bytes() * margin) // per_block
+            affordable = int(available * margin) // per_block
             num_blocks = min(wanted, affordable)
             why = (
                 f"MAX_BATCH_SIZE={config.max_batch_size} sequences of {longest} tokens"
