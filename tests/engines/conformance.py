@@ -147,7 +147,7 @@ def engine_cases() -> list[EngineCase]:
 Oracle = Callable[..., list[int]]  # (input ids, max new tokens, **generate kwargs) -> new ids
 
 
-def transformers_oracle(model_dir: Path) -> Oracle:
+def transformers_oracle(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> Oracle:
     """Greedy `generate` of transformers on one prompt, new tokens up to and including EOS."""
     import torch
     import transformers
@@ -155,11 +155,11 @@ def transformers_oracle(model_dir: Path) -> Oracle:
     config = transformers.AutoConfig.from_pretrained(model_dir)
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
-    model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
 
     def generate(input_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> list[int]:
-        ids = torch.tensor([list(input_ids)])
+        ids = torch.tensor([list(input_ids)], device=device)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids,

@@ -36,7 +36,9 @@ def config_for(model_dir, **overrides) -> ServerConfig:
     values = {"max_batch_size": 8, "max_sequence_length": 128, "max_new_tokens": 32, "dtype": "float32"}
     values = {**values, **overrides}
     # the CPU's default cache size (MAX_BATCH_SIZE sequences + 1 block), also on a GPU
-    values.setdefault("kv_cache_blocks", values["max_batch_size"] * -(-values["max_sequence_length"] // 4) + 1)
+    values.setdefault(
+        "kv_cache_blocks", values["max_batch_size"] * -(-values["max_sequence_length"] // 4) + 1
+    )
     return ServerConfig(model_name=str(model_dir), kv_block_size=4, **values)
 
 
