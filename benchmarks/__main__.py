@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from benchmarks import compare
+from benchmarks.reference_model import NAME as REFERENCE_NAME
+from benchmarks.reference_model import SHAPES as REFERENCE_SHAPES
 from benchmarks.server import DEFAULT_VLLM_SCRIPT, parse_cpus
 from benchmarks.suite import DEFAULT_CONCURRENCY, SWEEP, SYSTEMS, BenchConfig, run
 from benchmarks.variants import PREFIX_CACHE_MODES, parse_budgets, parse_engines, plan_variants
@@ -111,7 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="model directory (config.json, safetensors, tokenizer.json); default: the reference "
-        "model tiny-llama-512x8, built offline into .cache/bench-models/ when missing",
+        "model (--reference), built offline into .cache/bench-models/ when missing",
+    )
+    g.add_argument(
+        "--reference",
+        choices=sorted(REFERENCE_SHAPES),
+        default=REFERENCE_NAME,
+        help="the reference model to build and serve without --model: tiny-llama-512x8 (30 M "
+        "parameters, for CPUs) or llama-1b (1.0 B parameters: hidden 2048, 16 layers, 32/8 heads, "
+        "FFN 8192, for GPUs)",
     )
     g.add_argument(
         "--dtype",
@@ -380,6 +390,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         out_dir=out,
         model_dir=args.model.resolve() if args.model else None,
+        reference=args.reference,
         workload=workload,
         concurrency=args.concurrency,
         request_rates=args.request_rate,

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from text_generation_server.config import ServerConfig
     from text_generation_server.engines import get_engine_class
 
-    model = Path(args.model) if args.model else ensure_reference_model()
+    model = Path(args.model) if args.model else ensure_reference_model(name=args.reference)
     torch.set_num_threads(args.threads)
     engines = {}
     for name in ENGINES:
@@ -114,6 +114,7 @@ def _line(medians: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", default="", help="model directory (default: the reference model)")
+    parser.add_argument("--reference", default="tiny-llama-512x8", help="the reference model without --model")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])

@@ -1,15 +1,18 @@
-"""The reference model of the benchmarks, built offline and deterministically.
+"""The reference models of the benchmarks, built offline and deterministically.
 
-tiny-llama-512x8: a Llama with hidden 512, 8 layers, 8 heads / 2 KV heads (head dim 64), FFN
-1376, vocabulary 8192, untied embeddings, about 30.5 M parameters, random weights drawn from a
-fixed seed and saved in bfloat16 (exact in float32 too). Its tokenizer is a byte-level BPE
-trained on this Python's standard-library sources, with the training recipe of the tiny test
-models (text_generation_server/testing/tiny_models.py) at vocabulary 8192.
+tiny-llama-512x8 (the default): a Llama with hidden 512, 8 layers, 8 heads / 2 KV heads (head
+dim 64), FFN 1376, vocabulary 8192, untied embeddings, about 30.5 M parameters.
+llama-1b (`--reference llama-1b`, for GPUs): hidden 2048, 16 layers, 32 heads / 8 KV heads (head
+dim 64), FFN 8192, vocabulary 8192, untied, about 1.0 B parameters (2 GB in bfloat16).
+Both have random weights drawn from a fixed seed and saved in bfloat16 (exact in float32 too),
+and a byte-level BPE tokenizer trained on this Python's standard-library sources, with the
+training recipe of the tiny test models (text_generation_server/testing/tiny_models.py) at
+vocabulary 8192.
 
 The build imports torch and transformers, so the harness runs it in a child process
 (`ensure_reference_model`) and stays light itself:
 
-    python -m benchmarks.reference_model --out DIR
+    python -m benchmarks.reference_model [--name llama-1b] --out DIR
 """
 
 from __future__ import annotations
@@ -26,28 +29,42 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-NAME = "tiny-llama-512x8"
+NAME = "tiny-llama-512x8"  # the default
 RECIPE_VERSION = 1  # bump when the recipe changes: cached builds are then rebuilt
-SHAPE: dict[str, Any] = {
-    "hidden_size": 512,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "intermediate_size": 1376,
-    "vocab_size": 8192,
-    "max_position_embeddings": 2048,
+SHAPES: dict[str, dict[str, Any]] = {
+    NAME: {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 1376,
+        "vocab_size": 8192,
+        "max_position_embeddings": 2048,
+    },
+    "llama-1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "vocab_size": 8192,
+        "max_position_embeddings": 2048,
+    },
 }
 SEED = 1234
 INIT_STD = 0.02
 SAVED_DTYPE = "bfloat16"
 STAMP_FILE = "reference_model.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = REPO_ROOT / ".cache" / "bench-models" / NAME
+MODELS_DIR = REPO_ROOT / ".cache" / "bench-models"
+DEFAULT_DIR = MODELS_DIR / NAME
 
 
-def build(out: Path) -> dict[str, Any]:
-    """Write config, weights and tokenizer into `out`; returns what the stamp file records."""
+def build(out: Path, name: str = NAME) -> dict[str, Any]:
+    """Write the config, weights and tokenizer of reference model `name` into `out`; returns
+    what the stamp file records."""
     import torch
     import transformers
     from transformers.utils import logging as hf_logging
@@ -55,14 +72,15 @@ def build(out: Path) -> dict[str, Any]:
     from text_generation_server.testing import tiny_models
 
     hf_logging.disable_progress_bar()
+    shape = SHAPES[name]
     out.mkdir(parents=True, exist_ok=True)
-    tiny_models.write_tokenizer(out, tiny_models.ARCHITECTURES["llama"], vocab_size=SHAPE["vocab_size"])
+    tiny_models.write_tokenizer(out, tiny_models.ARCHITECTURES["llama"], vocab_size=shape["vocab_size"])
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-    tokenizer_config["model_max_length"] = SHAPE["max_position_embeddings"]
+    tokenizer_config["model_max_length"] = shape["max_position_embeddings"]
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
 
     config = transformers.LlamaConfig(
-        **SHAPE,
+        **shape,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=tiny_models.BOS_ID,
@@ -72,10 +90,10 @@ def build(out: Path) -> dict[str, Any]:
     model = transformers.AutoModelForCausalLM.from_config(config)
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        for param_name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
             if param.ndim >= 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
-            elif name.endswith("weight"):
+            elif param_name.endswith("weight"):
                 param.fill_(1.0)  # RMSNorm scales
             else:
                 param.zero_()
@@ -83,10 +101,10 @@ def build(out: Path) -> dict[str, Any]:
     model.to(getattr(torch, SAVED_DTYPE)).save_pretrained(out)
     (out / "chat_template.jinja").unlink(missing_ok=True)
     stamp = {
-        "name": NAME,
+        "name": name,
         "recipe_version": RECIPE_VERSION,
         "architecture": "llama",
-        **SHAPE,
+        **shape,
         "parameters": params,
         "saved_dtype": SAVED_DTYPE,
         "seed": SEED,
@@ -100,28 +118,34 @@ def build(out: Path) -> dict[str, Any]:
     return stamp
 
 
-def is_built(path: Path) -> bool:
+def is_built(path: Path, name: str = NAME) -> bool:
     try:
         stamp = json.loads((path / STAMP_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return bool(stamp.get("recipe_version") == RECIPE_VERSION and (path / "config.json").exists())
+    return bool(
+        stamp.get("recipe_version") == RECIPE_VERSION
+        and stamp.get("name") == name
+        and (path / "config.json").exists()
+    )
 
 
-def ensure_reference_model(path: Path = DEFAULT_DIR) -> Path:
-    """The reference model directory, built first (in a child process) when missing or stale."""
-    if is_built(path):
-        logger.info("reference model %s: %s", NAME, path)
+def ensure_reference_model(path: Path | None = None, name: str = NAME) -> Path:
+    """The directory of reference model `name` (default: under MODELS_DIR), built first (in a
+    child process) when missing or stale."""
+    path = path or MODELS_DIR / name
+    if is_built(path, name):
+        logger.info("reference model %s: %s", name, path)
         return path
-    logger.info("building the reference model %s into %s", NAME, path)
+    logger.info("building the reference model %s into %s", name, path)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.reference_model", "--out", str(path)],
+        [sys.executable, "-m", "benchmarks.reference_model", "--name", name, "--out", str(path)],
         check=True,
         cwd=REPO_ROOT,
         env=env,
     )
-    if not is_built(path):
+    if not is_built(path, name):
         raise RuntimeError(f"building the reference model into {path} left no {STAMP_FILE}")
     return path
 
@@ -170,11 +194,15 @@ def with_context(path: Path, positions: int) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help="output directory (created)")
+    parser.add_argument("--name", choices=sorted(SHAPES), default=NAME, help=f"which model (default {NAME})")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output directory (created); default: MODELS_DIR/NAME"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    stamp = build(args.out)
-    logger.info("built %s (%d parameters) in %s", NAME, stamp["parameters"], args.out)
+    out = args.out or MODELS_DIR / args.name
+    stamp = build(out, args.name)
+    logger.info("built %s (%d parameters) in %s", args.name, stamp["parameters"], out)
     return 0
 
 

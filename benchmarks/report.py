@@ -229,7 +229,8 @@ def markdown(results: dict[str, Any]) -> str:
         ),
         f"- git {git.get('sha', '?')[:12]}{' (dirty)' if git.get('dirty') else ''};"
         f" host: {host.get('cpu_model', '?')}, {host.get('cpus', '?')} CPUs;"
-        f" torch threads {meta.get('threads', {}).get('torch_threads', '?')};"
+        + (f" GPU: {', '.join(host['gpus'])};" if host.get("gpus") else "")
+        + f" torch threads {meta.get('threads', {}).get('torch_threads', '?')};"
         f" pinning: client {pinning.get('client') or 'none'}, servers {pinning.get('servers') or 'none'}",
         "",
     ]

@@ -41,7 +41,8 @@ from typing import Any
 
 from benchmarks import baselines, loadgen, longmix, report
 from benchmarks.clients import Client, GrpcClient, OpenAIClient, served_model_name
-from benchmarks.reference_model import DEFAULT_DIR, STAMP_FILE, ensure_reference_model, with_context
+from benchmarks.reference_model import NAME as REFERENCE_NAME
+from benchmarks.reference_model import STAMP_FILE, ensure_reference_model, with_context
 from benchmarks.server import (
     DEFAULT_VLLM_SCRIPT,
     OurServer,
@@ -80,6 +81,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 class BenchConfig:
     out_dir: Path
     model_dir: Path | None = None  # None: the reference model, built when missing
+    reference: str = REFERENCE_NAME  # which reference model (reference_model.SHAPES) without model_dir
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     request_rates: tuple[float, ...] = ()  # non-empty: Poisson mode
@@ -330,6 +332,29 @@ def git_info() -> dict[str, Any]:
     }
 
 
+def gpu_names() -> list[str]:
+    """The NVIDIA GPUs this process sees (nvidia-smi's names, in CUDA_VISIBLE_DEVICES order when
+    it lists indices); [] without nvidia-smi. The harness itself never imports torch."""
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    names = [line.strip() for line in listed if line.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return names
+    picked = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(v.isdigit() for v in picked):
+        return names
+    return [names[int(v)] for v in picked if int(v) < len(names)]
+
+
 def host_info() -> dict[str, Any]:
     cpu_model, flags = "", set[str]()
     try:
@@ -346,6 +371,7 @@ def host_info() -> dict[str, Any]:
         memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     return {
         "cpu_model": cpu_model,
+        "gpus": gpu_names(),
         "cpus": os.cpu_count(),
         "isa": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "avx_vnni"))),
         "memory_gib": memory_gib,
@@ -430,7 +456,7 @@ class Run:
 
     def execute(self) -> dict[str, Path]:
         cfg = self.cfg
-        model_dir = fit_context(cfg.model_dir or ensure_reference_model(DEFAULT_DIR), cfg)
+        model_dir = fit_context(cfg.model_dir or ensure_reference_model(name=cfg.reference), cfg)
         maker = PromptMaker(model_dir)
         plans = plan_points(cfg, maker)
         variants = plan_variants(cfg.engines, cfg.prefix_cache, cfg.prefill_budgets, cfg.adapters)

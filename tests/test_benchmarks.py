@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -25,9 +26,10 @@ from tokenizers import Tokenizer
 
 from benchmarks import baselines, longmix, report
 from benchmarks.__main__ import build_parser, config_from_args
+from benchmarks.reference_model import SHAPES
 from benchmarks.server import DTYPE_LOG
 from benchmarks.stats import METRICS, POINT_FIELDS, RequestResult, summarize
-from benchmarks.suite import BenchConfig, fit_context
+from benchmarks.suite import BenchConfig, fit_context, gpu_names
 from benchmarks.variants import baseline_key, plan_variants
 from benchmarks.workload import WORKLOADS, Prompt, PromptMaker, WorkloadSpec, build_long_mix, build_workload
 from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
@@ -230,6 +232,34 @@ def test_engine_prefix_cache_and_budget_options() -> None:
             build_parser().parse_args(bad)
     with pytest.raises(ValueError, match="one running server"):
         _config("--engine", "hf_transformers,tgis_native", "--grpc-address", "127.0.0.1:1")
+
+
+def test_reference_option_names_the_model_to_build() -> None:
+    assert _config().reference == "tiny-llama-512x8"
+    assert _config("--reference", "llama-1b").reference == "llama-1b"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--reference", "llama-70b"])
+    shape = SHAPES["llama-1b"]
+    per_layer = 2 * shape["hidden_size"] * (shape["hidden_size"] + shape["num_key_value_heads"] * 64)
+    per_layer += 3 * shape["hidden_size"] * shape["intermediate_size"] + 2 * shape["hidden_size"]
+    embeddings = 2 * shape["vocab_size"] * shape["hidden_size"]
+    parameters = shape["num_hidden_layers"] * per_layer + embeddings + shape["hidden_size"]
+    assert 0.95e9 < parameters < 1.05e9  # the 1 B Llama of the GPU measurements
+
+
+def test_the_host_info_names_the_visible_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\necho 'NVIDIA H200'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_names() == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gpu_names() == ["NVIDIA H200"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_names() == []
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert gpu_names() == []
 
 
 def test_long_prompt_mix_options_and_defaults() -> None:
