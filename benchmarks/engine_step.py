@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if step >= args.warmup:
                     times[name].append(ms)
         result["decode"][size] = {name: statistics.median(t) for name, t in times.items()}
+        for name, batch in batches.items():  # what a BatchManager does when requests leave
+            engines[name].release(batch.request_ids)
         del batches
         gc.collect()
         logger.info("decode bs %d: %s", size, _line(result["decode"][size]))
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             next_id += args.prefill_batch
             batch, _ = engine.new_batch(next_id, requests)
             ms, batch = _timed(engine, batch, True)
+            engine.release(r.id for r in requests)
             del batch
             gc.collect()
             if repeat >= args.prefill_warmup:

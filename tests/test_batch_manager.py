@@ -1,5 +1,7 @@
 """BatchManager running ahead: a decode step run before the router's call must deliver exactly
-what the call would have computed, drop what the call prunes, and report its failure to the call."""
+what the call would have computed, drop what the call prunes, and report its failure to the call.
+Every request leaving the manager's batches is released to the engine once, before the call's
+step runs."""
 
 from __future__ import annotations
 
@@ -23,9 +25,13 @@ class CountingEngine(ModelEngine):
         self.info = inner.info
         self.steps = 0
         self.fail_next: Exception | None = None
+        self.released: list[int] = []  # every id the manager released, in order
 
     def new_batch(self, batch_id, requests):
         return self.inner.new_batch(batch_id, requests)
+
+    def release(self, request_ids):
+        self.released += sorted(request_ids)
 
     def generate_token(self, batch, first, token_budget=0):
         self.steps += 1
@@ -196,3 +202,33 @@ def test_every_failed_step_reaches_the_failure_hook_in_the_call_or_ahead(engine)
     with pytest.raises(RuntimeError, match="in the call"):
         manager.next_token([CachedBatchRef(2)])
     assert seen == [ahead, now]
+
+
+def test_every_request_is_released_once_when_it_leaves_and_before_the_step(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 6), request(2, 6)], [])
+    assert engine.released == []
+    manager.next_token([CachedBatchRef(1, (2,))])  # pruned
+    assert engine.released == [2]
+    steps_before = engine.steps
+    seen_at_step: list[list[int]] = []
+    inner = engine.generate_token
+
+    def recording(batch, first, token_budget=0):
+        seen_at_step.append(list(engine.released))
+        return inner(batch, first, token_budget)
+
+    engine.generate_token = recording  # type: ignore[method-assign]
+    manager.prefill(2, [request(3, 6)], [CachedBatchRef(1, (1,))])  # 1 pruned by the prefill
+    assert seen_at_step == [[2, 1]] and engine.steps == steps_before + 1  # released before the step
+    engine.generate_token = inner  # type: ignore[method-assign]
+    manager.prefill(3, [request(4, 6)], [])
+    engine.fail_next = RuntimeError("engine fault")
+    with pytest.raises(RuntimeError):
+        manager.next_token([CachedBatchRef(2)])  # batch 2 is lost with its step; batch 3 is stale
+    assert engine.released == [2, 1, 4, 3]  # the stale batch before the step, the lost one after
+    manager.prefill(4, [request(5, 6)], [])
+    manager.prefill(2**64 - 1, [request(6, 1)], [])  # a health check: never cached
+    assert engine.released[-1:] == [6]
+    manager.clear()
+    assert engine.released == [2, 1, 4, 3, 6, 5] and len(manager) == 0

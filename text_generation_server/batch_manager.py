@@ -15,6 +15,11 @@ the requests pruned by that call one token too many, which is dropped here (the 
 drops tokens past a request's end). A step that fails ahead is reported by the next call that
 references its batch, with the error the call itself would have raised.
 
+After every call (and ClearCache) the manager tells the engine which requests left its batches
+(`engine.release`): finished and cancelled ones pruned, rows that failed, batches dropped as
+stale or lost with a failed step, the health check's request. What an engine keeps for a
+request outside its batches (KV blocks) has that one release point.
+
 Not thread-safe: server.py calls it from its single worker thread only.
 """
 
@@ -78,12 +83,30 @@ class BatchManager:
         self._on_step_failure = on_step_failure
         self._cache: dict[int, Cached] = {}
         self._token_budget = 0  # of the last call; run-ahead steps use it too
+        self._live: set[int] = set()  # request ids of the cached batches after the last call
 
     def __len__(self) -> int:
         return len(self._cache)
 
     def clear(self) -> None:
         self._cache.clear()
+        self._settle()
+
+    @staticmethod
+    def _live_ids(cached: Cached) -> list[int]:
+        batch = cached.batch if isinstance(cached, Ahead) else cached
+        return batch.request_ids if batch is not None else []
+
+    def _settle(self, arrived: Sequence[GenerationRequest] = (), keep: set[int] | None = None) -> None:
+        """Release the requests (known before, or `arrived` in this call) that neither a cached
+        batch nor `keep` (the batches a call has taken out to step) holds any more."""
+        live = set(keep or ())
+        for cached in self._cache.values():
+            live.update(self._live_ids(cached))
+        gone = (self._live | {r.id for r in arrived}) - live
+        self._live = live
+        if gone:
+            self.engine.release(gone)
 
     def cached_ids(self) -> list[int]:
         return list(self._cache)
@@ -189,14 +212,18 @@ class BatchManager:
         self._check_refs(to_prune)
         self._check_new(batch_id, requests, to_prune)
         self._token_budget = token_budget
-        for pruned_id, pruned in self._take(to_prune):
-            self._cache[pruned_id] = pruned
-        batch, errors = self.engine.new_batch(batch_id, requests)
-        if batch is None:
-            return StepOutput(errors=errors)
-        output, survivor = self._generate(batch, first=True)
-        output.errors[:0] = errors
-        return self._store(output, survivor)
+        try:
+            for pruned_id, pruned in self._take(to_prune):
+                self._cache[pruned_id] = pruned
+            self._settle()  # the pruned requests' blocks are free for the new ones
+            batch, errors = self.engine.new_batch(batch_id, requests)
+            if batch is None:
+                return StepOutput(errors=errors)
+            output, survivor = self._generate(batch, first=True)
+            output.errors[:0] = errors
+            return self._store(output, survivor)
+        finally:
+            self._settle(requests)
 
     def next_token(self, refs: Sequence[CachedBatchRef], token_budget: int = 0) -> StepOutput | None:
         """Prune and merge the referenced batches and run one decode step (or deliver the step
@@ -215,8 +242,16 @@ class BatchManager:
                 f"more than max_batch_size ({self.max_batch_size})"
             )
         self._token_budget = token_budget
+        try:
+            return self._next_token(refs)
+        finally:
+            self._settle()
+
+    def _next_token(self, refs: Sequence[CachedBatchRef]) -> StepOutput | None:
         taken = [cached for _, cached in self._take(refs)]
         self._drop_stale()
+        live = {rid for cached in taken for rid in self._live_ids(cached)}
+        self._settle(keep=live)  # the pruned and stale requests' blocks are free for this step
         if not taken:
             return None
         for cached in taken:
@@ -243,12 +278,15 @@ class BatchManager:
 
     def run_ahead(self) -> None:
         """Run the next decode step of every cached batch whose requests may still generate."""
-        for batch_id, cached in list(self._cache.items()):
-            if isinstance(cached, Ahead) or cached.remaining() <= 0:
-                continue
-            try:
-                output, survivor = self._generate(cached, first=False)
-            except Exception as exc:  # reported by the next call that references the batch
-                self._cache[batch_id] = Ahead(StepOutput(), None, exc)
-            else:
-                self._cache[batch_id] = Ahead(output, survivor)
+        try:
+            for batch_id, cached in list(self._cache.items()):
+                if isinstance(cached, Ahead) or cached.remaining() <= 0:
+                    continue
+                try:
+                    output, survivor = self._generate(cached, first=False)
+                except Exception as exc:  # reported by the next call that references the batch
+                    self._cache[batch_id] = Ahead(StepOutput(), None, exc)
+                else:
+                    self._cache[batch_id] = Ahead(output, survivor)
+        finally:
+            self._settle()

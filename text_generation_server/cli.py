@@ -29,6 +29,7 @@ from text_generation_server.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DTYPES,
     ESTIMATE_MEMORY_MODES,
+    GPU_ATTENTION_MODES,
     LINEAR_LAYOUTS,
     ServerConfig,
 )
@@ -214,6 +215,15 @@ def pin_to(cpu_list: str) -> None:
     "where it builds, else SDPA with a warning [env CPU_ATTENTION].",
 )
 @click.option(
+    "--gpu-attention",
+    envvar="GPU_ATTENTION",
+    type=click.Choice(GPU_ATTENTION_MODES),
+    default="auto",
+    help="Paged decode attention on CUDA (tgis_native): triton = our Triton kernel (read in place, "
+    "CUDA graphs), sdpa = torch's SDPA over gathered blocks (no CUDA graphs), auto = Triton where "
+    "it imports, else SDPA with a warning [env GPU_ATTENTION].",
+)
+@click.option(
     "--prefix-caching/--no-prefix-caching",
     envvar="PREFIX_CACHING",
     default=True,
@@ -242,6 +252,13 @@ def pin_to(cpu_list: str) -> None:
     default=True,
     help="Run the next decode step of the cached batches while the router handles the last "
     "answer, so that the round trip is not between two forwards [env RUN_AHEAD].",
+)
+@click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    envvar="CUDA_GRAPHS",
+    default=True,
+    help="tgis_native on a GPU: capture the decode-only step as CUDA graphs at start-up (one per "
+    "batch-size bucket) and replay them [env CUDA_GRAPHS].",
 )
 @click.option(
     "--estimate-memory",
@@ -293,6 +310,8 @@ def serve(
     prefix_caching: bool,
     cpu_kv_cache_space: float,
     kv_cache_blocks: int,
+    gpu_attention: str,
+    cuda_graphs: bool,
     run_ahead: bool,
     estimate_memory: str,
     batch_safety_margin: int,
@@ -332,6 +351,8 @@ def serve(
             prefix_caching=prefix_caching,
             cpu_kv_cache_space=cpu_kv_cache_space,
             kv_cache_blocks=kv_cache_blocks,
+            gpu_attention=gpu_attention,
+            cuda_graphs=cuda_graphs,
             cpu_affinity=cpu_affinity,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,

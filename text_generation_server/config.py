@@ -21,6 +21,7 @@ from text_generation_common.defaults import (
 LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
 CPU_ATTENTION_MODES = ("auto", "kernel", "sdpa")  # engines/cpu_kernels.py
+GPU_ATTENTION_MODES = ("auto", "triton", "sdpa")  # attention/__init__.py
 DEFAULT_KV_BLOCK_SIZE = 16
 
 
@@ -44,10 +45,12 @@ class ServerConfig:
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
     cpu_attention: str = "auto"  # paged decode attention on CPU: auto | kernel (ours, C++) | sdpa
+    gpu_attention: str = "auto"  # paged decode attention on CUDA: auto | triton (ours) | sdpa
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (tgis_native)
     cpu_kv_cache_space: float = 0.0  # GiB of host memory for the paged KV cache; 0 = sized by the batch
     kv_cache_blocks: int = 0  # blocks of the paged KV cache on any device; 0 = sized by memory
     run_ahead: bool = True  # step cached batches while the router handles the last answer
+    cuda_graphs: bool = True  # tgis_native on CUDA: decode-only steps replay captured graphs
     cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned
     prefix_store_path: str | None = None  # soft prompts (prefix_id / adapter_id); None = none stored
     prompt_cache_size_mb: int = 512  # loaded soft prompts kept (LRU by bytes)
@@ -83,6 +86,9 @@ class ServerConfig:
         if self.cpu_attention not in CPU_ATTENTION_MODES:
             choices = ", ".join(CPU_ATTENTION_MODES)
             raise ValueError(f"unknown CPU_ATTENTION {self.cpu_attention!r}; choose one of {choices}")
+        if self.gpu_attention not in GPU_ATTENTION_MODES:
+            choices = ", ".join(GPU_ATTENTION_MODES)
+            raise ValueError(f"unknown GPU_ATTENTION {self.gpu_attention!r}; choose one of {choices}")
         if self.estimate_memory not in ESTIMATE_MEMORY_MODES:
             choices = ", ".join(ESTIMATE_MEMORY_MODES)
             raise ValueError(f"unknown ESTIMATE_MEMORY {self.estimate_memory!r}; choose one of {choices}")

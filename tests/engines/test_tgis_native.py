@@ -4,7 +4,6 @@ honours a sliding window, and models it does not serve are refused with one clea
 
 from __future__ import annotations
 
-import gc
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,16 +18,17 @@ from text_generation_common.messages import (
     RequestedDetails,
     SamplingParams,
 )
+from text_generation_server.attention.layout import Piece, StepLayout, chunk_mask, piece_slots
+from text_generation_server.attention.sdpa import GatherPlan, SdpaBackend, decode_mask
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.paged_attention import (
-    Piece,
-    StepLayout,
-    chunk_mask,
-    decode_mask,
-    piece_slots,
+from text_generation_server.engines.paged_kv import (
+    BlockPool,
+    KVAllocations,
+    PagedKVCache,
+    SequenceKV,
+    prefix_keys,
 )
-from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
 from text_generation_server.engines.tgis_native import TgisNativeEngine, sliding_window
 
 
@@ -48,8 +48,7 @@ def engine(tiny_model) -> TgisNativeEngine:
 
 
 def free_blocks(engine: TgisNativeEngine) -> int:
-    gc.collect()
-    return engine.kv.pool.free
+    return engine.kv.pool.free  # no garbage collection: the engine frees what the manager releases
 
 
 @dataclass
@@ -103,9 +102,24 @@ def test_the_pool_and_block_tables() -> None:
     assert sequence.slots(3, 6) == [3, 4, 5]
     with pytest.raises(MemoryError, match="needs 2 more blocks and has 1 free"):
         sequence.reserve(8)
-    del sequence
-    gc.collect()
-    assert pool.free == 3
+    sequence.free()
+    assert pool.free == 3 and sequence.blocks == []
+
+
+def test_allocations_own_the_blocks_by_request_id() -> None:
+    pool = BlockPool(6, 4)
+    owners = KVAllocations(pool)
+    first = owners.open(1, [], max_tokens=12)  # at most 3 blocks
+    first.reserve(5)
+    second = owners.open(2, [], max_tokens=4)
+    second.reserve(4)
+    assert pool.free == 3 and owners.reserved_blocks == 1 + 0 and len(owners) == 2
+    with pytest.raises(ValueError, match="request 1 already holds KV blocks"):
+        owners.open(1, [], 4)
+    owners.release([1, 99])  # an id that holds nothing is ignored
+    assert pool.free == 5 and len(owners) == 1
+    owners.release([2])
+    assert pool.free == 6 and owners.reserved_blocks == 0
 
 
 def test_masks_align_to_the_end_of_the_keys_and_honour_the_window() -> None:
@@ -132,14 +146,9 @@ def slow_decode_mask(lengths: list[int], window: int | None) -> torch.Tensor:
 
 @pytest.mark.parametrize("window", [None, 3, 100])
 def test_the_decode_mask_pads_each_row_and_cuts_the_window(window: int | None) -> None:
-    cpu = torch.device("cpu")
     for lengths in ([5], [5, 5, 5], [1, 7, 3, 7], [9, 2]):
-        got = decode_mask(lengths, window, torch.float32, cpu)
-        expected = slow_decode_mask(lengths, window)
-        if got is None:  # only when nothing is masked
-            assert bool((expected == 0).all())
-        else:
-            assert torch.equal(got, expected)
+        got = decode_mask(torch.tensor(lengths), max(lengths), window, torch.float32)
+        assert torch.equal(got, slow_decode_mask(lengths, window))
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 4])
@@ -160,21 +169,33 @@ def test_the_step_layout_groups_single_tokens_and_pads_their_block_tables() -> N
         Piece([7, 8], 4, 3),  # a chunk after 4 cached tokens
         Piece([9], 0, 1),  # a one-token prompt: single, but not next to the other single tokens
     ]
-    layout = StepLayout.build(cache, pieces, None, torch.float32, torch.device("cpu"))
+    layout = StepLayout.build(cache, SdpaBackend(), pieces, None, torch.float32, torch.device("cpu"))
     assert layout.slots.tolist() == [1 * 4 + 1, 2 * 4 + 1, *range(16, 25), 8 * 4, 8 * 4 + 1, 8 * 4 + 2, 36]
-    group = layout.decode
-    assert group is not None and group.rows == 3 and group.keys == 6
-    assert group.tokens.tolist() == [0, 1, 14]  # type: ignore[union-attr]
-    assert group.blocks.tolist() == [3, 1, 2, 0, 9, 0]
-    assert torch.equal(group.mask, slow_decode_mask([6, 2, 1], None))  # type: ignore[arg-type]
+    rows = layout.decode
+    assert rows is not None and rows.rows == 3 and (rows.max_length, rows.min_length) == (6, 1)
+    assert rows.tokens.tolist() == [0, 1, 14]  # type: ignore[union-attr]
+    assert rows.tables.tolist() == [[3, 1], [2, 0], [9, 0]] and rows.lengths.tolist() == [6, 2, 1]
+    plan = layout.plan
+    assert isinstance(plan, GatherPlan) and plan.blocks.tolist() == [3, 1, 2, 0, 9, 0] and plan.keys == 6
+    assert torch.equal(plan.mask, slow_decode_mask([6, 2, 1], None))  # type: ignore[arg-type]
     whole, chunk = layout.others
     assert (whole.start, whole.end, whole.blocks, whole.keys, whole.mask) == (2, 11, None, 9, None)
     assert (chunk.start, chunk.end, chunk.keys) == (11, 14, 7) and chunk.blocks.tolist() == [7, 8]
     assert torch.equal(chunk.mask, chunk_mask(3, 7, None, torch.device("cpu")))
-    decode_only = StepLayout.build(cache, pieces[:2], None, torch.float32, torch.device("cpu"))
+    decode_only = StepLayout.build(cache, SdpaBackend(), pieces[:2], None, torch.float32, torch.device("cpu"))
     assert (
         decode_only.decode is not None and decode_only.decode.tokens == slice(0, 2) and not decode_only.others
     )
+    assert decode_only.plan.mask is not None  # lengths 6 and 2
+    same = StepLayout.build(
+        cache,
+        SdpaBackend(),
+        [Piece([3, 1], 5, 1), Piece([2, 4], 5, 1)],
+        None,
+        torch.float32,
+        torch.device("cpu"),
+    )
+    assert same.plan.mask is None  # every row has all its keys
 
 
 @pytest.mark.parametrize("arch", ["t5", "bloom"])
@@ -214,7 +235,9 @@ def prompt(seed: int, length: int) -> tuple[int, ...]:
 def hits(engine: TgisNativeEngine, request: GenerationRequest) -> int:
     batch, _ = engine.new_batch(999, [request])
     assert batch is not None
-    return batch.states[request.id].hit_tokens
+    found = batch.states[request.id].kv.hit_tokens
+    engine.release([request.id])
+    return found
 
 
 def test_a_repeated_prefix_skips_its_prefill_and_gives_the_same_tokens(engine, oracle) -> None:

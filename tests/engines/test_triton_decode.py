@@ -268,3 +268,29 @@ def test_cuda_graph_replays_new_tables_and_lengths() -> None:
     torch.cuda.synchronize()
     expected = reference(case.query, case.cache, case.tables, case.lengths, case.block_size, None)
     torch.testing.assert_close(out.float().cpu(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_the_engine_on_this_kernel_gives_the_tokens_of_generate(device: str, tiny_model) -> None:
+    """tgis_native with decode attention on this kernel, decode steps through replayed graphs
+    (on the CPU: closures captured once per batch size, test_runner.Replays), batches joining
+    mid-way with chunked prompts and a sliding-window model: greedy equals generate alone."""
+    from tests.engines.conformance import Runner, transformers_oracle
+    from tests.engines.test_runner import Replays
+    from tests.engines.test_tgis_native import config_for, prompt
+    from text_generation_common.messages import GenerationRequest
+    from text_generation_server.attention.triton import TritonBackend
+    from text_generation_server.engines.tgis_native import TgisNativeEngine
+
+    for arch in ("llama", "mistral"):
+        path = tiny_model(arch)
+        engine = TgisNativeEngine(config_for(path, cpu_attention="sdpa", max_batch_size=4))
+        assert engine.device.type == device
+        if device == "cpu":  # SDPA's cache layout is this kernel's: swap the backend in
+            engine.backend = engine.runner.backend = TritonBackend()
+            engine.capture_graphs(4, Replays())
+        assert engine.backend.name == "triton" and engine.runner.graphs is not None
+        requests = [GenerationRequest(i, prompt(i, 3 + 7 * i), 3 + i) for i in range(1, 6)]
+        got = Runner(engine, token_budget=12).run({0: requests[:2], 2: requests[2:4], 3: requests[4:]})
+        oracle = transformers_oracle(path, device)
+        for request in requests:
+            assert got[request.id] == oracle(request.input_ids, request.max_new_tokens), (arch, request.id)

@@ -5,6 +5,7 @@ worker thread:
   engine.new_batch(id, requests)      -> (Batch | None, [RequestError])
   engine.generate_token(batch, first, token_budget) -> (StepOutput, Batch | None)
   engine.concatenate(batches)         -> Batch
+  engine.release(request_ids)         requests gone from every batch (after each call)
 Engines see dataclasses from text_generation_common/messages.py, never protobuf, and nothing
 here assumes torch or transformers: what an engine needs to know about its model (devices,
 special tokens, forward-signature facts) is its own business. What every engine shares is in
@@ -14,7 +15,7 @@ step.py (choosing, token details, failed rows) and inputs.py (request checks, tr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,3 +69,9 @@ class ModelEngine(ABC):
 
     def concatenate(self, batches: Sequence[Batch]) -> Batch:
         return type(batches[0]).concatenate(batches)
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        """These requests left every batch (finished, cancelled, failed, dropped, cleared): free
+        what the engine holds for them outside their batches (tgis_native: KV blocks). Called
+        by the BatchManager after every call; ids it never saw are ignored."""
+        return None

@@ -1,29 +1,32 @@
 """The paged KV cache of the `tgis_native` engine: fixed-size blocks of token slots, a pool
-that hands them out, and per-request block tables.
+that hands them out, per-request block tables and their one owner.
 
     slot = block * block_size + position % block_size          (position = token index in its sequence)
-    cache.layers[layer]: [2 (K, V), kv_heads, num_blocks, block_size * head_dim]
+    cache.layers[layer]: [2 (K, V), kv_heads, num_blocks + 1, block_size * head_dim]
 
-A SequenceKV grows its block table as tokens are written (`reserve`); its blocks go back to
-the pool when the SequenceKV is garbage-collected (weakref.finalize), so every way a request
-leaves a batch (prune, cancel, error, a dropped or failed batch, ClearCache) frees them.
+A SequenceKV grows its block table as tokens are written (`reserve`). `KVAllocations` owns every
+request's SequenceKV by request id: the engine opens one when a request arrives and releases
+it when the request leaves every batch (prune, cancel, error, a dropped or failed batch,
+ClearCache: the BatchManager says which ids left after every call), which gives its blocks back
+to the pool. Nothing depends on garbage collection.
 
 Prefix caching: every full block of a prompt has a key chaining a hash of all tokens up to its
 end (prefix_keys). Written prompt blocks are registered under their keys; a new request whose
 prompt starts with registered keys takes those blocks (reference-counted, shared read-only) and
 skips their prefill. A cached block nobody references stays until the pool needs it back (least
 recently used first).
-Layers allocate their tensors on first write, in the dtype and device of the keys they get.
+
+The cache tensors are allocated up front (`allocate`, shaped like a probe cache's layers, which
+allocate on their first write), with one extra block past the pool's: the scratch block, where
+the padding rows of a fixed-size decode step write (never read as anyone's context).
 """
 
 from __future__ import annotations
 
 import hashlib
-import weakref
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -129,7 +132,7 @@ class SequenceKV:
     `keys` (its prompt's prefix keys), the first blocks come from the prefix cache when cached
     (`length` starts after them) and its own full prompt blocks are registered as written.
     `max_tokens` is the longest the sequence may grow (prompt + max_new_tokens): the blocks it
-    may still take are `reserved_blocks`."""
+    may still take are `reserved_blocks`. `free` gives its blocks back (KVAllocations calls it)."""
 
     def __init__(self, pool: BlockPool, keys: Sequence[bytes] = (), max_tokens: int = 0) -> None:
         self.pool = pool
@@ -138,8 +141,6 @@ class SequenceKV:
         self.length = len(self.blocks) * pool.block_size
         self.registered = len(self.blocks)
         self.max_blocks = -(-max_tokens // pool.block_size)
-        self.lora: Any = None  # the request's LoRA adapter (lora.LoraWeights), if it has one
-        weakref.finalize(self, pool.release, self.blocks)
 
     @property
     def reserved_blocks(self) -> int:
@@ -167,39 +168,92 @@ class SequenceKV:
         size = self.pool.block_size
         return [self.blocks[p // size] * size + p % size for p in range(start, end)]
 
+    def free(self) -> None:
+        """Give every block back to the pool (cached prompt blocks stay cached)."""
+        blocks, self.blocks = self.blocks, []
+        self.pool.release(blocks)
+
+
+class KVAllocations:
+    """The one owner of the pool's blocks: each live request's SequenceKV, by request id."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._sequences: dict[int, SequenceKV] = {}
+
+    def open(self, request_id: int, keys: Sequence[bytes], max_tokens: int) -> SequenceKV:
+        """The new request's sequence (its prefix-cache hits already taken)."""
+        if request_id in self._sequences:
+            raise ValueError(f"request {request_id} already holds KV blocks")
+        sequence = self._sequences[request_id] = SequenceKV(self.pool, keys, max_tokens)
+        return sequence
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        """Free the blocks of these requests (ids that hold none are ignored)."""
+        for request_id in request_ids:
+            sequence = self._sequences.pop(request_id, None)
+            if sequence is not None:
+                sequence.free()
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks the live requests may still take at their longest."""
+        return sum(sequence.reserved_blocks for sequence in self._sequences.values())
+
 
 class PagedKVCache:
-    """Per layer one tensor [2 (K, V), kv_heads, num_blocks, block_size * head_dim]: a block of
-    one head is one contiguous run. V blocks are [block_size, head_dim] (a row per token); K
+    """Per layer one tensor [2 (K, V), kv_heads, num_blocks + 1, block_size * head_dim]: a block
+    of one head is one contiguous run. V blocks are [block_size, head_dim] (a row per token); K
     blocks the same, or with `transposed_keys` [head_dim, block_size] (a row per dimension: the
-    layout our CPU decode kernel reads, one vector load per dimension of 16 keys). Gathering
-    whole blocks for a batch of sequences (`read_blocks`) copies block-sized runs."""
+    layout our CPU decode kernel reads, one vector load per dimension of 16 keys). The last
+    block is the scratch block (`scratch_slot`). Gathering whole blocks for a batch of sequences
+    (`read_blocks`) copies block-sized runs."""
 
     def __init__(self, pool: BlockPool, device: torch.device, transposed_keys: bool = False) -> None:
         self.pool = pool
         self.device = device
         self.transposed_keys = transposed_keys
+        self.num_blocks = pool.num_blocks + 1  # + the scratch block
         self.layers: dict[int, torch.Tensor] = {}
 
     @property
     def slots(self) -> int:
+        """Slots of the pool's blocks (the scratch block not counted)."""
         return self.pool.num_blocks * self.pool.block_size
+
+    @property
+    def scratch_slot(self) -> int:
+        """A slot that no sequence owns: padding rows write their K/V there."""
+        return self.pool.num_blocks * self.pool.block_size
+
+    def allocate(self, like: PagedKVCache) -> None:
+        """Allocate every layer now, with the heads, head size and dtype of `like`'s layers."""
+        for layer, kv in like.layers.items():
+            shape = (
+                2,
+                kv.shape[1],
+                self.num_blocks,
+                kv.shape[3] // like.pool.block_size * self.pool.block_size,
+            )
+            self.layers[layer] = torch.zeros(shape, dtype=kv.dtype, device=self.device)
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """key, value: [kv_heads, tokens, head_dim] for `slots` [tokens]."""
         kv = self.layers.get(layer)
         kv_heads, dim = key.shape[0], key.shape[-1]
-        if kv is None:
-            shape = (2, kv_heads, self.pool.num_blocks, self.pool.block_size * dim)
+        if kv is None:  # a probe cache: allocated at its first write
+            shape = (2, kv_heads, self.num_blocks, self.pool.block_size * dim)
             kv = self.layers[layer] = torch.zeros(shape, dtype=key.dtype, device=self.device)
+        all_slots = self.num_blocks * self.pool.block_size
         if not self.transposed_keys:
-            kv.view(2, kv_heads, self.slots, dim).index_copy_(2, slots, torch.stack((key, value)))
+            kv.view(2, kv_heads, all_slots, dim).index_copy_(2, slots, torch.stack((key, value)))
             return
-        kv[1].view(kv_heads, self.slots, dim).index_copy_(1, slots, value)
+        kv[1].view(kv_heads, all_slots, dim).index_copy_(1, slots, value)
         size = self.pool.block_size
-        keys = (
-            kv[0].view(kv_heads, self.pool.num_blocks, dim, size).permute(1, 3, 0, 2)
-        )  # [blocks, size, h, d]
+        keys = kv[0].view(kv_heads, self.num_blocks, dim, size).permute(1, 3, 0, 2)  # [blocks, size, h, d]
         keys.index_put_((slots // size, slots % size), key.transpose(0, 1))
 
     def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,4 +268,8 @@ class PagedKVCache:
         return keys, values
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers.values())
+        """Bytes of the pool's blocks in every layer (the scratch block not counted)."""
+        return sum(
+            t.numel() * t.element_size() * self.pool.num_blocks // self.num_blocks
+            for t in self.layers.values()
+        )

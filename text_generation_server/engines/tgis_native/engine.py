@@ -1,16 +1,20 @@
 """The `tgis_native` engine: ragged batches over a paged KV cache, with chunked prefill.
 
-transformers' own model classes run with our attention function (paged_attention.py) and no
-dense mask, on one packed batch per step:
+transformers' own model classes run with our attention function (attention/paged.py) and no
+dense mask, on one packed batch per step, through the model runner (runner.py):
 
     input_ids / position_ids [1, T]: one token per decoding request (its last chosen token, at
     its next position), then each prompt chunk of this step (ragged.py plans them under the
-    call's token budget)
+    call's token budget); a step without prompt chunks is a decode-only step (persistent
+    buffers, CUDA graphs on a GPU: runner.decode)
     -> logits of the last token of every decoding request and of every prompt completed this
        step, in the chooser's row order -> the shared step post-processing (step.py)
 
-Every request owns a block table (paged_kv.py) that grows as its tokens are written and goes
-back to the pool when it leaves. The KV cache holds `num_blocks` blocks of KV_BLOCK_SIZE tokens,
+Each request has a typed record (RequestState: its KV blocks and LoRA adapter). Its block table
+(paged_kv.py) grows as its tokens are written; KVAllocations owns every table by request id
+and frees it when the BatchManager reports the request gone (`release`). The decode attention
+backend (attention/) is picked once, by CPU_ATTENTION and the device, and decides the cache's
+layout. The KV cache holds `num_blocks` blocks of KV_BLOCK_SIZE tokens,
 sized by `_num_blocks` (KV_CACHE_BLOCKS, CPU_KV_CACHE_SPACE, or MAX_BATCH_SIZE sequences of the maximum length
 within free memory; on CUDA the free memory). Every step reports the cache's state (`kv_state`:
 blocks used, blocks the live requests may still take at their longest, reclaimable prefix-cache
@@ -23,12 +27,10 @@ one line naming the engine that serves them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,22 +46,36 @@ from text_generation_common.messages import (
 )
 from text_generation_server import distributed
 from text_generation_server.adapters import adapters_for
+from text_generation_server.attention import paged, pick_backend
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines import cpu_kernels, paged_attention
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import load_pretrained, model_context
-from text_generation_server.engines.paged_attention import Piece, StepLayout
-from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
+from text_generation_server.engines.paged_kv import (
+    BlockPool,
+    KVAllocations,
+    PagedKVCache,
+    SequenceKV,
+    prefix_keys,
+)
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
+from text_generation_server.engines.tgis_native.graphs import (
+    Capture,
+    DecodeGraphs,
+    Step,
+    buckets_up_to,
+    cuda_capture,
+)
+from text_generation_server.engines.tgis_native.runner import ModelRunner, StepPiece
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from text_generation_server.lora import LoraWeights
 
-Piece_ = tuple[SequenceKV, list[int], torch.Tensor | None]  # new tokens, soft-prompt embeddings
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gpt_neox", "gpt2", "gpt_bigcode", "granite", "qwen2")
 
@@ -82,10 +98,18 @@ def sliding_window(hf_config: Any) -> int | None:
     )
 
 
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """What the engine keeps for a request beside its batch row (RaggedBatch.states)."""
+
+    kv: SequenceKV  # its block table (owned by the engine's KVAllocations)
+    lora: LoraWeights | None = None  # its LoRA adapter, if it has one
+
+
 class TgisNativeEngine(ModelEngine):
     def __init__(self, config: ServerConfig) -> None:
-        paged_attention.register()
-        loaded = load_pretrained(config, attn_implementation=paged_attention.NAME)
+        paged.register()
+        loaded = load_pretrained(config, attn_implementation=paged.NAME)
         model_type = getattr(loaded.hf_config, "model_type", "?")
         if loaded.seq2seq or model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -98,16 +122,20 @@ class TgisNativeEngine(ModelEngine):
         self.block_size = config.kv_block_size
         self.prefix_caching = config.prefix_caching
         self.window = sliding_window(loaded.hf_config)
-        self.kernel = cpu_kernels.use_kernel(config.cpu_attention, self.device)
-        logger.info("decode attention: %s", "our CPU kernel" if self.kernel else "SDPA over gathered blocks")
+        self.backend = pick_backend(config.cpu_attention, config.gpu_attention, self.device)
+        logger.info("decode attention: %s", self.backend.name)
         self.kv = self._allocate_cache(config)
+        self.allocations = KVAllocations(self.kv.pool)
         max_length = self.context.max_sequence_length
+        self.runner = self._runner(self.kv, config.max_batch_size)
         self.adapters = adapters_for(config, self.model, self.device, False, max_length)
+        self.runner.adapters = self.adapters
         # after the probe step above, which reads the loaded weights; sharded linears keep
         # transformers' tensor-parallel modules
         if self.device.type == "cpu" and config.world_size == 1:
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
-        self.live: weakref.WeakSet[SequenceKV] = weakref.WeakSet()  # every request's blocks
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.capture_graphs(config.max_batch_size, cuda_capture(self.device))
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.info = ModelInfo(
@@ -124,13 +152,45 @@ class TgisNativeEngine(ModelEngine):
             dtype_reason=loaded.dtype_reason,
         )
 
+    def _runner(self, cache: PagedKVCache, max_rows: int) -> ModelRunner:
+        return ModelRunner(
+            self.model,
+            cache,
+            self.backend,
+            self.window,
+            self.context.accepts_logits_to_keep,
+            max_rows,
+            self.context.max_sequence_length,
+        )
+
+    def capture_graphs(self, max_rows: int, capture: Capture) -> None:
+        """Graphs of the decode-only step for up to `max_rows` rows (graphs.py), where the
+        backend allows them; `capture` records one (CUDA, or a stand-in in tests)."""
+        if not self.backend.graphable:
+            logger.warning(
+                "CUDA graphs are off: the %s attention backend cannot be captured", self.backend.name
+            )
+            return
+        graphs = DecodeGraphs(buckets_up_to(max_rows))
+        runner = self.runner
+
+        def make_step(bucket: int) -> Step:
+            runner.buffers.pad(0, bucket)
+            runner.buffers.upload(bucket)
+            return runner.decode_step(bucket, 0, 0)
+
+        with torch.inference_mode():
+            graphs.capture_all(make_step, capture)
+        runner.graphs = graphs
+
     # ---- the KV cache --------------------------------------------------------------------------
 
     def _allocate_cache(self, config: ServerConfig) -> PagedKVCache:
-        """Measure the KV bytes per token with a one-token step, then size the pool."""
-        probe = PagedKVCache(BlockPool(1, self.block_size), self.device, transposed_keys=self.kernel)
+        """Measure the KV bytes per token with a one-token step, then size and allocate the pool."""
+        probe = PagedKVCache(BlockPool(1, self.block_size), self.device, self.backend.transposed_keys)
         sequence = SequenceKV(probe.pool)
-        self._forward([(sequence, [self.context.pad_token_id or 0], None)], probe, [0])
+        with torch.inference_mode():
+            self._runner(probe, 1).forward([StepPiece(sequence, [self.context.pad_token_id or 0])], [0])
         per_token = probe.bytes() // probe.slots
         num_blocks, why = self._num_blocks(config, per_token * self.block_size)
         agreed = distributed.agree_min(num_blocks, self.device)  # every rank runs the same tables
@@ -145,7 +205,11 @@ class TgisNativeEngine(ModelEngine):
             num_blocks * self.block_size,
             why,
         )
-        return PagedKVCache(BlockPool(num_blocks, self.block_size), self.device, transposed_keys=self.kernel)
+        cache = PagedKVCache(
+            BlockPool(num_blocks, self.block_size), self.device, self.backend.transposed_keys
+        )
+        cache.allocate(like=probe)
+        return cache
 
     def _num_blocks(self, config: ServerConfig, per_block: int) -> tuple[int, str]:
         """How many blocks the cache gets, and why: KV_CACHE_BLOCKS where set (on any device,
@@ -201,7 +265,7 @@ class TgisNativeEngine(ModelEngine):
         return KvCacheState(
             total_blocks=pool.num_blocks,
             used_blocks=pool.used,
-            reserved_blocks=sum(sequence.reserved_blocks for sequence in self.live),
+            reserved_blocks=self.allocations.reserved_blocks,
             cached_blocks=pool.reclaimable,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
@@ -217,17 +281,18 @@ class TgisNativeEngine(ModelEngine):
         batch, errors = RaggedBatch.from_requests(batch_id, requests, (self.context, self.device), found)
         if batch is not None:
             for item in batch.prefilling:
+                request = item.request
                 keys = self._prefix_keys(item)
-                max_tokens = len(item.prompt) + item.request.max_new_tokens
-                sequence = SequenceKV(self.kv.pool, keys, max_tokens)
-                sequence.lora = found.loras.get(item.request.id)
+                sequence = self.allocations.open(request.id, keys, len(item.prompt) + request.max_new_tokens)
                 item.computed = sequence.length  # prefix-cache hit: those blocks are not prefilled
-                batch.states[item.request.id] = sequence
-                self.live.add(sequence)
+                batch.states[request.id] = RequestState(sequence, found.loras.get(request.id))
                 if keys:
                     self.prefix_query_tokens += len(keys) * self.block_size
                     self.prefix_hit_tokens += sequence.length
         return batch, errors
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        self.allocations.release(request_ids)
 
     def _prefix_keys(self, item: Prefilling) -> list[bytes]:
         """The keys of the prompt's full blocks that a later token attends to (the last prompt
@@ -250,29 +315,33 @@ class TgisNativeEngine(ModelEngine):
 
     def _step(self, batch: RaggedBatch, token_budget: int) -> tuple[StepOutput, RaggedBatch | None]:
         chunks = batch.plan_prompts(token_budget)
-        pieces: list[Piece_] = [
-            (batch.states[r.id], [h[-1]], None) for r, h in zip(batch.requests, batch.histories, strict=True)
-        ]
-        pieces += [(batch.states[c.item.request.id], c.tokens, c.virtual) for c in chunks]
-        ends: list[int] = []  # the packed index of each piece's last token
-        for _, tokens, _ in pieces:
-            ends.append((ends[-1] if ends else -1) + len(tokens))
+        decoding: list[RequestState] = [batch.states[r.id] for r in batch.requests]
+        last_ids = [history[-1] for history in batch.histories]
         details = [c for c in chunks if c.item.request.details.input_tokens]
-        start = time.perf_counter_ns()
-        logits = self._forward(pieces, self.kv, None if details else self._wanted(batch, chunks, ends))
-        for sequence, _, _ in pieces[len(batch.requests) :]:
-            sequence.register_written()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        forward_ns = time.perf_counter_ns() - start
-        rows = logits if not details else logits[self._wanted(batch, chunks, ends)]
-        if details:
-            self._keep_prompt_logits(batch, chunks, logits, ends)
+        if not chunks:
+            rows = self.runner.decode([s.kv for s in decoding], last_ids, [s.lora for s in decoding])
+        else:
+            pieces = [StepPiece(s.kv, [i], None, s.lora) for s, i in zip(decoding, last_ids, strict=True)]
+            prompts = [batch.states[c.item.request.id] for c in chunks]
+            pieces += [
+                StepPiece(s.kv, c.tokens, c.virtual, s.lora) for s, c in zip(prompts, chunks, strict=True)
+            ]
+            ends: list[int] = []  # the packed index of each piece's last token
+            for piece in pieces:
+                ends.append((ends[-1] if ends else -1) + len(piece.tokens))
+            wanted = self._wanted(batch, chunks, ends)
+            logits = self.runner.forward(pieces, None if details else wanted)
+            for state in prompts:
+                state.kv.register_written()
+            rows = logits if not details else logits[wanted]
+            if details:
+                self._keep_prompt_logits(batch, chunks, logits, ends)
         completed = batch.finish_prompts(chunks)
         input_tokens = [self._input_tokens(p) for p in completed if p.request.details.input_tokens]
         if batch.chooser is None:
-            return StepOutput(pending=batch.pending_ids, forward_ns=forward_ns), batch
-        _, output = choose_tokens(rows.float(), batch.requests, batch.chooser, forward_ns)
+            return StepOutput(pending=batch.pending_ids, forward_ns=self.runner.timer.elapsed_ns()), batch
+        _, output = choose_tokens(rows.float(), batch.requests, batch.chooser)
+        output.forward_ns = self.runner.timer.elapsed_ns()  # after the ids' copy: no sync of its own
         output.input_tokens = input_tokens
         output.pending = batch.pending_ids
         return output, drop_failed(batch, output)
@@ -284,56 +353,6 @@ class TgisNativeEngine(ModelEngine):
         decoding = len(batch.requests)
         completed = [ends[decoding + i] for i, c in enumerate(chunks) if c.completes]
         return ends[:decoding] + completed
-
-    def _forward(self, pieces: Sequence[Piece_], cache: PagedKVCache, keep: list[int] | None) -> torch.Tensor:
-        """Write and attend `pieces` (a sequence's new tokens each, with the soft-prompt
-        embeddings of its first ones, if any); logits [len(keep), vocab] (every packed token
-        when keep is None)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        parts: list[Piece] = []
-        virtual: list[tuple[int, torch.Tensor]] = []  # (packed index, embeddings from there)
-        for sequence, tokens, embeddings in pieces:
-            if embeddings is not None:
-                virtual.append((len(ids), embeddings))
-            begin = sequence.length
-            sequence.reserve(len(tokens))
-            ids += tokens
-            positions += range(begin, begin + len(tokens))
-            sequence.length = begin + len(tokens)
-            parts.append(Piece(sequence.blocks, begin, len(tokens)))
-        device = self.device
-        layout = StepLayout.build(cache, parts, self.window, self.model.dtype, device, self.kernel)
-        if keep is not None and len(keep) == len(ids) and keep[-1] == len(ids) - 1:
-            keep = None  # every packed token, in order (a decode-only step)
-        kwargs: dict[str, Any] = {}
-        selected = keep is not None and self.context.accepts_logits_to_keep
-        if selected:
-            kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
-        applied = (
-            self.adapters.applied(
-                [s.lora for s, _, _ in pieces], device, False, [len(t) for _, t, _ in pieces]
-            )
-            if self.adapters is not None  # None only in the probe step of start-up
-            else contextlib.nullcontext()
-        )
-        packed = torch.tensor([ids], device=device)
-        if virtual:
-            embeds = self.model.get_input_embeddings()(packed)
-            for at, embeddings in virtual:
-                embeds[0, at : at + embeddings.shape[0]] = embeddings
-            kwargs["inputs_embeds"] = embeds
-        else:
-            kwargs["input_ids"] = packed
-        with applied:
-            out = self.model(
-                position_ids=torch.tensor([positions], device=device),
-                use_cache=False,
-                tgis_step=layout,
-                **kwargs,
-            )
-        logits = out.logits[0]
-        return logits[keep] if keep is not None and not selected else logits
 
     @staticmethod
     def _keep_prompt_logits(

@@ -1,0 +1,96 @@
+"""The model runner of tgis_native: persistent decode buffers, batch-size buckets, and decode
+steps replayed from closures captured once per bucket (the discipline of CUDA graphs, checked on
+the CPU with a capture that keeps the closure: every per-step input must come from the buffers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engines.conformance import Runner, transformers_oracle
+from tests.engines.test_tgis_native import config_for, prompt
+from text_generation_common.messages import GenerationRequest, SamplingParams
+from text_generation_server.engines import cpu_kernels
+from text_generation_server.engines.paged_kv import BlockPool, SequenceKV
+from text_generation_server.engines.tgis_native import TgisNativeEngine
+from text_generation_server.engines.tgis_native.graphs import DecodeGraphs, Step, buckets_up_to
+from text_generation_server.engines.tgis_native.runner import DecodeBuffers
+
+
+def test_buckets_grow_by_powers_of_two_then_by_32_and_end_at_the_maximum() -> None:
+    assert buckets_up_to(1) == [1]
+    assert buckets_up_to(5) == [1, 2, 4, 5]
+    assert buckets_up_to(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert buckets_up_to(200)[-4:] == [128, 160, 192, 200]
+    graphs = DecodeGraphs(buckets_up_to(40))
+    assert [graphs.bucket_for(n) for n in (1, 3, 17, 32, 33, 40, 41)] == [1, 4, 24, 32, 40, 40, None]
+
+
+def test_the_buffers_hold_each_row_and_pad_the_rest() -> None:
+    pool = BlockPool(8, 4)
+    first, second = SequenceKV(pool), SequenceKV(pool)
+    first.reserve(6)
+    first.length = 6  # blocks [0, 1]; its new token goes to position 6, slot 1 * 4 + 2
+    second.reserve(4)
+    second.length = 4  # blocks [2]; position 4 needs a new block (3)
+    buffers = DecodeBuffers(max_rows=4, width=3, device=torch.device("cpu"), scratch_slot=8 * 4)
+    assert buffers.fill([first, second], [11, 12], rows=3) == (7, 5)
+    assert (first.length, second.length, second.blocks) == (7, 5, [2, 3])
+    assert buffers.ids(3).tolist() == [11, 12, 0]
+    assert buffers.positions(3).tolist() == [6, 4, 0]
+    assert buffers.slots(3).tolist() == [6, 12, 32]  # the padding row writes to the scratch slot
+    assert buffers.lengths(3).tolist() == [7, 5, 0]
+    assert buffers.tables(2).tolist() == [[0, 1, 0], [2, 3, 0]]
+
+
+class Replays:
+    """A capture stand-in: keeps each captured closure and counts its replays."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, step: Step) -> Step:
+        def replay() -> torch.Tensor:
+            self.count += 1
+            return step()
+
+        return replay
+
+
+@pytest.fixture(scope="module")
+def graphed(tiny_model) -> tuple[TgisNativeEngine, Replays]:
+    try:
+        cpu_kernels.load()
+    except cpu_kernels.KernelBuildError as exc:
+        pytest.skip(f"the CPU kernel (a graphable backend) cannot be built here: {exc}")
+    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_attention="kernel"))
+    replays = Replays()
+    engine.capture_graphs(6, replays)
+    return engine, replays
+
+
+def test_replayed_decode_steps_give_the_tokens_of_generate(graphed, tiny_model) -> None:
+    """Batches of 1 to 7 rows (7: more than the largest bucket, eager over the buffers) with
+    joins, prunes, chunked prompts and seeded sampling: greedy rows equal generate alone, and
+    padding rows (3 rows replay the graph of 4) change nothing."""
+    engine, replays = graphed
+    oracle = transformers_oracle(tiny_model("llama"))
+    greedy = [GenerationRequest(i, prompt(i, 5 + 3 * i), 4 + i % 5) for i in range(1, 8)]
+    sampled = GenerationRequest(50, prompt(50, 9), 8, params=SamplingParams(temperature=0.8, seed=5))
+    schedule = {0: greedy[:1], 2: greedy[1:3], 3: [sampled], 4: greedy[3:7]}
+    before = replays.count
+    got = Runner(engine, token_budget=16).run(schedule)
+    assert replays.count > before + 5  # most decode steps replayed a captured closure
+    for request in greedy:
+        assert got[request.id] == oracle(request.input_ids, request.max_new_tokens), request.id
+    alone = Runner(engine).run({0: [sampled]})
+    assert got[sampled.id] == alone[sampled.id]  # batch invariant, padding rows or not
+
+
+def test_lora_rows_and_steps_beyond_the_largest_bucket_run_eagerly(graphed) -> None:
+    engine, replays = graphed
+    assert engine.runner.graphs is not None and engine.runner.graphs.bucket_for(7) is None
+    before = replays.count
+    requests = [GenerationRequest(i, prompt(100 + i, 6), 3) for i in range(7)]
+    Runner(engine).run({0: requests})
+    assert replays.count == before

@@ -1,0 +1,298 @@
+"""The forward passes of the tgis_native engine: inputs in, logits out (the engine owns batches,
+KV ownership and sampling; it calls this on the shard's worker thread).
+
+Two ways in:
+
+  forward(pieces, keep)   any step: each piece's new tokens packed into one batch [1, T], with
+                          positions, soft-prompt embeddings and LoRA adapters; the step layout
+                          built from Python lists (attention/layout.py StepLayout.build)
+  decode(rows, ids)       a decode-only step, one token per row, through persistent buffers of
+                          the largest batch (DecodeBuffers): filled on the host, copied to the
+                          device in one non-blocking copy, read in place by the model and the
+                          attention backend. With CUDA graphs (graphs.py) a step whose rows use
+                          no LoRA adapter replays the graph of its bucket (rows padded up to it:
+                          padding rows write their K/V to the scratch slot and have 0 keys);
+                          otherwise it runs eagerly over the same buffers.
+
+Neither path reads a tensor back to the host: the step's only device-to-host copy is the
+chosen ids (engines/step.py). Forward time is read from CUDA events after that copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from text_generation_server.attention.backend import AttentionBackend, DecodeRows
+from text_generation_server.attention.layout import Piece, StepLayout
+from text_generation_server.engines.paged_kv import PagedKVCache, SequenceKV
+
+if TYPE_CHECKING:
+    from text_generation_server.adapters import AdapterSet
+    from text_generation_server.engines.tgis_native.graphs import DecodeGraphs
+    from text_generation_server.lora import LoraWeights
+
+
+@dataclass(slots=True)
+class StepPiece:
+    """One sequence's new tokens in a step."""
+
+    kv: SequenceKV
+    tokens: list[int]
+    embeddings: torch.Tensor | None = None  # soft-prompt embeddings of its first tokens
+    lora: LoraWeights | None = None
+
+
+class DecodeBuffers:
+    """The inputs of a decode-only step of up to `max_rows` rows, at fixed addresses.
+
+        int64 [4 * max_rows + max_rows * width]:  ids | positions | slots | lengths | tables
+
+    The host copy (pinned on CUDA) is filled by `fill`; `upload` copies the used prefix to the
+    device copy in one non-blocking copy (on CPU they are the same tensor). Padding rows (up to
+    a graph's bucket): id 0, position 0, the scratch slot, 0 keys.
+    """
+
+    def __init__(self, max_rows: int, width: int, device: torch.device, scratch_slot: int) -> None:
+        self.max_rows, self.width, self.scratch_slot = max_rows, width, scratch_slot
+        size = 4 * max_rows + max_rows * width
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
+        self.device_copy = (
+            self.host if device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=device)
+        )
+        self._np = self.host.numpy()
+        self._np_tables = self._np[4 * max_rows :].reshape(max_rows, width)
+
+    def _field(self, index: int, rows: int) -> torch.Tensor:
+        start = index * self.max_rows
+        return self.device_copy[start : start + rows]
+
+    def ids(self, rows: int) -> torch.Tensor:
+        return self._field(0, rows)
+
+    def positions(self, rows: int) -> torch.Tensor:
+        return self._field(1, rows)
+
+    def slots(self, rows: int) -> torch.Tensor:
+        return self._field(2, rows)
+
+    def lengths(self, rows: int) -> torch.Tensor:
+        return self._field(3, rows)
+
+    def tables(self, rows: int) -> torch.Tensor:
+        start = 4 * self.max_rows
+        return self.device_copy[start : start + rows * self.width].view(rows, self.width)
+
+    def fill(self, sequences: Sequence[SequenceKV], ids: Sequence[int], rows: int) -> tuple[int, int]:
+        """Write one new token per sequence (`ids`, at its next position), its blocks reserved
+        and its length advanced; rows past len(sequences), up to `rows`, are padding.
+        Returns the longest and shortest key counts of the real rows."""
+        count, m = len(sequences), self.max_rows
+        block_size = sequences[0].pool.block_size
+        positions, slots = [], []
+        for row, sequence in enumerate(sequences):
+            sequence.reserve(1)
+            position = sequence.length
+            sequence.length = position + 1
+            blocks = sequence.blocks
+            positions.append(position)
+            slots.append(blocks[position // block_size] * block_size + position % block_size)
+            self._np_tables[row, : len(blocks)] = blocks
+        host = self._np
+        host[0:count] = ids
+        host[m : m + count] = positions
+        host[2 * m : 2 * m + count] = slots
+        host[3 * m : 3 * m + count] = positions
+        host[3 * m : 3 * m + count] += 1
+        self.pad(count, rows)
+        return max(positions) + 1, min(positions) + 1
+
+    def pad(self, start: int, end: int) -> None:
+        """Rows [start, end) become padding rows."""
+        if end <= start:
+            return
+        host, m = self._np, self.max_rows
+        host[start:end] = 0
+        host[m + start : m + end] = 0
+        host[2 * m + start : 2 * m + end] = self.scratch_slot
+        host[3 * m + start : 3 * m + end] = 0
+
+    def upload(self, rows: int) -> None:
+        if self.device_copy is self.host:
+            return
+        used = 4 * self.max_rows + rows * self.width
+        self.device_copy[:used].copy_(self.host[:used], non_blocking=True)
+
+
+class ForwardTimer:
+    """Forward time without a host sync: host time on CPU, CUDA events on a GPU (read after the
+    step's device-to-host copy has synchronized)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start_ns = 0
+        self._elapsed_ns = 0
+        self._events: tuple[Any, Any] | None = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._start_ns = time.perf_counter_ns()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._elapsed_ns = time.perf_counter_ns() - self._start_ns
+
+    def elapsed_ns(self) -> int:
+        """The last forward's time (on CUDA: call after a sync, e.g. the ids' copy to the host)."""
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()
+            return int(start.elapsed_time(end) * 1e6)
+        return self._elapsed_ns
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        cache: PagedKVCache,
+        backend: AttentionBackend,
+        window: int | None,
+        accepts_logits_to_keep: bool,
+        max_rows: int,
+        max_length: int,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.window = window
+        self.device = cache.device
+        self.dtype: torch.dtype = model.dtype
+        self.accepts_logits_to_keep = accepts_logits_to_keep
+        self.adapters: AdapterSet | None = None  # set by the engine once loaded (not in the probe step)
+        self.graphs: DecodeGraphs | None = None  # set by the engine where graphs are captured
+        self.width = -(-max_length // cache.pool.block_size) + 1
+        self.buffers = DecodeBuffers(max_rows, self.width, self.device, cache.scratch_slot)
+        self._overflow: DecodeBuffers | None = None  # steps larger than MAX_BATCH_SIZE (tests)
+        self.timer = ForwardTimer(self.device)
+
+    # ---- any step -------------------------------------------------------------------------------
+
+    def forward(self, pieces: Sequence[StepPiece], keep: list[int] | None) -> torch.Tensor:
+        """Write and attend `pieces`; logits [len(keep), vocab] (every packed token when keep is
+        None). The sequences' lengths advance by their new tokens."""
+        ids: list[int] = []
+        positions: list[int] = []
+        parts: list[Piece] = []
+        virtual: list[tuple[int, torch.Tensor]] = []  # (packed index, embeddings from there)
+        for piece in pieces:
+            sequence, tokens = piece.kv, piece.tokens
+            if piece.embeddings is not None:
+                virtual.append((len(ids), piece.embeddings))
+            begin = sequence.length
+            sequence.reserve(len(tokens))
+            ids += tokens
+            positions += range(begin, begin + len(tokens))
+            sequence.length = begin + len(tokens)
+            parts.append(Piece(sequence.blocks, begin, len(tokens)))
+        device = self.device
+        layout = StepLayout.build(self.cache, self.backend, parts, self.window, self.dtype, device)
+        if keep is not None and len(keep) == len(ids) and keep[-1] == len(ids) - 1:
+            keep = None  # every packed token, in order
+        kwargs: dict[str, Any] = {}
+        selected = keep is not None and self.accepts_logits_to_keep
+        if selected:
+            kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
+        packed = torch.tensor([ids], device=device)
+        if virtual:
+            embeds = self.model.get_input_embeddings()(packed)
+            for at, embeddings in virtual:
+                embeds[0, at : at + embeddings.shape[0]] = embeddings
+            kwargs["inputs_embeds"] = embeds
+        else:
+            kwargs["input_ids"] = packed
+        applied = self._adapters([p.lora for p in pieces], [len(p.tokens) for p in pieces])
+        self.timer.start()
+        with applied:
+            out = self.model(
+                position_ids=torch.tensor([positions], device=device),
+                use_cache=False,
+                tgis_step=layout,
+                **kwargs,
+            )
+        logits = out.logits[0]
+        logits = logits[keep] if keep is not None and not selected else logits
+        self.timer.stop()
+        return logits
+
+    def _adapters(
+        self, loras: Sequence[LoraWeights | None], lengths: Sequence[int]
+    ) -> contextlib.AbstractContextManager[None]:
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.applied(loras, self.device, False, lengths)
+
+    # ---- decode-only steps ------------------------------------------------------------------------
+
+    def decode(
+        self, sequences: Sequence[SequenceKV], ids: Sequence[int], loras: Sequence[LoraWeights | None]
+    ) -> torch.Tensor:
+        """One token per row (`ids` [D], each at its sequence's next position) -> logits [D, vocab]."""
+        count = len(sequences)
+        graphs = self.graphs
+        bucket = graphs.bucket_for(count) if graphs is not None and not any(loras) else None
+        rows = bucket or count
+        buffers = self._buffers_for(rows)
+        longest, shortest = buffers.fill(sequences, ids, rows)
+        buffers.upload(rows)
+        self.timer.start()
+        if bucket is not None:
+            assert graphs is not None
+            logits = graphs.replay(bucket)[:count]
+        else:
+            with self._adapters(loras, [1] * count):
+                logits = self.decode_step(rows, longest, shortest, buffers)()
+        self.timer.stop()
+        return logits
+
+    def _buffers_for(self, rows: int) -> DecodeBuffers:
+        """The persistent buffers (graphs read them), or for a step of more rows than they hold
+        (a BatchManager allowing more than this engine's MAX_BATCH_SIZE) buffers of its own."""
+        if rows <= self.buffers.max_rows:
+            return self.buffers
+        if self._overflow is None or self._overflow.max_rows < rows:
+            self._overflow = DecodeBuffers(rows, self.width, self.device, self.cache.scratch_slot)
+        return self._overflow
+
+    def decode_step(
+        self, rows: int, longest: int, shortest: int, buffers: DecodeBuffers | None = None
+    ) -> Callable[[], torch.Tensor]:
+        """The forward of `rows` decode rows over the buffers as they will be when it is called:
+        a closure over fixed views and a fixed layout (what a CUDA graph captures). `longest` /
+        `shortest` key counts matter only to backends that are not graphable."""
+        b = buffers or self.buffers
+        rows_view = DecodeRows(
+            slice(0, rows), b.tables(rows), b.lengths(rows), longest, shortest, self.window
+        )
+        layout = StepLayout.decode_only(self.cache, self.backend, rows_view, b.slots(rows), self.dtype)
+        input_ids, position_ids = b.ids(rows).unsqueeze(0), b.positions(rows).unsqueeze(0)
+
+        def step() -> torch.Tensor:
+            out = self.model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, tgis_step=layout
+            )
+            logits: torch.Tensor = out.logits[0]
+            return logits
+
+        return step
