@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     times[name].append(ms)
         result["decode"][size] = {name: statistics.median(t) for name, t in times.items()}
         for name, batch in batches.items():  # what a BatchManager does when requests leave
-            engines[name].release(batch.request_ids)
+            if batch is not None:
+                engines[name].release(batch.request_ids)
         del batches
         gc.collect()
         logger.info("decode bs %d: %s", size, _line(result["decode"][size]))

@@ -107,30 +107,26 @@ def test_length_penalty() -> None:
     torch.testing.assert_close(got, torch.cat(rows))
 
 
-def test_chooser_pipeline_matches_transformers_in_tgis_order() -> None:
-    """The whole chain of a heterogeneous batch vs each row's transformers processor list."""
-    params = [
-        SamplingParams(),  # greedy: untouched by warpers
-        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, typical_p=0.8, repetition_penalty=1.3, seed=1),
-        SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5, seed=2),
-        SamplingParams(repetition_penalty=2.0, length_penalty=LengthPenalty(1, 1.7)),
-        SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2), seed=3),
-    ]
-    prompts = [[5, 6, 7], [8, 9, 9, 10], [11], [12, 13, 14, 15, 16], [EOS, 17]]
-    generated = [3, 0, 2, 4, 1]
-    # As if each row had generated `count` tokens (ids 30, 31, ...).
-    histories = [p + list(range(30, 30 + count)) for p, count in zip(prompts, generated, strict=True)]
-    generators = [None if p.greedy else torch.Generator().manual_seed(0) for p in params]
-    chooser = TokenChooser(params, histories, generated, generators, EOS, VOCAB, torch.device("cpu"))
-    scores = random_scores(len(params), seed=6)
-    got = chooser.process(scores.clone())
+PIPELINE_PARAMS = [
+    SamplingParams(),  # greedy: untouched by warpers
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, typical_p=0.8, repetition_penalty=1.3, seed=1),
+    SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5, seed=2),
+    SamplingParams(repetition_penalty=2.0, length_penalty=LengthPenalty(1, 1.7)),
+    SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2), seed=3),
+    SamplingParams(min_new_tokens=3, length_penalty=LengthPenalty(1, 1.5)),
+]
+PIPELINE_PROMPTS = [[5, 6, 7], [8, 9, 9, 10], [11], [12, 13, 14, 15, 16], [EOS, 17], [18, 19]]
 
+
+def transformers_process(chooser: TokenChooser, scores: torch.Tensor) -> torch.Tensor:
+    """Each row of `scores` through its own transformers processor list, for the chooser's
+    current histories (prompt: PIPELINE_PROMPTS)."""
     rows = []
-    for i, p in enumerate(params):
+    for i, p in enumerate(chooser.params):
         ids = torch.tensor([chooser.histories[i]])
-        n_in = len(prompts[i])
+        n_in = len(PIPELINE_PROMPTS[i])
         procs: list = []
-        if p.min_new_tokens and generated[i] < p.min_new_tokens:
+        if p.min_new_tokens and chooser.generated[i] < p.min_new_tokens:
             procs.append(hf.MinNewTokensLengthLogitsProcessor(n_in, p.min_new_tokens, EOS))
         elif p.length_penalty is not None:
             procs.append(
@@ -153,7 +149,44 @@ def test_chooser_pipeline_matches_transformers_in_tgis_order() -> None:
         for proc in procs:
             row = proc(ids, row)
         rows.append(row)
-    torch.testing.assert_close(got, torch.cat(rows))
+    return torch.cat(rows)
+
+
+def test_chooser_pipeline_matches_transformers_in_tgis_order() -> None:
+    """The whole chain of a heterogeneous batch vs each row's transformers processor list."""
+    generated = [3, 0, 2, 4, 1, 0]
+    # As if each row had generated `count` tokens (ids 30, 31, ...).
+    histories = [p + list(range(30, 30 + n)) for p, n in zip(PIPELINE_PROMPTS, generated, strict=True)]
+    generators = [None if p.greedy else torch.Generator().manual_seed(0) for p in PIPELINE_PARAMS]
+    chooser = TokenChooser(PIPELINE_PARAMS, histories, generated, generators, EOS, VOCAB, torch.device("cpu"))
+    scores = random_scores(len(PIPELINE_PARAMS), seed=6)
+    torch.testing.assert_close(chooser.process(scores.clone()), transformers_process(chooser, scores))
+
+
+def test_the_chooser_keeps_matching_over_steps_and_copies_nothing_to_the_device(monkeypatch) -> None:
+    """Step after step (min_new_tokens running out, length penalties starting, tokens seen), the
+    chain still equals transformers', and a step makes no tensor from host data (on a GPU that
+    would be a copy to wait for): counters and parameters live on the device."""
+    chooser = TokenChooser.create(PIPELINE_PARAMS, PIPELINE_PROMPTS, EOS, VOCAB, torch.device("cpu"))
+    made: list[object] = []
+    real_tensor = torch.tensor
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        made.append(args[0] if args else kwargs)
+        return real_tensor(*args, **kwargs)
+
+    for step in range(7):
+        scores = random_scores(len(PIPELINE_PARAMS), seed=20 + step)
+        expected = transformers_process(chooser, scores)
+        monkeypatch.setattr(torch, "tensor", counting)
+        got = chooser.process(scores.clone())
+        ids, _ = chooser.choose(scores.clone())
+        chooser.advance(ids.tolist(), ids)
+        monkeypatch.setattr(torch, "tensor", real_tensor)
+        torch.testing.assert_close(got, expected)
+        assert made == [], f"step {step} made tensors from host data: {made}"
+    assert chooser.generated == [7] * len(PIPELINE_PARAMS)
+    assert chooser.generated_t is not None and chooser.generated_t.tolist() == chooser.generated
 
 
 def test_sampling_uses_each_rows_generator() -> None:

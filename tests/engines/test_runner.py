@@ -94,3 +94,37 @@ def test_lora_rows_and_steps_beyond_the_largest_bucket_run_eagerly(graphed) -> N
     requests = [GenerationRequest(i, prompt(100 + i, 6), 3) for i in range(7)]
     Runner(engine).run({0: requests})
     assert replays.count == before
+
+
+@pytest.mark.gpu
+def test_a_cuda_decode_step_never_waits_for_the_device(tiny_model) -> None:
+    """The forward (a replayed graph or eager over the buffers) and the choice of the next ids
+    (greedy, seeded sampling, penalties) run with torch's sync debug mode set to raise: the only
+    wait of a step is the copy of the chosen ids that follows."""
+    from text_generation_common.messages import CachedBatchRef
+    from text_generation_server.batch_manager import BatchManager
+
+    engine = TgisNativeEngine(config_for(tiny_model("llama")))
+    manager = BatchManager(engine, 8)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3),
+        SamplingParams(repetition_penalty=1.2, min_new_tokens=4),
+    ]
+    requests = [GenerationRequest(i, prompt(i, 6 + i), 8, params=p) for i, p in enumerate(params)]
+    manager.prefill(1, requests, [])
+    manager.next_token([CachedBatchRef(1)])
+    (batch,) = manager._cache.values()
+    states = [batch.states[r.id] for r in batch.requests]
+    ids = [h[-1] for h in batch.histories]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            for loras in ([None] * 3, [None] * 3):  # replayed, then again with the buffers refilled
+                logits = engine.runner.decode([s.kv for s in states], ids, loras)
+                next_ids, _ = batch.chooser.choose(logits.float())
+                batch.chooser.advance(ids, next_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.runner.graphs is not None and next_ids.device.type == "cuda"

@@ -37,11 +37,14 @@ def choose_tokens(
     Returns the next ids [B] (every row, failed ones included, so that the batch's tensors keep
     their shape until `drop_failed`) and the step's output.
     """
-    nan_rows = torch.isnan(logits.amax(dim=-1)).tolist()  # amax propagates NaN; 15x cheaper than any()
+    nan = torch.isnan(logits.amax(dim=-1))  # amax propagates NaN; 15x cheaper than any()
     next_ids, scores = chooser.choose(logits)
-    next_list = next_ids.tolist()
+    # NOTE: the step's one device-to-host copy (a sync on a GPU): the chosen ids and the NaN rows
+    host = torch.cat((next_ids, nan.to(next_ids.dtype))).tolist()
+    count = len(requests)
+    next_list, nan_rows = host[:count], host[count:]
     infos = generated_token_infos(scores, next_list, [r.details for r in requests])
-    chooser.advance(next_list)
+    chooser.advance(next_list, next_ids)
     output = StepOutput(forward_ns=forward_ns, guided_mask_ns=chooser.guided_ns)
     for request, info, nan in zip(requests, infos, nan_rows, strict=True):
         if nan:

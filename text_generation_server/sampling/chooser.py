@@ -13,6 +13,12 @@ Per step (`choose`), in TGIS order:
   5. greedy rows take the argmax, sampling rows argmax(softmax / Exponential(1)) drawn from the
      row's own torch.Generator.
 Then `advance` records the chosen ids and feeds them to the rows' grammar matchers.
+
+Every per-row parameter and counter that a step reads on the device (warper plans, penalties,
+min-new-token limits, length-penalty starts and decays, generated counts, the sampling rows) is
+a device tensor made when the chooser is built (a batch is created, pruned or merged), and
+`advance` takes the chosen ids as the device tensor they already are: a decode step copies
+nothing to the device (guided rows excepted: their masks are made on the host).
 """
 
 from __future__ import annotations
@@ -71,20 +77,39 @@ class TokenChooser:
         self.any_repetition_penalty = any(p.repetition_penalty != 1.0 for p in self.params)
         # Warper parameters of greedy rows are neutral: warpers never touch a greedy row.
         sampling = [p if not p.greedy else None for p in self.params]
-        self.top_k = [p.top_k if p else 0 for p in sampling]
-        self.top_p = [p.top_p if p else 1.0 for p in sampling]
-        self.typical_p = [p.typical_p if p else 1.0 for p in sampling]
         temperatures = [p.temperature if p else 1.0 for p in sampling]
         self.temperature = (
             torch.tensor(temperatures, dtype=torch.float32, device=device)
             if any(t != 1.0 for t in temperatures)
             else None
         )
+        self.top_k = lp.TopKPlan.of([p.top_k if p else 0 for p in sampling], vocab_size, device)
+        self.top_p = lp.RowsPlan.of([p.top_p if p else 1.0 for p in sampling], device, transform=1.0)
+        self.typical_p = lp.RowsPlan.of([p.typical_p if p else 1.0 for p in sampling], device)
+        self.sample_rows_t = torch.tensor(self.sample_rows, device=device) if self.sample_rows else None
         self.penalty = (
             torch.tensor([p.repetition_penalty for p in self.params], dtype=torch.float32, device=device)
             if self.any_repetition_penalty
             else None
         )
+        # tokens generated per row, on the device too, where min_new_tokens or a length penalty reads it
+        self.generated_t = (
+            torch.tensor(self.generated, device=device)
+            if self.any_min_new or self.any_length_penalty
+            else None
+        )
+        self.min_new_t = (
+            torch.tensor([p.min_new_tokens for p in self.params], device=device) if self.any_min_new else None
+        )
+        self.length_start_t: torch.Tensor | None = None
+        self.length_decay_t: torch.Tensor | None = None
+        if self.any_length_penalty:
+            penalties = [p.length_penalty for p in self.params]
+            # rows without one: start past any length, decay 1.0 (factor 1)
+            starts = [lp_.start_index if lp_ is not None else 2**62 for lp_ in penalties]
+            decays = [float(lp_.decay_factor) if lp_ is not None else 1.0 for lp_ in penalties]
+            self.length_start_t = torch.tensor(starts, device=device)
+            self.length_decay_t = torch.tensor(decays, dtype=torch.float64, device=device)
         # [batch, vocab] bool: tokens each row has seen; kept only while some row penalises repeats.
         self.seen = seen if self.any_repetition_penalty else None
         if self.any_repetition_penalty and self.seen is None:
@@ -131,22 +156,21 @@ class TokenChooser:
     def process(self, scores: torch.Tensor) -> torch.Tensor:
         """Apply every logits processor; `scores` [batch, vocab] float32 is modified in place."""
         eos = self.eos_token_id
+        masked_t: torch.Tensor | None = None
         if self.any_min_new:
-            masked = [g < p.min_new_tokens for g, p in zip(self.generated, self.params, strict=True)]
-            if any(masked):
-                scores = lp.apply_min_new_tokens(scores, eos, torch.tensor(masked, device=self.device))
-        else:
-            masked = [False] * len(self.params)
-        if self.any_length_penalty:
-            factors = [
-                1.0
-                if m or p.length_penalty is None or g <= p.length_penalty.start_index
-                else float(p.length_penalty.decay_factor) ** (g - p.length_penalty.start_index)
-                for g, p, m in zip(self.generated, self.params, masked, strict=True)
-            ]
-            if any(f != 1.0 for f in factors):
-                factor_t = torch.tensor(factors, dtype=torch.float64, device=self.device)
-                scores = lp.apply_length_penalty(scores, eos, factor_t)
+            assert self.generated_t is not None and self.min_new_t is not None
+            if any(g < p.min_new_tokens for g, p in zip(self.generated, self.params, strict=True)):
+                masked_t = self.generated_t < self.min_new_t
+                scores = lp.apply_min_new_tokens(scores, eos, masked_t)
+        if self.any_length_penalty and self._length_penalty_applies():
+            assert self.generated_t is not None and self.length_start_t is not None
+            assert self.length_decay_t is not None
+            past = self.generated_t - self.length_start_t
+            active = past > 0
+            if masked_t is not None:
+                active &= ~masked_t
+            factors = torch.where(active, self.length_decay_t.pow(past.clamp(min=0)), 1.0)
+            scores = lp.apply_length_penalty(scores, eos, factors)
         if self.seen is not None and self.penalty is not None:
             scores = lp.apply_repetition_penalty(scores, self.seen, self.penalty)
         if self.any_guided:
@@ -156,36 +180,53 @@ class TokenChooser:
         if self.sample_rows:
             if self.temperature is not None:
                 scores = lp.apply_temperature(scores, self.temperature)
-            scores = lp.apply_top_k(scores, self.top_k)
-            scores = lp.apply_top_p(scores, self.top_p)
-            scores = lp.apply_typical_p(scores, self.typical_p)
+            if self.top_k is not None:
+                scores = lp.top_k_with(scores, self.top_k)
+            if self.top_p is not None:
+                scores = lp.top_p_with(scores, self.top_p)
+            if self.typical_p is not None:
+                scores = lp.typical_p_with(scores, self.typical_p)
         return scores
+
+    def _length_penalty_applies(self) -> bool:
+        """Whether some row is past its length penalty's start and not held by min_new_tokens
+        (host counts: nothing read from the device)."""
+        for g, p in zip(self.generated, self.params, strict=True):
+            penalty = p.length_penalty
+            if penalty is None or penalty.decay_factor == 1.0 or g < p.min_new_tokens:
+                continue
+            if g > penalty.start_index:
+                return True
+        return False
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Process `logits` [batch, vocab] float32 (in place) and pick one token per row.
 
-        Returns (next_ids [batch] int64, final scores [batch, vocab]).
+        Returns (next_ids [batch] int64, final scores [batch, vocab]), both on the device.
         """
         scores = self.process(logits)
         # max() gives the same first-maximum index as argmax() in about half the time on CPU.
         next_ids = scores.max(dim=-1).indices
-        if self.sample_rows:
+        if self.sample_rows_t is not None:
             rows = self.sample_rows
-            probs = scores[rows].softmax(dim=-1)
+            probs = scores.index_select(0, self.sample_rows_t).softmax(dim=-1)
             noise = torch.stack(
                 [torch.empty_like(probs[0]).exponential_(1.0, generator=self.generators[i]) for i in rows]
             )
-            next_ids[rows] = probs.div_(noise).argmax(dim=-1)
+            next_ids.index_copy_(0, self.sample_rows_t, probs.div_(noise).argmax(dim=-1))
         return next_ids, scores
 
-    def advance(self, next_ids: Sequence[int]) -> None:
-        """Record the tokens just chosen (host-side ids, batch row order)."""
+    def advance(self, next_ids: Sequence[int], next_ids_t: torch.Tensor | None = None) -> None:
+        """Record the tokens just chosen: host-side ids in batch row order, and the same ids as
+        the device tensor `choose` returned (None: made from the host ids)."""
         for row, token in enumerate(next_ids):
             self.histories[row].append(token)
             self.generated[row] += 1
+        if self.generated_t is not None:
+            self.generated_t += 1
         if self.seen is not None:
-            rows = torch.arange(len(next_ids), device=self.device)
-            self.seen[rows, torch.tensor(next_ids, device=self.device)] = True
+            ids = next_ids_t if next_ids_t is not None else torch.tensor(next_ids, device=self.device)
+            self.seen.scatter_(1, ids.view(-1, 1), True)
         if self.any_guided:
             started = time.perf_counter_ns()
             guided.advance(self.matchers, next_ids)

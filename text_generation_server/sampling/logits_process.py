@@ -15,9 +15,18 @@ tests/test_logits_process.py checks with `allclose`:
 
 Callers: sampling/chooser.py (in TGIS order: min-new-tokens or length penalty, repetition
 penalty, then, if any row samples, temperature -> top-k -> top-p -> typical-p).
+
+The per-row parameters of top-k / top-p / typical-p become device tensors once (`*Plan.of`,
+when a chooser is built): applying a plan every step copies nothing to the device, so a step on
+a GPU has no host-to-device copy to wait for. `apply_top_k(scores, [k, ...])` and the others
+prepare and apply in one call (tests, one-off uses).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Self
 
 import torch
 
@@ -58,44 +67,79 @@ def apply_temperature(scores: torch.Tensor, temperature: torch.Tensor) -> torch.
     return scores.div_(temperature.unsqueeze(1))
 
 
-def apply_top_k(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keep the k highest scores of each row (ties at the k-th value kept); 0 = off."""
-    vocab = scores.shape[-1]
-    ks = [min(k, vocab) for k in top_k]
-    max_k = max(ks)
-    if max_k == 0:
-        return scores
-    kth_index = torch.tensor([max(k, 1) - 1 for k in ks], device=scores.device).unsqueeze(1)
-    kth = scores.topk(max_k, dim=-1).values.gather(1, kth_index)
-    off = torch.tensor([k == 0 for k in ks], device=scores.device).unsqueeze(1)
-    kth = kth.masked_fill(off, NEG_INF)
+@dataclass(frozen=True, slots=True)
+class TopKPlan:
+    max_k: int  # the largest k of any row (<= vocab)
+    kth_index: torch.Tensor  # [batch, 1] index of each row's k-th value among the max_k largest
+    off: torch.Tensor  # [batch, 1] bool: rows with top_k 0
+
+    @classmethod
+    def of(cls, top_k: Sequence[int], vocab: int, device: torch.device) -> Self | None:
+        """None when no row filters."""
+        ks = [min(k, vocab) for k in top_k]
+        if max(ks, default=0) == 0:
+            return None
+        kth_index = torch.tensor([max(k, 1) - 1 for k in ks], device=device).unsqueeze(1)
+        off = torch.tensor([k == 0 for k in ks], device=device).unsqueeze(1)
+        return cls(max(ks), kth_index, off)
+
+
+def top_k_with(scores: torch.Tensor, plan: TopKPlan) -> torch.Tensor:
+    """Keep the k highest scores of each row (ties at the k-th value kept); k 0 = off."""
+    kth = scores.topk(plan.max_k, dim=-1).values.gather(1, plan.kth_index)
+    kth = kth.masked_fill(plan.off, NEG_INF)
     return scores.masked_fill_(scores < kth, NEG_INF)
 
 
-def apply_top_p(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Nucleus filtering per row; rows with top_p >= 1.0 are untouched."""
-    rows = [i for i, p in enumerate(top_p) if p < 1.0]
-    if not rows:
-        return scores
-    sub = scores[rows]
+def apply_top_k(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    plan = TopKPlan.of(top_k, scores.shape[-1], scores.device)
+    return top_k_with(scores, plan) if plan is not None else scores
+
+
+@dataclass(frozen=True, slots=True)
+class RowsPlan:
+    """The rows a filter applies to, and each one's parameter."""
+
+    rows: torch.Tensor  # [n] row indices
+    values: torch.Tensor  # [n] float32
+
+    @classmethod
+    def of(cls, values: Sequence[float], device: torch.device, transform: float = 0.0) -> Self | None:
+        """The rows whose value is < 1.0 (1.0 = off), each parameter as `transform - value`
+        when transform is set (top-p's threshold 1 - p), else the value; None when no row."""
+        rows = [i for i, v in enumerate(values) if v < 1.0]
+        if not rows:
+            return None
+        picked = [transform - values[i] if transform else values[i] for i in rows]
+        return cls(
+            torch.tensor(rows, device=device), torch.tensor(picked, dtype=torch.float32, device=device)
+        )
+
+
+def top_p_with(scores: torch.Tensor, plan: RowsPlan) -> torch.Tensor:
+    """Nucleus filtering of the plan's rows (`values`: the threshold 1 - top_p)."""
+    sub = scores.index_select(0, plan.rows)
     # The threshold is computed in double, then compared in the scores' dtype, as transformers does.
-    threshold = torch.tensor([1.0 - top_p[i] for i in rows], dtype=sub.dtype, device=sub.device)
+    threshold = plan.values.to(sub.dtype)
     sorted_scores, sorted_idx = sub.sort(dim=-1, descending=False)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= threshold.unsqueeze(1)
     remove_sorted[:, -1] = False  # always keep the most likely token
     remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
-    scores[rows] = sub.masked_fill(remove, NEG_INF)
+    scores.index_copy_(0, plan.rows, sub.masked_fill(remove, NEG_INF))
     return scores
 
 
-def apply_typical_p(scores: torch.Tensor, typical_p: list[float]) -> torch.Tensor:
-    """Locally typical filtering per row; rows with typical_p >= 1.0 are untouched."""
-    rows = [i for i, p in enumerate(typical_p) if p < 1.0]
-    if not rows:
-        return scores
-    sub = scores[rows]
-    mass = torch.tensor([typical_p[i] for i in rows], dtype=sub.dtype, device=sub.device)
+def apply_top_p(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Nucleus filtering per row; rows with top_p >= 1.0 are untouched."""
+    plan = RowsPlan.of(top_p, scores.device, transform=1.0)
+    return top_p_with(scores, plan) if plan is not None else scores
+
+
+def typical_p_with(scores: torch.Tensor, plan: RowsPlan) -> torch.Tensor:
+    """Locally typical filtering of the plan's rows (`values`: the typical mass)."""
+    sub = scores.index_select(0, plan.rows)
+    mass = plan.values.to(sub.dtype)
     logprobs = torch.log_softmax(sub, dim=-1)
     entropy = -(logprobs * logprobs.exp()).nansum(-1, keepdim=True)
     shifted = (-logprobs - entropy).abs()
@@ -105,5 +149,11 @@ def apply_typical_p(scores: torch.Tensor, typical_p: list[float]) -> torch.Tenso
     remove_sorted = sorted_shifted > sorted_shifted.gather(1, last.unsqueeze(1))
     remove_sorted[:, 0] = False  # always keep the most typical token
     remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
-    scores[rows] = sub.masked_fill(remove, NEG_INF)
+    scores.index_copy_(0, plan.rows, sub.masked_fill(remove, NEG_INF))
     return scores
+
+
+def apply_typical_p(scores: torch.Tensor, typical_p: list[float]) -> torch.Tensor:
+    """Locally typical filtering per row; rows with typical_p >= 1.0 are untouched."""
+    plan = RowsPlan.of(typical_p, scores.device)
+    return typical_p_with(scores, plan) if plan is not None else scores
