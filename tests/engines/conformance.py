@@ -147,11 +147,13 @@ def engine_cases() -> list[EngineCase]:
 Oracle = Callable[..., list[int]]  # (input ids, max new tokens, **generate kwargs) -> new ids
 
 
-def transformers_oracle(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> Oracle:
-    """Greedy `generate` of transformers on one prompt, new tokens up to and including EOS."""
+def transformers_oracle(model_dir: Path, device: str | None = None, dtype: str = "float32") -> Oracle:
+    """Greedy `generate` of transformers on one prompt, new tokens up to and including EOS; on
+    `device`, by default the one engines pick (a GPU where one is visible)."""
     import torch
     import transformers
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = transformers.AutoConfig.from_pretrained(model_dir)
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
@@ -190,7 +192,10 @@ ORACLES: dict[str, Callable[[ModelEngine, Path], Oracle]] = {"fake": lambda engi
 
 def oracle_for(case: EngineCase, engine: ModelEngine, model_dir: Path) -> Oracle:
     make = ORACLES.get(case.engine)
-    return make(engine, model_dir) if make else transformers_oracle(model_dir)
+    if make:
+        return make(engine, model_dir)
+    device = getattr(engine, "device", None)  # generate on the engine's device (a GPU's own rounding)
+    return transformers_oracle(model_dir, str(device) if device is not None else None)
 
 
 # ---- driving the engine as the router does -----------------------------------------------------
