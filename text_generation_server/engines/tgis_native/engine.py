@@ -135,7 +135,12 @@ class TgisNativeEngine(ModelEngine):
         if self.device.type == "cpu" and config.world_size == 1:
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
         if self.device.type == "cuda" and config.cuda_graphs:
-            self.capture_graphs(config.max_batch_size, cuda_capture(self.device))
+            if config.world_size > 1:  # NOTE: collectives inside a capture are not tried yet
+                logger.warning(
+                    "CUDA graphs are off: %d shards run their decode steps eagerly", config.world_size
+                )
+            else:
+                self.capture_graphs(config.max_batch_size, cuda_capture(self.device))
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.info = ModelInfo(
