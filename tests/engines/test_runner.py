@@ -128,3 +128,18 @@ def test_a_cuda_decode_step_never_waits_for_the_device(tiny_model) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.runner.graphs is not None and next_ids.device.type == "cuda"
+
+
+def test_a_capture_that_fails_stops_the_engine_with_the_way_out(graphed) -> None:
+    engine, _ = graphed
+
+    def broken(step: Step) -> Step:
+        raise RuntimeError("operation not permitted when stream is capturing\nmore lines")
+
+    with pytest.raises(
+        RuntimeError, match=r"^capturing the decode steps as CUDA graphs failed \(operation not "
+    ):
+        engine.capture_graphs(2, broken)
+    with pytest.raises(RuntimeError, match=r"; CUDA_GRAPHS=false runs them eagerly$"):
+        engine.capture_graphs(2, broken)
+    engine.capture_graphs(6, Replays())  # as the module's other tests expect

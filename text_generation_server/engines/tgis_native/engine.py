@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from text_generation_common.engines import CapacityKind
+from text_generation_common.logs import first_line
 from text_generation_common.messages import (
     GenerationRequest,
     InputTokens,
@@ -184,8 +185,14 @@ class TgisNativeEngine(ModelEngine):
             runner.buffers.upload(bucket)
             return runner.decode_step(bucket, 0, 0)
 
-        with torch.inference_mode():
-            graphs.capture_all(make_step, capture)
+        try:
+            with torch.inference_mode():
+                graphs.capture_all(make_step, capture)
+        except Exception as exc:  # the untried model or kernel says why in its first line
+            raise RuntimeError(
+                f"capturing the decode steps as CUDA graphs failed ({first_line(exc)}); "
+                "CUDA_GRAPHS=false runs them eagerly"
+            ) from exc
         runner.graphs = graphs
 
     # ---- the KV cache --------------------------------------------------------------------------
