@@ -48,6 +48,7 @@ from router.tokenizer import TokenizerPool, load_tokenizer
 from router.tracing import Tracing, TracingError
 from router.validation import PrefixLengths, Validator
 from text_generation_common.guided import grammars_of
+from text_generation_common.heap import freeze_loaded_heap
 from text_generation_common.messages import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -338,6 +339,7 @@ def _log_serving(router: Router) -> None:
 
 async def _build_and_serve(config: RouterConfig) -> None:
     router = await build(config)
+    freeze_loaded_heap("router built")
     try:
         await serve(router)
     finally:

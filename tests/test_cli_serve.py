@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,10 @@ def test_serve_until_sigterm(tiny_model, tmp_path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not socket.exists(), "the socket is removed on shutdown"
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+        frozen = re.search(r"shard 0 loaded: (\d+) objects kept out of garbage collection", log)
+        assert frozen and int(frozen.group(1)) > 10_000, "the loaded heap is frozen"
     finally:
         if proc.poll() is None:
             proc.kill()

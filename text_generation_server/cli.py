@@ -19,6 +19,7 @@ from pathlib import Path
 
 import click
 
+from text_generation_common.heap import freeze_loaded_heap
 from text_generation_common.logs import setup_logging
 from text_generation_server.config import (
     CPU_ATTENTION_MODES,
@@ -362,6 +363,7 @@ def serve(
             pin_to(config.cpu_affinity)  # before anything loads
         distributed.join(config)
         engine, worker = load_engine(config)
+        freeze_loaded_heap(f"shard {config.rank} loaded")
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:
         raise click.ClickException(str(exc)) from exc
     try:
