@@ -124,6 +124,10 @@ class DecodeBuffers:
         host[3 * m + start : 3 * m + end] = 0
 
     def upload(self, rows: int) -> None:
+        # NOTE: the next `fill` rewrites the host copy while nothing waits for this copy: safe
+        # because every step ends with the chosen ids' copy to the host, which waits for the
+        # stream (this copy included). Scheduling a step before the last one's ids are read
+        # back would need two host buffers taken in turn.
         if self.device_copy is self.host:
             return
         used = 4 * self.max_rows + rows * self.width
