@@ -164,9 +164,20 @@ class SequenceKV:
         if needed > 0:
             self.blocks.extend(self.pool.allocate(needed))
 
-    def slots(self, start: int, end: int) -> list[int]:
+    def append(self, tokens: int) -> int:
+        """Take `tokens` more tokens after `length` (blocks reserved, length advanced); returns
+        the position of the first of them."""
+        begin = self.length
+        self.reserve(tokens)
+        self.length = begin + tokens
+        return begin
+
+    def slot(self, position: int) -> int:
         size = self.pool.block_size
-        return [self.blocks[p // size] * size + p % size for p in range(start, end)]
+        return self.blocks[position // size] * size + position % size
+
+    def slots(self, start: int, end: int) -> list[int]:
+        return [self.slot(p) for p in range(start, end)]
 
     def free(self) -> None:
         """Give every block back to the pool (cached prompt blocks stay cached)."""

@@ -94,16 +94,12 @@ class DecodeBuffers:
         and its length advanced; rows past len(sequences), up to `rows`, are padding.
         Returns the longest and shortest key counts of the real rows."""
         count, m = len(sequences), self.max_rows
-        block_size = sequences[0].pool.block_size
         positions, slots = [], []
         for row, sequence in enumerate(sequences):
-            sequence.reserve(1)
-            position = sequence.length
-            sequence.length = position + 1
-            blocks = sequence.blocks
+            position = sequence.append(1)
             positions.append(position)
-            slots.append(blocks[position // block_size] * block_size + position % block_size)
-            self._np_tables[row, : len(blocks)] = blocks
+            slots.append(sequence.slot(position))
+            self._np_tables[row, : len(sequence.blocks)] = sequence.blocks
         host = self._np
         host[0:count] = ids
         host[m : m + count] = positions
@@ -204,11 +200,9 @@ class ModelRunner:
             sequence, tokens = piece.kv, piece.tokens
             if piece.embeddings is not None:
                 virtual.append((len(ids), piece.embeddings))
-            begin = sequence.length
-            sequence.reserve(len(tokens))
+            begin = sequence.append(len(tokens))
             ids += tokens
             positions += range(begin, begin + len(tokens))
-            sequence.length = begin + len(tokens)
             parts.append(Piece(sequence.blocks, begin, len(tokens)))
         device = self.device
         layout = StepLayout.build(self.cache, self.backend, parts, self.window, self.dtype, device)
