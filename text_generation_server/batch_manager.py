@@ -278,15 +278,13 @@ class BatchManager:
 
     def run_ahead(self) -> None:
         """Run the next decode step of every cached batch whose requests may still generate."""
-        try:
-            for batch_id, cached in list(self._cache.items()):
-                if isinstance(cached, Ahead) or cached.remaining() <= 0:
-                    continue
-                try:
-                    output, survivor = self._generate(cached, first=False)
-                except Exception as exc:  # reported by the next call that references the batch
-                    self._cache[batch_id] = Ahead(StepOutput(), None, exc)
-                else:
-                    self._cache[batch_id] = Ahead(output, survivor)
-        finally:
-            self._settle()
+        for batch_id, cached in list(self._cache.items()):
+            if isinstance(cached, Ahead) or cached.remaining() <= 0:
+                continue
+            try:
+                output, survivor = self._generate(cached, first=False)
+            except Exception as exc:  # reported by the next call that references the batch
+                self._cache[batch_id] = Ahead(StepOutput(), None, exc)
+            else:
+                self._cache[batch_id] = Ahead(output, survivor)
+        self._settle()  # rows that failed ahead, and the requests of a batch whose step failed
