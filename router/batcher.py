@@ -1,15 +1,20 @@
 """The continuous-batching loop: the only owner of the running batch.
 
-One asyncio task (`run`). While requests run it alternates decode steps (NextToken) with
-prefills of waiting requests that join the running batch; the shard merges the new batch in at
-the next step. A join happens when the queue has entries that fit, and at most every other
-prefill's duration (so decoding keeps going); the number of entries a join needs shrinks as
-decode steps pass, down to one after MAX_WAITING_TOKENS steps (TGIS's policy). Finished
-requests are pruned on the next call. Per-token work (decoding, stopping, outputs) is in
-entry.py.
+One asyncio task (`run`). While requests run it sends decode steps (NextToken), and waiting
+requests that fit join the running batch in one of two ways, by what the engine can do:
+  - engines with chunked prefill (`join_in_step`): at every step where requests wait and fit
+    (vLLM's rule), as NextToken's `join`: no forward of their own, their prompt chunks ride
+    with the decode rows under the step's token budget;
+  - the others: with a prefill of the new requests (every running request waits for it), at
+    most every other prefill's duration, and only when enough wait: the number a join needs
+    shrinks as decode steps pass, down to one after MAX_WAITING_TOKENS steps (TGIS's policy);
+    the shard merges the new batch in at the next step.
+Finished requests are pruned on the next call. Per-token work (decoding, stopping, outputs) is
+in entry.py.
 
     idle:   wait for the queue -> PREFILL(new)
-    busy:   [maybe PREFILL(new, prune=current)] -> NEXT_TOKEN(current [+ new]) -> ...
+    busy, join_in_step:  NEXT_TOKEN(current, join=[new]) -> ...
+    busy, otherwise:     [maybe PREFILL(new, prune=current)] -> NEXT_TOKEN(current [+ new]) -> ...
 
 Every live request of a call must come back with a token, an error, or a pending entry (still
 running, no token this step: its prompt is only partly computed under chunked prefill); one the
@@ -44,6 +49,7 @@ from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,
     CachedBatchRef,
     GenerationRequest,
+    NewBatch,
     StepOutput,
 )
 
@@ -100,13 +106,16 @@ class Batcher:
         *,
         eos_token_id: int,
         max_waiting_tokens: int,
+        join_in_step: bool = False,
     ) -> None:
+        """`join_in_step`: new requests join in decode steps (the engine chunks prompts)."""
         self.client = client
         self.queue = queue
         self.detokenizer = detokenizer
         self.metrics = metrics
         self.eos_token_id = eos_token_id
         self.max_waiting_tokens = max_waiting_tokens
+        self.join_in_step = join_in_step
         self.generation_healthy: bool | None = None  # None until a first step ran
         self.running = False  # the loop is alive (liveness)
         self.last_shard_answer = 0.0  # time.monotonic() of the last successful shard call (readiness)
@@ -186,6 +195,10 @@ class Batcher:
             self._publish_state(live, remaining)
             group = [current]
             now = time.monotonic()
+            if self.join_in_step:
+                join = self.queue.next_batch(live, 1) if live else None
+                current, unprocessed = await self._decode(group, unprocessed, join)
+                continue
             if remaining >= 2 and (earliest_next_join is None or now > earliest_next_join):
                 need = self._join_size(len(live), steps_since_join)
                 entries = self.queue.next_batch(live, need)
@@ -214,14 +227,18 @@ class Batcher:
             self._hand_out(unprocessed)
 
     async def _decode(
-        self, group: Sequence[RunningBatch], unprocessed: _Step | None
+        self, group: Sequence[RunningBatch], unprocessed: _Step | None, join: list[Entry] | None = None
     ) -> tuple[RunningBatch | None, _Step | None]:
-        """Send one NextToken over `group`; hand out `unprocessed` while it runs. Returns the
-        batch as the shard now caches it and this step's tokens, still to be handed out."""
-        entries = [e for b in group for e in b.live()]
+        """Send one NextToken over `group`, with `join` joining it; hand out `unprocessed` while
+        it runs. Returns the batch as the shard now caches it and this step's tokens, still to
+        be handed out."""
+        new = self._start(join) if join else None
+        entries = [e for b in group for e in b.live()] + (join or [])
         started = time.monotonic()
         self.metrics.shard_call("next_token", len(entries))
-        call = asyncio.ensure_future(self.client.next_token([b.ref() for b in group], self.token_budget))
+        if join:
+            self.metrics.inc("tgi_batch_concatenation_count")
+        call = asyncio.ensure_future(self.client.next_token([b.ref() for b in group], self.token_budget, new))
         # The call's send is scheduled; one turn of the loop runs it before the hand-out below
         # wakes every stream of the batch. Otherwise the request waits behind all of their
         # writes: router send -> shard receive was 5.6 ms of a 48 ms step at 32 streams.
@@ -230,7 +247,8 @@ class Batcher:
         try:
             output = await call
         except ShardCallError as exc:
-            self._fail("next_token", [e for b in group for e in b.entries if not e.finished], exc)
+            running = [e for b in group for e in b.entries if not e.finished]
+            self._fail("next_token", running + (join or []), exc)
             return None, None
         finally:
             call.cancel()  # only matters when this coroutine itself is cancelled
@@ -288,23 +306,29 @@ class Batcher:
 
     # ---- shard calls ------------------------------------------------------------------------
 
+    def _start(self, entries: Sequence[Entry]) -> NewBatch:
+        """Give `entries` their request ids and batch id: the batch the shard is to build."""
+        batch_id, self._next_batch_id = self._next_batch_id, self._next_batch_id + 1
+        now = time.monotonic()
+        for new in entries:
+            new.start(self._next_request_id, self.detokenizer, now)
+            self._next_request_id += 1
+        loads = [entry_load(e) for e in entries]
+        self.metrics.observe("tgi_batch_next_tokens", self.queue.capacity.prefill_tokens(loads))
+        return NewBatch(batch_id, tuple(e.request.shard_request(e.id) for e in entries))
+
     async def _prefill(
         self, entries: list[Entry], to_prune: list[RunningBatch]
     ) -> tuple[RunningBatch | None, bool]:
         """Prefill `entries` as a new batch, pruning `to_prune` first. Returns the new batch and
         whether the call succeeded (only then were the pruned requests dropped for sure; on
         failure they are listed again next time, which is harmless if they were dropped)."""
-        batch_id, self._next_batch_id = self._next_batch_id, self._next_batch_id + 1
+        new = self._start(entries)
         now = time.monotonic()
-        for new in entries:
-            new.start(self._next_request_id, self.detokenizer, now)
-            self._next_request_id += 1
-        requests = [e.request.shard_request(e.id) for e in entries]
-        loads = [entry_load(e) for e in entries]
-        self.metrics.shard_call("prefill", len(entries), self.queue.capacity.prefill_tokens(loads))
+        self.metrics.shard_call("prefill", len(entries))
         try:
             output = await self.client.prefill(
-                batch_id, requests, [b.ref() for b in to_prune], self.token_budget
+                new.batch_id, list(new.requests), [b.ref() for b in to_prune], self.token_budget
             )
         except ShardCallError as exc:
             self._fail("prefill", entries, exc)
@@ -351,6 +375,11 @@ class Batcher:
             if not entry.finished:
                 entry.fail(MISSING_ANSWER, Failure.ENGINE_FAULT, request_error=True)
         finished = []
+        for request_id in output.pending:  # a prompt still being computed: its client may be gone
+            entry = by_id.get(request_id)
+            if entry is not None and entry.cancelled and not entry.finished:
+                entry.cancel()
+                finished.append(entry.id)
         for generation in output.generations:
             entry = by_id.get(generation.request_id)
             if entry is None:

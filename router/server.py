@@ -180,6 +180,7 @@ async def build(config: RouterConfig) -> Router:
         metrics,
         eos_token_id=info.eos_token_id,
         max_waiting_tokens=config.max_waiting_tokens,
+        join_in_step=info.chunked_prefill,
     )
     client.on_adapter_state = metrics.adapter_cache
     validator = Validator(

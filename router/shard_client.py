@@ -23,6 +23,7 @@ from text_generation_common.messages import (
     CachedBatchRef,
     GenerationRequest,
     ModelInfo,
+    NewBatch,
     StepOutput,
 )
 from text_generation_common.pb import generate_pb2 as pb
@@ -66,11 +67,12 @@ class ShardClient(Protocol):
     ) -> StepOutput: ...
 
     def next_token(
-        self, batches: Sequence[CachedBatchRef], token_budget: int = 0
+        self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
     ) -> Awaitable[StepOutput | None]:
         """Start one decode step; await the result. The call is under way (its send scheduled
         ahead of anything the caller schedules next) when this returns. `token_budget`: most
-        prompt tokens of pending requests to compute (chunked prefill); 0 = all."""
+        prompt tokens of pending requests to compute (chunked prefill); 0 = all. `join`: new
+        requests that join the batch in this step (engines with chunked prefill)."""
         ...
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int: ...
@@ -149,7 +151,7 @@ class GrpcShardClient:
         token_budget: int = 0,
     ) -> StepOutput:
         request = pb.PrefillRequest(
-            batch=pb.Batch(id=batch_id, requests=[convert.request_to_pb(r) for r in requests]),
+            batch=convert.new_batch_to_pb(NewBatch(batch_id, tuple(requests))),
             to_prune=convert.cached_batches_to_pb(to_prune),
             token_budget=token_budget,
         )
@@ -158,10 +160,12 @@ class GrpcShardClient:
         return convert.result_from_pb(reply.result, reply.input_tokens)
 
     def next_token(
-        self, batches: Sequence[CachedBatchRef], token_budget: int = 0
+        self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
     ) -> Awaitable[StepOutput | None]:
         request = pb.NextTokenRequest(
-            batches=convert.cached_batches_to_pb(batches), token_budget=token_budget
+            batches=convert.cached_batches_to_pb(batches),
+            token_budget=token_budget,
+            join=convert.new_batch_to_pb(join) if join is not None else None,
         )
         return self._next_token_result(self._start("NextToken", request))
 

@@ -1,7 +1,7 @@
-"""BatchManager running ahead: a decode step run before the router's call must deliver exactly
-what the call would have computed, drop what the call prunes, and report its failure to the call.
-Every request leaving the manager's batches is released to the engine once, before the call's
-step runs."""
+"""BatchManager running ahead: a decode step run before the router's call must give every request
+the tokens the calls would have computed, drop what the call prunes, report its failure to the
+call, and never spend a forward on a joining batch alone. Every request leaving the manager's
+batches is released to the engine once, before the call's step runs."""
 
 from __future__ import annotations
 
@@ -10,11 +10,20 @@ from typing import Any
 
 import pytest
 
-from text_generation_common.messages import CachedBatchRef, GenerationRequest, SamplingParams, StepOutput
+from text_generation_common.messages import (
+    HEALTH_CHECK_BATCH_ID,
+    CachedBatchRef,
+    GenerationRequest,
+    NewBatch,
+    SamplingParams,
+    StepOutput,
+)
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import HFTransformersEngine
+from text_generation_server.errors import InvalidBatchError
+from text_generation_server.testing.fake_engine import FakeEngine
 
 
 class CountingEngine(ModelEngine):
@@ -24,6 +33,7 @@ class CountingEngine(ModelEngine):
         self.inner = inner
         self.info = inner.info
         self.steps = 0
+        self.stepped: list[tuple[bool, list[int]]] = []  # (first, request ids) of every step
         self.fail_next: Exception | None = None
         self.released: list[int] = []  # every id the manager released, in order
 
@@ -35,6 +45,7 @@ class CountingEngine(ModelEngine):
 
     def generate_token(self, batch, first, token_budget=0):
         self.steps += 1
+        self.stepped.append((first, list(batch.request_ids)))
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
@@ -67,12 +78,13 @@ def summary(output: StepOutput | None) -> Any:
     return output.batch_id, tokens, errors
 
 
-def drive(manager: BatchManager, ahead: str) -> list[Any]:
+def drive(manager: BatchManager, ahead: str) -> dict[int, list[int]]:
     """Play a router: two batches that join, greedy and seeded sampling rows, requests that
-    finish at different steps and are pruned by the next call; returns every call's answer.
+    finish at different steps and are pruned by the next call; returns every request's tokens.
     `ahead`: when the manager runs ahead: never, always (after every call, as the server does),
     or not after the join (the merged call finds one batch stepped ahead and one not)."""
     answers: list[Any] = []
+    tokens: dict[int, list[int]] = {}
     generated: dict[int, int] = {}
     limits: dict[int, int] = {}
     live: dict[int, list[int]] = {}  # batch id -> its live requests
@@ -83,8 +95,10 @@ def drive(manager: BatchManager, ahead: str) -> list[Any]:
             manager.run_ahead()
         if output is None:
             return
+        assert not output.errors
         for g in output.generations:
             generated[g.request_id] = generated.get(g.request_id, 0) + 1
+            tokens.setdefault(g.request_id, []).append(g.token.token_id)
 
     def refs(batch_ids: list[int]) -> list[CachedBatchRef]:
         out = []
@@ -97,7 +111,7 @@ def drive(manager: BatchManager, ahead: str) -> list[Any]:
     def prefill(batch_id: int, requests: list[GenerationRequest], prune: list[int]) -> None:
         limits.update({r.id: r.max_new_tokens for r in requests})
         output = manager.prefill(batch_id, requests, refs(prune))
-        live[batch_id] = [g.request_id for g in output.generations]
+        live[batch_id] = sorted(output.running_ids)
         absorb(output, join=bool(prune))
 
     def step(batch_ids: list[int]) -> int | None:
@@ -105,7 +119,7 @@ def drive(manager: BatchManager, ahead: str) -> list[Any]:
         absorb(output)
         if output is None or output.batch_id is None:
             return None
-        live[output.batch_id] = [g.request_id for g in output.generations]
+        live[output.batch_id] = sorted(output.running_ids)
         return output.batch_id
 
     prefill(1, [request(1, 6), request(2, 9, temperature=0.9, top_k=20, seed=7), request(3, 3)], [])
@@ -116,17 +130,34 @@ def drive(manager: BatchManager, ahead: str) -> list[Any]:
     current: int | None = step([1, 2])
     while current is not None:
         current = step([current])
-    return answers
+    assert len(answers) > 8 and answers[-1] is None  # the run went to its end
+    assert all(generated[r] == limits[r] for r in limits)
+    return tokens
 
 
 @pytest.mark.parametrize("ahead", ["always", "not after the join"])
 def test_running_ahead_gives_the_tokens_of_the_calls(engine, ahead) -> None:
     expected = drive(BatchManager(engine, 8), "never")
-    assert len(expected) > 8 and expected[-1] is None  # the run went to its end
-    steps = engine.steps
+    engine.stepped.clear()
     assert drive(BatchManager(engine, 8), ahead) == expected
-    if ahead == "always":  # the joining batch had a step of its own before the merge
-        assert engine.steps - steps == steps + 1
+    # the joining batch's rows never had a decode step of their own: they waited for the merge
+    assert all(ids != [4, 5] for first, ids in engine.stepped if not first)
+
+
+def test_rows_that_join_a_step_run_ahead_are_pending_and_step_with_the_others(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 6)], [])
+    manager.run_ahead()
+    manager.prefill(2, [request(2, 6)], [])
+    manager.run_ahead()  # two batches that may generate: the next call merges them, nothing runs
+    steps = engine.steps
+    output = manager.next_token([CachedBatchRef(1), CachedBatchRef(2)])
+    assert engine.steps == steps  # the call delivers the step run ahead on batch 1
+    assert [g.request_id for g in output.generations] == [1] and output.pending == [2]
+    manager.run_ahead()
+    assert engine.stepped[-1] == (False, [1, 2])  # one forward for both
+    output = manager.next_token([CachedBatchRef(1)])
+    assert [g.request_id for g in output.generations] == [1, 2]
 
 
 def test_the_call_after_a_step_run_ahead_does_not_step_again(engine) -> None:
@@ -179,9 +210,9 @@ def test_a_step_that_fails_ahead_fails_the_next_call_that_references_it(engine) 
 def test_a_failed_step_on_a_stale_batch_is_logged_when_dropped(engine, caplog) -> None:
     manager = BatchManager(engine, 8)
     manager.prefill(1, [request(1, 6)], [])
-    manager.prefill(2, [request(2, 6)], [])
     engine.fail_next = RuntimeError("engine fault")
-    manager.run_ahead()  # batch 1 fails, batch 2 runs
+    manager.run_ahead()  # batch 1 fails
+    manager.prefill(2, [request(2, 6)], [])
     with caplog.at_level(logging.WARNING):
         output = manager.next_token([CachedBatchRef(2)])
     assert [g.request_id for g in output.generations] == [2]
@@ -232,3 +263,60 @@ def test_every_request_is_released_once_when_it_leaves_and_before_the_step(engin
     assert engine.released[-1:] == [6]
     manager.clear()
     assert engine.released == [2, 1, 4, 3, 6, 5] and len(manager) == 0
+
+
+@pytest.fixture(scope="module")
+def chunking_engine(tiny_model) -> FakeEngine:
+    return FakeEngine(ServerConfig(model_name=str(tiny_model("llama")), max_batch_size=8, max_new_tokens=32))
+
+
+def tokens_of(output: StepOutput | None, into: dict[int, list[int]]) -> None:
+    assert output is not None and not output.errors
+    for g in output.generations:
+        into.setdefault(g.request_id, []).append(g.token.token_id)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_requests_join_a_decode_step_without_a_forward_of_their_own(chunking_engine, ahead) -> None:
+    manager = BatchManager(chunking_engine, 8)
+    first, joining = request(1, 6), request(2, 5)
+    got: dict[int, list[int]] = {}
+    tokens_of(manager.prefill(1, [first], []), got)
+    if ahead:
+        manager.run_ahead()
+    output = manager.next_token([CachedBatchRef(1)], 3, NewBatch(2, (joining,)))
+    tokens_of(output, got)
+    # run ahead, the step was computed before the join: the new request waits for the next one;
+    # else its first 3 prompt tokens (of 5) ride with this step
+    assert output is not None and output.pending == [2] and output.batch_id == 1
+    while output is not None and output.batch_id is not None:
+        done = tuple(r for r, t in got.items() if len(t) == {1: 6, 2: 5}[r])
+        if ahead:
+            manager.run_ahead()
+        output = manager.next_token([CachedBatchRef(1, done)], 3)
+        if output is not None:
+            tokens_of(output, got)
+    assert got == {
+        1: chunking_engine.reference(first.input_ids, 6),
+        2: chunking_engine.reference(joining.input_ids, 5),
+    }
+
+
+def test_a_join_is_refused_where_the_engine_does_not_chunk_or_the_batch_is_invalid(
+    engine, chunking_engine
+) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 6)], [])
+    with pytest.raises(InvalidBatchError, match="needs chunked prefill, which this engine does not do"):
+        manager.next_token([CachedBatchRef(1)], 0, NewBatch(2, (request(2, 4),)))
+    manager = BatchManager(chunking_engine, 2)
+    manager.prefill(1, [request(1, 6)], [])
+    with pytest.raises(InvalidBatchError, match="is already running in batch 1"):
+        manager.next_token([CachedBatchRef(1)], 0, NewBatch(2, (request(1, 4),)))
+    with pytest.raises(InvalidBatchError, match="health-check batch cannot join"):
+        manager.next_token([CachedBatchRef(1)], 0, NewBatch(HEALTH_CHECK_BATCH_ID, (request(2, 4),)))
+    with pytest.raises(InvalidBatchError, match="more than max_batch_size"):
+        manager.next_token([CachedBatchRef(1)], 0, NewBatch(2, (request(2, 4), request(3, 4))))
+    # nothing changed: the batch runs on
+    output = manager.next_token([CachedBatchRef(1)], 0, NewBatch(2, (request(2, 4),)))
+    assert output is not None and [g.request_id for g in output.generations] == [1, 2]

@@ -52,7 +52,13 @@ async def serve(shard, requests: list[ValidatedRequest], budget: int, probe: boo
     queue = RequestQueue(capacity_for(info, 1.0), 8, metrics, max_prefill_tokens=budget, chunked_prefill=True)
     tokenizer = load_tokenizer(str(model))
     batcher = Batcher(
-        client, queue, Detokenizer(tokenizer), metrics, eos_token_id=10**6, max_waiting_tokens=2
+        client,
+        queue,
+        Detokenizer(tokenizer),
+        metrics,
+        eos_token_id=10**6,
+        max_waiting_tokens=2,
+        join_in_step=info.chunked_prefill,
     )
     task = asyncio.create_task(batcher.run())
     entries = [Entry(r, False) for r in requests]

@@ -149,7 +149,11 @@ def test_merge_beyond_max_batch_size_leaves_batches_intact(stub) -> None:
     # Nothing was changed: dropping one request makes the merge legal.
     both[0].completed_ids.append(0)
     result = stub.NextToken(pb.NextTokenRequest(batches=both)).result
-    assert [t.request_id for t in result.tokens] == [1, 2, 3, 4] and result.batch_id == 1
+    # batch 1's step ran ahead; batch 2's rows wait for the merged batch's next step
+    assert [t.request_id for t in result.tokens] == [1, 2] and result.batch_id == 1
+    assert list(result.pending_ids) == [3, 4]
+    result = stub.NextToken(pb.NextTokenRequest(batches=[pb.CachedBatch(id=1)])).result
+    assert [t.request_id for t in result.tokens] == [1, 2, 3, 4]
 
 
 def test_duplicate_ids(stub) -> None:
@@ -341,3 +345,15 @@ def test_health_answers_during_a_long_step(shard, stub) -> None:
         release.set()
         assert pending.result(10).result.batch_id == 1
     assert answered_s < 5
+
+
+def test_a_join_in_next_token_is_refused_by_an_engine_that_does_not_chunk(stub) -> None:
+    prefill(stub, 1, [make_request(1, [1, 5, 6], 8)])
+    join = pb.Batch(id=2, requests=[make_request(2, [1, 7], 4)])
+    assert_status(
+        lambda: stub.NextToken(pb.NextTokenRequest(batches=[pb.CachedBatch(id=1)], join=join)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "joining batch 2 in a decode step needs chunked prefill, which this engine does not do",
+    )
+    result = stub.NextToken(pb.NextTokenRequest(batches=[pb.CachedBatch(id=1)])).result
+    assert [t.request_id for t in result.tokens] == [1]

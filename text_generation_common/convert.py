@@ -23,6 +23,7 @@ from text_generation_common.messages import (
     LengthPenalty,
     MemoryScalingModel,
     ModelInfo,
+    NewBatch,
     RequestedDetails,
     RequestError,
     SamplingParams,
@@ -84,6 +85,14 @@ def request_from_pb(r: pb.Request) -> GenerationRequest:
         prefix_id=r.prefix_id,
         adapter_id=r.adapter_id,
     )
+
+
+def new_batch_from_pb(batch: pb.Batch) -> NewBatch:
+    return NewBatch(batch.id, tuple(request_from_pb(r) for r in batch.requests))
+
+
+def new_batch_to_pb(batch: NewBatch) -> pb.Batch:
+    return pb.Batch(id=batch.batch_id, requests=[request_to_pb(r) for r in batch.requests])
 
 
 def cached_batches_from_pb(batches: Iterable[pb.CachedBatch]) -> list[CachedBatchRef]:

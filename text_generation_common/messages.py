@@ -100,6 +100,14 @@ class CachedBatchRef:
 
 
 @dataclass(frozen=True, slots=True)
+class NewBatch:
+    """Requests that join the running batch inside a decode step (NextToken's `join`)."""
+
+    batch_id: int
+    requests: tuple[GenerationRequest, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TopToken:
     token_id: int
     logprob: float = 0.0  # 0.0 when logprobs were not requested
@@ -209,8 +217,8 @@ class StepOutput:
 
     @classmethod
     def merged(cls, outputs: Sequence[StepOutput]) -> StepOutput:
-        """One output answering every request of `outputs` (forward time summed, the KV cache
-        as the last of them left it)."""
+        """One output answering every request of `outputs` (forward time summed: at most one
+        of them ran a forward, see BatchManager.run_ahead; the KV cache as the last left it)."""
         states = [o.kv_cache for o in outputs if o.kv_cache is not None]
         return cls(
             [g for o in outputs for g in o.generations],

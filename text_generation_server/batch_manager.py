@@ -15,6 +15,12 @@ the requests pruned by that call one token too many, which is dropped here (the 
 drops tokens past a request's end). A step that fails ahead is reported by the next call that
 references its batch, with the error the call itself would have raised.
 
+One forward per step: a batch is run ahead only when no other cached batch may still generate.
+Requests that joined beside a batch already stepped ahead (a Prefill's new batch, or NextToken's
+`join` on engines that chunk prompts) are answered as pending by the call that merges them; the
+merged batch's next step, run ahead, computes their tokens (or prompt chunks) with everyone
+else's, instead of a forward of the new rows alone.
+
 After every call (and ClearCache) the manager tells the engine which requests left its batches
 (`engine.release`): finished and cancelled ones pruned, rows that failed, batches dropped as
 stale or lost with a failed step, the health check's request. What an engine keeps for a
@@ -33,6 +39,8 @@ from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,
     CachedBatchRef,
     GenerationRequest,
+    NewBatch,
+    RequestError,
     StepOutput,
 )
 from text_generation_server.batch import Batch
@@ -54,6 +62,9 @@ class Ahead:
     @property
     def request_ids(self) -> list[int]:
         return self.output.request_ids
+
+    def may_generate(self) -> bool:
+        return self.error is None and self.batch is not None and self.batch.remaining() > 0
 
     def prune(self, completed_ids: set[int]) -> Ahead | None:
         """Drop the given requests; None when nothing is left to deliver."""
@@ -108,9 +119,6 @@ class BatchManager:
         if gone:
             self.engine.release(gone)
 
-    def cached_ids(self) -> list[int]:
-        return list(self._cache)
-
     # ---- validation (no side effects) -------------------------------------------------------
 
     def _check_refs(self, refs: Sequence[CachedBatchRef]) -> int:
@@ -130,7 +138,7 @@ class BatchManager:
 
     def _check_new(
         self, batch_id: int, requests: Sequence[GenerationRequest], refs: Sequence[CachedBatchRef]
-    ):
+    ) -> None:
         if not requests:
             raise InvalidBatchError(f"Prefill batch {batch_id} has no requests")
         if len(requests) > self.max_batch_size:
@@ -168,6 +176,14 @@ class BatchManager:
             if pruned is not None:
                 kept.append((ref.batch_id, pruned))
         return kept
+
+    def _with_kv_state(self, output: StepOutput) -> StepOutput:
+        """`output` with the KV cache as the call left it (a step run ahead reported the cache
+        before this call's prunes and joins)."""
+        state = self.engine.kv_state()
+        if state is not None:
+            output.kv_cache = state
+        return output
 
     def _store(self, output: StepOutput, batch: Batch | None) -> StepOutput:
         if batch is not None and batch.batch_id != HEALTH_CHECK_BATCH_ID:
@@ -218,24 +234,33 @@ class BatchManager:
             self._settle()  # the pruned requests' blocks are free for the new ones
             batch, errors = self.engine.new_batch(batch_id, requests)
             if batch is None:
-                return StepOutput(errors=errors)
-            output, survivor = self._generate(batch, first=True)
-            output.errors[:0] = errors
-            return self._store(output, survivor)
+                output = StepOutput(errors=errors)
+            else:
+                output, survivor = self._generate(batch, first=True)
+                output.errors[:0] = errors
+                self._store(output, survivor)
         finally:
             self._settle(requests)
+        return self._with_kv_state(output)
 
-    def next_token(self, refs: Sequence[CachedBatchRef], token_budget: int = 0) -> StepOutput | None:
+    def next_token(
+        self, refs: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
+    ) -> StepOutput | None:
         """Prune and merge the referenced batches and run one decode step (or deliver the step
-        run ahead on them); `token_budget` as in prefill.
+        run ahead on them); `token_budget` as in prefill. `join` (engines with chunked prefill):
+        new requests merged in after them without a forward of their own: their prompts are
+        computed in this step, or answered as pending when the step was run ahead.
 
-        Returns None when every referenced request had completed. Cached batches that are not
-        referenced are stale (the router no longer tracks them) and are dropped.
+        Returns None when every referenced request had completed and none joined. Cached batches
+        that are not referenced are stale (the router no longer tracks them) and are dropped.
         """
         if not refs:
             raise InvalidBatchError("NextToken needs at least one batch")
         self._check_budget(token_budget)
         total = self._check_refs(refs)
+        if join is not None:
+            self._check_join(join, refs)
+            total += len(join.requests)
         if total > self.max_batch_size:
             raise InvalidBatchError(
                 f"merging batches {[r.batch_id for r in refs]} gives {total} requests, "
@@ -243,48 +268,74 @@ class BatchManager:
             )
         self._token_budget = token_budget
         try:
-            return self._next_token(refs)
+            output = self._next_token(refs, join)
         finally:
-            self._settle()
+            self._settle(join.requests if join is not None else ())
+        return self._with_kv_state(output) if output is not None else None
 
-    def _next_token(self, refs: Sequence[CachedBatchRef]) -> StepOutput | None:
+    def _check_join(self, join: NewBatch, refs: Sequence[CachedBatchRef]) -> None:
+        if not self.engine.info.chunked_prefill:
+            raise InvalidBatchError(
+                f"joining batch {join.batch_id} in a decode step needs chunked prefill, which this "
+                "engine does not do"
+            )
+        if join.batch_id == HEALTH_CHECK_BATCH_ID:
+            raise InvalidBatchError("the health-check batch cannot join a decode step")
+        self._check_new(join.batch_id, join.requests, refs)
+
+    def _next_token(self, refs: Sequence[CachedBatchRef], join: NewBatch | None) -> StepOutput | None:
         taken = [cached for _, cached in self._take(refs)]
         self._drop_stale()
         live = {rid for cached in taken for rid in self._live_ids(cached)}
         self._settle(keep=live)  # the pruned and stale requests' blocks are free for this step
-        if not taken:
-            return None
         for cached in taken:
             if isinstance(cached, Ahead) and cached.error is not None:
                 raise cached.error  # the referenced batches are lost, as when the step fails now
-        fresh = [c for c in taken if isinstance(c, Batch)]
-        stepped = self._step(fresh) if fresh else None
-        parts: list[tuple[StepOutput, Batch | None]] = []
-        for cached in taken:  # in the order of the refs: the merged batch keeps the first id
-            if isinstance(cached, Ahead):
-                parts.append((cached.output, cached.batch))
-            elif cached is fresh[0]:
-                assert stepped is not None
-                parts.append(stepped)
+        errors: list[RequestError] = []
+        if join is not None:
+            joined, errors = self.engine.new_batch(join.batch_id, join.requests)
+            if joined is not None:
+                taken.append(joined)
+        if not taken:
+            return StepOutput(errors=errors) if errors else None
+        parts: list[tuple[StepOutput, Batch | None]]
+        if any(isinstance(c, Ahead) for c in taken):  # this step ran ahead: fresh rows wait for the next
+            parts = [
+                (c.output, c.batch) if isinstance(c, Ahead) else (StepOutput(pending=c.request_ids), c)
+                for c in taken  # in the order of the refs: the merged batch keeps the first id
+            ]
+        else:
+            parts = [self._step([c for c in taken if isinstance(c, Batch)])]
         survivors = [b for _, b in parts if b is not None]
         merged = None
         if survivors:
             merged = survivors[0] if len(survivors) == 1 else self.engine.concatenate(survivors)
-        return self._store(StepOutput.merged([o for o, _ in parts]), merged)
+        output = StepOutput.merged([o for o, _ in parts])
+        output.errors[:0] = errors
+        return self._store(output, merged)
 
     def _step(self, batches: Sequence[Batch]) -> tuple[StepOutput, Batch | None]:
         batch = batches[0] if len(batches) == 1 else self.engine.concatenate(batches)
         return self._generate(batch, first=False)
 
     def run_ahead(self) -> None:
-        """Run the next decode step of every cached batch whose requests may still generate."""
-        for batch_id, cached in list(self._cache.items()):
-            if isinstance(cached, Ahead) or cached.remaining() <= 0:
-                continue
-            try:
-                output, survivor = self._generate(cached, first=False)
-            except Exception as exc:  # reported by the next call that references the batch
-                self._cache[batch_id] = Ahead(StepOutput(), None, exc)
-            else:
-                self._cache[batch_id] = Ahead(output, survivor)
+        """Run the next decode step of the cached batch, when it is the only one whose requests
+        may still generate and it was not stepped ahead yet. With more than one, the router's
+        next call merges them: one step over the merged batch is one forward, where stepping
+        each now would be one forward each."""
+        active = [
+            (batch_id, cached)
+            for batch_id, cached in self._cache.items()
+            if (cached.may_generate() if isinstance(cached, Ahead) else cached.remaining() > 0)
+        ]
+        if len(active) != 1 or isinstance(active[0][1], Ahead):
+            return
+        batch_id, batch = active[0]
+        assert isinstance(batch, Batch)
+        try:
+            output, survivor = self._generate(batch, first=False)
+        except Exception as exc:  # reported by the next call that references the batch
+            self._cache[batch_id] = Ahead(StepOutput(), None, exc)
+        else:
+            self._cache[batch_id] = Ahead(output, survivor)
         self._settle()  # rows that failed ahead, and the requests of a batch whose step failed

@@ -166,8 +166,14 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def NextToken(self, request: pb.NextTokenRequest, context: Any) -> pb.NextTokenResponse:
         refs = convert.cached_batches_from_pb(request.batches)
+        join = convert.new_batch_from_pb(request.join) if request.HasField("join") else None
         output = await self._run(
-            context, self.batches.next_token, refs, request.token_budget, then_run_ahead=self.config.run_ahead
+            context,
+            self.batches.next_token,
+            refs,
+            request.token_budget,
+            join,
+            then_run_ahead=self.config.run_ahead,
         )
         if output is None:
             return pb.NextTokenResponse()

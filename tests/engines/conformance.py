@@ -36,6 +36,7 @@ from text_generation_common.messages import (
     CachedBatchRef,
     GenerationRequest,
     ModelInfo,
+    NewBatch,
     SamplingParams,
     StepOutput,
     TokenInfo,
@@ -299,10 +300,10 @@ class LocalShard:
         return self.manager.prefill(batch_id, requests, to_prune, token_budget)
 
     def next_token(
-        self, batches: Sequence[CachedBatchRef], token_budget: int = 0
+        self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
     ) -> Awaitable[StepOutput | None]:
         future = asyncio.get_running_loop().create_future()
-        future.set_result(self.manager.next_token(batches, token_budget))
+        future.set_result(self.manager.next_token(batches, token_budget, join))
         return future
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
@@ -353,7 +354,13 @@ async def through_batcher(
     queue = RequestQueue(capacity, 8, metrics, **queue_options)
     detokenizer = Detokenizer(tokenizer, seq2seq=info.seq2seq)
     batcher = Batcher(
-        shard, queue, detokenizer, metrics, eos_token_id=info.eos_token_id, max_waiting_tokens=2
+        shard,
+        queue,
+        detokenizer,
+        metrics,
+        eos_token_id=info.eos_token_id,
+        max_waiting_tokens=2,
+        join_in_step=info.chunked_prefill,
     )
     task = asyncio.create_task(batcher.run())
     entries = [Entry(request, stream) for request, stream in requests]

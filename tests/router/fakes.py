@@ -23,6 +23,7 @@ from text_generation_common.messages import (
     InputTokens,
     MemoryScalingModel,
     ModelInfo,
+    NewBatch,
     RequestError,
     StepOutput,
     TokenInfo,
@@ -155,15 +156,25 @@ class FakeShard:
         if batch_id == HEALTH_CHECK_BATCH_ID:  # answered, never cached
             return StepOutput([Generation(r.id, TokenInfo(600)) for r in requests])
         output = self._step(batch_id, list(requests), token_budget)
-        output.input_tokens = [
+        output.input_tokens = self._input_tokens(requests)
+        return output
+
+    @staticmethod
+    def _input_tokens(requests: Sequence[GenerationRequest]) -> list[InputTokens]:
+        return [
             InputTokens(r.id, tuple(TokenInfo(t) for t in r.input_ids))
             for r in requests
             if r.details.input_tokens
         ]
-        return output
 
-    async def next_token(self, batches: Sequence[CachedBatchRef], token_budget: int = 0) -> StepOutput | None:
-        self._record(Call("next_token", refs=list(batches)))
+    async def next_token(
+        self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
+    ) -> StepOutput | None:
+        """`join` (the batcher's join_in_step): new rows stepped with the others at once."""
+        joined = list(join.requests) if join is not None else []
+        self._record(
+            Call("next_token", join.batch_id if join else None, [r.id for r in joined], list(batches))
+        )
         kept = self._prune(batches)
         assert not self.batches, f"stale batches left in the shard: {sorted(self.batches)}"
         self.in_flight += 1
@@ -171,9 +182,12 @@ class FakeShard:
             await self._maybe_fail("next_token")
         finally:
             self.in_flight -= 1
-        if not kept:
+        if not kept and join is None:
             return None
-        return self._step(kept[0][0], [r for _, rows in kept for r in rows], token_budget)
+        batch_id = kept[0][0] if kept else join.batch_id  # type: ignore[union-attr]
+        output = self._step(batch_id, [r for _, rows in kept for r in rows] + joined, token_budget)
+        output.input_tokens = self._input_tokens(joined)
+        return output
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
         raise ShardCallError("error", f'prefix id "{prefix_id}" not found')

@@ -125,7 +125,13 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
             chunked_prefill=shard.chunked_prefill,
         )
         batcher = Batcher(
-            shard, queue, detokenizer, metrics, eos_token_id=EOS, max_waiting_tokens=max_waiting_tokens
+            shard,
+            queue,
+            detokenizer,
+            metrics,
+            eos_token_id=EOS,
+            max_waiting_tokens=max_waiting_tokens,
+            join_in_step=shard.chunked_prefill,  # as the router does for engines that chunk prompts
         )
         tasks.append(asyncio.create_task(batcher.run()))
         return Harness(shard, queue, batcher)
@@ -411,7 +417,27 @@ async def test_a_chunked_prompt_joins_beside_running_requests(make_harness) -> N
     outs = [await h.final(e) for e in burst]
     assert all(o.generated_tokens == 4 for o in outs)
     prefills = [c.request_ids for c in h.shard.calls if c.method == "prefill"]
-    assert prefills[0] == [burst[0].id, burst[1].id]  # 6 < 10: the second one starts in part
+    assert prefills == [[burst[0].id, burst[1].id]]  # 6 < 10: the second one starts in part
+    # the third joins in a decode step once the budget has room again
+    (join,) = [c for c in h.shard.calls if c.method == "next_token" and c.request_ids]
+    assert join.request_ids == [burst[2].id]
+
+
+async def test_with_chunked_prefill_a_request_joins_at_the_next_step_without_a_prefill(make_harness) -> None:
+    h = make_harness(FakeShard(chunked_prefill=True, latency_s=0.002), max_prefill_tokens=64)
+    first = h.submit(make_request(max_new=30))
+    await h.calls(3)
+    calls_before = len(h.shard.calls)
+    second = h.submit(make_request(prompt_len=3, max_new=3))
+    assert (await h.final(second)).generated_tokens == 3
+    assert (await h.final(first)).generated_tokens == 30
+    assert h.methods().count("prefill") == 1  # only the idle loop's first call prefills
+    joins = [c for c in h.shard.calls if c.method == "next_token" and c.request_ids]
+    assert [c.request_ids for c in joins] == [[second.id]]
+    # waiting costs at most the step under way when it arrived (TGIS's rule would wait for
+    # MAX_WAITING_TOKENS steps with a batch of one running)
+    assert h.shard.calls.index(joins[0]) <= calls_before + 1
+    assert [r.batch_id for r in joins[0].refs] == [h.shard.calls[0].batch_id]
 
 
 async def test_a_request_the_shard_does_not_answer_fails_instead_of_vanishing(make_harness) -> None:

@@ -6,6 +6,7 @@ worker thread:
   engine.generate_token(batch, first, token_budget) -> (StepOutput, Batch | None)
   engine.concatenate(batches)         -> Batch
   engine.release(request_ids)         requests gone from every batch (after each call)
+  engine.kv_state()                   the paged KV cache after a call (None: no paged cache)
 Engines see dataclasses from text_generation_common/messages.py, never protobuf, and nothing
 here assumes torch or transformers: what an engine needs to know about its model (devices,
 special tokens, forward-signature facts) is its own business. What every engine shares is in
@@ -20,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from text_generation_common.guided import Grammars
-from text_generation_common.messages import GenerationRequest, ModelInfo, RequestError, StepOutput
+from text_generation_common.messages import (
+    GenerationRequest,
+    KvCacheState,
+    ModelInfo,
+    RequestError,
+    StepOutput,
+)
 from text_generation_server.batch import Batch
 from text_generation_server.config import ServerConfig
 
@@ -74,4 +81,9 @@ class ModelEngine(ABC):
         """These requests left every batch (finished, cancelled, failed, dropped, cleared): free
         what the engine holds for them outside their batches (tgis_native: KV blocks). Called
         by the BatchManager after every call; ids it never saw are ignored."""
+        return None
+
+    def kv_state(self) -> KvCacheState | None:
+        """The paged KV cache over every live request, reported with each call (engines whose
+        capacity kind is KV_BLOCKS); None for the others."""
         return None

@@ -16,7 +16,7 @@ and frees it when the BatchManager reports the request gone (`release`). The dec
 backend (attention/) is picked once, by CPU_ATTENTION and the device, and decides the cache's
 layout. The KV cache holds `num_blocks` blocks of KV_BLOCK_SIZE tokens,
 sized by `_num_blocks` (KV_CACHE_BLOCKS, CPU_KV_CACHE_SPACE, or MAX_BATCH_SIZE sequences of the maximum length
-within free memory; on CUDA the free memory). Every step reports the cache's state (`kv_state`:
+within free memory; on CUDA the free memory). Every call reports the cache's state (`kv_state`:
 blocks used, blocks the live requests may still take at their longest, reclaimable prefix-cache
 blocks, prefix-cache totals); the router admits a request only when its longest length fits
 beside that (router/capacity.py KVBlockCapacity), so a running request never runs out of blocks.
@@ -321,9 +321,7 @@ class TgisNativeEngine(ModelEngine):
     ) -> tuple[StepOutput, RaggedBatch | None]:
         assert isinstance(batch, RaggedBatch)
         with torch.inference_mode():
-            output, cached = self._step(batch, token_budget)
-        output.kv_cache = self.kv_state()
-        return output, cached
+            return self._step(batch, token_budget)
 
     def _step(self, batch: RaggedBatch, token_budget: int) -> tuple[StepOutput, RaggedBatch | None]:
         chunks = batch.plan_prompts(token_budget)
