@@ -10,7 +10,8 @@ handling stays in charge (SIGTERM drains every door, then this server stops), an
   body      at most MAX_BODY_BYTES (413), each part within BODY_TIMEOUT_S of the previous
             one (408), answered in TGI's error shape by BodyLimits
 
-Idle keep-alive connections close after KEEP_ALIVE_S.
+Idle keep-alive connections close after KEEP_ALIVE_S. Every connection has Nagle's algorithm
+off (`listening_socket`), so each streamed event leaves when it is written.
 
 The health routes (HealthCheck) live here with their semantics:
 
@@ -253,7 +254,7 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> None:
         """Bind and start serving; OSError when the port cannot be bound."""
-        sock = socket.create_server((host, port), family=_family(host), reuse_port=False)
+        sock = listening_socket(host, port)
         config = uvicorn.Config(
             self.app,
             http=_HeaderTimeoutProtocol,
@@ -280,5 +281,18 @@ class HttpServer:
             await self._task
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The bound, listening TCP socket of the HTTP port. Its protocol is IPPROTO_TCP, not 0 as
+    socket.create_server leaves it: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    connections whose socket says TCP. With Nagle on, a streamed response's first event waited
+    behind its headers for the client's delayed ACK (~40 ms on a kept-alive connection)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock

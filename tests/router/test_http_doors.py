@@ -636,3 +636,17 @@ async def test_one_tenant_cannot_hold_every_slot(stack: Stack, auth: AuthConfig)
     assert stack.metrics.counters["tgi_queue_rejected"].get(reason="tenant_limit") == 1
     await stack.settled()
     assert not stack.service.tenant_in_flight
+
+
+async def test_every_http_connection_sends_without_nagle(stack: Stack) -> None:
+    """A streamed event must leave when written: with Nagle's algorithm on, the first event after
+    the headers waited for the client's delayed ACK (~40 ms on a kept-alive connection)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(stack.url + "/health/live") as r:
+            assert r.status == 200
+        assert stack.server._server is not None
+        connections = stack.server._server.server_state.connections
+        assert connections  # the kept-alive connection of this session
+        for protocol in connections:
+            sock = protocol.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
