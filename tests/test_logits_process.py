@@ -8,7 +8,7 @@ from transformers.generation import logits_process as hf
 
 from text_generation_common.messages import LengthPenalty, SamplingParams
 from text_generation_server.sampling import logits_process as lp
-from text_generation_server.sampling.chooser import TokenChooser
+from text_generation_server.sampling.chooser import TokenChooser, inverse_transform, sample
 
 VOCAB = 300
 EOS = 2
@@ -209,3 +209,30 @@ def test_sampling_uses_each_rows_generator() -> None:
     assert alone == draws([SamplingParams(), sampled, SamplingParams(temperature=0.5, seed=1)], 1)
     assert alone == draws([SamplingParams(temperature=2.0, seed=3), SamplingParams(top_k=4), sampled], 2)
     assert len(set(alone)) > 1, "five draws at temperature 1 over 300 tokens should differ"
+
+
+def test_inverse_transform_never_picks_a_token_of_probability_zero() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0], [0.2, 0.0, 0.0, 0.0, 0.8]])
+    lowest, highest = 0.0, 1.0 - 2.0**-53  # the ends of torch.rand's float64 range
+    for u in (lowest, 0.25, 0.5 - 2.0**-53, 0.5, 0.75, highest):
+        picked = inverse_transform(probs, torch.full((3,), u, dtype=torch.float64))
+        assert probs.gather(1, picked.unsqueeze(1)).min() > 0, (u, picked)
+    ends = inverse_transform(probs, torch.tensor([lowest, highest, highest], dtype=torch.float64))
+    assert ends.tolist() == [1, 2, 4]
+
+
+def test_sampled_tokens_follow_the_distribution() -> None:
+    """Chi-square over 20,000 seeded draws of an 8-token distribution, each draw through the
+    chooser's sampler with a row generator of its own seed: below the 0.1 % critical value."""
+    weights = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.08, 0.05, 0.0])
+    draws = 20_000
+    rows = 500
+    counts = torch.zeros(8)
+    for start in range(0, draws, rows):
+        generators = [torch.Generator().manual_seed(start + i) for i in range(rows)]
+        picked = sample(weights.expand(rows, 8), generators)
+        counts += torch.bincount(picked, minlength=8).float()
+    assert counts[7] == 0  # probability 0: never drawn
+    expected = weights[:7] * draws
+    chi2 = float(((counts[:7] - expected) ** 2 / expected).sum())
+    assert chi2 < 24.32, (chi2, counts.tolist())  # 6 degrees of freedom, p = 0.001

@@ -10,8 +10,8 @@ Per step (`choose`), in TGIS order:
   2. repetition penalty over the prompt + generated ids;
   3. guided decoding: each constrained row's grammar masks what it does not allow (guided.py);
   4. if any row samples: temperature -> top-k -> top-p -> typical-p (greedy rows untouched);
-  5. greedy rows take the argmax, sampling rows argmax(softmax / Exponential(1)) drawn from the
-     row's own torch.Generator.
+  5. greedy rows take the argmax; sampling rows draw from softmax(scores) by inverse transform
+     (`sample`): one uniform number per row from the row's own torch.Generator.
 Then `advance` records the chosen ids and feeds them to the rows' grammar matchers.
 
 Every per-row parameter and counter that a step reads on the device (warper plans, penalties,
@@ -42,6 +42,29 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     if seed is None:
         raise ValueError("a sampling request needs a seed")
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab], drawn with one uniform number per row from the
+    row's generator (`inverse_transform`). Exponential noise over the whole vocabulary (the
+    argmax(p / E) way) drew `vocab` numbers per row: 13x slower per step at 32 rows of 8,192."""
+    uniform = torch.cat(
+        [torch.rand(1, generator=g, dtype=torch.float64, device=probs.device) for g in generators]
+    )
+    return inverse_transform(probs, uniform)
+
+
+def inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability passes `uniform` [rows] in [0, 1)
+    of the row's total. Sums in float64, so that the smallest probabilities of a large
+    vocabulary keep their share; a token of probability 0 (top-k, top-p, a grammar's mask) is
+    never chosen."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    # below the total (u * total may round up to it): the first cumulative sum past the target
+    # then grew at its own token, whose probability is therefore not 0
+    target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 class TokenChooser:
@@ -205,15 +228,14 @@ class TokenChooser:
         Returns (next_ids [batch] int64, final scores [batch, vocab]), both on the device.
         """
         scores = self.process(logits)
+        generators = [self.generators[i] for i in self.sample_rows]
+        if len(generators) == len(self.params):  # every row samples
+            return sample(scores.softmax(dim=-1), generators), scores
         # max() gives the same first-maximum index as argmax() in about half the time on CPU.
         next_ids = scores.max(dim=-1).indices
         if self.sample_rows_t is not None:
-            rows = self.sample_rows
             probs = scores.index_select(0, self.sample_rows_t).softmax(dim=-1)
-            noise = torch.stack(
-                [torch.empty_like(probs[0]).exponential_(1.0, generator=self.generators[i]) for i in rows]
-            )
-            next_ids.index_copy_(0, self.sample_rows_t, probs.div_(noise).argmax(dim=-1))
+            next_ids.index_copy_(0, self.sample_rows_t, sample(probs, generators))
         return next_ids, scores
 
     def advance(self, next_ids: Sequence[int], next_ids_t: torch.Tensor | None = None) -> None:
