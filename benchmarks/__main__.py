@@ -340,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--vllm-dtype", default=None, help="vLLM's --dtype (default: the dtype our server used)")
     g.add_argument(
+        "--client",
+        choices=["own", "vllm-bench"],
+        default="own",
+        help="load generator of the OpenAI doors (ours-openai, vllm, --openai-url): own, or the peer's "
+        "`vllm bench serve` (random prompts of its own, --ignore-eos; closed-loop fixed workload)",
+    )
+    g.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds for a server to become healthy"
     )
     g.add_argument(
@@ -411,6 +418,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         vllm_script=args.vllm_script,
         vllm_args=tuple(args.vllm_arg),
         vllm_dtype=args.vllm_dtype,
+        client=args.client,
         startup_timeout_s=args.startup_timeout,
         request_timeout_s=args.request_timeout,
         repeats=args.repeats,

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import struct
 import subprocess
 import sys
@@ -39,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import baselines, loadgen, longmix, report
+from benchmarks import baselines, loadgen, longmix, report, vllm_bench
 from benchmarks.clients import Client, GrpcClient, OpenAIClient, served_model_name
 from benchmarks.reference_model import NAME as REFERENCE_NAME
 from benchmarks.reference_model import STAMP_FILE, ensure_reference_model, with_context
@@ -108,6 +109,7 @@ class BenchConfig:
     adapter_targets: tuple[str, ...] = ("q_proj", "v_proj")  # the modules they adapt (PEFT's Llama default)
     guided_json: bool = False  # our gRPC requests carry a JSON schema (clients.GUIDED_SCHEMA)
     vllm_dtype: str | None = None  # None: the dtype our server resolved
+    client: str = "own"  # the OpenAI doors' load generator: own (clients.OpenAIClient) or vllm-bench
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     repeats: int = 1  # runs per point (statistics: medians over runs) and per baseline batch size
@@ -249,20 +251,27 @@ async def _measure_mix(
     return point
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (the servers are reaped after the run)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def _instrumented(
     drive: Callable[[], Awaitable[dict[str, Any]]], metrics_url: str | None
 ) -> dict[str, Any]:
     """Run `drive` (it returns the point's statistics, with `duration`) with what every point
-    records around it: loadavg, the client's CPU time, the machine's CPU shares, /metrics deltas."""
+    records around it: loadavg, the client's CPU time (this process's, and a client run as a
+    child process: the peer's, its warm-up included), the machine's CPU shares, /metrics deltas."""
     before: Scrape | None = _scrape(metrics_url)
     load_before = list(os.getloadavg())
-    cpu_before = time.process_time()
+    cpu_before = time.process_time() + _children_cpu_s()
     host_before = cpu_times()
     stats = await drive()
     point: dict[str, Any] = {
         "loadavg_before": load_before,
         "loadavg_after": list(os.getloadavg()),
-        "client_cpu_s": time.process_time() - cpu_before,  # the load generator's own CPU time
+        "client_cpu_s": time.process_time() + _children_cpu_s() - cpu_before,  # the load generator's
         "host_cpu": cpu_shares(host_before, cpu_times()),  # the whole machine over the point
     }
     point.update(stats)
@@ -450,6 +459,7 @@ class Run:
             os.sched_setaffinity(0, cfg.client_cpus)  # before any client thread exists
         self.results: dict[str, Any] = {"metadata": {}, "systems": {}, "baselines": {}, "skipped": {}}
         self.paths: dict[str, Path] = {}
+        self.model_dir: Path | None = None  # the served model, once execute() resolved it
 
     def save(self) -> None:
         self.paths = report.write(self.results, self.out, with_plots=self.cfg.plots)
@@ -457,6 +467,7 @@ class Run:
     def execute(self) -> dict[str, Path]:
         cfg = self.cfg
         model_dir = fit_context(cfg.model_dir or ensure_reference_model(name=cfg.reference), cfg)
+        self.model_dir = model_dir
         maker = PromptMaker(model_dir)
         plans = plan_points(cfg, maker)
         variants = plan_variants(cfg.engines, cfg.prefix_cache, cfg.prefill_budgets, cfg.adapters)
@@ -578,9 +589,10 @@ class Run:
                         variant.key,
                         () if long_adapters else variant.adapter_ids,  # prompts name their own
                     )
+                    entry["points"] = asyncio.run(points)
                 else:
-                    points = self._drive_openai(OURS_OPENAI, server.openai_url, None, plans)
-                entry["points"] = asyncio.run(points)
+                    url = server.openai_url
+                    entry["points"] = self._openai_points(OURS_OPENAI, url, None, plans, model_dir)
             self.save()
 
     def _adapter_store(self, model_dir: Path, count: int) -> dict[str, str]:
@@ -610,6 +622,66 @@ class Run:
             return await measure(client, plans, system, self.cfg, metrics_url)
         finally:
             await client.close()
+
+    def _openai_points(
+        self, system: str, base_url: str, model: str | None, plans: list[PointPlan], model_dir: Path | None
+    ) -> list[dict[str, Any]]:
+        """The points of an OpenAI door, measured by the run's client (--client)."""
+        if self.cfg.client != vllm_bench.CLIENT:
+            return asyncio.run(self._drive_openai(system, base_url, model, plans))
+        if model_dir is None:
+            raise RuntimeError("--client vllm-bench needs the model directory for its tokenizer (--model)")
+        return self._vllm_bench(system, base_url, plans, model_dir)
+
+    def _vllm_bench(
+        self, system: str, base_url: str, plans: list[PointPlan], model_dir: Path
+    ) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        missing = vllm_installed(cfg.vllm_script)
+        if missing:
+            raise RuntimeError(f"--client vllm-bench: {missing}")
+        if cfg.request_rates or cfg.workload.kind != "fixed":
+            raise RuntimeError("--client vllm-bench measures closed-loop points of the fixed workload only")
+        points = []
+        for plan in plans:
+            name = f"vllm-bench-{system.replace('[', '-').rstrip(']')}-c{plan.concurrency}"
+            result = self.out / f"{name}.json"
+            cmd = vllm_bench.command(
+                cfg.vllm_script,
+                base_url,
+                model_dir,
+                input_len=cfg.workload.input_len,
+                output_len=cfg.workload.output_len,
+                concurrency=plan.concurrency,
+                num_prompts=sum(len(prompts) for prompts in plan.repeats),
+                num_warmups=len(plan.warmup),
+                seed=cfg.workload.seed,
+                result=result,
+            )
+            logger.info("%s %s: %s", system, plan.label, " ".join(cmd))
+            log = self.out / f"{name}.log"
+
+            async def drive(cmd: list[str] = cmd, result: Path = result, log: Path = log) -> dict[str, Any]:
+                raw = vllm_bench.run_point(cmd, result, log, cfg.request_timeout_s)
+                return vllm_bench.point_from_result(raw, cfg.workload.input_len, cfg.workload.output_len)
+
+            point = asyncio.run(_instrumented(drive, None))
+            point.update(
+                mode="concurrency",
+                max_concurrency=plan.concurrency,
+                request_rate="inf",
+                num_prompts=sum(len(prompts) for prompts in plan.repeats),
+            )
+            point["warmup_requests"] = len(plan.warmup)
+            point["client"] = vllm_bench.CLIENT
+            logger.info(
+                "%s c=%d (vllm bench serve): %d ok, %d failed, %.1f out tok/s, TTFT p50 %.1f ms, "
+                "TPOT mean %.2f ms",
+                system, plan.concurrency, point["completed"], point["failed"], point["output_throughput"],
+                point["median_ttft_ms"], point["mean_tpot_ms"],
+            )  # fmt: skip
+            points.append(point)
+        return points
 
     async def _drive_openai(
         self, system: str, base_url: str, model: str | None, plans: list[PointPlan]
@@ -664,7 +736,7 @@ class Run:
         with server:
             server.start(cfg.startup_timeout_s)
             entry["info"].update(server.info)
-            entry["points"] = asyncio.run(self._drive_openai("vllm", server.base_url, None, plans))
+            entry["points"] = self._openai_points("vllm", server.base_url, None, plans, model_dir)
         self.save()
 
     def _openai(self, plans: list[PointPlan]) -> None:
@@ -672,7 +744,8 @@ class Run:
         assert cfg.openai_url is not None
         entry: dict[str, Any] = {"info": {"client": "openai", "url": cfg.openai_url, "managed": False}}
         self.results["systems"]["openai"] = entry
-        entry["points"] = asyncio.run(self._drive_openai("openai", cfg.openai_url, cfg.openai_model, plans))
+        url, model = cfg.openai_url, cfg.openai_model
+        entry["points"] = self._openai_points("openai", url, model, plans, self.model_dir)
         self.save()
 
 
