@@ -375,11 +375,18 @@ class Batcher:
             if not entry.finished:
                 entry.fail(MISSING_ANSWER, Failure.ENGINE_FAULT, request_error=True)
         finished = []
-        for request_id in output.pending:  # a prompt still being computed: its client may be gone
-            entry = by_id.get(request_id)
-            if entry is not None and entry.cancelled and not entry.finished:
+        for request_id in output.pending:  # no token this step (a prompt still being computed, or
+            entry = by_id.get(request_id)  # rows joining a step run ahead): it may end all the same
+            if entry is None or entry.finished:
+                continue
+            deadline = entry.request.deadline
+            if entry.cancelled:
                 entry.cancel()
-                finished.append(entry.id)
+            elif deadline is not None and now > deadline:
+                entry.time_out(self.detokenizer)
+            else:
+                continue
+            finished.append(entry.id)
         for generation in output.generations:
             entry = by_id.get(generation.request_id)
             if entry is None:

@@ -183,6 +183,10 @@ class Entry:
         error = f"Request failed during generation: {message}"
         self.outputs.put_nowait(Output(self.generated, error=error, failure=failure))
 
+    def time_out(self, detokenizer: Detokenizer) -> None:
+        """The deadline passed while no token was due (its prompt still being computed)."""
+        self._finish(StopReason.TIME_LIMIT, "", [], detokenizer)
+
     def cancel(self) -> None:
         """The client is gone (seen by the batcher)."""
         self.stop_reason = StopReason.CANCELLED

@@ -509,3 +509,13 @@ async def test_the_health_probe_wakes_an_idle_loop_and_reports_failure(make_harn
     assert not await h.batcher.probe(probe_request())
     assert h.batcher.generation_healthy is False
     assert h.methods() == ["prefill", "prefill"]
+
+
+async def test_a_deadline_that_passes_while_the_prompt_is_computed_ends_the_request(make_harness) -> None:
+    h = make_harness(FakeShard(chunked_prefill=True, latency_s=0.002), max_prefill_tokens=2)
+    running = h.submit(make_request(max_new=40))
+    await h.calls(2)
+    late = h.submit(make_request(prompt_len=200, max_new=3, deadline_s=0.02))  # ~100 pending steps
+    out = await h.final(late)
+    assert out.stop_reason is StopReason.TIME_LIMIT and out.generated_tokens == 0
+    assert (await h.final(running)).generated_tokens == 40
