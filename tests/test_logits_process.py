@@ -236,3 +236,36 @@ def test_sampled_tokens_follow_the_distribution() -> None:
     expected = weights[:7] * draws
     chi2 = float(((counts[:7] - expected) ** 2 / expected).sum())
     assert chi2 < 24.32, (chi2, counts.tolist())  # 6 degrees of freedom, p = 0.001
+
+
+def test_top_p_after_top_k_sorts_only_what_top_k_kept_and_equals_transformers() -> None:
+    """Every top-p row has a top-k: only the scores top-k kept are sorted (ties at the k-th
+    value included); the result is transformers' TopK then TopP, row by row."""
+    params = [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.99, seed=2),
+        SamplingParams(),  # greedy
+        SamplingParams(temperature=1.2, top_k=300, top_p=0.6, seed=3),  # k above the vocabulary
+    ]
+    prompts = [[5, 6, 7], [8, 9], [11], [12]]
+    for seed in range(5):
+        scores = random_scores(len(params), seed=40 + seed)
+        scores[1, :4] = torch.tensor([13.0, 12.9, 12.8, 12.7])
+        scores[1, 4:14] = 12.6  # ten ties at the 5th value: top-k keeps 14, top-p all of them
+        chooser = TokenChooser.create(params, prompts, EOS, VOCAB, torch.device("cpu"))
+        got = chooser.process(scores.clone())
+        for row, p in enumerate(params):
+            expected = scores[row : row + 1].clone()
+            if not p.greedy:
+                ids = torch.tensor([prompts[row]])
+                for proc in (
+                    hf.TemperatureLogitsWarper(p.temperature),
+                    hf.TopKLogitsWarper(min(p.top_k, VOCAB)),
+                    hf.TopPLogitsWarper(p.top_p),
+                ):
+                    expected = proc(ids, expected)
+            kept = torch.isfinite(got[row])
+            if row == 1:
+                assert int(kept.sum()) == 14
+            assert torch.equal(kept, torch.isfinite(expected[0])), (seed, row)
+            torch.testing.assert_close(got[row][kept], expected[0][kept])

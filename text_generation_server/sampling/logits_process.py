@@ -121,11 +121,20 @@ def top_p_with(scores: torch.Tensor, plan: RowsPlan) -> torch.Tensor:
     sub = scores.index_select(0, plan.rows)
     # The threshold is computed in double, then compared in the scores' dtype, as transformers does.
     threshold = plan.values.to(sub.dtype)
-    sorted_scores, sorted_idx = sub.sort(dim=-1, descending=False)
+    vocab = sub.shape[-1]
+    # After top-k most scores are -inf (probability 0, removed whatever their place): on CPU,
+    # where counting them costs no device sync, only the others are sorted (a full sort of 32
+    # rows of 8,192 took 1.7 ms of a step)
+    finite = int((sub > NEG_INF).sum(dim=-1).max()) if sub.device.type == "cpu" else vocab
+    if finite < vocab:
+        top, top_idx = sub.topk(finite, dim=-1)  # descending
+        sorted_scores, sorted_idx = top.flip(-1), top_idx.flip(-1)
+    else:
+        sorted_scores, sorted_idx = sub.sort(dim=-1, descending=False)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= threshold.unsqueeze(1)
     remove_sorted[:, -1] = False  # always keep the most likely token
-    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+    remove = torch.zeros_like(sub, dtype=torch.bool).scatter_(1, sorted_idx, remove_sorted)
     scores.index_copy_(0, plan.rows, sub.masked_fill(remove, NEG_INF))
     return scores
 
