@@ -2,9 +2,11 @@
 
 One asyncio task (`run`). While requests run it sends decode steps (NextToken), and waiting
 requests that fit join the running batch in one of two ways, by what the engine can do:
-  - engines with chunked prefill (`join_in_step`): at every step where requests wait and fit
-    (vLLM's rule), as NextToken's `join`: no forward of their own, their prompt chunks ride
-    with the decode rows under the step's token budget;
+  - engines with chunked prefill (`join_in_step`): as NextToken's `join`, no forward of their
+    own, their prompt chunks ride with the decode rows under the step's token budget; at every
+    step where requests wait and fit (vLLM's rule), or, where decode-only steps replay captured
+    graphs (`graphed_decode`: a step that carries prompt chunks runs eagerly, several times
+    slower), when as many wait as TGIS's rule below asks;
   - the others: with a prefill of the new requests (every running request waits for it), at
     most every other prefill's duration, and only when enough wait: the number a join needs
     shrinks as decode steps pass, down to one after MAX_WAITING_TOKENS steps (TGIS's policy);
@@ -107,8 +109,10 @@ class Batcher:
         eos_token_id: int,
         max_waiting_tokens: int,
         join_in_step: bool = False,
+        graphed_decode: bool = False,
     ) -> None:
-        """`join_in_step`: new requests join in decode steps (the engine chunks prompts)."""
+        """`join_in_step`: new requests join in decode steps (the engine chunks prompts);
+        `graphed_decode`: the shard's decode-only steps are captured graphs."""
         self.client = client
         self.queue = queue
         self.detokenizer = detokenizer
@@ -116,6 +120,7 @@ class Batcher:
         self.eos_token_id = eos_token_id
         self.max_waiting_tokens = max_waiting_tokens
         self.join_in_step = join_in_step
+        self.graphed_decode = graphed_decode
         self.generation_healthy: bool | None = None  # None until a first step ran
         self.running = False  # the loop is alive (liveness)
         self.last_shard_answer = 0.0  # time.monotonic() of the last successful shard call (readiness)
@@ -196,8 +201,11 @@ class Batcher:
             group = [current]
             now = time.monotonic()
             if self.join_in_step:
-                join = self.queue.next_batch(live, 1) if live else None
+                need = self._join_size(len(live), steps_since_join) if self.graphed_decode else 1
+                join = self.queue.next_batch(live, need) if live else None
+                steps_since_join = 1 if join else steps_since_join
                 current, unprocessed = await self._decode(group, unprocessed, join)
+                steps_since_join += 1
                 continue
             if remaining >= 2 and (earliest_next_join is None or now > earliest_next_join):
                 need = self._join_size(len(live), steps_since_join)

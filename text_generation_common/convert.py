@@ -138,6 +138,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         chunked_prefill=info.chunked_prefill,
         kv_block_size=info.kv_block_size,
         kv_total_blocks=info.kv_total_blocks,
+        graphed_decode=info.graphed_decode,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
         dtype=info.dtype,
@@ -244,6 +245,7 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         chunked_prefill=info.chunked_prefill,
         kv_block_size=info.kv_block_size,
         kv_total_blocks=info.kv_total_blocks,
+        graphed_decode=info.graphed_decode,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
     )

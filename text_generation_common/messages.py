@@ -258,3 +258,4 @@ class ModelInfo:
     chunked_prefill: bool = False  # the engine honours a per-step prompt-token budget
     kv_block_size: int = 0  # KV_BLOCKS: tokens per block
     kv_total_blocks: int = 0  # KV_BLOCKS: blocks in the cache
+    graphed_decode: bool = False  # decode-only steps replay captured graphs (CUDA graphs)

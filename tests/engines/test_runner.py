@@ -64,8 +64,10 @@ def graphed(tiny_model) -> tuple[TgisNativeEngine, Replays]:
     except cpu_kernels.KernelBuildError as exc:
         pytest.skip(f"the CPU kernel (a graphable backend) cannot be built here: {exc}")
     engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_attention="kernel"))
+    assert not engine.info.graphed_decode
     replays = Replays()
     engine.capture_graphs(6, replays)
+    assert engine.info.graphed_decode  # the router holds in-step joins back (batcher.py)
     return engine, replays
 
 

@@ -27,6 +27,7 @@ one line naming the engine that serves them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -135,13 +136,6 @@ class TgisNativeEngine(ModelEngine):
         # transformers' tensor-parallel modules
         if self.device.type == "cpu" and config.world_size == 1:
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
-        if self.device.type == "cuda" and config.cuda_graphs:
-            if config.world_size > 1:  # NOTE: collectives inside a capture are not tried yet
-                logger.warning(
-                    "CUDA graphs are off: %d shards run their decode steps eagerly", config.world_size
-                )
-            else:
-                self.capture_graphs(config.max_batch_size, cuda_capture(self.device))
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.info = ModelInfo(
@@ -157,6 +151,13 @@ class TgisNativeEngine(ModelEngine):
             dtype=loaded.dtype_name,
             dtype_reason=loaded.dtype_reason,
         )
+        if self.device.type == "cuda" and config.cuda_graphs:
+            if config.world_size > 1:  # NOTE: collectives inside a capture are not tried yet
+                logger.warning(
+                    "CUDA graphs are off: %d shards run their decode steps eagerly", config.world_size
+                )
+            else:
+                self.capture_graphs(config.max_batch_size, cuda_capture(self.device))
 
     def _runner(self, cache: PagedKVCache, max_rows: int) -> ModelRunner:
         return ModelRunner(
@@ -194,6 +195,7 @@ class TgisNativeEngine(ModelEngine):
                 "CUDA_GRAPHS=false runs them eagerly"
             ) from exc
         runner.graphs = graphs
+        self.info = dataclasses.replace(self.info, graphed_decode=True)
 
     # ---- the KV cache --------------------------------------------------------------------------
 

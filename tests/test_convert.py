@@ -1,0 +1,36 @@
+"""The internal protocol's edge: what the shard reports crosses protobuf unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from text_generation_common import convert
+from text_generation_common.engines import CapacityKind
+from text_generation_common.messages import GenerationRequest, MemoryScalingModel, ModelInfo, NewBatch
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_model_info_round_trips(graphed: bool) -> None:
+    info = ModelInfo(
+        seq2seq=False,
+        eos_token_id=2,
+        vocab_size=8192,
+        max_sequence_length=2048,
+        memory=MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 4096),
+        capacity=CapacityKind.KV_BLOCKS,
+        dtype="bfloat16",
+        dtype_reason="asked for",
+        chunked_prefill=True,
+        kv_block_size=16,
+        kv_total_blocks=257,
+        graphed_decode=graphed,
+    )
+    back = convert.model_info_from_pb(convert.model_info_to_pb(info))
+    assert dataclasses.asdict(back) == dataclasses.asdict(info)
+
+
+def test_a_joining_batch_round_trips() -> None:
+    join = NewBatch(7, (GenerationRequest(3, (1, 5, 9), 4), GenerationRequest(4, (1, 2), 8)))
+    assert convert.new_batch_from_pb(convert.new_batch_to_pb(join)) == join
