@@ -646,6 +646,7 @@ class Run:
         for plan in plans:
             name = f"vllm-bench-{system.replace('[', '-').rstrip(']')}-c{plan.concurrency}"
             result = self.out / f"{name}.json"
+            num_prompts = sum(len(prompts) for prompts in plan.repeats)
             cmd = vllm_bench.command(
                 cfg.vllm_script,
                 base_url,
@@ -653,7 +654,7 @@ class Run:
                 input_len=cfg.workload.input_len,
                 output_len=cfg.workload.output_len,
                 concurrency=plan.concurrency,
-                num_prompts=sum(len(prompts) for prompts in plan.repeats),
+                num_prompts=num_prompts,
                 num_warmups=len(plan.warmup),
                 seed=cfg.workload.seed,
                 result=result,
@@ -670,10 +671,10 @@ class Run:
                 mode="concurrency",
                 max_concurrency=plan.concurrency,
                 request_rate="inf",
-                num_prompts=sum(len(prompts) for prompts in plan.repeats),
+                num_prompts=num_prompts,
+                warmup_requests=len(plan.warmup),
+                client=vllm_bench.CLIENT,
             )
-            point["warmup_requests"] = len(plan.warmup)
-            point["client"] = vllm_bench.CLIENT
             logger.info(
                 "%s c=%d (vllm bench serve): %d ok, %d failed, %.1f out tok/s, TTFT p50 %.1f ms, "
                 "TPOT mean %.2f ms",

@@ -25,7 +25,6 @@ from benchmarks.stats import METRICS, PERCENTILES, POINT_FIELDS
 logger = logging.getLogger(__name__)
 
 CLIENT = "vllm-bench"
-TIMEOUT_MARGIN_S = 120.0
 
 
 def command(
