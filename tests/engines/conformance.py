@@ -59,7 +59,11 @@ ENGINE_ARCHS: dict[str, tuple[str, ...]] = {
 # engine -> (label, ServerConfig overrides, archs): the engine again on another code path
 ENGINE_VARIANTS: dict[str, tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...]] = {
     # decode attention on SDPA over gathered blocks instead of our CPU kernel (GQA, window, MQA)
-    "tgis_native": (("sdpa", {"cpu_attention": "sdpa"}, ("llama", "mistral", "gpt_bigcode")),),
+    # and decode steps through transformers' modules instead of the C++ decoder stack
+    "tgis_native": (
+        ("sdpa", {"cpu_attention": "sdpa"}, ("llama", "mistral", "gpt_bigcode")),
+        ("modules", {"cpu_decode_step": "modules"}, ("llama", "granite")),
+    ),
 }
 TEST_ENGINES: dict[str, Callable[[ServerConfig], ModelEngine]] = {"fake": FakeEngine}
 

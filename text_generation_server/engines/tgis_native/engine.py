@@ -62,6 +62,7 @@ from text_generation_server.engines.paged_kv import (
 )
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_tokens, drop_failed
+from text_generation_server.engines.tgis_native.cpu_decoder import decoder_for
 from text_generation_server.engines.tgis_native.graphs import (
     Capture,
     DecodeGraphs,
@@ -136,6 +137,10 @@ class TgisNativeEngine(ModelEngine):
         # transformers' tensor-parallel modules
         if self.device.type == "cpu" and config.world_size == 1:
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
+        # after the layouts: the C++ step takes the weights as they are laid out now
+        self.runner.decoder = decoder_for(
+            config.cpu_decode_step, self.model, self.kv, self.backend.name, config.world_size, self.window
+        )
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.info = ModelInfo(

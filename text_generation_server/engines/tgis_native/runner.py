@@ -12,7 +12,9 @@ Two ways in:
                           attention backend. With CUDA graphs (graphs.py) a step whose rows use
                           no LoRA adapter replays the graph of its bucket (rows padded up to it:
                           padding rows write their K/V to the scratch slot and have 0 keys);
-                          otherwise it runs eagerly over the same buffers.
+                          otherwise it runs eagerly over the same buffers; on CPU, a step
+                          with no LoRA adapter runs the decoder stack in one C++ call where the
+                          model allows it (cpu_decoder.py).
 
 Neither path reads a tensor back to the host: the step's only device-to-host copy is the
 chosen ids (engines/step.py). Forward time is read from CUDA events after that copy.
@@ -34,6 +36,7 @@ from text_generation_server.engines.paged_kv import PagedKVCache, SequenceKV
 
 if TYPE_CHECKING:
     from text_generation_server.adapters import AdapterSet
+    from text_generation_server.engines.tgis_native.cpu_decoder import CpuDecoder
     from text_generation_server.engines.tgis_native.graphs import DecodeGraphs
     from text_generation_server.lora import LoraWeights
 
@@ -182,6 +185,7 @@ class ModelRunner:
         self.accepts_logits_to_keep = accepts_logits_to_keep
         self.adapters: AdapterSet | None = None  # set by the engine once loaded (not in the probe step)
         self.graphs: DecodeGraphs | None = None  # set by the engine where graphs are captured
+        self.decoder: CpuDecoder | None = None  # set by the engine where the C++ CPU step serves
         self.width = -(-max_length // cache.pool.block_size) + 1
         self.buffers = DecodeBuffers(max_rows, self.width, self.device, cache.scratch_slot)
         self._overflow: DecodeBuffers | None = None  # steps larger than MAX_BATCH_SIZE (tests)
@@ -258,6 +262,11 @@ class ModelRunner:
         if bucket is not None:
             assert graphs is not None
             logits = graphs.replay(bucket)[:count]
+        elif self.decoder is not None and not any(loras):
+            b = buffers
+            logits = self.decoder(
+                b.ids(rows), b.positions(rows), b.slots(rows), b.tables(rows), b.lengths(rows)
+            )
         else:
             with self._adapters(loras, [1] * count):
                 logits = self.decode_step(rows, longest, shortest, buffers)()

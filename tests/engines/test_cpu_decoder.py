@@ -1,0 +1,152 @@
+"""The C++ decode step of tgis_native on CPU (engines/tgis_native/cpu_decoder.py) against the
+model's own modules on the same inputs and cache, and CPU_DECODE_STEP's choices and refusals.
+(The conformance suite runs it against transformers' generate, and the modules beside it.)"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from tests.engines.test_tgis_native import config_for
+from text_generation_common.messages import GenerationRequest
+from text_generation_server.engines import cpu_kernels
+from text_generation_server.engines.tgis_native import TgisNativeEngine
+from text_generation_server.engines.tgis_native.cpu_decoder import CpuDecoder, build, decoder_for
+from text_generation_server.engines.weight_layout import OneDnnLinear
+
+# float32: summation orders differ (norm statistics, fused multiply-adds); bfloat16: the same
+# roundings as transformers' code, but a norm whose float statistic differs in its last bit can
+# round an element to the neighbouring bfloat16
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    try:
+        cpu_kernels.check_toolchain()
+    except cpu_kernels.KernelBuildError as exc:
+        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
+
+
+def started(engine: TgisNativeEngine, prompts: list[int], seed: int = 0):
+    """A batch of len(prompts) requests with prompts of those lengths, prefilled and stepped twice."""
+    rng = random.Random(seed)
+    vocab = engine.info.vocab_size
+    requests = [
+        GenerationRequest(i + 1, tuple(rng.randrange(3, vocab) for _ in range(n)), 20)
+        for i, n in enumerate(prompts)
+    ]
+    batch, errors = engine.new_batch(1, requests)
+    assert batch is not None and not errors
+    for first in (True, False, False):
+        _, batch = engine.generate_token(batch, first)
+    return batch
+
+
+def both_logits(engine: TgisNativeEngine, batch, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step's logits by the C++ decoder and by the modules, over the same buffers (the
+    second writes the same K/V again)."""
+    runner, rows = engine.runner, len(ids)
+    assert runner.decoder is not None
+    buffers = runner.buffers
+    buffers.fill([batch.states[r.id].kv for r in batch.requests], ids, rows)
+    with torch.inference_mode():
+        ours = runner.decoder(
+            buffers.ids(rows),
+            buffers.positions(rows),
+            buffers.slots(rows),
+            buffers.tables(rows),
+            buffers.lengths(rows),
+        )
+        theirs = runner.decode_step(rows, 0, 0)()
+    return ours, theirs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "granite"])
+def test_logits_match_the_modules(tiny_model, arch, dtype) -> None:
+    # llama: GQA; mistral: sliding window; qwen2: q/k/v biases; granite: its four multipliers
+    engine = TgisNativeEngine(config_for(tiny_model(arch), dtype=dtype, cpu_decode_step="layers"))
+    batch = started(engine, [5, 17, 40])
+    rng = random.Random(1)
+    for _ in range(6):
+        ours, theirs = both_logits(
+            engine, batch, [rng.randrange(3, engine.info.vocab_size) for _ in range(3)]
+        )
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        scale = theirs.float().abs().max().item()
+        assert (ours.float() - theirs.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1.0)
+    if dtype == "bfloat16":  # most steps are bit for bit the modules' answer
+        assert torch.equal(ours, theirs) or (ours != theirs).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("layout", ["onednn", "plain"])
+def test_both_weight_layouts(tiny_model, layout) -> None:
+    if layout == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_decode_step="layers", linear_layout=layout))
+    decoder = engine.runner.decoder
+    assert decoder is not None and all(decoder.onednn) == (layout == "onednn")
+    assert any(isinstance(m, OneDnnLinear) for m in engine.model.modules()) == (layout == "onednn")
+    batch = started(engine, [9, 3])
+    ours, theirs = both_logits(engine, batch, [7, 11])
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_equal_the_modules(tiny_model) -> None:
+    """Whole generations through the engine's own steps: the same tokens either way."""
+    outputs = {}
+    for mode in ("layers", "modules"):
+        engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_decode_step=mode))
+        assert isinstance(engine.runner.decoder, CpuDecoder) == (mode == "layers")
+        rng = random.Random(3)
+        requests = [
+            GenerationRequest(i + 1, tuple(rng.randrange(3, 500) for _ in range(4 + 7 * i)), 24)
+            for i in range(4)
+        ]
+        batch, _ = engine.new_batch(1, requests)
+        tokens = []
+        first = True
+        while batch is not None and len(tokens) < 24:
+            output, batch = engine.generate_token(batch, first)
+            first = False
+            tokens.append([(g.request_id, g.token.token_id) for g in output.generations])
+        outputs[mode] = tokens
+    assert outputs["layers"] == outputs["modules"]
+
+
+def test_layers_refused_with_the_reason(tiny_model) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^CPU_DECODE_STEP=layers: .* serves llama, mistral, qwen2, granite models, not gpt2",
+    ):
+        TgisNativeEngine(config_for(tiny_model("gpt2"), cpu_decode_step="layers"))
+    with pytest.raises(ValueError, match=r"^CPU_DECODE_STEP=layers: .* decode attention runs on sdpa"):
+        TgisNativeEngine(config_for(tiny_model("llama"), cpu_decode_step="layers", cpu_attention="sdpa"))
+
+
+def test_auto_says_why_the_modules_serve(tiny_model, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="text_generation_server.engines.tgis_native.cpu_decoder"):
+        engine = TgisNativeEngine(config_for(tiny_model("gpt_neox")))
+    assert engine.runner.decoder is None
+    assert "decode steps: the model's modules, because it serves llama" in caplog.text
+    with caplog.at_level(logging.INFO, logger="text_generation_server.engines.tgis_native.cpu_decoder"):
+        engine = TgisNativeEngine(config_for(tiny_model("llama")))
+    assert engine.runner.decoder is not None
+    assert "decode steps: the decoder layers in one C++ call" in caplog.text
+
+
+def test_unsupported_shapes_of_a_model(tiny_model) -> None:
+    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_decode_step="modules"))
+    assert engine.runner.decoder is None
+    config = engine.model.config
+    config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="activation is gelu"):
+        build(engine.model, engine.kv, "cpu_kernel", 1, None)
+    config.hidden_act = "silu"
+    with pytest.raises(ValueError, match="split over 2 shards"):
+        build(engine.model, engine.kv, "cpu_kernel", 2, None)
+    assert decoder_for("auto", engine.model, engine.kv, "cpu_kernel", 1, None) is not None

@@ -1,0 +1,236 @@
+// The decoder stack of a Llama-family model for one decode step on CPU, in one call.
+//
+// A decode step of a small model spends more time in Python and operator dispatch than in its
+// matrix products: a transformers decoder layer is ~40 tensor operations, each a few
+// microseconds of interpreter and dispatcher work on vectors of a few hundred elements. This
+// runs every layer's operations from C++: the projections on the same kernels the model's
+// modules use (at::linear, or oneDNN's packed linear where the engine chose that layout), the
+// attention on our paged decode kernel (paged_decode_cpu.cpp), and the elementwise parts (RMS
+// norm, residual adds, rotary embedding, SiLU gate, KV cache writes) as loops that round where
+// transformers' Llama code rounds (every elementwise result to the model's dtype, the norm's
+// statistics in float).
+//
+//   hidden   [rows, hidden]        the step's input embeddings (one token per row)
+//   cos/sin  [rows, head_dim]      the rotary embedding of each row's position, model dtype
+//   params   16 per layer, then the final norm's weight:
+//              input norm, q (weight, bias), k, v, o, post-attention norm, gate, up, down
+//            (a missing bias is None)
+//   onednn   7 per layer: whether q, k, v, o, gate, up, down hold oneDNN packed weights
+//   caches   one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
+//   slots    [rows] int64          the cache slot of each row's new token
+//   tables, lengths, block_size, window: as paged_decode
+//   -> [rows, hidden]              the final norm's output (the LM head is the caller's)
+//
+// Granite's multipliers: the attention scale is `scale`, each residual branch is multiplied by
+// `residual_multiplier` before its add (1 for the other models). Built by cpu_kernels.py.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kParamsPerLayer = 16;
+constexpr int64_t kLinearsPerLayer = 7;
+
+enum Param : int64_t {
+  kInputNorm = 0, kQ = 1, kK = 3, kV = 5, kO = 7, kPostNorm = 9, kGate = 10, kUp = 12, kDown = 14
+};  // a linear's bias follows its weight
+
+template <typename T>
+inline float f(T x) { return static_cast<float>(x); }
+
+// residual (+)= delta * multiplier, rounded to T as transformers rounds it; then out = RMS norm of
+// residual (float statistics, normalized value rounded to T, times the weight, rounded again).
+template <typename T>
+void add_norm(T* residual, const T* delta, const T* weight, T* out, int64_t rows, int64_t size, float eps,
+              float multiplier) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* x = residual + r * size;
+    if (delta != nullptr) {
+      const T* d = delta + r * size;
+      for (int64_t i = 0; i < size; ++i) {
+        const T branch = multiplier == 1.f ? d[i] : static_cast<T>(f(d[i]) * multiplier);
+        x[i] = static_cast<T>(f(x[i]) + f(branch));
+      }
+    }
+    float squares = 0.f;
+    for (int64_t i = 0; i < size; ++i) squares += f(x[i]) * f(x[i]);
+    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+    T* o = out + r * size;
+    for (int64_t i = 0; i < size; ++i) o[i] = static_cast<T>(f(weight[i]) * f(static_cast<T>(f(x[i]) * inverse)));
+  }
+}
+
+// x [rows, heads, dim] rotated in place: x * cos + rotate_half(x) * sin, each product and the sum
+// rounded to T.
+template <typename T>
+void rotate(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  std::vector<float> row(dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* c = cos + r * dim;
+    const T* s = sin + r * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + (r * heads + h) * dim;
+      for (int64_t i = 0; i < dim; ++i) row[i] = f(v[i]);
+      for (int64_t i = 0; i < dim; ++i) {
+        const float other = i < half ? -row[i + half] : row[i - half];
+        v[i] = static_cast<T>(f(static_cast<T>(row[i] * f(c[i]))) + f(static_cast<T>(other * f(s[i]))));
+      }
+    }
+  }
+}
+
+// The new K [rows, kv_heads, dim] and V into one layer's cache at `slots` (K blocks transposed).
+template <typename T>
+void write_kv(T* cache, const T* key, const T* value, const int64_t* slots, int64_t rows, int64_t kv_heads,
+              int64_t num_blocks, int64_t block_size, int64_t dim) {
+  const int64_t head_stride = num_blocks * block_size * dim;
+  T* values = cache + kv_heads * head_stride;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t slot = slots[r], block = slot / block_size, offset = slot % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* k = key + (r * kv_heads + h) * dim;
+      const T* v = value + (r * kv_heads + h) * dim;
+      T* kb = cache + h * head_stride + block * block_size * dim;  // [dim, block_size]
+      for (int64_t i = 0; i < dim; ++i) kb[i * block_size + offset] = k[i];
+      T* vb = values + h * head_stride + slot * dim;
+      for (int64_t i = 0; i < dim; ++i) vb[i] = v[i];
+    }
+  }
+}
+
+// gate_up halves in place: gate = silu(gate) * up, each rounded to T.
+template <typename T>
+void silu_mul(T* gate, const T* up, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float g = f(gate[i]);
+    const T activated = static_cast<T>(g / (1.f + std::exp(-g)));
+    gate[i] = static_cast<T>(f(activated) * f(up[i]));
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                  bool onednn) {
+  if (!onednn) return at::linear(x, *weight, bias);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  return op.call(x, *weight, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
+}
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& tables,
+                        const at::Tensor& lengths, int64_t block_size, double scale, int64_t window) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tgis_cpu::paged_decode", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         int64_t, double, int64_t)>();
+  return op.call(query, cache, tables, lengths, block_size, scale, window);
+}
+
+template <typename T>
+T* data(const at::Tensor& t) { return t.data_ptr<T>(); }
+
+template <typename T>
+at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
+               const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
+               const std::vector<at::Tensor>& caches, const at::Tensor& slots, const at::Tensor& tables,
+               const at::Tensor& lengths, int64_t block_size, int64_t heads, int64_t kv_heads, double eps,
+               double scale, double residual_multiplier, int64_t window) {
+  const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
+  const int64_t dim = cos_t.size(1);
+  const float e = static_cast<float>(eps), m = static_cast<float>(residual_multiplier);
+  at::Tensor residual = embeddings.clone();
+  at::Tensor normed = at::empty_like(residual);
+  at::Tensor delta;  // the last branch's output, added to the residual before the next norm
+  auto param = [&](int64_t layer, int64_t index) -> std::optional<at::Tensor> {
+    return params.get(layer * kParamsPerLayer + index);
+  };
+  auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
+    return linear(x, param(layer, index), param(layer, index + 1), onednn[layer * kLinearsPerLayer + which]);
+  };
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    add_norm<T>(data<T>(residual), delta.defined() ? data<T>(delta) : nullptr, data<T>(*param(layer, kInputNorm)),
+                data<T>(normed), rows, size, e, m);
+    at::Tensor q = project(normed, layer, kQ, 0).contiguous();
+    at::Tensor k = project(normed, layer, kK, 1).contiguous();
+    at::Tensor v = project(normed, layer, kV, 2).contiguous();
+    rotate<T>(data<T>(q), data<T>(cos_t), data<T>(sin_t), rows, heads, dim);
+    rotate<T>(data<T>(k), data<T>(cos_t), data<T>(sin_t), rows, kv_heads, dim);
+    const at::Tensor& cache = caches[layer];
+    write_kv<T>(data<T>(cache), data<T>(k), data<T>(v), slots.data_ptr<int64_t>(), rows, kv_heads, cache.size(2),
+                block_size, dim);
+    at::Tensor attended = paged_decode(q.view({rows, heads, dim}), cache, tables, lengths, block_size, scale, window);
+    delta = project(attended.view({rows, heads * dim}), layer, kO, 3).contiguous();
+    add_norm<T>(data<T>(residual), data<T>(delta), data<T>(*param(layer, kPostNorm)), data<T>(normed), rows, size, e,
+                m);
+    at::Tensor gate = project(normed, layer, kGate, 4).contiguous();
+    at::Tensor up = project(normed, layer, kUp, 5).contiguous();
+    silu_mul<T>(data<T>(gate), data<T>(up), gate.numel());
+    delta = project(gate, layer, kDown, 6).contiguous();
+  }
+  add_norm<T>(data<T>(residual), data<T>(delta), data<T>(*params.get(layers * kParamsPerLayer)), data<T>(normed), rows,
+              size, e, m);
+  return normed;
+}
+
+at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                          const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
+                          at::TensorList caches, const at::Tensor& slots, const at::Tensor& tables,
+                          const at::Tensor& lengths, int64_t block_size, int64_t heads, int64_t kv_heads, double eps,
+                          double scale, double residual_multiplier, int64_t window) {
+  const int64_t layers = caches.size();
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParamsPerLayer + 1, "16 parameters per layer + 1");
+  TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLinearsPerLayer, "7 layout flags per layer");
+  TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [rows, hidden], contiguous");
+  const int64_t rows = embeddings.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && sin.sizes() == cos.sizes(), "cos/sin must be [rows, head_dim]");
+  TORCH_CHECK(cos.size(1) % 2 == 0, "the head dim must be even");
+  TORCH_CHECK(cos.scalar_type() == embeddings.scalar_type() && sin.scalar_type() == embeddings.scalar_type(),
+              "cos/sin must have the embeddings' dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "one int64 slot per row");
+  for (const at::Tensor& cache : caches) {
+    TORCH_CHECK(cache.dim() == 4 && cache.size(1) == kv_heads && cache.size(3) == block_size * cos.size(1) &&
+                    cache.is_contiguous() && cache.scalar_type() == embeddings.scalar_type(),
+                "each cache must be [2, kv_heads, blocks, block_size * head_dim], contiguous, the embeddings' dtype");
+  }
+  std::vector<bool> flags(onednn.begin(), onednn.end());
+  std::vector<at::Tensor> layer_caches(caches.begin(), caches.end());
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
+  switch (embeddings.scalar_type()) {
+    case at::kFloat:
+      return run<float>(embeddings, c, s, params, flags, layer_caches, slot_ids, tables, lengths, block_size, heads,
+                        kv_heads, eps, scale, residual_multiplier, window);
+    case at::kBFloat16:
+      return run<c10::BFloat16>(embeddings, c, s, params, flags, layer_caches, slot_ids, tables, lengths, block_size,
+                                heads, kv_heads, eps, scale, residual_multiplier, window);
+    case at::kHalf:
+      return run<c10::Half>(embeddings, c, s, params, flags, layer_caches, slot_ids, tables, lengths, block_size, heads,
+                            kv_heads, eps, scale, residual_multiplier, window);
+    default:
+      TORCH_CHECK(false, "decoder_layers: float32, bfloat16 or float16, not ", embeddings.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
+  m.def(
+      "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, Tensor[] caches, "
+      "Tensor slots, Tensor tables, Tensor lengths, int block_size, int heads, int kv_heads, float eps, float scale, "
+      "float residual_multiplier, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
+// oneDNN packed weights are MkldnnCPU tensors: a call holding one dispatches here
+TORCH_LIBRARY_IMPL(tgis_cpu, MkldnnCPU, m) { m.impl("decoder_layers", &decoder_layers); }
