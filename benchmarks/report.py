@@ -23,6 +23,7 @@ from typing import Any
 
 from benchmarks import comparisons
 from benchmarks.markdown import fmt, table
+from benchmarks.variants import OURS_OPENAI, split_key
 from benchmarks.workload import LONG_MIX
 
 SYSTEM_LABELS = {
@@ -165,11 +166,16 @@ def _variant_targets(
     ]  # fmt: skip
 
 
+def _openai_keys(results: dict[str, Any]) -> list[str]:
+    return [k for k in results.get("systems", {}) if split_key(k)[0] == OURS_OPENAI]
+
+
 def compute_ratios(results: dict[str, Any]) -> dict[str, Any]:
     """Issue 6's targets and ratios for each system of ours (`by_concurrency` is the first's,
     `by_variant` every one's), and the comparisons between them (comparisons.py)."""
     systems = results.get("systems", {})
-    keys = comparisons.ours_keys(results) or ["ours"]
+    # the gRPC door's systems; in a run of the OpenAI door alone (vLLM's client), that door's
+    keys = comparisons.ours_keys(results) or _openai_keys(results) or ["ours"]
     by_variant = {key: _variant_ratios(results, key) for key in keys}
     sweep = results.get("metadata", {}).get("mode") != LONG_MIX  # the mix has its own goal (comparisons)
     targets = [t for key in keys if sweep for t in _variant_targets(results, key, by_variant[key])]

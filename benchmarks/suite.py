@@ -61,7 +61,7 @@ from benchmarks.stats import (
     server_breakdown,
     summarize,
 )
-from benchmarks.variants import ServerVariant, adapter_id, baseline_key, plan_variants
+from benchmarks.variants import OURS_OPENAI, ServerVariant, adapter_id, baseline_key, plan_variants
 from benchmarks.workload import LONG_MIX, Prompt, PromptMaker, WorkloadSpec, build_long_mix, build_workload
 from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
 from text_generation_common.model_config import context_length
@@ -69,7 +69,6 @@ from text_generation_common.model_config import context_length
 logger = logging.getLogger(__name__)
 
 SYSTEMS = ("ours", "ours-openai", "engine", "generate", "vllm")
-OURS_OPENAI = "ours-openai"  # our server again, through its OpenAI door with vLLM-CPU's client
 DEFAULT_CONCURRENCY = (1, 8, 32)
 SWEEP = (1, 2, 4, 8, 16, 32, 64)
 RATE_WARMUP_CONCURRENCY = 8

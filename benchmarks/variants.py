@@ -26,6 +26,7 @@ PREFIX_CACHING_ENV = "PREFIX_CACHING"  # the shard's switch; the launcher passes
 # Engines that cache prompt prefixes (the registry has no capability for it yet).
 PREFIX_CACHE_ENGINES = frozenset({"tgis_native"})
 OURS = "ours"
+OURS_OPENAI = "ours-openai"  # our server again, through its OpenAI door with vLLM-CPU's client
 
 
 @dataclass(frozen=True, slots=True)

@@ -599,3 +599,24 @@ async def test_guided_json_requests_carry_the_schema() -> None:
     finally:
         await guided.close()
         await free.close()
+
+
+def test_targets_of_a_run_through_the_openai_door_alone() -> None:
+    """`--systems ours-openai,vllm` (vLLM's client for both): issue 6's targets are the OpenAI
+    door's, not 'not measured'."""
+    native = {"engine": "tgis_native", "prefix_cache": "default", "prefill_budget": "default"}
+    results: dict[str, Any] = {
+        "metadata": {"mode": "concurrency", "engines": ["tgis_native"]},
+        "systems": {
+            "ours-openai": _system(
+                native, [_serving_point(1, 200.0, 25.0), _serving_point(32, 2000.0, 280.0)]
+            ),
+            "vllm": _system({}, [_serving_point(1, 150.0, 20.0), _serving_point(32, 1600.0, 260.0)]),
+        },
+        "baselines": {},
+        "skipped": {},
+    }
+    targets = {t["target"]: t for t in report.compute_ratios(results)["targets"]}
+    throughput = targets["ours-openai: ours / vLLM-CPU output tok/s at c = 32 (stretch 1.5)"]
+    assert throughput["value"] == pytest.approx(2000 / 1600) and throughput["status"] == "met"
+    assert targets["ours-openai: ours / vLLM-CPU median TTFT at c = 32"]["status"] == "missed"

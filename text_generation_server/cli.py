@@ -23,7 +23,7 @@ from text_generation_common.heap import freeze_loaded_heap
 from text_generation_common.logs import setup_logging
 from text_generation_server.config import (
     CPU_ATTENTION_MODES,
-    CPU_DECODE_STEP_MODES,
+    CPU_FORWARD_MODES,
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
     DEFAULT_KV_BLOCK_SIZE,
@@ -217,14 +217,14 @@ def pin_to(cpu_list: str) -> None:
     "where it builds, else SDPA with a warning [env CPU_ATTENTION].",
 )
 @click.option(
-    "--cpu-decode-step",
-    envvar="CPU_DECODE_STEP",
-    type=click.Choice(CPU_DECODE_STEP_MODES),
+    "--cpu-forward",
+    envvar="CPU_FORWARD",
+    type=click.Choice(CPU_FORWARD_MODES),
     default="auto",
-    help="Decode steps of tgis_native on CPU: layers = the decoder stack of a Llama, Mistral, "
+    help="The forward of tgis_native on CPU: layers = the decoder stack of a Llama, Mistral, "
     "Qwen2 or Granite model in one C++ call (fails where it cannot serve the model), modules = "
     "transformers' forward, auto = layers where it can, else modules with the reason logged "
-    "[env CPU_DECODE_STEP].",
+    "[env CPU_FORWARD].",
 )
 @click.option(
     "--gpu-attention",
@@ -319,7 +319,7 @@ def serve(
     cpu_affinity: str | None,
     kv_block_size: int,
     cpu_attention: str,
-    cpu_decode_step: str,
+    cpu_forward: str,
     prefix_caching: bool,
     cpu_kv_cache_space: float,
     kv_cache_blocks: int,
@@ -361,7 +361,7 @@ def serve(
             run_ahead=run_ahead,
             kv_block_size=kv_block_size,
             cpu_attention=cpu_attention,
-            cpu_decode_step=cpu_decode_step,
+            cpu_forward=cpu_forward,
             prefix_caching=prefix_caching,
             cpu_kv_cache_space=cpu_kv_cache_space,
             kv_cache_blocks=kv_cache_blocks,

@@ -21,7 +21,7 @@ from text_generation_common.defaults import (
 LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
 CPU_ATTENTION_MODES = ("auto", "kernel", "sdpa")  # engines/cpu_kernels.py
-CPU_DECODE_STEP_MODES = ("auto", "layers", "modules")  # engines/tgis_native/cpu_decoder.py
+CPU_FORWARD_MODES = ("auto", "layers", "modules")  # engines/tgis_native/cpu_decoder.py
 GPU_ATTENTION_MODES = ("auto", "triton", "sdpa")  # attention/__init__.py
 DEFAULT_KV_BLOCK_SIZE = 16
 
@@ -46,7 +46,7 @@ class ServerConfig:
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
     cpu_attention: str = "auto"  # paged decode attention on CPU: auto | kernel (ours, C++) | sdpa
-    cpu_decode_step: str = "auto"  # tgis_native decode steps on CPU: auto | layers (one C++ call) | modules
+    cpu_forward: str = "auto"  # tgis_native forward on CPU: auto | layers (one C++ call) | modules
     gpu_attention: str = "auto"  # paged decode attention on CUDA: auto | triton (ours) | sdpa
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (tgis_native)
     cpu_kv_cache_space: float = 0.0  # GiB of host memory for the paged KV cache; 0 = sized by the batch
@@ -88,9 +88,9 @@ class ServerConfig:
         if self.cpu_attention not in CPU_ATTENTION_MODES:
             choices = ", ".join(CPU_ATTENTION_MODES)
             raise ValueError(f"unknown CPU_ATTENTION {self.cpu_attention!r}; choose one of {choices}")
-        if self.cpu_decode_step not in CPU_DECODE_STEP_MODES:
-            choices = ", ".join(CPU_DECODE_STEP_MODES)
-            raise ValueError(f"unknown CPU_DECODE_STEP {self.cpu_decode_step!r}; choose one of {choices}")
+        if self.cpu_forward not in CPU_FORWARD_MODES:
+            choices = ", ".join(CPU_FORWARD_MODES)
+            raise ValueError(f"unknown CPU_FORWARD {self.cpu_forward!r}; choose one of {choices}")
         if self.gpu_attention not in GPU_ATTENTION_MODES:
             choices = ", ".join(GPU_ATTENTION_MODES)
             raise ValueError(f"unknown GPU_ATTENTION {self.gpu_attention!r}; choose one of {choices}")

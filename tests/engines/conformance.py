@@ -62,7 +62,7 @@ ENGINE_VARIANTS: dict[str, tuple[tuple[str, dict[str, Any], tuple[str, ...]], ..
     # and decode steps through transformers' modules instead of the C++ decoder stack
     "tgis_native": (
         ("sdpa", {"cpu_attention": "sdpa"}, ("llama", "mistral", "gpt_bigcode")),
-        ("modules", {"cpu_decode_step": "modules"}, ("llama", "granite")),
+        ("modules", {"cpu_forward": "modules"}, ("llama", "granite")),
     ),
 }
 TEST_ENGINES: dict[str, Callable[[ServerConfig], ModelEngine]] = {"fake": FakeEngine}

@@ -1,6 +1,7 @@
-"""The C++ decode step of tgis_native on CPU (engines/tgis_native/cpu_decoder.py) against the
-model's own modules on the same inputs and cache, and CPU_DECODE_STEP's choices and refusals.
-(The conformance suite runs it against transformers' generate, and the modules beside it.)"""
+"""The C++ decoder stack of tgis_native on CPU (engines/tgis_native/cpu_decoder.py) against the
+model's own modules on the same inputs and cache, decode-only steps and steps with prompts, and
+CPU_FORWARD's choices and refusals. (The conformance suite runs it against transformers'
+generate, and the modules beside it.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tests.engines.test_tgis_native import config_for
-from text_generation_common.messages import GenerationRequest
+from text_generation_common.messages import GenerationRequest, RequestedDetails
 from text_generation_server.engines import cpu_kernels
 from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.engines.tgis_native.cpu_decoder import CpuDecoder, build, decoder_for
@@ -54,7 +55,7 @@ def both_logits(engine: TgisNativeEngine, batch, ids: list[int]) -> tuple[torch.
     buffers = runner.buffers
     buffers.fill([batch.states[r.id].kv for r in batch.requests], ids, rows)
     with torch.inference_mode():
-        ours = runner.decoder(
+        ours = runner.decoder.decode(
             buffers.ids(rows),
             buffers.positions(rows),
             buffers.slots(rows),
@@ -69,7 +70,7 @@ def both_logits(engine: TgisNativeEngine, batch, ids: list[int]) -> tuple[torch.
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "granite"])
 def test_logits_match_the_modules(tiny_model, arch, dtype) -> None:
     # llama: GQA; mistral: sliding window; qwen2: q/k/v biases; granite: its four multipliers
-    engine = TgisNativeEngine(config_for(tiny_model(arch), dtype=dtype, cpu_decode_step="layers"))
+    engine = TgisNativeEngine(config_for(tiny_model(arch), dtype=dtype, cpu_forward="layers"))
     batch = started(engine, [5, 17, 40])
     rng = random.Random(1)
     for _ in range(6):
@@ -87,7 +88,7 @@ def test_logits_match_the_modules(tiny_model, arch, dtype) -> None:
 def test_both_weight_layouts(tiny_model, layout) -> None:
     if layout == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
-    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_decode_step="layers", linear_layout=layout))
+    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_forward="layers", linear_layout=layout))
     decoder = engine.runner.decoder
     assert decoder is not None and all(decoder.onednn) == (layout == "onednn")
     assert any(isinstance(m, OneDnnLinear) for m in engine.model.modules()) == (layout == "onednn")
@@ -100,7 +101,7 @@ def test_greedy_tokens_equal_the_modules(tiny_model) -> None:
     """Whole generations through the engine's own steps: the same tokens either way."""
     outputs = {}
     for mode in ("layers", "modules"):
-        engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_decode_step=mode))
+        engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_forward=mode))
         assert isinstance(engine.runner.decoder, CpuDecoder) == (mode == "layers")
         rng = random.Random(3)
         requests = [
@@ -118,29 +119,82 @@ def test_greedy_tokens_equal_the_modules(tiny_model) -> None:
     assert outputs["layers"] == outputs["modules"]
 
 
+def recorded_forwards(engine: TgisNativeEngine) -> list[torch.Tensor]:
+    """Every logits tensor engine.runner.forward returns from now on (steps with prompt tokens)."""
+    calls: list[torch.Tensor] = []
+    forward = engine.runner.forward
+
+    def recording(*args, **kwargs):
+        logits = forward(*args, **kwargs)
+        calls.append(logits.clone())
+        return logits
+
+    engine.runner.forward = recording  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "granite"])
+def test_steps_with_prompts_match_the_modules(tiny_model, arch, dtype) -> None:
+    """Whole prompts, chunks after cached tokens (mistral: past its window) and decode rows in
+    one step, a join mid-way, prompt logprobs of one request: the same logits either way."""
+    rng = random.Random(5)
+    first = [
+        GenerationRequest(i + 1, tuple(rng.randrange(3, 500) for _ in range(n)), 12)
+        for i, n in enumerate((3, 29, 11))
+    ]
+    details = RequestedDetails(input_tokens=True, logprobs=True)
+    joining = [
+        GenerationRequest(10, tuple(rng.randrange(3, 500) for _ in range(23)), 6, details=details),
+        GenerationRequest(11, tuple(rng.randrange(3, 500) for _ in range(2)), 6),
+    ]
+    recorded, inputs = {}, {}
+    for mode in ("layers", "modules"):
+        engine = TgisNativeEngine(config_for(tiny_model(arch), dtype=dtype, cpu_forward=mode))
+        recorded[mode] = recorded_forwards(engine)
+        batch, _ = engine.new_batch(1, first)
+        details_seen = []
+        for step in range(14):
+            if step == 4:
+                joined, _ = engine.new_batch(2, joining)
+                batch = engine.concatenate([batch, joined])
+            output, batch = engine.generate_token(batch, step == 0, token_budget=16)
+            details_seen += output.input_tokens
+            if batch is None:
+                break
+        inputs[mode] = details_seen
+    assert len(recorded["layers"]) == len(recorded["modules"]) >= 4
+    for ours, theirs in zip(recorded["layers"], recorded["modules"], strict=True):
+        scale = max(theirs.float().abs().max().item(), 1.0)
+        assert (ours.float() - theirs.float()).abs().max().item() <= TOLERANCE[dtype] * scale
+    (ours_details,), (their_details,) = inputs["layers"], inputs["modules"]
+    assert [t.token_id for t in ours_details.tokens] == [t.token_id for t in their_details.tokens]
+    assert len(ours_details.tokens) == 23
+
+
 def test_layers_refused_with_the_reason(tiny_model) -> None:
     with pytest.raises(
         ValueError,
-        match=r"^CPU_DECODE_STEP=layers: .* serves llama, mistral, qwen2, granite models, not gpt2",
+        match=r"^CPU_FORWARD=layers: .* serves llama, mistral, qwen2, granite models, not gpt2",
     ):
-        TgisNativeEngine(config_for(tiny_model("gpt2"), cpu_decode_step="layers"))
-    with pytest.raises(ValueError, match=r"^CPU_DECODE_STEP=layers: .* decode attention runs on sdpa"):
-        TgisNativeEngine(config_for(tiny_model("llama"), cpu_decode_step="layers", cpu_attention="sdpa"))
+        TgisNativeEngine(config_for(tiny_model("gpt2"), cpu_forward="layers"))
+    with pytest.raises(ValueError, match=r"^CPU_FORWARD=layers: .* decode attention runs on sdpa"):
+        TgisNativeEngine(config_for(tiny_model("llama"), cpu_forward="layers", cpu_attention="sdpa"))
 
 
 def test_auto_says_why_the_modules_serve(tiny_model, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="text_generation_server.engines.tgis_native.cpu_decoder"):
         engine = TgisNativeEngine(config_for(tiny_model("gpt_neox")))
     assert engine.runner.decoder is None
-    assert "decode steps: the model's modules, because it serves llama" in caplog.text
+    assert "forward: the model's modules, because it serves llama" in caplog.text
     with caplog.at_level(logging.INFO, logger="text_generation_server.engines.tgis_native.cpu_decoder"):
         engine = TgisNativeEngine(config_for(tiny_model("llama")))
     assert engine.runner.decoder is not None
-    assert "decode steps: the decoder layers in one C++ call" in caplog.text
+    assert "forward: the decoder layers in one C++ call" in caplog.text
 
 
 def test_unsupported_shapes_of_a_model(tiny_model) -> None:
-    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_decode_step="modules"))
+    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_forward="modules"))
     assert engine.runner.decoder is None
     config = engine.model.config
     config.hidden_act = "gelu"

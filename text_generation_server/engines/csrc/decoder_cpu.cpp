@@ -1,38 +1,48 @@
-// The decoder stack of a Llama-family model for one decode step on CPU, in one call.
+// The decoder stack of a Llama-family model for one step on CPU, in one call.
 //
-// A decode step of a small model spends more time in Python and operator dispatch than in its
-// matrix products: a transformers decoder layer is ~40 tensor operations, each a few
-// microseconds of interpreter and dispatcher work on vectors of a few hundred elements. This
-// runs every layer's operations from C++: the projections on the same kernels the model's
-// modules use (at::linear, or oneDNN's packed linear where the engine chose that layout), the
-// attention on our paged decode kernel (paged_decode_cpu.cpp), and the elementwise parts (RMS
-// norm, residual adds, rotary embedding, SiLU gate, KV cache writes) as loops that round where
-// transformers' Llama code rounds (every elementwise result to the model's dtype, the norm's
-// statistics in float).
+// A step of a small model spends more time in Python and operator dispatch than in its matrix
+// products: a transformers decoder layer is ~40 tensor operations, each a few microseconds of
+// interpreter and dispatcher work on vectors of a few hundred elements. This runs every layer's
+// operations from C++: the projections on the same kernels the model's modules use (at::linear,
+// or oneDNN's packed linear where the engine chose that layout), decode rows' attention on our
+// paged decode kernel (paged_decode_cpu.cpp), prompt tokens' attention on SDPA as the modules'
+// path does it (attention/paged.py), and the elementwise parts (RMS norm, residual adds, rotary
+// embedding, KV cache writes) as loops that round where transformers' Llama code rounds (every
+// elementwise result to the model's dtype, the norm's statistics in float), in parallel over
+// tokens where a step has many.
 //
-//   hidden   [rows, hidden]        the step's input embeddings (one token per row)
-//   cos/sin  [rows, head_dim]      the rotary embedding of each row's position, model dtype
-//   params   16 per layer, then the final norm's weight:
-//              input norm, q (weight, bias), k, v, o, post-attention norm, gate, up, down
-//            (a missing bias is None)
-//   onednn   7 per layer: whether q, k, v, o, gate, up, down hold oneDNN packed weights
-//   caches   one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
-//   slots    [rows] int64          the cache slot of each row's new token
-//   tables, lengths, block_size, window: as paged_decode
-//   -> [rows, hidden]              the final norm's output (the LM head is the caller's)
+// The step's T new tokens are packed, as in attention/layout.py's StepLayout:
+//   embeddings [T, hidden]          their input embeddings
+//   cos/sin    [T, head_dim]        the rotary embedding of each token's position, model dtype
+//   params     16 per layer, then the final norm's weight:
+//                input norm, q (weight, bias), k, v, o, post-attention norm, gate, up, down
+//              (a missing bias is None)
+//   onednn     7 per layer: whether q, k, v, o, gate, up, down hold oneDNN packed weights
+//   caches     one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
+//   slots      [T] int64            the cache slot of each new token's K/V
+//   decode     [D] int64 or None    the packed index of each single-token row (None with no
+//                                   pieces: every token is one, in order)
+//   tables, lengths                 their block tables and key counts, as paged_decode
+//   pieces     (start, end, keys) per sequence with several new tokens, its block table
+//              (None: no cached tokens, it attends its own new K/V) and boolean mask [new, keys]
+//              (None: SDPA's causal flag)
+//   -> [T, hidden]                  the final norm's output (the LM head is the caller's)
 //
 // Granite's multipliers: the attention scale is `scale`, each residual branch is multiplied by
 // `residual_multiplier` before its add (1 for the other models). Built by cpu_kernels.py.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -47,12 +57,22 @@ enum Param : int64_t {
 template <typename T>
 inline float f(T x) { return static_cast<float>(x); }
 
+// Rows of elementwise work in parallel where a step has many tokens (prompts); a decode step's
+// few rows stay on this thread (a parallel region costs more than they do).
+template <typename F>
+void each_row(int64_t rows, int64_t row_size, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, row_size));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
 // residual (+)= delta * multiplier, rounded to T as transformers rounds it; then out = RMS norm of
 // residual (float statistics, normalized value rounded to T, times the weight, rounded again).
 template <typename T>
 void add_norm(T* residual, const T* delta, const T* weight, T* out, int64_t rows, int64_t size, float eps,
               float multiplier) {
-  for (int64_t r = 0; r < rows; ++r) {
+  each_row(rows, size, [&](int64_t r) {
     T* x = residual + r * size;
     if (delta != nullptr) {
       const T* d = delta + r * size;
@@ -66,7 +86,7 @@ void add_norm(T* residual, const T* delta, const T* weight, T* out, int64_t rows
     const float inverse = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
     T* o = out + r * size;
     for (int64_t i = 0; i < size; ++i) o[i] = static_cast<T>(f(weight[i]) * f(static_cast<T>(f(x[i]) * inverse)));
-  }
+  });
 }
 
 // x [rows, heads, dim] rotated in place: x * cos + rotate_half(x) * sin, each product and the sum
@@ -74,8 +94,8 @@ void add_norm(T* residual, const T* delta, const T* weight, T* out, int64_t rows
 template <typename T>
 void rotate(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
-  std::vector<float> row(dim);
-  for (int64_t r = 0; r < rows; ++r) {
+  each_row(rows, heads * dim, [&](int64_t r) {
+    float row[512];  // a head's values (head dims up to 512: checked by decoder_layers)
     const T* c = cos + r * dim;
     const T* s = sin + r * dim;
     for (int64_t h = 0; h < heads; ++h) {
@@ -86,7 +106,7 @@ void rotate(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64
         v[i] = static_cast<T>(f(static_cast<T>(row[i] * f(c[i]))) + f(static_cast<T>(other * f(s[i]))));
       }
     }
-  }
+  });
 }
 
 // The new K [rows, kv_heads, dim] and V into one layer's cache at `slots` (K blocks transposed).
@@ -95,7 +115,7 @@ void write_kv(T* cache, const T* key, const T* value, const int64_t* slots, int6
               int64_t num_blocks, int64_t block_size, int64_t dim) {
   const int64_t head_stride = num_blocks * block_size * dim;
   T* values = cache + kv_heads * head_stride;
-  for (int64_t r = 0; r < rows; ++r) {
+  each_row(rows, kv_heads * dim, [&](int64_t r) {
     const int64_t slot = slots[r], block = slot / block_size, offset = slot % block_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
       const T* k = key + (r * kv_heads + h) * dim;
@@ -105,17 +125,7 @@ void write_kv(T* cache, const T* key, const T* value, const int64_t* slots, int6
       T* vb = values + h * head_stride + slot * dim;
       for (int64_t i = 0; i < dim; ++i) vb[i] = v[i];
     }
-  }
-}
-
-// gate_up halves in place: gate = silu(gate) * up, each rounded to T.
-template <typename T>
-void silu_mul(T* gate, const T* up, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) {
-    const float g = f(gate[i]);
-    const T activated = static_cast<T>(g / (1.f + std::exp(-g)));
-    gate[i] = static_cast<T>(f(activated) * f(up[i]));
-  }
+  });
 }
 
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
@@ -141,14 +151,68 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& cache, const 
 template <typename T>
 T* data(const at::Tensor& t) { return t.data_ptr<T>(); }
 
+// How a step's tokens attend (see the header).
+struct Attention {
+  std::optional<at::Tensor> decode, tables, lengths;
+  std::vector<int64_t> bounds;  // start, end, keys of each piece
+  c10::List<std::optional<at::Tensor>> blocks, masks;
+  int64_t block_size, window;
+  double scale;
+
+  int64_t pieces() const { return static_cast<int64_t>(bounds.size()) / 3; }
+};
+
+// K and V of `blocks` of one layer's cache, in order: [kv_heads, blocks * block_size, dim] each
+// (paged_kv.PagedKVCache.read_blocks).
+std::pair<at::Tensor, at::Tensor> read_blocks(const at::Tensor& cache, const at::Tensor& blocks, int64_t block_size,
+                                              int64_t dim) {
+  const at::Tensor kv = cache.index_select(2, blocks);
+  const int64_t kv_heads = kv.size(1);
+  at::Tensor keys = kv[0].view({kv_heads, -1, dim, block_size}).transpose(-1, -2).reshape({kv_heads, -1, dim});
+  return {keys, kv[1].view({kv_heads, -1, dim})};
+}
+
+// q [T, heads, dim] over the layer's cache (this step's K/V written) -> [T, heads, dim].
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
+                  const Attention& a) {
+  const int64_t heads = q.size(1), dim = q.size(2), groups = heads / k.size(1);
+  if (a.pieces() == 0 && !a.decode.has_value()) {
+    return paged_decode(q, cache, *a.tables, *a.lengths, a.block_size, a.scale, a.window);
+  }
+  at::Tensor out = at::empty_like(q);
+  if (a.decode.has_value() && a.decode->numel() > 0) {
+    at::Tensor rows = paged_decode(q.index_select(0, *a.decode), cache, *a.tables, *a.lengths, a.block_size, a.scale,
+                                   a.window);
+    out.index_copy_(0, *a.decode, rows);
+  }
+  for (int64_t p = 0; p < a.pieces(); ++p) {
+    const int64_t start = a.bounds[3 * p], end = a.bounds[3 * p + 1], keys = a.bounds[3 * p + 2];
+    const at::Tensor query = q.narrow(0, start, end - start).transpose(0, 1).unsqueeze(0);  // [1, heads, n, dim]
+    at::Tensor key, value;
+    const std::optional<at::Tensor> blocks = a.blocks.get(p);
+    if (blocks.has_value()) {
+      auto [all_keys, all_values] = read_blocks(cache, *blocks, a.block_size, dim);
+      key = all_keys.narrow(1, 0, keys).unsqueeze(0);
+      value = all_values.narrow(1, 0, keys).unsqueeze(0);
+    } else {
+      key = k.narrow(0, start, end - start).transpose(0, 1).unsqueeze(0);
+      value = v.narrow(0, start, end - start).transpose(0, 1).unsqueeze(0);
+    }
+    const std::optional<at::Tensor> mask = a.masks.get(p);
+    at::Tensor attended = at::scaled_dot_product_attention(query, key, value, mask, 0.0, !mask.has_value(), a.scale,
+                                                           groups > 1);
+    out.narrow(0, start, end - start).copy_(attended[0].transpose(0, 1));
+  }
+  return out;
+}
+
 template <typename T>
 at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
                const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
-               const std::vector<at::Tensor>& caches, const at::Tensor& slots, const at::Tensor& tables,
-               const at::Tensor& lengths, int64_t block_size, int64_t heads, int64_t kv_heads, double eps,
-               double scale, double residual_multiplier, int64_t window) {
+               const std::vector<at::Tensor>& caches, const at::Tensor& slots, const Attention& attention,
+               int64_t heads, int64_t kv_heads, double eps, double residual_multiplier) {
   const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
-  const int64_t dim = cos_t.size(1);
+  const int64_t dim = cos_t.size(1), block_size = attention.block_size;
   const float e = static_cast<float>(eps), m = static_cast<float>(residual_multiplier);
   at::Tensor residual = embeddings.clone();
   at::Tensor normed = at::empty_like(residual);
@@ -170,13 +234,14 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     const at::Tensor& cache = caches[layer];
     write_kv<T>(data<T>(cache), data<T>(k), data<T>(v), slots.data_ptr<int64_t>(), rows, kv_heads, cache.size(2),
                 block_size, dim);
-    at::Tensor attended = paged_decode(q.view({rows, heads, dim}), cache, tables, lengths, block_size, scale, window);
+    at::Tensor attended = attend(q.view({rows, heads, dim}), k.view({rows, kv_heads, dim}),
+                                 v.view({rows, kv_heads, dim}), cache, attention);
     delta = project(attended.view({rows, heads * dim}), layer, kO, 3).contiguous();
     add_norm<T>(data<T>(residual), data<T>(delta), data<T>(*param(layer, kPostNorm)), data<T>(normed), rows, size, e,
                 m);
     at::Tensor gate = project(normed, layer, kGate, 4).contiguous();
     at::Tensor up = project(normed, layer, kUp, 5).contiguous();
-    silu_mul<T>(data<T>(gate), data<T>(up), gate.numel());
+    at::silu_(gate).mul_(up);  // transformers' act_fn(gate) * up: the same two roundings
     delta = project(gate, layer, kDown, 6).contiguous();
   }
   add_norm<T>(data<T>(residual), data<T>(delta), data<T>(*params.get(layers * kParamsPerLayer)), data<T>(normed), rows,
@@ -186,37 +251,51 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
 
 at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
-                          at::TensorList caches, const at::Tensor& slots, const at::Tensor& tables,
-                          const at::Tensor& lengths, int64_t block_size, int64_t heads, int64_t kv_heads, double eps,
-                          double scale, double residual_multiplier, int64_t window) {
+                          at::TensorList caches, const at::Tensor& slots, const std::optional<at::Tensor>& decode,
+                          const std::optional<at::Tensor>& tables, const std::optional<at::Tensor>& lengths,
+                          at::IntArrayRef piece_bounds, const c10::List<std::optional<at::Tensor>>& piece_blocks,
+                          const c10::List<std::optional<at::Tensor>>& piece_masks, int64_t block_size, int64_t heads,
+                          int64_t kv_heads, double eps, double scale, double residual_multiplier, int64_t window) {
   const int64_t layers = caches.size();
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParamsPerLayer + 1, "16 parameters per layer + 1");
   TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLinearsPerLayer, "7 layout flags per layer");
-  TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [rows, hidden], contiguous");
+  TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [tokens, hidden], contiguous");
   const int64_t rows = embeddings.size(0);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && sin.sizes() == cos.sizes(), "cos/sin must be [rows, head_dim]");
-  TORCH_CHECK(cos.size(1) % 2 == 0, "the head dim must be even");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && sin.sizes() == cos.sizes(), "cos/sin must be [tokens, head_dim]");
+  TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= 512, "the head dim must be even, at most 512");
   TORCH_CHECK(cos.scalar_type() == embeddings.scalar_type() && sin.scalar_type() == embeddings.scalar_type(),
               "cos/sin must have the embeddings' dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "one int64 slot per row");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "one int64 slot per token");
   for (const at::Tensor& cache : caches) {
     TORCH_CHECK(cache.dim() == 4 && cache.size(1) == kv_heads && cache.size(3) == block_size * cos.size(1) &&
                     cache.is_contiguous() && cache.scalar_type() == embeddings.scalar_type(),
                 "each cache must be [2, kv_heads, blocks, block_size * head_dim], contiguous, the embeddings' dtype");
   }
+  const int64_t pieces = static_cast<int64_t>(piece_bounds.size()) / 3;
+  TORCH_CHECK(static_cast<int64_t>(piece_bounds.size()) == 3 * pieces &&
+                  static_cast<int64_t>(piece_blocks.size()) == pieces && static_cast<int64_t>(piece_masks.size()) == pieces,
+              "three bounds, a block table and a mask per piece");
+  for (int64_t p = 0; p < pieces; ++p) {
+    const int64_t start = piece_bounds[3 * p], end = piece_bounds[3 * p + 1];
+    TORCH_CHECK(0 <= start && start < end && end <= rows, "a piece's tokens must lie in the step");
+  }
+  const bool any_decode = decode.has_value() ? decode->numel() > 0 : pieces == 0;
+  TORCH_CHECK(!any_decode || (tables.has_value() && lengths.has_value()), "decode rows need tables and lengths");
+  TORCH_CHECK(decode.has_value() || pieces == 0, "a step with pieces names its decode rows");
   std::vector<bool> flags(onednn.begin(), onednn.end());
   std::vector<at::Tensor> layer_caches(caches.begin(), caches.end());
+  Attention attention{decode, tables, lengths, piece_bounds.vec(), piece_blocks, piece_masks, block_size, window, scale};
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   switch (embeddings.scalar_type()) {
     case at::kFloat:
-      return run<float>(embeddings, c, s, params, flags, layer_caches, slot_ids, tables, lengths, block_size, heads,
-                        kv_heads, eps, scale, residual_multiplier, window);
+      return run<float>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, heads, kv_heads, eps,
+                        residual_multiplier);
     case at::kBFloat16:
-      return run<c10::BFloat16>(embeddings, c, s, params, flags, layer_caches, slot_ids, tables, lengths, block_size,
-                                heads, kv_heads, eps, scale, residual_multiplier, window);
+      return run<c10::BFloat16>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, heads, kv_heads,
+                                eps, residual_multiplier);
     case at::kHalf:
-      return run<c10::Half>(embeddings, c, s, params, flags, layer_caches, slot_ids, tables, lengths, block_size, heads,
-                            kv_heads, eps, scale, residual_multiplier, window);
+      return run<c10::Half>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, heads, kv_heads, eps,
+                            residual_multiplier);
     default:
       TORCH_CHECK(false, "decoder_layers: float32, bfloat16 or float16, not ", embeddings.scalar_type());
   }
@@ -227,7 +306,8 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
 TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
   m.def(
       "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, Tensor[] caches, "
-      "Tensor slots, Tensor tables, Tensor lengths, int block_size, int heads, int kv_heads, float eps, float scale, "
+      "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
+      "Tensor?[] piece_masks, int block_size, int heads, int kv_heads, float eps, float scale, "
       "float residual_multiplier, int window) -> Tensor");
 }
 

@@ -1,16 +1,19 @@
-"""Decode steps of Llama-family models on CPU in one C++ call (engines/csrc/decoder_cpu.cpp).
+"""Steps of Llama-family models on CPU in one C++ call (engines/csrc/decoder_cpu.cpp).
 
 At batch 1 a decode step of the 30 M reference model took ~7 ms on a 2-core AMX Xeon, of which
 ~3 ms were its 57 matrix products: the rest was Python and operator dispatch of ~40 small tensor
 operations per layer in transformers' modules. `CpuDecoder` runs the decoder stack in one call
 over the model's own weights (the Linear layouts the engine chose, oneDNN packed or plain) and
-the paged cache, leaving to Python the embedding lookup, the rotary table and the LM head.
+the paged cache, leaving to Python the embedding lookup, the rotary table and the LM head:
+decode-only steps over the runner's persistent buffers (`decode`), and any other step (prompts,
+chunks, decode rows beside them, soft prompts spliced into the embeddings) from its StepLayout
+(`forward`).
 
 Which models: `llama`, `mistral`, `qwen2` and `granite` (their multipliers) with SiLU MLPs and
 full-width rotary embeddings; the decode attention must be our CPU kernel (its K layout), one
 shard (no collectives inside), and a step with a LoRA adapter on any row runs the modules (the
-adapters hook the modules). CPU_DECODE_STEP picks: `layers` (this, or a start-up error saying why
-not), `modules` (transformers' forward) or `auto` (this where the model allows it, else the
+adapters hook the modules). CPU_FORWARD picks: `layers` (this, or a start-up error saying
+why not), `modules` (transformers' forward) or `auto` (this where the model allows it, else the
 modules, the reason logged).
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from text_generation_server.attention.layout import StepLayout
 from text_generation_server.engines.paged_kv import PagedKVCache
 from text_generation_server.engines.weight_layout import OneDnnLinear
 
@@ -40,8 +44,11 @@ PROJECTIONS = (
 )
 
 
+NO_ROWS = torch.empty(0, dtype=torch.long)  # a step without decode rows
+
+
 class Unsupported(ValueError):
-    """This model or setting cannot take the C++ decode step (the message says why)."""
+    """This model or setting cannot take the C++ decoder stack (the message says why)."""
 
 
 def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -72,7 +79,7 @@ class CpuDecoder:
     block_size: int
     window: int
 
-    def __call__(
+    def decode(
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
@@ -80,17 +87,58 @@ class CpuDecoder:
         tables: torch.Tensor,
         lengths: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per row (`ids` [rows] at `positions`, its K/V to `slots`) -> logits [rows, vocab]."""
-        inner = self.model.model
-        hidden = inner.embed_tokens(ids)
+        """A decode-only step: one token per row (`ids` [rows] at `positions`, its K/V to
+        `slots`) -> logits [rows, vocab]."""
+        hidden = self._layers(self.embed(ids), positions, slots, None, tables, lengths, [], [], [])
+        return self._logits(hidden)
+
+    def forward(
+        self, embeddings: torch.Tensor, positions: torch.Tensor, layout: StepLayout, keep: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Any step: the packed tokens' `embeddings` [T, hidden] (self.embed, soft prompts spliced
+        in) at `positions` [T], attended as `layout` says -> logits of the tokens `keep` (all: None)."""
+        rows = layout.decode
+        decode, tables, lengths = NO_ROWS, None, None
+        if rows is not None:
+            tokens = rows.tokens
+            decode = tokens if isinstance(tokens, torch.Tensor) else torch.arange(tokens.start, tokens.stop)
+            tables, lengths = rows.tables, rows.lengths
+        bounds = [value for alone in layout.others for value in (alone.start, alone.end, alone.keys)]
+        blocks = [alone.blocks for alone in layout.others]
+        masks = [alone.mask for alone in layout.others]
+        hidden = self._layers(
+            embeddings, positions, layout.slots, decode, tables, lengths, bounds, blocks, masks
+        )
+        return self._logits(hidden if keep is None else hidden.index_select(0, keep))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `ids` [T] -> [T, hidden] (before Granite's multiplier)."""
+        embeddings: torch.Tensor = self.model.model.embed_tokens(ids)
+        return embeddings
+
+    def _layers(
+        self,
+        embeddings: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        decode: torch.Tensor | None,
+        tables: torch.Tensor | None,
+        lengths: torch.Tensor | None,
+        bounds: list[int],
+        blocks: list[torch.Tensor | None],
+        masks: list[torch.Tensor | None],
+    ) -> torch.Tensor:
         if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
-        cos, sin = inner.rotary_emb(hidden.unsqueeze(0), positions.unsqueeze(0))
-        hidden = torch.ops.tgis_cpu.decoder_layers(
-            hidden, cos[0], sin[0], self.params, self.onednn, self.caches, slots, tables, lengths,
-            self.block_size, self.heads, self.kv_heads, self.eps, self.scale, self.residual_multiplier,
-            self.window,
+            embeddings = embeddings * self.embedding_multiplier
+        cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
+        hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
+            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.caches, slots,
+            decode, tables, lengths, bounds, blocks, masks, self.block_size, self.heads, self.kv_heads,
+            self.eps, self.scale, self.residual_multiplier, self.window,
         )  # fmt: skip
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.lm_head(hidden)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
@@ -100,7 +148,7 @@ class CpuDecoder:
 def build(
     model: Any, cache: PagedKVCache, backend_name: str, world_size: int, window: int | None
 ) -> CpuDecoder:
-    """The C++ decode step over `model`'s weights and `cache`; raise Unsupported saying why not."""
+    """The C++ decoder stack over `model`'s weights and `cache`; raise Unsupported saying why not."""
     config = model.config
     model_type = getattr(config, "model_type", "?")
     if cache.device.type != "cpu":
@@ -154,19 +202,19 @@ def build(
 def decoder_for(
     mode: str, model: Any, cache: PagedKVCache, backend_name: str, world_size: int, window: int | None
 ) -> CpuDecoder | None:
-    """The decoder CPU_DECODE_STEP (`mode`) asks for, or None for the model's modules; says which."""
+    """The decoder CPU_FORWARD (`mode`) asks for, or None for the model's modules; says which."""
     if mode == "modules":
-        logger.info("decode steps: the model's modules (CPU_DECODE_STEP=modules)")
+        logger.info("forward: the model's modules (CPU_FORWARD=modules)")
         return None
     try:
         decoder = build(model, cache, backend_name, world_size, window)
     except Unsupported as exc:
         if mode == "layers":
             raise ValueError(
-                f"CPU_DECODE_STEP=layers: the C++ decode step cannot serve this model: {exc}"
+                f"CPU_FORWARD=layers: the C++ decoder stack cannot serve this model: {exc}"
             ) from None
         if cache.device.type == "cpu":
-            logger.info("decode steps: the model's modules, because %s", exc)
+            logger.info("forward: the model's modules, because %s", exc)
         return None
-    logger.info("decode steps: the decoder layers in one C++ call (csrc/decoder_cpu.cpp)")
+    logger.info("forward: the decoder layers in one C++ call (csrc/decoder_cpu.cpp)")
     return decoder

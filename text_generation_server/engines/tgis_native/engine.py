@@ -139,7 +139,7 @@ class TgisNativeEngine(ModelEngine):
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
         # after the layouts: the C++ step takes the weights as they are laid out now
         self.runner.decoder = decoder_for(
-            config.cpu_decode_step, self.model, self.kv, self.backend.name, config.world_size, self.window
+            config.cpu_forward, self.model, self.kv, self.backend.name, config.world_size, self.window
         )
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0

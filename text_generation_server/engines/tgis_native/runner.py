@@ -12,9 +12,10 @@ Two ways in:
                           attention backend. With CUDA graphs (graphs.py) a step whose rows use
                           no LoRA adapter replays the graph of its bucket (rows padded up to it:
                           padding rows write their K/V to the scratch slot and have 0 keys);
-                          otherwise it runs eagerly over the same buffers; on CPU, a step
-                          with no LoRA adapter runs the decoder stack in one C++ call where the
-                          model allows it (cpu_decoder.py).
+                          otherwise it runs eagerly over the same buffers.
+
+On CPU, a step of either kind with no LoRA adapter runs the decoder stack in one C++ call where
+the model allows it (cpu_decoder.py), instead of the model's modules.
 
 Neither path reads a tensor back to the host: the step's only device-to-host copy is the
 chosen ids (engines/step.py). Forward time is read from CUDA events after that copy.
@@ -212,6 +213,9 @@ class ModelRunner:
         layout = StepLayout.build(self.cache, self.backend, parts, self.window, self.dtype, device)
         if keep is not None and len(keep) == len(ids) and keep[-1] == len(ids) - 1:
             keep = None  # every packed token, in order
+        loras = [p.lora for p in pieces]
+        if self.decoder is not None and not any(loras):
+            return self._forward_layers(self.decoder, ids, positions, virtual, layout, keep)
         kwargs: dict[str, Any] = {}
         selected = keep is not None and self.accepts_logits_to_keep
         if selected:
@@ -224,7 +228,7 @@ class ModelRunner:
             kwargs["inputs_embeds"] = embeds
         else:
             kwargs["input_ids"] = packed
-        applied = self._adapters([p.lora for p in pieces], [len(p.tokens) for p in pieces])
+        applied = self._adapters(loras, [len(p.tokens) for p in pieces])
         self.timer.start()
         with applied:
             out = self.model(
@@ -235,6 +239,25 @@ class ModelRunner:
             )
         logits = out.logits[0]
         logits = logits[keep] if keep is not None and not selected else logits
+        self.timer.stop()
+        return logits
+
+    def _forward_layers(
+        self,
+        decoder: CpuDecoder,
+        ids: list[int],
+        positions: list[int],
+        virtual: list[tuple[int, torch.Tensor]],
+        layout: StepLayout,
+        keep: list[int] | None,
+    ) -> torch.Tensor:
+        """`forward` through the C++ decoder stack (cpu_decoder.py)."""
+        embeddings = decoder.embed(torch.tensor(ids))
+        for at, rows in virtual:
+            embeddings[at : at + rows.shape[0]] = rows
+        kept = None if keep is None else torch.tensor(keep, dtype=torch.long)
+        self.timer.start()
+        logits = decoder.forward(embeddings, torch.tensor(positions), layout, kept)
         self.timer.stop()
         return logits
 
@@ -264,7 +287,7 @@ class ModelRunner:
             logits = graphs.replay(bucket)[:count]
         elif self.decoder is not None and not any(loras):
             b = buffers
-            logits = self.decoder(
+            logits = self.decoder.decode(
                 b.ids(rows), b.positions(rows), b.slots(rows), b.tables(rows), b.lengths(rows)
             )
         else:
