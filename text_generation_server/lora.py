@@ -158,7 +158,7 @@ class LoraLinear(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         per_row = tokens.shape[0] // step.slots.shape[0] if step.by_rows else 1
         if step.use_kernel(per_row) and not self.row_parallel:
-            args = self._kernel_args_of(step.adapters)
+            args = self.kernel_args(step.adapters)
             if args.any:
                 if tokens.stride(-1) != 1:
                     tokens = tokens.contiguous()
@@ -198,7 +198,7 @@ class LoraLinear(nn.Module):
             self._layout = layout
         return layout
 
-    def _kernel_args_of(self, adapters: list[LoraWeights]) -> KernelArgs:
+    def kernel_args(self, adapters: list[LoraWeights]) -> KernelArgs:
         """This module's weights of the step's `adapters` for the kernel (kept likewise)."""
         key = tuple(adapters)  # LoraWeights compare by identity
         args = self._kernel_args

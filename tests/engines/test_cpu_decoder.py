@@ -172,6 +172,38 @@ def test_steps_with_prompts_match_the_modules(tiny_model, arch, dtype) -> None:
     assert len(ours_details.tokens) == 23
 
 
+def test_lora_decode_steps_run_in_the_call(tiny_model, tmp_path, monkeypatch) -> None:
+    """Decode steps of requests with LoRA adapters (two, and the base model, in one batch) run
+    in the C++ call with our LoRA kernel and give the modules' tokens (tests/test_lora.py checks
+    both ways against PEFT)."""
+    from tests.adapter_helpers import engine_with_store
+    from tests.engines.conformance import Runner
+    from text_generation_server.testing.tiny_prompts import build_lora
+
+    base = tiny_model("llama")
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for seed, name in ((1, "a"), (2, "b")):
+        build_lora(base, tmp_path / name, seed, 4 + seed, targets)
+    requests = [
+        GenerationRequest(i, (5, 17, 42, 99, 7 + i), 8, adapter_id=adapter)
+        for i, adapter in enumerate(("a", "b", "", "a"))
+    ]
+    with_adapters: list[bool] = []
+    decode = CpuDecoder.decode
+
+    def recording(self, *args, **kwargs):
+        with_adapters.append(len(args) > 5 and args[5].slots is not None)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuDecoder, "decode", recording)
+    outputs = {}
+    for mode in ("layers", "modules"):
+        engine = engine_with_store("tgis_native", base, tmp_path, cpu_forward=mode)
+        outputs[mode] = Runner(engine).run({0: requests})
+    assert outputs["layers"] == outputs["modules"]
+    assert sum(with_adapters) >= 5  # the decode steps carried the adapters
+
+
 def test_layers_refused_with_the_reason(tiny_model) -> None:
     with pytest.raises(
         ValueError,

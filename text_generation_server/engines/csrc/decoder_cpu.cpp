@@ -26,6 +26,10 @@
 //   pieces     (start, end, keys) per sequence with several new tokens, its block table
 //              (None: no cached tokens, it attends its own new K/V) and boolean mask [new, keys]
 //              (None: SDPA's causal flag)
+//   lora       None, or the step's LoRA adapters as lora_cpu.cpp's kernel takes them: `slots`
+//              [T] (each token's adapter, -1: none), then per layer and projection (7 per
+//              layer, in the order of `kinds`) one A, Bt and scale per adapter (None: that
+//              adapter does not target the projection)
 //   -> [T, hidden]                  the final norm's output (the LM head is the caller's)
 //
 // Granite's multipliers: the attention scale is `scale`, each residual branch is multiplied by
@@ -151,6 +155,33 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& cache, const 
 template <typename T>
 T* data(const at::Tensor& t) { return t.data_ptr<T>(); }
 
+// The step's LoRA adapters (see the header); slots undefined: none.
+struct Lora {
+  std::optional<at::Tensor> slots;
+  c10::List<std::optional<at::Tensor>> a, bt;
+  std::vector<double> scales;
+  int64_t adapters = 0;
+
+  // y += each token's adapter applied to x, for projection `index` (layer * 7 + which)
+  void apply(at::Tensor& y, const at::Tensor& x, int64_t index) const {
+    if (!slots.has_value()) return;
+    c10::List<std::optional<at::Tensor>> as, bts;
+    bool any = false;
+    for (int64_t s = 0; s < adapters; ++s) {
+      as.push_back(a.get(index * adapters + s));
+      bts.push_back(bt.get(index * adapters + s));
+      any = any || as.get(s).has_value();
+    }
+    if (!any) return;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("tgis_cpu::lora_apply", "")
+                         .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                     const c10::List<std::optional<at::Tensor>>&,
+                                     const c10::List<std::optional<at::Tensor>>&, at::ArrayRef<double>)>();
+    op.call(y, x, *slots, 1, as, bts, at::ArrayRef<double>(scales).slice(index * adapters, adapters));
+  }
+};
+
 // How a step's tokens attend (see the header).
 struct Attention {
   std::optional<at::Tensor> decode, tables, lengths;
@@ -210,7 +241,7 @@ template <typename T>
 at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
                const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
                const std::vector<at::Tensor>& caches, const at::Tensor& slots, const Attention& attention,
-               int64_t heads, int64_t kv_heads, double eps, double residual_multiplier) {
+               const Lora& lora, int64_t heads, int64_t kv_heads, double eps, double residual_multiplier) {
   const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
   const int64_t dim = cos_t.size(1), block_size = attention.block_size;
   const float e = static_cast<float>(eps), m = static_cast<float>(residual_multiplier);
@@ -221,14 +252,17 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     return params.get(layer * kParamsPerLayer + index);
   };
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
-    return linear(x, param(layer, index), param(layer, index + 1), onednn[layer * kLinearsPerLayer + which]);
+    at::Tensor y = linear(x, param(layer, index), param(layer, index + 1), onednn[layer * kLinearsPerLayer + which])
+                       .contiguous();
+    lora.apply(y, x, layer * kLinearsPerLayer + which);
+    return y;
   };
   for (int64_t layer = 0; layer < layers; ++layer) {
     add_norm<T>(data<T>(residual), delta.defined() ? data<T>(delta) : nullptr, data<T>(*param(layer, kInputNorm)),
                 data<T>(normed), rows, size, e, m);
-    at::Tensor q = project(normed, layer, kQ, 0).contiguous();
-    at::Tensor k = project(normed, layer, kK, 1).contiguous();
-    at::Tensor v = project(normed, layer, kV, 2).contiguous();
+    at::Tensor q = project(normed, layer, kQ, 0);
+    at::Tensor k = project(normed, layer, kK, 1);
+    at::Tensor v = project(normed, layer, kV, 2);
     rotate<T>(data<T>(q), data<T>(cos_t), data<T>(sin_t), rows, heads, dim);
     rotate<T>(data<T>(k), data<T>(cos_t), data<T>(sin_t), rows, kv_heads, dim);
     const at::Tensor& cache = caches[layer];
@@ -236,13 +270,13 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
                 block_size, dim);
     at::Tensor attended = attend(q.view({rows, heads, dim}), k.view({rows, kv_heads, dim}),
                                  v.view({rows, kv_heads, dim}), cache, attention);
-    delta = project(attended.view({rows, heads * dim}), layer, kO, 3).contiguous();
+    delta = project(attended.view({rows, heads * dim}), layer, kO, 3);
     add_norm<T>(data<T>(residual), data<T>(delta), data<T>(*param(layer, kPostNorm)), data<T>(normed), rows, size, e,
                 m);
-    at::Tensor gate = project(normed, layer, kGate, 4).contiguous();
-    at::Tensor up = project(normed, layer, kUp, 5).contiguous();
+    at::Tensor gate = project(normed, layer, kGate, 4);
+    at::Tensor up = project(normed, layer, kUp, 5);
     at::silu_(gate).mul_(up);  // transformers' act_fn(gate) * up: the same two roundings
-    delta = project(gate, layer, kDown, 6).contiguous();
+    delta = project(gate, layer, kDown, 6);
   }
   add_norm<T>(data<T>(residual), data<T>(delta), data<T>(*params.get(layers * kParamsPerLayer)), data<T>(normed), rows,
               size, e, m);
@@ -254,7 +288,10 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
                           at::TensorList caches, const at::Tensor& slots, const std::optional<at::Tensor>& decode,
                           const std::optional<at::Tensor>& tables, const std::optional<at::Tensor>& lengths,
                           at::IntArrayRef piece_bounds, const c10::List<std::optional<at::Tensor>>& piece_blocks,
-                          const c10::List<std::optional<at::Tensor>>& piece_masks, int64_t block_size, int64_t heads,
+                          const c10::List<std::optional<at::Tensor>>& piece_masks,
+                          const std::optional<at::Tensor>& lora_slots, const c10::List<std::optional<at::Tensor>>& lora_a,
+                          const c10::List<std::optional<at::Tensor>>& lora_bt, at::ArrayRef<double> lora_scales,
+                          int64_t block_size, int64_t heads,
                           int64_t kv_heads, double eps, double scale, double residual_multiplier, int64_t window) {
   const int64_t layers = caches.size();
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParamsPerLayer + 1, "16 parameters per layer + 1");
@@ -285,16 +322,25 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   std::vector<bool> flags(onednn.begin(), onednn.end());
   std::vector<at::Tensor> layer_caches(caches.begin(), caches.end());
   Attention attention{decode, tables, lengths, piece_bounds.vec(), piece_blocks, piece_masks, block_size, window, scale};
+  Lora lora{lora_slots, lora_a, lora_bt, lora_scales.vec()};
+  if (lora_slots.has_value()) {
+    const int64_t projections = layers * kLinearsPerLayer;
+    TORCH_CHECK(lora_slots->scalar_type() == at::kLong && lora_slots->numel() == rows, "one int64 LoRA slot per token");
+    TORCH_CHECK(projections > 0 && static_cast<int64_t>(lora_a.size()) % projections == 0 &&
+                    lora_bt.size() == lora_a.size() && lora_scales.size() == lora_a.size(),
+                "one LoRA A, Bt and scale per projection and adapter");
+    lora.adapters = static_cast<int64_t>(lora_a.size()) / projections;
+  }
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   switch (embeddings.scalar_type()) {
     case at::kFloat:
-      return run<float>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, heads, kv_heads, eps,
+      return run<float>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
                         residual_multiplier);
     case at::kBFloat16:
-      return run<c10::BFloat16>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, heads, kv_heads,
+      return run<c10::BFloat16>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, lora, heads, kv_heads,
                                 eps, residual_multiplier);
     case at::kHalf:
-      return run<c10::Half>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, heads, kv_heads, eps,
+      return run<c10::Half>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
                             residual_multiplier);
     default:
       TORCH_CHECK(false, "decoder_layers: float32, bfloat16 or float16, not ", embeddings.scalar_type());
@@ -307,7 +353,8 @@ TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
   m.def(
       "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
-      "Tensor?[] piece_masks, int block_size, int heads, int kv_heads, float eps, float scale, "
+      "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
+      "int block_size, int heads, int kv_heads, float eps, float scale, "
       "float residual_multiplier, int window) -> Tensor");
 }
 

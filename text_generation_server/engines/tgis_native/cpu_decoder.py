@@ -11,15 +11,19 @@ chunks, decode rows beside them, soft prompts spliced into the embeddings) from 
 
 Which models: `llama`, `mistral`, `qwen2` and `granite` (their multipliers) with SiLU MLPs and
 full-width rotary embeddings; the decode attention must be our CPU kernel (its K layout), one
-shard (no collectives inside), and a step with a LoRA adapter on any row runs the modules (the
-adapters hook the modules). CPU_FORWARD picks: `layers` (this, or a start-up error saying
-why not), `modules` (transformers' forward) or `auto` (this where the model allows it, else the
-modules, the reason logged).
+shard (no collectives inside). LoRA adapters apply inside the call with our LoRA kernel (one
+call per projection that an adapter of the step targets) where the step has few adapter tokens
+(decode steps: the kernel's limit, lora.KERNEL_MAX_WORK); other LoRA steps run the modules.
+
+CPU_FORWARD picks: `layers` (this, or a start-up error saying why not), `modules`
+(transformers' forward) or `auto` (this where the model allows it, else the modules, the reason
+logged).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,7 @@ import torch
 from text_generation_server.attention.layout import StepLayout
 from text_generation_server.engines.paged_kv import PagedKVCache
 from text_generation_server.engines.weight_layout import OneDnnLinear
+from text_generation_server.lora import LoraLinear, LoraWeights, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,20 @@ PROJECTIONS = (
 
 
 NO_ROWS = torch.empty(0, dtype=torch.long)  # a step without decode rows
+
+
+@dataclass(frozen=True, slots=True)
+class LoraArgs:
+    """A step's LoRA adapters as the decoder op takes them: each token's adapter (`slots`, -1:
+    none; None: no adapter in the step), then per projection one A, Bt and scale per adapter."""
+
+    slots: torch.Tensor | None
+    a: list[torch.Tensor | None]
+    bt: list[torch.Tensor | None]
+    scales: list[float]
+
+
+NO_LORA = LoraArgs(None, [], [], [])
 
 
 class Unsupported(ValueError):
@@ -66,6 +85,7 @@ def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
 @dataclass(slots=True)
 class CpuDecoder:
     model: Any
+    projections: list[tuple[Any, str]]  # (owner module, attribute) of every projection, in order
     params: list[torch.Tensor | None]
     onednn: list[bool]
     caches: list[torch.Tensor]
@@ -86,14 +106,20 @@ class CpuDecoder:
         slots: torch.Tensor,
         tables: torch.Tensor,
         lengths: torch.Tensor,
+        lora: LoraArgs = NO_LORA,
     ) -> torch.Tensor:
         """A decode-only step: one token per row (`ids` [rows] at `positions`, its K/V to
         `slots`) -> logits [rows, vocab]."""
-        hidden = self._layers(self.embed(ids), positions, slots, None, tables, lengths, [], [], [])
+        hidden = self._layers(self.embed(ids), positions, slots, None, tables, lengths, [], [], [], lora)
         return self._logits(hidden)
 
     def forward(
-        self, embeddings: torch.Tensor, positions: torch.Tensor, layout: StepLayout, keep: torch.Tensor | None
+        self,
+        embeddings: torch.Tensor,
+        positions: torch.Tensor,
+        layout: StepLayout,
+        keep: torch.Tensor | None,
+        lora: LoraArgs = NO_LORA,
     ) -> torch.Tensor:
         """Any step: the packed tokens' `embeddings` [T, hidden] (self.embed, soft prompts spliced
         in) at `positions` [T], attended as `layout` says -> logits of the tokens `keep` (all: None)."""
@@ -107,7 +133,7 @@ class CpuDecoder:
         blocks = [alone.blocks for alone in layout.others]
         masks = [alone.mask for alone in layout.others]
         hidden = self._layers(
-            embeddings, positions, layout.slots, decode, tables, lengths, bounds, blocks, masks
+            embeddings, positions, layout.slots, decode, tables, lengths, bounds, blocks, masks, lora
         )
         return self._logits(hidden if keep is None else hidden.index_select(0, keep))
 
@@ -127,16 +153,47 @@ class CpuDecoder:
         bounds: list[int],
         blocks: list[torch.Tensor | None],
         masks: list[torch.Tensor | None],
+        lora: LoraArgs,
     ) -> torch.Tensor:
         if self.embedding_multiplier != 1.0:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
             embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.caches, slots,
-            decode, tables, lengths, bounds, blocks, masks, self.block_size, self.heads, self.kv_heads,
+            decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
+            self.block_size, self.heads, self.kv_heads,
             self.eps, self.scale, self.residual_multiplier, self.window,
         )  # fmt: skip
         return hidden
+
+    def lora_for(
+        self, loras: Sequence[LoraWeights | None], repeats: Sequence[int], kernel: bool
+    ) -> LoraArgs | None:
+        """The LoRA arguments of a step whose pieces (`repeats` tokens each) use `loras`; None
+        where the step's adapters are for the modules (more adapter tokens than our LoRA kernel
+        serves, or no kernel)."""
+        step = step_of(loras, torch.device("cpu"), False, repeats)
+        if step is None:
+            return NO_LORA
+        step.kernel = kernel
+        if not step.use_kernel(1):
+            return None
+        count = len(step.adapters)
+        a: list[torch.Tensor | None] = []
+        bt: list[torch.Tensor | None] = []
+        scales: list[float] = []
+        for owner, name in self.projections:
+            module = getattr(owner, name)
+            if isinstance(module, LoraLinear):
+                args = module.kernel_args(step.adapters)
+                a += args.a
+                bt += args.bt
+                scales += args.scales
+            else:
+                a += [None] * count
+                bt += [None] * count
+                scales += [0.0] * count
+        return LoraArgs(step.slots, a, bt, scales)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.lm_head(hidden)
@@ -168,12 +225,14 @@ def build(
     layers = list(model.model.layers)
     params: list[torch.Tensor | None] = []
     onednn: list[bool] = []
+    projections: list[tuple[Any, str]] = []
     for layer in layers:
         attention = layer.self_attn
         if any(hasattr(attention, name) for name in ("q_norm", "k_norm")):
             raise Unsupported("its attention normalizes queries and keys")
         params.append(layer.input_layernorm.weight)
         for owner, name in PROJECTIONS:
+            projections.append((getattr(layer, owner), name))
             weight, bias, packed = _linear(getattr(getattr(layer, owner), name))
             params += [weight, bias]
             onednn.append(packed)
@@ -184,6 +243,7 @@ def build(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return CpuDecoder(
         model=model,
+        projections=projections,
         params=[p.detach() if p is not None else None for p in params],
         onednn=onednn,
         caches=[cache.layers[i] for i in range(len(layers))],

@@ -14,8 +14,9 @@ Two ways in:
                           padding rows write their K/V to the scratch slot and have 0 keys);
                           otherwise it runs eagerly over the same buffers.
 
-On CPU, a step of either kind with no LoRA adapter runs the decoder stack in one C++ call where
-the model allows it (cpu_decoder.py), instead of the model's modules.
+On CPU, a step of either kind runs the decoder stack in one C++ call where the model allows it
+(cpu_decoder.py), instead of the model's modules; LoRA adapters ride in the call where the step
+has few adapter tokens (decode steps), else the step runs the modules.
 
 Neither path reads a tensor back to the host: the step's only device-to-host copy is the
 chosen ids (engines/step.py). Forward time is read from CUDA events after that copy.
@@ -34,10 +35,10 @@ import torch
 from text_generation_server.attention.backend import AttentionBackend, DecodeRows
 from text_generation_server.attention.layout import Piece, StepLayout
 from text_generation_server.engines.paged_kv import PagedKVCache, SequenceKV
+from text_generation_server.engines.tgis_native.cpu_decoder import NO_LORA, CpuDecoder, LoraArgs
 
 if TYPE_CHECKING:
     from text_generation_server.adapters import AdapterSet
-    from text_generation_server.engines.tgis_native.cpu_decoder import CpuDecoder
     from text_generation_server.engines.tgis_native.graphs import DecodeGraphs
     from text_generation_server.lora import LoraWeights
 
@@ -214,8 +215,10 @@ class ModelRunner:
         if keep is not None and len(keep) == len(ids) and keep[-1] == len(ids) - 1:
             keep = None  # every packed token, in order
         loras = [p.lora for p in pieces]
-        if self.decoder is not None and not any(loras):
-            return self._forward_layers(self.decoder, ids, positions, virtual, layout, keep)
+        lengths = [len(p.tokens) for p in pieces]
+        lora = self._layers_lora(loras, lengths)
+        if self.decoder is not None and lora is not None:
+            return self._forward_layers(self.decoder, ids, positions, virtual, layout, keep, lora)
         kwargs: dict[str, Any] = {}
         selected = keep is not None and self.accepts_logits_to_keep
         if selected:
@@ -228,7 +231,7 @@ class ModelRunner:
             kwargs["inputs_embeds"] = embeds
         else:
             kwargs["input_ids"] = packed
-        applied = self._adapters(loras, [len(p.tokens) for p in pieces])
+        applied = self._adapters(loras, lengths)
         self.timer.start()
         with applied:
             out = self.model(
@@ -250,6 +253,7 @@ class ModelRunner:
         virtual: list[tuple[int, torch.Tensor]],
         layout: StepLayout,
         keep: list[int] | None,
+        lora: LoraArgs,
     ) -> torch.Tensor:
         """`forward` through the C++ decoder stack (cpu_decoder.py)."""
         embeddings = decoder.embed(torch.tensor(ids))
@@ -257,9 +261,19 @@ class ModelRunner:
             embeddings[at : at + rows.shape[0]] = rows
         kept = None if keep is None else torch.tensor(keep, dtype=torch.long)
         self.timer.start()
-        logits = decoder.forward(embeddings, torch.tensor(positions), layout, kept)
+        logits = decoder.forward(embeddings, torch.tensor(positions), layout, kept, lora)
         self.timer.stop()
         return logits
+
+    def _layers_lora(self, loras: Sequence[LoraWeights | None], repeats: Sequence[int]) -> LoraArgs | None:
+        """What the C++ decoder stack needs of the step's LoRA adapters; None where it cannot
+        take the step (no decoder, or adapters it leaves to the modules)."""
+        if self.decoder is None:
+            return None
+        if not any(loras):
+            return NO_LORA
+        lora = self.adapters.lora if self.adapters is not None else None
+        return self.decoder.lora_for(loras, repeats, lora is not None and lora.kernel)
 
     def _adapters(
         self, loras: Sequence[LoraWeights | None], lengths: Sequence[int]
@@ -285,10 +299,10 @@ class ModelRunner:
         if bucket is not None:
             assert graphs is not None
             logits = graphs.replay(bucket)[:count]
-        elif self.decoder is not None and not any(loras):
+        elif self.decoder is not None and (lora := self._layers_lora(loras, [1] * count)) is not None:
             b = buffers
             logits = self.decoder.decode(
-                b.ids(rows), b.positions(rows), b.slots(rows), b.tables(rows), b.lengths(rows)
+                b.ids(rows), b.positions(rows), b.slots(rows), b.tables(rows), b.lengths(rows), lora
             )
         else:
             with self._adapters(loras, [1] * count):
