@@ -198,7 +198,11 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     "--dtype-str", envvar="DTYPE_STR", default=None, help="Same as --dtype; both must agree [env DTYPE_STR]."
 )
 @click.option(
-    "--quantize", envvar="QUANTIZE", default=None, help="Not supported by any engine yet [env QUANTIZE]."
+    "--quantize",
+    envvar="QUANTIZE",
+    default=None,
+    help="int8 = int8 weights and per-token int8 activations on CPU (tgis_native, hf_transformers); "
+    "TGIS's and TGI's other names (gptq, bitsandbytes, fp8, ...) are refused with the reason [env QUANTIZE].",
 )
 @click.option(
     "--num-shard",

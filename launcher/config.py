@@ -40,6 +40,7 @@ from text_generation_common.defaults import (
 )
 from text_generation_common.engines import ENGINES, EngineSpec
 from text_generation_common.model_config import context_length
+from text_generation_common.quantize import refusal as quantize_refusal
 from text_generation_server.utils import hub
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class LaunchConfig:
     otlp_endpoint: str | None = None
     otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
     placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
+    quantize: str | None = None  # QUANTIZE, passed to the shards (checked here, and there for the device)
     auth: AuthConfig = field(default_factory=AuthConfig)  # the router's; secrets go in its environment
 
     def socket_path(self, rank: int) -> str:
@@ -273,9 +275,10 @@ def check_engine_installed(engine: str, engines: Mapping[str, EngineSpec] = ENGI
         )
 
 
-def check_quantize(quantize: str | None) -> None:
-    if quantize:
-        raise LaunchError(f"quantization ({quantize}) is not supported by any engine yet: unset QUANTIZE")
+def check_quantize(quantize: str | None, engine: str, num_shard: int) -> None:
+    reason = quantize_refusal(quantize, engine, num_shard)
+    if reason is not None:
+        raise LaunchError(reason)
 
 
 # TGIS switches that change how the shard runs the model, each read as TGIS reads it (on unless
@@ -361,12 +364,12 @@ def resolve_auth(flags: LaunchFlags) -> AuthConfig:
 
 def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     """Check and complete `flags`; raises LaunchError at the first problem."""
-    check_quantize(flags.quantize)
     engine = resolve_engine(flags.deployment_framework)
     check_switches(env, engine)
     dtype = resolve_dtype(flags.dtype, flags.dtype_str)
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)
+    check_quantize(flags.quantize, engine, num_shard)
     check_engine_installed(engine)
     check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
     auth = resolve_auth(flags)
@@ -419,6 +422,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         otlp_endpoint=flags.otlp_endpoint,
         otlp_service_name=flags.otlp_service_name,
         placements=tuple(placements),
+        quantize=flags.quantize,
         auth=auth,
     )
 
@@ -457,6 +461,8 @@ def shard_command(config: LaunchConfig) -> list[str]:
     ]
     if config.dtype:
         argv += ["--dtype", config.dtype]
+    if config.quantize:
+        argv += ["--quantize", config.quantize]
     if config.revision:
         argv += ["--revision", config.revision]
     return argv

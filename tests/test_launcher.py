@@ -244,10 +244,25 @@ def test_unknown_engine_lists_the_choices() -> None:
     )
 
 
-def test_quantize_is_refused() -> None:
-    lc.check_quantize(None)
-    with pytest.raises(LaunchError, match=r"quantization \(gptq\) is not supported by any engine yet"):
-        lc.check_quantize("gptq")
+def test_quantize_schemes_and_refusals() -> None:
+    lc.check_quantize(None, "hf_optimum_ort", 2)
+    lc.check_quantize("int8", "tgis_native", 1)
+    lc.check_quantize("int8", "hf_transformers", 1)
+    refused = {
+        ("gptq", "tgis_native", 1): r"^QUANTIZE=gptq: GPTQ checkpoints are not served yet; served: int8$",
+        ("bitsandbytes-nf4", "hf_transformers", 1): r"^QUANTIZE=bitsandbytes-nf4: bitsandbytes quantization",
+        ("fp8", "tgis_native", 1): r"^QUANTIZE=fp8: fp8 is not served yet",
+        ("int4", "tgis_native", 1): r"^unknown QUANTIZE 'int4'; choose one of int8, gptq, awq",
+        (
+            "int8",
+            "hf_optimum_ort",
+            1,
+        ): r"^QUANTIZE=int8 is served by tgis_native and hf_transformers, not hf_optimum_ort$",
+        ("int8", "tgis_native", 2): r"^QUANTIZE=int8 is not served on 2 shards yet \(NUM_SHARD=1\)$",
+    }
+    for (scheme, engine, shards), line in refused.items():
+        with pytest.raises(LaunchError, match=line):
+            lc.check_quantize(scheme, engine, shards)
 
 
 def test_tgis_switches_we_lack_are_refused() -> None:
@@ -269,10 +284,13 @@ def test_flash_and_paged_attention_mean_the_paged_engine(var: str) -> None:
 def test_shard_command_and_env_are_accepted_by_the_shard_cli(tiny_model: Callable[..., Path]) -> None:
     from text_generation_server.cli import serve
 
-    config = config_for(tiny_model("llama"), {"HF_HUB_CACHE": "/c"}, dtype="float32", revision="r1")
+    config = config_for(
+        tiny_model("llama"), {"HF_HUB_CACHE": "/c"}, dtype="float32", revision="r1", quantize="int8"
+    )
     argv = lc.shard_command(config)
     params = serve.make_context("serve", argv[argv.index("serve") + 1 :]).params
     assert params["model_name"] == str(tiny_model("llama")) and params["dtype"] == "float32"
+    assert params["quantize"] == "int8"
     assert (params["max_sequence_length"], params["max_new_tokens"], params["revision"]) == (512, 511, "r1")
     assert params["uds_path"] == config.shard_uds_path
     env = lc.shard_env(config, 0, {"KEEP": "1", "PYTORCH_CUDA_ALLOC_CONF": ""})

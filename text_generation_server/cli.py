@@ -217,6 +217,13 @@ def pin_to(cpu_list: str) -> None:
     "where it builds, else SDPA with a warning [env CPU_ATTENTION].",
 )
 @click.option(
+    "--quantize",
+    envvar="QUANTIZE",
+    default=None,
+    help="int8 = int8 weights and per-token int8 activations on CPU (oneDNN); other schemes are "
+    "refused with the reason [env QUANTIZE].",
+)
+@click.option(
     "--cpu-forward",
     envvar="CPU_FORWARD",
     type=click.Choice(CPU_FORWARD_MODES),
@@ -319,6 +326,7 @@ def serve(
     cpu_affinity: str | None,
     kv_block_size: int,
     cpu_attention: str,
+    quantize: str | None,
     cpu_forward: str,
     prefix_caching: bool,
     cpu_kv_cache_space: float,
@@ -361,6 +369,7 @@ def serve(
             run_ahead=run_ahead,
             kv_block_size=kv_block_size,
             cpu_attention=cpu_attention,
+            quantize=quantize,
             cpu_forward=cpu_forward,
             prefix_caching=prefix_caching,
             cpu_kv_cache_space=cpu_kv_cache_space,

@@ -17,6 +17,7 @@ from text_generation_common.defaults import (
     default_uds_path,
     shard_socket_path,
 )
+from text_generation_common.quantize import refusal as quantize_refusal
 
 LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
@@ -46,6 +47,7 @@ class ServerConfig:
     linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
     cpu_attention: str = "auto"  # paged decode attention on CPU: auto | kernel (ours, C++) | sdpa
+    quantize: str | None = None  # QUANTIZE: None, or a scheme of text_generation_common/quantize.py
     cpu_forward: str = "auto"  # tgis_native forward on CPU: auto | layers (one C++ call) | modules
     gpu_attention: str = "auto"  # paged decode attention on CUDA: auto | triton (ours) | sdpa
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before (tgis_native)
@@ -88,6 +90,9 @@ class ServerConfig:
         if self.cpu_attention not in CPU_ATTENTION_MODES:
             choices = ", ".join(CPU_ATTENTION_MODES)
             raise ValueError(f"unknown CPU_ATTENTION {self.cpu_attention!r}; choose one of {choices}")
+        refused = quantize_refusal(self.quantize, self.deployment_framework, self.world_size)
+        if refused is not None:
+            raise ValueError(refused)
         if self.cpu_forward not in CPU_FORWARD_MODES:
             choices = ", ".join(CPU_FORWARD_MODES)
             raise ValueError(f"unknown CPU_FORWARD {self.cpu_forward!r}; choose one of {choices}")

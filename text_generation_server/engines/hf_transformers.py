@@ -30,7 +30,7 @@ from text_generation_common.messages import (
     StepOutput,
 )
 from text_generation_common.model_config import context_length
-from text_generation_server import distributed
+from text_generation_server import distributed, quantization
 from text_generation_server.adapters import adapters_for
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import sharded_bigcode
@@ -113,6 +113,7 @@ def load_pretrained(
     hf_logging.disable_progress_bar()
     model_dir = resolve_model_dir(config.model_name, config.revision)
     device = select_device(config.rank)
+    quantization.check(config.quantize, config.deployment_framework, device, config.world_size)
     dtype, dtype_reason = select_dtype(config.dtype, device)
     hf_config = transformers.AutoConfig.from_pretrained(
         model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
@@ -157,11 +158,12 @@ def load_pretrained(
     elif config.world_size == 1:
         model.to(device)
     model.eval()
+    quantization.quantize_model(model, config.quantize)
     logger.info(
         "shard %d/%d holds %.1f MiB of the model's weights",
         config.rank,
         config.world_size,
-        distributed.local_bytes(model) / 2**20,
+        (distributed.local_bytes(model) + quantization.packed_bytes(model)) / 2**20,
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True

@@ -33,6 +33,7 @@ from text_generation_server.attention.layout import StepLayout
 from text_generation_server.engines.paged_kv import PagedKVCache
 from text_generation_server.engines.weight_layout import OneDnnLinear
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
+from text_generation_server.quantization import Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         packed = base.packed_weight
         assert isinstance(packed, torch.Tensor)
         return packed, base.bias, True
+    if isinstance(base, Int8Linear):
+        raise Unsupported("its projections are in int8 (QUANTIZE=int8), which it does not take yet")
     if type(base) is torch.nn.Linear:
         return base.weight, base.bias, False
     raise Unsupported(f"its projections are {type(base).__name__}, not Linear")

@@ -1,0 +1,137 @@
+"""QUANTIZE=int8 on CPU (text_generation_server/quantization.py): the int8 linear against the float
+product, batch invariance bit for bit, the model's logits against the unquantized model, both
+engines' greedy tokens against the quantized model's own `generate`, the bytes, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from tests.engines.conformance import alone
+from text_generation_common.messages import GenerationRequest
+from text_generation_server import quantization
+from text_generation_server.config import ServerConfig
+from text_generation_server.engines import get_engine_class
+from text_generation_server.quantization import Int8Linear, quantize_model
+
+pytestmark = pytest.mark.skipif(
+    "onednn" not in torch.backends.quantized.supported_engines,
+    reason="this torch has no oneDNN quantized engine",
+)
+
+PROMPTS = ((5, 17, 42, 99, 7, 300, 12), (1, 250, 251, 252), (9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_against_the_float_product(dtype, bias) -> None:
+    gen = torch.Generator().manual_seed(0)
+    linear = nn_linear(96, 40, bias, dtype, gen)
+    layer = Int8Linear(linear)
+    x = torch.randn(2, 5, 96, generator=gen).to(dtype)
+    x[1, 2] *= 40  # one token far larger than the others
+    y = layer(x)
+    assert y.shape == (2, 5, 40) and y.dtype == dtype
+    reference = torch.nn.functional.linear(
+        x.float(), linear.weight.float(), None if not bias else linear.bias.float()
+    )
+    error = (y.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert error.max().item() < 0.03
+
+
+def nn_linear(
+    inputs: int, outputs: int, bias: bool, dtype: torch.dtype, gen: torch.Generator
+) -> torch.nn.Linear:
+    linear = torch.nn.Linear(inputs, outputs, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(outputs, inputs, generator=gen) / inputs**0.5)
+        if bias:
+            linear.bias.copy_(torch.randn(outputs, generator=gen))
+    return linear.to(dtype)
+
+
+def test_each_token_is_quantized_as_if_alone() -> None:
+    """A token's output does not depend on the tokens beside it, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    layer = Int8Linear(nn_linear(64, 32, True, torch.bfloat16, gen))
+    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+    x[4] *= 100
+    x[7] *= 0.01
+    batched = layer(x)
+    for row in range(9):
+        assert torch.equal(batched[row], layer(x[row : row + 1])[0])
+        assert torch.equal(batched[row], layer(x[[row, 4]])[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_logits_stay_close_and_weights_halve(tiny_model, dtype) -> None:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model("llama"), dtype=getattr(torch, dtype)
+    ).eval()
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, "int8")
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not model.lm_head]
+    assert sum(isinstance(m, Int8Linear) for m in quantized.modules()) == len(linears) > 0
+    assert isinstance(quantized.lm_head, torch.nn.Linear)  # the LM head keeps its dtype
+    dense = sum(m.weight.numel() for m in linears)
+    # 1 byte a weight and 4 a scale: at most 0.55 of bf16's 2 bytes a weight (issue 29's bound)
+    assert quantization.packed_bytes(quantized) == dense + 4 * sum(m.out_features for m in linears)
+    assert quantization.packed_bytes(quantized) <= 0.55 * 2 * dense
+    cosines = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            a, b = model(ids).logits[0, -1].float(), quantized(ids).logits[0, -1].float()
+            cosines.append(torch.nn.functional.cosine_similarity(a, b, dim=0).item())
+    assert sum(cosines) / len(cosines) >= 0.99, cosines
+
+
+@pytest.mark.parametrize("engine", ["hf_transformers", "tgis_native"])
+def test_engines_serve_the_quantized_models_own_generate(tiny_model, engine) -> None:
+    path = tiny_model("llama")
+    config = ServerConfig(
+        model_name=str(path),
+        deployment_framework=engine,
+        dtype="float32",
+        quantize="int8",
+        max_batch_size=4,
+        max_sequence_length=128,
+        max_new_tokens=16,
+    )
+    served = get_engine_class(engine)(config)
+    assert any(isinstance(m, Int8Linear) for m in served.model.modules())
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    quantize_model(reference, "int8")
+    pad = reference.config.pad_token_id
+    for i, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = reference.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=10,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        assert alone(served, GenerationRequest(i, prompt, 10)) == out[0, len(prompt) :].tolist()
+
+
+def test_refusals(tiny_model) -> None:
+    cuda = torch.device("cuda")
+    with pytest.raises(
+        ValueError, match=r"^QUANTIZE=int8 runs on CPU \(oneDNN's int8 kernels\), not on cuda$"
+    ):
+        quantization.check("int8", "tgis_native", cuda)
+    with pytest.raises(ValueError, match=r"^QUANTIZE=gptq: GPTQ checkpoints are not served yet"):
+        quantization.check("gptq", "tgis_native", torch.device("cpu"))
+    quantization.check(None, "hf_optimum_ort", cuda)
+    gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("gpt2"))
+    with pytest.raises(ValueError, match=r"^QUANTIZE=int8: this model has no Linear layers to quantize$"):
+        quantize_model(gpt2, "int8")
+    with pytest.raises(ValueError, match=r"QUANTIZE=int8 is served by tgis_native and hf_transformers"):
+        ServerConfig(
+            model_name=str(tiny_model("llama")), deployment_framework="hf_optimum_ort", quantize="int8"
+        )

@@ -1,0 +1,33 @@
+"""QUANTIZE's names (TGIS's and HF TGI's), which ones serve, on which engines; torch-free, so the
+launcher refuses before any process starts (the shard checks the device: text_generation_server/
+quantization.py)."""
+
+from __future__ import annotations
+
+SERVED = ("int8",)  # CPU: int8 weights and per-token int8 activations on oneDNN's kernels
+ENGINES = ("tgis_native", "hf_transformers")  # the engines that serve SERVED
+NOT_YET = {  # scheme -> why it is refused today
+    "gptq": "GPTQ checkpoints are not served yet",
+    "awq": "AWQ checkpoints are not served yet",
+    "bitsandbytes": "bitsandbytes quantization is not served yet",
+    "bitsandbytes-nf4": "bitsandbytes quantization is not served yet",
+    "bitsandbytes-fp4": "bitsandbytes quantization is not served yet",
+    "fp8": "fp8 is not served yet",
+    "compressed-tensors": "compressed-tensors checkpoints are not served yet",
+}
+SCHEMES = (*SERVED, *NOT_YET)
+
+
+def refusal(scheme: str | None, engine: str, world_size: int = 1) -> str | None:
+    """Why QUANTIZE=`scheme` cannot serve on `engine` with `world_size` shards (None: it can)."""
+    if not scheme:
+        return None
+    if scheme in NOT_YET:
+        return f"QUANTIZE={scheme}: {NOT_YET[scheme]}; served: {', '.join(SERVED)}"
+    if scheme not in SERVED:
+        return f"unknown QUANTIZE {scheme!r}; choose one of {', '.join(SCHEMES)}"
+    if engine not in ENGINES:
+        return f"QUANTIZE={scheme} is served by {' and '.join(ENGINES)}, not {engine}"
+    if world_size > 1:
+        return f"QUANTIZE={scheme} is not served on {world_size} shards yet (NUM_SHARD=1)"
+    return None
