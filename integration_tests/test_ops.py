@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import re
 import signal
 import time
 import urllib.request
@@ -341,6 +342,20 @@ def test_bad_tls_configuration_fails_with_one_line(root, pki, env: dict[str, str
         launch("llama", root, env=env)
     log = str(error.value)
     assert message in log and "Traceback" not in log
+
+
+def test_int8_through_the_launcher(root) -> None:
+    s = launch("llama@tgis_native", root, "--quantize", "int8")
+    try:
+        response = generate(s.stub(), ["def hello"], stopping={"min_new_tokens": 5, "max_new_tokens": 5})
+        assert response.responses[0].generated_token_count == 5 and response.responses[0].text
+        assert re.search(r"QUANTIZE=int8: \d+ linear layers in int8", s.log())
+    finally:
+        s.stop()
+    with pytest.raises(RuntimeError) as error:
+        launch("llama", root, "--quantize", "gptq")
+    log = str(error.value)
+    assert "QUANTIZE=gptq: GPTQ checkpoints are not served yet; served: int8" in log and "Traceback" not in log
 
 
 # ---- drain and failures -----------------------------------------------------------------------
