@@ -355,7 +355,9 @@ def test_int8_through_the_launcher(root) -> None:
     with pytest.raises(RuntimeError) as error:
         launch("llama", root, "--quantize", "gptq")
     log = str(error.value)
-    assert "QUANTIZE=gptq: GPTQ checkpoints are not served yet; served: int8" in log and "Traceback" not in log
+    assert (
+        "QUANTIZE=gptq: GPTQ checkpoints are not served yet; served: int8" in log and "Traceback" not in log
+    )
 
 
 # ---- drain and failures -----------------------------------------------------------------------
