@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         "is recorded. best: run everything in float32 and in bfloat16 (OUT/float32/, "
         "OUT/bfloat16/) and write OUT/best.md with each system at its fastest dtype",
     )
+    g.add_argument(
+        "--quantize",
+        default=None,
+        help="QUANTIZE for our server and the baselines (int8 on CPU; recorded in the metadata); "
+        "vLLM-CPU runs unquantized",
+    )
 
     g = p.add_argument_group("workload")
     g.add_argument(
@@ -406,6 +412,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup_rounds=args.warmup_rounds,
         systems=args.systems,
         dtype=args.dtype,
+        quantize=args.quantize,
         max_batch_size=args.max_batch_size,
         server_args=tuple(args.server_arg),
         server_env=dict(args.server_env),

@@ -64,6 +64,7 @@ def engine_runner(
     engine_name: str = DEFAULT_ENGINE,
     token_budget: int | None = None,
     max_sequence_length: int | None = None,
+    quantize: str | None = None,
 ) -> tuple[Runner, str]:
     """The engine `engine_name` from the registry, driven through the shard's BatchManager as
     the router drives it: prefill, then next_token with the finished requests pruned, each call
@@ -80,6 +81,7 @@ def engine_runner(
         max_batch_size=max_batch,
         max_new_tokens=max(max_new, 1),
         max_sequence_length=max_sequence_length,
+        quantize=quantize,
     )
     engine = get_engine_class(engine_name)(config)
     manager = BatchManager(engine, max_batch)
@@ -137,10 +139,11 @@ def engine_runner(
     return run, engine.info.dtype or str(getattr(engine, "dtype", "")).removeprefix("torch.")
 
 
-def generate_runner(model_dir: Path, dtype: str | None) -> tuple[Runner, str]:
+def generate_runner(model_dir: Path, dtype: str | None, quantize: str | None = None) -> tuple[Runner, str]:
     import torch
     import transformers
 
+    from text_generation_server import quantization
     from text_generation_server.engines.hf_transformers import select_device, select_dtype
 
     device = select_device(0)
@@ -149,6 +152,8 @@ def generate_runner(model_dir: Path, dtype: str | None) -> tuple[Runner, str]:
         model_dir, dtype=torch_dtype, local_files_only=True
     )
     model.to(device).eval()
+    quantization.check(quantize, "hf_transformers", device)
+    quantization.quantize_model(model, quantize)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
 
     def generate(ids: Any, new_tokens: int) -> Any:
@@ -188,15 +193,23 @@ def measure(
     engine: str = DEFAULT_ENGINE,
     token_budget: int | None = None,
     max_sequence_length: int | None = None,
+    quantize: str | None = None,
 ) -> dict[str, Any]:
     import torch
 
     if kind == "engine":
         run, resolved = engine_runner(
-            model_dir, dtype, max(batch_sizes), output_len, engine, token_budget, max_sequence_length
+            model_dir,
+            dtype,
+            max(batch_sizes),
+            output_len,
+            engine,
+            token_budget,
+            max_sequence_length,
+            quantize,
         )
     elif kind == "generate":
-        run, resolved = generate_runner(model_dir, dtype)
+        run, resolved = generate_runner(model_dir, dtype, quantize)
     else:
         raise ValueError(f"unknown baseline {kind!r}; choose one of {', '.join(KINDS)}")
     points = []
@@ -240,6 +253,7 @@ def measure(
         # the budget each call got (0 = whole prompts: the engine does not chunk, or asked for)
         **({"engine": engine, "token_budget": points[0].get("token_budget")} if kind == "engine" else {}),
         "dtype": resolved,
+        **({"quantize": quantize} if quantize else {}),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "repeats": max(1, repeats),
@@ -263,6 +277,7 @@ def run_in_child(
     engine: str | None = None,
     token_budget: int | None = None,
     max_sequence_length: int | None = None,
+    quantize: str | None = None,
 ) -> dict[str, Any]:
     """Run one baseline in a child process (its log next to `out`); its results."""
     command = [
@@ -278,6 +293,7 @@ def run_in_child(
         *(["--engine", engine] if engine else []),
         *(["--token-budget", str(token_budget)] if token_budget is not None else []),
         *(["--max-sequence-length", str(max_sequence_length)] if max_sequence_length else []),
+        *(["--quantize", quantize] if quantize else []),
     ]  # fmt: skip
     log_path = out.with_suffix(".log")
     logger.info(
@@ -328,12 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         f"default: the router's {DEFAULT_PREFILL_BUDGET})",
     )
     parser.add_argument("--max-sequence-length", type=int, default=None, help="default: the model's")
+    parser.add_argument("--quantize", default=None, help="QUANTIZE of the engine / model (e.g. int8)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     result = measure(
         args.kind, args.model, args.dtype, sizes, args.input_len, args.output_len, args.seed, args.repeats,
-        args.engine, args.token_budget, args.max_sequence_length,
+        args.engine, args.token_budget, args.max_sequence_length, args.quantize,
     )  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -225,7 +225,8 @@ def markdown(results: dict[str, Any]) -> str:
         + (f"; {params / 1e6:.1f} M parameters" if params else "")
         + ")",
         f"- dtype: {meta.get('dtype') or 'unknown'}"
-        + (f" (asked: {meta['dtype_requested']})" if meta.get("dtype_requested") else " (server default)"),
+        + (f" (asked: {meta['dtype_requested']})" if meta.get("dtype_requested") else " (server default)")
+        + (f"; QUANTIZE={meta['quantize']} (ours and the baselines)" if meta.get("quantize") else ""),
         f"- workload: {meta.get('workload_description', '')}; mode: {meta.get('mode', '')}",
         f"- engine(s): {', '.join(meta.get('engines') or [meta.get('engine') or 'server default'])}"
         + (

@@ -90,6 +90,7 @@ class BenchConfig:
     warmup_rounds: int = 1
     systems: tuple[str, ...] = SYSTEMS
     dtype: str | None = None
+    quantize: str | None = None  # QUANTIZE of our server and of the baselines
     max_batch_size: int | None = None  # None: the largest concurrency
     server_args: tuple[str, ...] = ()
     server_env: dict[str, str] = field(default_factory=dict)
@@ -487,6 +488,7 @@ class Run:
             variants={v.key: v.describe() for v in variants},
             dtype_requested=cfg.dtype,
             dtype=cfg.dtype,
+            quantize=cfg.quantize,
             threads={
                 "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
                 "server_env": cfg.server_env,
@@ -569,7 +571,11 @@ class Run:
                 self.out,
                 dtype=cfg.dtype,
                 max_batch_size=cfg.max_batch_size or largest,
-                extra_args=(*variant.launcher_args(), *cfg.server_args),
+                extra_args=(
+                    *variant.launcher_args(),
+                    *(("--quantize", cfg.quantize) if cfg.quantize else ()),
+                    *cfg.server_args,
+                ),
                 env={**variant.env(), **store, **cfg.server_env},
                 cpus=self.server_cpus,
                 name=name if door == "ours" else name.replace("ours", OURS_OPENAI, 1),
@@ -713,6 +719,7 @@ class Run:
             cpus=self.server_cpus,
             engine=engine,
             token_budget=cfg.prefill_budgets[0] if len(cfg.prefill_budgets) == 1 else None,
+            quantize=cfg.quantize,
         )
         self.results["baselines"][key] = result
         meta = self.results["metadata"]

@@ -620,3 +620,23 @@ def test_targets_of_a_run_through_the_openai_door_alone() -> None:
     throughput = targets["ours-openai: ours / vLLM-CPU output tok/s at c = 32 (stretch 1.5)"]
     assert throughput["value"] == pytest.approx(2000 / 1600) and throughput["status"] == "met"
     assert targets["ours-openai: ours / vLLM-CPU median TTFT at c = 32"]["status"] == "missed"
+
+
+def test_quantize_reaches_our_server_and_the_baselines(
+    tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from text_generation_server import quantization
+
+    assert _config("--quantize", "int8").quantize == "int8" and _config().quantize is None
+    quantized = []
+    quantize_model = quantization.quantize_model
+
+    def recording(model, scheme):
+        quantize_model(model, scheme)
+        quantized.append(sum(isinstance(m, quantization.Int8Linear) for m in model.modules()))
+
+    monkeypatch.setattr(quantization, "quantize_model", recording)
+    for kind in ("engine", "generate"):
+        result = baselines.measure(kind, tiny_model("llama"), "float32", [2], 6, 3, quantize="int8")
+        assert result["quantize"] == "int8" and result["points"][0]["output_throughput"] > 0
+    assert len(quantized) == 2 and min(quantized) > 0  # both models ran in int8
