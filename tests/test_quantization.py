@@ -119,6 +119,19 @@ def test_engines_serve_the_quantized_models_own_generate(tiny_model, engine) -> 
         assert alone(served, GenerationRequest(i, prompt, 10)) == out[0, len(prompt) :].tolist()
 
 
+def test_the_cpp_decoder_stack_runs_int8_layers_as_the_modules_do(tiny_model) -> None:
+    from tests.engines.test_cpu_decoder import both_logits, started
+    from tests.engines.test_tgis_native import config_for
+    from text_generation_server.engines.tgis_native import TgisNativeEngine
+
+    engine = TgisNativeEngine(config_for(tiny_model("llama"), quantize="int8", cpu_forward="layers"))
+    assert engine.runner.decoder is not None and all(p is not None for p in engine.runner.decoder.int8)
+    batch = started(engine, [5, 17, 9])
+    for ids in ([7, 8, 9], [300, 2, 41]):
+        ours, theirs = both_logits(engine, batch, ids)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 def test_refusals(tiny_model) -> None:
     cuda = torch.device("cuda")
     with pytest.raises(

@@ -18,6 +18,9 @@
 //                input norm, q (weight, bias), k, v, o, post-attention norm, gate, up, down
 //              (a missing bias is None)
 //   onednn     7 per layer: whether q, k, v, o, gate, up, down hold oneDNN packed weights
+//   int8       7 per layer: the packed int8 weights of QUANTIZE=int8 (quantization.py's
+//              Int8Linear), else None; such a projection's weight slot holds its range row and
+//              its bias slot its float32 bias
 //   caches     one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
 //   slots      [T] int64            the cache slot of each new token's K/V
 //   decode     [D] int64 or None    the packed index of each single-token row (None with no
@@ -38,12 +41,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/quantized/PackedParams.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -130,6 +135,20 @@ void write_kv(T* cache, const T* key, const T* value, const int64_t* slots, int6
       for (int64_t i = 0; i < dim; ++i) vb[i] = v[i];
     }
   });
+}
+
+using Int8Weights = c10::intrusive_ptr<LinearPackedParamsBase>;
+
+// quantization.py's Int8Linear.forward: each token scaled to max |x| = 1, the range row
+// appended, torch's dynamic int8 linear, rows scaled back, the float bias added, one rounding.
+at::Tensor int8_linear(const at::Tensor& x, const Int8Weights& packed, const at::Tensor& bounds,
+                       const std::optional<at::Tensor>& bias) {
+  const at::Tensor tokens = x.to(at::kFloat);
+  const at::Tensor top = tokens.abs().amax({1}, true).clamp_min_(std::numeric_limits<float>::min());
+  at::Tensor y = packed->apply_dynamic(at::cat({tokens / top, bounds}), false);
+  y = y.narrow(0, 0, x.size(0)).mul_(top);
+  if (bias.has_value()) y.add_(*bias);
+  return y.to(x.scalar_type());
 }
 
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
@@ -240,8 +259,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T>
 at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
                const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
-               const std::vector<at::Tensor>& caches, const at::Tensor& slots, const Attention& attention,
-               const Lora& lora, int64_t heads, int64_t kv_heads, double eps, double residual_multiplier) {
+               const c10::List<std::optional<Int8Weights>>& int8, const std::vector<at::Tensor>& caches,
+               const at::Tensor& slots, const Attention& attention, const Lora& lora, int64_t heads,
+               int64_t kv_heads, double eps, double residual_multiplier) {
   const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
   const int64_t dim = cos_t.size(1), block_size = attention.block_size;
   const float e = static_cast<float>(eps), m = static_cast<float>(residual_multiplier);
@@ -252,7 +272,10 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     return params.get(layer * kParamsPerLayer + index);
   };
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
-    at::Tensor y = linear(x, param(layer, index), param(layer, index + 1), onednn[layer * kLinearsPerLayer + which])
+    const int64_t at = layer * kLinearsPerLayer + which;
+    const std::optional<Int8Weights> packed = int8.get(at);
+    at::Tensor y = (packed.has_value() ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1))
+                                       : linear(x, param(layer, index), param(layer, index + 1), onednn[at]))
                        .contiguous();
     lora.apply(y, x, layer * kLinearsPerLayer + which);
     return y;
@@ -285,7 +308,7 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
 
 at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
-                          at::TensorList caches, const at::Tensor& slots, const std::optional<at::Tensor>& decode,
+                          const c10::List<std::optional<Int8Weights>>& int8, at::TensorList caches, const at::Tensor& slots, const std::optional<at::Tensor>& decode,
                           const std::optional<at::Tensor>& tables, const std::optional<at::Tensor>& lengths,
                           at::IntArrayRef piece_bounds, const c10::List<std::optional<at::Tensor>>& piece_blocks,
                           const c10::List<std::optional<at::Tensor>>& piece_masks,
@@ -296,6 +319,7 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   const int64_t layers = caches.size();
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParamsPerLayer + 1, "16 parameters per layer + 1");
   TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLinearsPerLayer, "7 layout flags per layer");
+  TORCH_CHECK(static_cast<int64_t>(int8.size()) == layers * kLinearsPerLayer, "7 int8 entries per layer");
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [tokens, hidden], contiguous");
   const int64_t rows = embeddings.size(0);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && sin.sizes() == cos.sizes(), "cos/sin must be [tokens, head_dim]");
@@ -334,13 +358,13 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   switch (embeddings.scalar_type()) {
     case at::kFloat:
-      return run<float>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
+      return run<float>(embeddings, c, s, params, flags, int8, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
                         residual_multiplier);
     case at::kBFloat16:
-      return run<c10::BFloat16>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, lora, heads, kv_heads,
+      return run<c10::BFloat16>(embeddings, c, s, params, flags, int8, layer_caches, slot_ids, attention, lora, heads, kv_heads,
                                 eps, residual_multiplier);
     case at::kHalf:
-      return run<c10::Half>(embeddings, c, s, params, flags, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
+      return run<c10::Half>(embeddings, c, s, params, flags, int8, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
                             residual_multiplier);
     default:
       TORCH_CHECK(false, "decoder_layers: float32, bfloat16 or float16, not ", embeddings.scalar_type());
@@ -351,7 +375,8 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
 
 TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
   m.def(
-      "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, Tensor[] caches, "
+      "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
       "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
       "int block_size, int heads, int kv_heads, float eps, float scale, "

@@ -71,17 +71,20 @@ class Unsupported(ValueError):
     """This model or setting cannot take the C++ decoder stack (the message says why)."""
 
 
-def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """(weight as the kernel takes it, bias, whether oneDNN packed) of a projection."""
+def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool, Any]:
+    """(weight as the kernel takes it, bias, whether oneDNN packed, int8 packed weights or None)
+    of a projection (an int8 one: its range row and float bias, see decoder_cpu.cpp)."""
     base = getattr(module, "base", module)  # a LoRA wrapper: the base module's weights
     if isinstance(base, OneDnnLinear):
         packed = base.packed_weight
         assert isinstance(packed, torch.Tensor)
-        return packed, base.bias, True
+        return packed, base.bias, True, None
     if isinstance(base, Int8Linear):
-        raise Unsupported("its projections are in int8 (QUANTIZE=int8), which it does not take yet")
+        bounds, bias = base.bounds, base.bias_float
+        assert isinstance(bounds, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+        return bounds, bias, False, base.packed
     if type(base) is torch.nn.Linear:
-        return base.weight, base.bias, False
+        return base.weight, base.bias, False, None
     raise Unsupported(f"its projections are {type(base).__name__}, not Linear")
 
 
@@ -91,6 +94,7 @@ class CpuDecoder:
     projections: list[tuple[Any, str]]  # (owner module, attribute) of every projection, in order
     params: list[torch.Tensor | None]
     onednn: list[bool]
+    int8: list[Any]  # per projection: its packed int8 weights (QUANTIZE=int8), else None
     caches: list[torch.Tensor]
     heads: int
     kv_heads: int
@@ -162,7 +166,7 @@ class CpuDecoder:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
-            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.caches, slots,
+            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.caches, slots,
             decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
             self.eps, self.scale, self.residual_multiplier, self.window,
@@ -228,6 +232,7 @@ def build(
     layers = list(model.model.layers)
     params: list[torch.Tensor | None] = []
     onednn: list[bool] = []
+    int8: list[Any] = []
     projections: list[tuple[Any, str]] = []
     for layer in layers:
         attention = layer.self_attn
@@ -236,9 +241,10 @@ def build(
         params.append(layer.input_layernorm.weight)
         for owner, name in PROJECTIONS:
             projections.append((getattr(layer, owner), name))
-            weight, bias, packed = _linear(getattr(getattr(layer, owner), name))
+            weight, bias, packed, quantized = _linear(getattr(getattr(layer, owner), name))
             params += [weight, bias]
             onednn.append(packed)
+            int8.append(quantized)
             if name == "o_proj":
                 params.append(layer.post_attention_layernorm.weight)
     params.append(model.model.norm.weight)
@@ -249,6 +255,7 @@ def build(
         projections=projections,
         params=[p.detach() if p is not None else None for p in params],
         onednn=onednn,
+        int8=int8,
         caches=[cache.layers[i] for i in range(len(layers))],
         heads=heads,
         kv_heads=kv_heads,
