@@ -148,3 +148,20 @@ def test_refusals(tiny_model) -> None:
         ServerConfig(
             model_name=str(tiny_model("llama")), deployment_framework="hf_optimum_ort", quantize="int8"
         )
+
+
+def test_lora_on_an_int8_base_is_the_same_on_both_forward_paths(tiny_model, tmp_path) -> None:
+    from tests.adapter_helpers import engine_with_store
+    from tests.engines.conformance import Runner
+    from text_generation_server.testing.tiny_prompts import build_lora
+
+    base = tiny_model("llama")
+    build_lora(base, tmp_path / "a", 1, 6, ["q_proj", "v_proj", "down_proj"])
+    requests = [GenerationRequest(1, PROMPTS[0], 8, adapter_id="a"), GenerationRequest(2, PROMPTS[0], 8)]
+    outputs = {}
+    for mode in ("layers", "modules"):
+        engine = engine_with_store("tgis_native", base, tmp_path, quantize="int8", cpu_forward=mode)
+        assert (engine.runner.decoder is not None) == (mode == "layers")
+        outputs[mode] = Runner(engine).run({0: requests})
+    assert outputs["layers"] == outputs["modules"]
+    assert outputs["layers"][1] != outputs["layers"][2]  # the adapter matters
