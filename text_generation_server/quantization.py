@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from text_generation_common.quantize import refusal
+from text_generation_server.engines.weight_layout import cpu_linears
 
 logger = logging.getLogger(__name__)
 
@@ -98,24 +99,18 @@ def quantize_model(model: Any, scheme: str | None) -> None:
     if "onednn" not in torch.backends.quantized.supported_engines:
         raise ValueError(f"QUANTIZE={scheme} needs torch's oneDNN quantized engine, which this torch lacks")
     head = model.get_output_embeddings()
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and module is not head and name
-    ]
+    targets = [(parent, name, linear) for parent, name, linear in cpu_linears(model) if linear is not head]
     if not targets:
         raise ValueError(f"QUANTIZE={scheme}: this model has no Linear layers to quantize")
     before = after = 0
     engine = torch.backends.quantized.engine
     torch.backends.quantized.engine = "onednn"  # the packed weights keep their engine's kernels
     try:
-        for name, module in targets:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            replacement = Int8Linear(module)
-            before += module.weight.numel() * module.weight.element_size()
+        for parent, name, linear in targets:
+            replacement = Int8Linear(linear)
+            before += linear.weight.numel() * linear.weight.element_size()
             after += replacement.weight_bytes()
-            setattr(parent, child, replacement)
+            setattr(parent, name, replacement)
     finally:
         torch.backends.quantized.engine = engine
     logger.info(

@@ -137,7 +137,7 @@ def pick(times: dict[LinearLayout, tuple[float, float]]) -> LinearLayout:
     return best if score(best) <= MIN_GAIN * score(LinearLayout.PLAIN) else LinearLayout.PLAIN
 
 
-def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+def cpu_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
     """(parent, attribute, Linear) for every plain CPU Linear not tied to an embedding."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     found = []
@@ -159,7 +159,7 @@ def choose_linear_layouts(
     """Lay out every eligible Linear of `model` (see the module docstring); returns the choice
     made for each distinct (shape, dtype)."""
     large_m = max(1, min(max_batch_size, TUNE_MAX_M))
-    linears = _linears(model)
+    linears = cpu_linears(model)
     choices: dict[tuple[tuple[int, int], torch.dtype], Choice] = {}
     for parent, name, linear in linears:
         out_features, in_features = linear.weight.shape

@@ -31,7 +31,7 @@
 //              (None: SDPA's causal flag)
 //   lora       None, or the step's LoRA adapters as lora_cpu.cpp's kernel takes them: `slots`
 //              [T] (each token's adapter, -1: none), then per layer and projection (7 per
-//              layer, in the order of `kinds`) one A, Bt and scale per adapter (None: that
+//              layer, in the order of `onednn`) one A, Bt and scale per adapter (None: that
 //              adapter does not target the projection)
 //   -> [T, hidden]                  the final norm's output (the LM head is the caller's)
 //
@@ -48,9 +48,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdint>
+#include <limits>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -272,12 +273,12 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     return params.get(layer * kParamsPerLayer + index);
   };
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
-    const int64_t at = layer * kLinearsPerLayer + which;
-    const std::optional<Int8Weights> packed = int8.get(at);
+    const int64_t projection = layer * kLinearsPerLayer + which;
+    const std::optional<Int8Weights> packed = int8.get(projection);
     at::Tensor y = (packed.has_value() ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1))
-                                       : linear(x, param(layer, index), param(layer, index + 1), onednn[at]))
+                                       : linear(x, param(layer, index), param(layer, index + 1), onednn[projection]))
                        .contiguous();
-    lora.apply(y, x, layer * kLinearsPerLayer + which);
+    lora.apply(y, x, projection);
     return y;
   };
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -308,14 +309,16 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
 
 at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
-                          const c10::List<std::optional<Int8Weights>>& int8, at::TensorList caches, const at::Tensor& slots, const std::optional<at::Tensor>& decode,
+                          const c10::List<std::optional<Int8Weights>>& int8, at::TensorList caches,
+                          const at::Tensor& slots, const std::optional<at::Tensor>& decode,
                           const std::optional<at::Tensor>& tables, const std::optional<at::Tensor>& lengths,
                           at::IntArrayRef piece_bounds, const c10::List<std::optional<at::Tensor>>& piece_blocks,
                           const c10::List<std::optional<at::Tensor>>& piece_masks,
-                          const std::optional<at::Tensor>& lora_slots, const c10::List<std::optional<at::Tensor>>& lora_a,
+                          const std::optional<at::Tensor>& lora_slots,
+                          const c10::List<std::optional<at::Tensor>>& lora_a,
                           const c10::List<std::optional<at::Tensor>>& lora_bt, at::ArrayRef<double> lora_scales,
-                          int64_t block_size, int64_t heads,
-                          int64_t kv_heads, double eps, double scale, double residual_multiplier, int64_t window) {
+                          int64_t block_size, int64_t heads, int64_t kv_heads, double eps, double scale,
+                          double residual_multiplier, int64_t window) {
   const int64_t layers = caches.size();
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParamsPerLayer + 1, "16 parameters per layer + 1");
   TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLinearsPerLayer, "7 layout flags per layer");
@@ -356,16 +359,18 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
     lora.adapters = static_cast<int64_t>(lora_a.size()) / projections;
   }
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
+  auto typed = [&](auto* dtype) {
+    using T = std::remove_pointer_t<decltype(dtype)>;
+    return run<T>(embeddings, c, s, params, flags, int8, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
+                  residual_multiplier);
+  };
   switch (embeddings.scalar_type()) {
     case at::kFloat:
-      return run<float>(embeddings, c, s, params, flags, int8, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
-                        residual_multiplier);
+      return typed(static_cast<float*>(nullptr));
     case at::kBFloat16:
-      return run<c10::BFloat16>(embeddings, c, s, params, flags, int8, layer_caches, slot_ids, attention, lora, heads, kv_heads,
-                                eps, residual_multiplier);
+      return typed(static_cast<c10::BFloat16*>(nullptr));
     case at::kHalf:
-      return run<c10::Half>(embeddings, c, s, params, flags, int8, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
-                            residual_multiplier);
+      return typed(static_cast<c10::Half*>(nullptr));
     default:
       TORCH_CHECK(false, "decoder_layers: float32, bfloat16 or float16, not ", embeddings.scalar_type());
   }

@@ -240,8 +240,9 @@ def build(
             raise Unsupported("its attention normalizes queries and keys")
         params.append(layer.input_layernorm.weight)
         for owner, name in PROJECTIONS:
-            projections.append((getattr(layer, owner), name))
-            weight, bias, packed, quantized = _linear(getattr(getattr(layer, owner), name))
+            holder = getattr(layer, owner)
+            projections.append((holder, name))
+            weight, bias, packed, quantized = _linear(getattr(holder, name))
             params += [weight, bias]
             onednn.append(packed)
             int8.append(quantized)
