@@ -248,11 +248,17 @@ def test_quantize_schemes_and_refusals() -> None:
     lc.check_quantize(None, "hf_optimum_ort", 2)
     lc.check_quantize("int8", "tgis_native", 1)
     lc.check_quantize("int8", "hf_transformers", 1)
+    for scheme in ("gptq", "compressed-tensors", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"):
+        lc.check_quantize(scheme, "tgis_native", 1)
     refused = {
-        ("gptq", "tgis_native", 1): r"^QUANTIZE=gptq: GPTQ checkpoints are not served yet; served: int8$",
-        ("bitsandbytes-nf4", "hf_transformers", 1): r"^QUANTIZE=bitsandbytes-nf4: bitsandbytes quantization",
-        ("fp8", "tgis_native", 1): r"^QUANTIZE=fp8: fp8 is not served yet",
-        ("int4", "tgis_native", 1): r"^unknown QUANTIZE 'int4'; choose one of int8, gptq, awq",
+        ("awq", "tgis_native", 1): r"^QUANTIZE=awq: AWQ checkpoints are not served yet; served: int8, gptq, ",
+        ("fp8", "tgis_native", 1): r"^QUANTIZE=fp8: fp8 needs a GPU with fp8 \(Hopper or newer\)",
+        (
+            "int4",
+            "tgis_native",
+            1,
+        ): r"^unknown QUANTIZE 'int4'; choose one of int8, gptq, compressed-tensors, ",
+        ("gptq", "hf_optimum_ort", 1): r"^QUANTIZE=gptq is served by tgis_native and hf_transformers, not ",
         (
             "int8",
             "hf_optimum_ort",

@@ -1,4 +1,4 @@
-"""QUANTIZE=int8 on CPU (text_generation_server/quantization.py): the int8 linear against the float
+"""QUANTIZE=int8 on CPU (text_generation_server/quantization/int8.py): the int8 linear against the float
 product, batch invariance bit for bit, the model's logits against the unquantized model, both
 engines' greedy tokens against the quantized model's own `generate`, the bytes, and the refusals."""
 
@@ -30,7 +30,7 @@ PROMPTS = ((5, 17, 42, 99, 7, 300, 12), (1, 250, 251, 252), (9, 8, 7, 6, 5, 4, 3
 def test_int8_linear_against_the_float_product(dtype, bias) -> None:
     gen = torch.Generator().manual_seed(0)
     linear = nn_linear(96, 40, bias, dtype, gen)
-    layer = Int8Linear(linear)
+    layer = Int8Linear.quantize(linear)
     x = torch.randn(2, 5, 96, generator=gen).to(dtype)
     x[1, 2] *= 40  # one token far larger than the others
     y = layer(x)
@@ -56,7 +56,7 @@ def nn_linear(
 def test_each_token_is_quantized_as_if_alone() -> None:
     """A token's output does not depend on the tokens beside it, bit for bit."""
     gen = torch.Generator().manual_seed(1)
-    layer = Int8Linear(nn_linear(64, 32, True, torch.bfloat16, gen))
+    layer = Int8Linear.quantize(nn_linear(64, 32, True, torch.bfloat16, gen))
     x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
     x[4] *= 100
     x[7] *= 0.01
@@ -135,11 +135,12 @@ def test_the_cpp_decoder_stack_runs_int8_layers_as_the_modules_do(tiny_model) ->
 def test_refusals(tiny_model) -> None:
     cuda = torch.device("cuda")
     with pytest.raises(
-        ValueError, match=r"^QUANTIZE=int8 runs on CPU \(oneDNN's int8 kernels\), not on cuda$"
+        ValueError,
+        match=r"^QUANTIZE=int8 runs on CPU \(our int8 / int4 layers, bitsandbytes' CPU backend\), not on cuda$",
     ):
         quantization.check("int8", "tgis_native", cuda)
-    with pytest.raises(ValueError, match=r"^QUANTIZE=gptq: GPTQ checkpoints are not served yet"):
-        quantization.check("gptq", "tgis_native", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^QUANTIZE=awq: AWQ checkpoints are not served yet"):
+        quantization.check("awq", "tgis_native", torch.device("cpu"))
     quantization.check(None, "hf_optimum_ort", cuda)
     gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("gpt2"))
     with pytest.raises(ValueError, match=r"^QUANTIZE=int8: this model has no Linear layers to quantize$"):

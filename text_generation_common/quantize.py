@@ -1,19 +1,16 @@
 """QUANTIZE's names (TGIS's and HF TGI's), which ones serve, on which engines; torch-free, so the
-launcher refuses before any process starts (the shard checks the device: text_generation_server/
-quantization.py)."""
+launcher refuses before any process starts (the shard checks the device and the checkpoint:
+text_generation_server/quantization/)."""
 
 from __future__ import annotations
 
-SERVED = ("int8",)  # CPU: int8 weights and per-token int8 activations on oneDNN's kernels
+BITSANDBYTES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")  # transformers' integration
+CHECKPOINT_METHODS = ("gptq", "compressed-tensors")  # pre-quantized checkpoints, served without the flag too
+SERVED = ("int8", *CHECKPOINT_METHODS, *BITSANDBYTES)
 ENGINES = ("tgis_native", "hf_transformers")  # the engines that serve SERVED
 NOT_YET = {  # scheme -> why it is refused today
-    "gptq": "GPTQ checkpoints are not served yet",
     "awq": "AWQ checkpoints are not served yet",
-    "bitsandbytes": "bitsandbytes quantization is not served yet",
-    "bitsandbytes-nf4": "bitsandbytes quantization is not served yet",
-    "bitsandbytes-fp4": "bitsandbytes quantization is not served yet",
-    "fp8": "fp8 is not served yet",
-    "compressed-tensors": "compressed-tensors checkpoints are not served yet",
+    "fp8": "fp8 needs a GPU with fp8 (Hopper or newer), which no engine serves yet; on CPU use int8",
 }
 SCHEMES = (*SERVED, *NOT_YET)
 

@@ -120,7 +120,12 @@ def load_pretrained(
     )
     seq2seq = bool(getattr(hf_config, "is_encoder_decoder", False))
     auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
-    load_kwargs: dict[str, Any] = {}
+    quantized = quantization.checkpoint_plan(
+        config.quantize, hf_config, Path(model_dir), config.deployment_framework, device, config.world_size
+    )
+    load_kwargs: dict[str, Any] = quantization.load_kwargs(config.quantize, dtype)
+    if quantized is not None:  # built plain; its quantized linears are read after loading
+        load_kwargs["config"] = quantization.checkpoints.without_quantizer(hf_config)
     own_layers = config.world_size > 1 and getattr(hf_config, "model_type", None) == "gpt_bigcode"
     if config.world_size > 1:  # this rank reads only its slices of the weights
         distributed.check_shardable(hf_config, config.world_size)
@@ -144,20 +149,28 @@ def load_pretrained(
         shards = config.world_size
         model = sharded_bigcode.load(Path(model_dir), hf_config, dtype, device, config.rank, shards, attn)
     else:
-        model = auto.from_pretrained(
-            model_dir,
-            dtype=dtype,
-            trust_remote_code=config.trust_remote_code,
-            local_files_only=True,
-            **load_kwargs,
-        )
+        verbosity = hf_logging.get_verbosity()
+        if quantized is not None:  # its report would list every quantized linear's tensors as unexpected
+            hf_logging.set_verbosity_error()
+        try:
+            model = auto.from_pretrained(
+                model_dir,
+                dtype=dtype,
+                trust_remote_code=config.trust_remote_code,
+                local_files_only=True,
+                **load_kwargs,
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
     if device_map is not None:
         device = model.get_input_embeddings().weight.device
         placed = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})
         logger.info("layers placed by device_map=%s on: %s", device_map, ", ".join(placed) or str(device))
-    elif config.world_size == 1:
+    elif config.world_size == 1 and "device_map" not in load_kwargs:
         model.to(device)
     model.eval()
+    if quantized is not None:
+        quantization.replace_linears(model, Path(model_dir), quantized, dtype)
     quantization.quantize_model(model, config.quantize)
     logger.info(
         "shard %d/%d holds %.1f MiB of the model's weights",

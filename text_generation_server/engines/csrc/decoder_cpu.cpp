@@ -18,7 +18,7 @@
 //                input norm, q (weight, bias), k, v, o, post-attention norm, gate, up, down
 //              (a missing bias is None)
 //   onednn     7 per layer: whether q, k, v, o, gate, up, down hold oneDNN packed weights
-//   int8       7 per layer: the packed int8 weights of QUANTIZE=int8 (quantization.py's
+//   int8       7 per layer: the packed int8 weights of QUANTIZE=int8 (quantization/int8.py's
 //              Int8Linear), else None; such a projection's weight slot holds its range row and
 //              its bias slot its float32 bias
 //   caches     one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
@@ -140,7 +140,7 @@ void write_kv(T* cache, const T* key, const T* value, const int64_t* slots, int6
 
 using Int8Weights = c10::intrusive_ptr<LinearPackedParamsBase>;
 
-// quantization.py's Int8Linear.forward: each token scaled to max |x| = 1, the range row
+// quantization/int8.py's Int8Linear.forward: each token scaled to max |x| = 1, the range row
 // appended, torch's dynamic int8 linear, rows scaled back, the float bias added, one rounding.
 at::Tensor int8_linear(const at::Tensor& x, const Int8Weights& packed, const at::Tensor& bounds,
                        const std::optional<at::Tensor>& bias) {

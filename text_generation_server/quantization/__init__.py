@@ -1,0 +1,138 @@
+"""QUANTIZE on the shard: which schemes serve where, what a checkpoint declares, and the model's
+linears replaced by quantized ones.
+
+  int8                   (CPU) every Linear (not the LM head, not the embeddings) rounded to int8
+                         weights per output channel at load, activations in int8 per token
+                         (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it)
+  gptq, compressed-tensors  pre-quantized checkpoints, read as their quantization_config says
+                         (checkpoints.py; int4.py and int8.py run them), with or without the flag
+  bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4  HF TGI's names: transformers' bitsandbytes
+                         integration quantizes at load (LLM.int8(), NF4, FP4; compute in the
+                         model's dtype), on the modules' forward
+
+The names TGIS and HF TGI give QUANTIZE and the engines each serves on are in
+text_generation_common/quantize.py (the launcher checks them too); `check` runs before loading,
+`checkpoint_plan` on the model's config, `load_kwargs` into transformers' loader, then
+`quantize_model` and `replace_linears` on the loaded model.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from text_generation_common.quantize import BITSANDBYTES, CHECKPOINT_METHODS, refusal
+from text_generation_server.engines.weight_layout import cpu_linears
+from text_generation_server.quantization import checkpoints
+from text_generation_server.quantization.checkpoints import Plan, replace_linears
+from text_generation_server.quantization.int4 import Int4Linear
+from text_generation_server.quantization.int8 import Int8Linear
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Int4Linear",
+    "Int8Linear",
+    "Plan",
+    "check",
+    "checkpoint_plan",
+    "load_kwargs",
+    "packed_bytes",
+    "quantize_model",
+    "replace_linears",
+]
+
+
+def check(scheme: str | None, engine: str, device: torch.device, world_size: int = 1) -> None:
+    """Raise ValueError with one line unless `scheme` (QUANTIZE) can serve here."""
+    reason = refusal(scheme, engine, world_size)
+    if reason is not None:
+        raise ValueError(reason)
+    if scheme and device.type != "cpu":
+        raise ValueError(
+            f"QUANTIZE={scheme} runs on CPU (our int8 / int4 layers, bitsandbytes' CPU backend), "
+            f"not on {device.type}"
+        )
+
+
+def checkpoint_plan(
+    scheme: str | None, hf_config: Any, model_dir: Path, engine: str, device: torch.device, world_size: int
+) -> Plan | None:
+    """How the checkpoint's own quantization is read (None: it declares none); ValueError (one
+    line) where it is not served here or QUANTIZE (`scheme`) contradicts it."""
+    method = checkpoints.method_of(hf_config, model_dir)
+    if method is None:
+        if scheme in CHECKPOINT_METHODS:
+            raise ValueError(
+                f"QUANTIZE={scheme}: {model_dir} declares no quantization (its config.json has no "
+                f"quantization_config); {scheme} serves checkpoints quantized with {scheme}"
+            )
+        return None
+    if scheme and scheme != method:
+        raise ValueError(
+            f"QUANTIZE={scheme} contradicts the checkpoint, which is quantized with {method} "
+            f"(config.json quantization_config); leave QUANTIZE unset or set it to {method}"
+        )
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(
+            f"this checkpoint is quantized with {method}, which is not served; "
+            f"served checkpoints: {', '.join(CHECKPOINT_METHODS)}"
+        )
+    check(method, engine, device, world_size)
+    return checkpoints.plan(hf_config, model_dir)
+
+
+def load_kwargs(scheme: str | None, dtype: torch.dtype) -> dict[str, Any]:
+    """What transformers' from_pretrained takes for `scheme` (bitsandbytes' quantizer), or {}."""
+    if scheme not in BITSANDBYTES:
+        return {}
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"QUANTIZE={scheme} needs the bitsandbytes package: "
+            "pip install 'text-generation-server[quantize]'"
+        ) from None
+    import transformers
+
+    if scheme == "bitsandbytes":
+        config = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=scheme.rsplit("-", 1)[1], bnb_4bit_compute_dtype=dtype
+        )
+    return {"quantization_config": config, "device_map": "cpu"}
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of int8 weights packed outside the model's parameters and buffers (oneDNN's packed
+    objects); int4 weights are buffers, counted with the model's."""
+    return sum(m.weight_bytes() for m in model.modules() if isinstance(m, Int8Linear))
+
+
+def quantize_model(model: Any, scheme: str | None) -> None:
+    """Replace the model's Linear layers with int8 ones for QUANTIZE=int8 (else nothing); logs it."""
+    if scheme != "int8":
+        return
+    head = model.get_output_embeddings()
+    targets = [(parent, name, linear) for parent, name, linear in cpu_linears(model) if linear is not head]
+    if not targets:
+        raise ValueError(f"QUANTIZE={scheme}: this model has no Linear layers to quantize")
+    before = after = 0
+    for parent, name, linear in targets:
+        replacement = Int8Linear.quantize(linear)
+        before += linear.weight.numel() * linear.weight.element_size()
+        after += replacement.weight_bytes()
+        setattr(parent, name, replacement)
+    logger.info(
+        "QUANTIZE=%s: %d linear layers in int8 (oneDNN, each token's activations in int8): "
+        "their weights %.1f MiB -> %.1f MiB",
+        scheme,
+        len(targets),
+        before / 2**20,
+        after / 2**20,
+    )

@@ -1,0 +1,282 @@
+"""Pre-quantized checkpoints: what a model's `quantization_config` says, and its quantized linears
+read into our CPU layers.
+
+Served without any flag (QUANTIZE may name the same method, never another):
+  gptq                GPTQ (AutoGPTQ / GPTQModel layout: qweight, qzeros, scales, g_idx), 4-bit, any
+                      group size that tiles the layer (or one group per channel), symmetric or not,
+                      act-order (desc_act), checkpoint_format gptq (zeros stored minus one) or gptq_v2
+  compressed-tensors  llm-compressor / vLLM's format: `int-quantized` W8A8 (int8 weights per output
+                      channel, int8 activations per token, dynamic and symmetric) and
+                      `pack-quantized` W4A16 (4-bit weights in groups, symmetric or not)
+4-bit layers run on quantization/int4.py's Int4Linear, W8A8 on quantization/int8.py's Int8Linear
+(the same integer products as the checkpoint's definition). Every other variant is refused with
+one line naming it. The model is built by transformers from its config without the quantizer
+(which would need packages that have no CPU wheel); each quantized Linear is then replaced from
+the checkpoint's tensors, which are read once, straight from the safetensors files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from text_generation_server.quantization.int4 import Int4Linear
+from text_generation_server.quantization.int8 import Int8Linear
+
+logger = logging.getLogger(__name__)
+
+GPTQ, COMPRESSED_TENSORS = "gptq", "compressed-tensors"
+METHODS = (GPTQ, COMPRESSED_TENSORS)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How a checkpoint's quantized linears are read."""
+
+    method: str  # one of METHODS
+    bits: int
+    group_size: int | None  # None: one scale per output channel
+    symmetric: bool
+    act_order: bool = False  # GPTQ desc_act
+    zeros_minus_one: bool = False  # GPTQ's v1 checkpoint format stores each zero point minus one
+    activations: bool = False  # int8 activations per token (W8A8)
+
+    def describe(self) -> str:
+        groups = f"groups of {self.group_size}" if self.group_size else "per output channel"
+        parts = [
+            f"{self.method} {self.bits}-bit weights",
+            groups,
+            "symmetric" if self.symmetric else "with zero points",
+        ]
+        if self.act_order:
+            parts.append("act-order")
+        parts.append("int8 activations per token" if self.activations else "activations in the model's dtype")
+        return ", ".join(parts)
+
+
+def method_of(hf_config: Any, model_dir: Path) -> str | None:
+    """The quantization method a checkpoint declares (its config's `quant_method`, or GPTQ's old
+    `quantize_config.json`), or None."""
+    declared = _declared(hf_config, model_dir)
+    if declared is None:
+        return None
+    return str(declared.get("quant_method") or GPTQ).lower().replace("_", "-")
+
+
+def _declared(hf_config: Any, model_dir: Path) -> dict[str, Any] | None:
+    config = getattr(hf_config, "quantization_config", None)
+    if config is not None:
+        return config if isinstance(config, dict) else config.to_dict()
+    old = model_dir / "quantize_config.json"
+    if old.is_file():
+        return {"quant_method": GPTQ, **json.loads(old.read_text())}
+    return None
+
+
+def plan(hf_config: Any, model_dir: Path) -> Plan:
+    """How this checkpoint's quantized linears are read; ValueError (one line) for a variant that
+    is not served."""
+    declared = _declared(hf_config, model_dir) or {}
+    method = method_of(hf_config, model_dir)
+    if method == GPTQ:
+        return _gptq_plan(declared)
+    if method == COMPRESSED_TENSORS:
+        return _compressed_tensors_plan(declared)
+    raise ValueError(
+        f"this checkpoint is quantized with {method}, which is not served; served: {', '.join(METHODS)}"
+    )
+
+
+def _gptq_plan(declared: dict[str, Any]) -> Plan:
+    bits = int(declared.get("bits", 4))
+    if bits != 4:
+        raise ValueError(f"GPTQ checkpoints with {bits}-bit weights are not served yet (4-bit only)")
+    group = int(declared.get("group_size", 128))
+    fmt = str(declared.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not served (gptq or gptq_v2)")
+    return Plan(
+        method=GPTQ,
+        bits=4,
+        group_size=group if group > 0 else None,
+        symmetric=bool(declared.get("sym", True)),
+        act_order=bool(declared.get("desc_act", False)),
+        zeros_minus_one=fmt == "gptq",
+    )
+
+
+def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
+    fmt = declared.get("format")
+    groups = list((declared.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(
+            f"compressed-tensors checkpoints with {len(groups)} config groups are not served (one)"
+        )
+    weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    if declared.get("kv_cache_scheme") or groups[0].get("output_activations"):
+        raise ValueError("compressed-tensors checkpoints with quantized KV caches or outputs are not served")
+    if weights.get("type") != "int":
+        raise ValueError(f"compressed-tensors {weights.get('type')} weights are not served (int only)")
+    bits, strategy = int(weights.get("num_bits", 0)), weights.get("strategy")
+    if fmt == "int-quantized" and bits == 8 and strategy == "channel" and weights.get("symmetric"):
+        token_int8 = inputs is not None and (
+            inputs.get("type"),
+            inputs.get("num_bits"),
+            inputs.get("strategy"),
+            inputs.get("dynamic"),
+            inputs.get("symmetric"),
+        ) == ("int", 8, "token", True, True)
+        if not token_int8:
+            raise ValueError(
+                "compressed-tensors int8 weights are served with dynamic int8 activations per token "
+                "(W8A8) only"
+            )
+        return Plan(method=COMPRESSED_TENSORS, bits=8, group_size=None, symmetric=True, activations=True)
+    if fmt == "pack-quantized" and bits == 4 and strategy in ("group", "channel") and inputs is None:
+        group = int(weights["group_size"]) if strategy == "group" else None
+        return Plan(
+            method=COMPRESSED_TENSORS,
+            bits=4,
+            group_size=group,
+            symmetric=bool(weights.get("symmetric", True)),
+        )
+    raise ValueError(
+        f"compressed-tensors {fmt} with {bits}-bit {strategy} weights is not served "
+        "(int-quantized W8A8 and pack-quantized W4A16 are)"
+    )
+
+
+def without_quantizer(hf_config: Any) -> Any:
+    """`hf_config` without its quantization_config, so that transformers builds plain layers."""
+    if hasattr(hf_config, "quantization_config"):
+        delattr(hf_config, "quantization_config")
+    return hf_config
+
+
+def replace_linears(model: nn.Module, model_dir: Path, how: Plan, dtype: torch.dtype) -> int:
+    """Replace every Linear the checkpoint holds quantized with our layer; returns the count."""
+    tensors = _Tensors(model_dir)
+    replaced = 0
+    for prefix, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        layer = _read_layer(tensors, prefix, module, how, dtype)
+        if layer is not None:
+            owner, _, attribute = prefix.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, layer)
+            replaced += 1
+    if not replaced:
+        raise ValueError(
+            f"the checkpoint declares {how.method} quantization but holds no quantized linear layers"
+        )
+    logger.info("checkpoint quantization: %s: %d linear layers", how.describe(), replaced)
+    return replaced
+
+
+def _read_layer(
+    tensors: _Tensors, prefix: str, linear: nn.Linear, how: Plan, dtype: torch.dtype
+) -> nn.Module | None:
+    key = tensors.key(prefix)
+    if key is None:
+        return None
+    bias = tensors.get(f"{key}.bias") if tensors.has(f"{key}.bias") else linear.bias
+    if how.method == GPTQ:
+        if not tensors.has(f"{key}.qweight"):
+            return None
+        return _gptq_layer(tensors, key, linear, how, bias, dtype)
+    if tensors.has(f"{key}.weight_packed"):
+        return _packed_layer(tensors, key, linear, how, bias, dtype)
+    if tensors.has(f"{key}.weight_scale") and how.bits == 8:
+        ints, scales = tensors.get(f"{key}.weight"), tensors.get(f"{key}.weight_scale")
+        _check_shape(prefix, ints.shape, linear)
+        return Int8Linear(ints, scales.float().flatten(), bias, dtype)
+    return None
+
+
+def _gptq_layer(
+    tensors: _Tensors, key: str, linear: nn.Linear, how: Plan, bias: torch.Tensor | None, dtype: torch.dtype
+) -> Int4Linear:
+    ints = unpack_nibbles(tensors.get(f"{key}.qweight"), dim=0).t()  # [out, in]
+    _check_shape(key, ints.shape, linear)
+    scales = tensors.get(f"{key}.scales").float().t()  # [out, groups]
+    zeros = unpack_nibbles(tensors.get(f"{key}.qzeros"), dim=1)[:, : ints.shape[0]].t().float()
+    if how.zeros_minus_one:
+        zeros += 1
+    in_features = ints.shape[1]
+    group_size = how.group_size or in_features
+    order = None
+    if tensors.has(f"{key}.g_idx"):
+        groups_of = tensors.get(f"{key}.g_idx").long()
+        if not torch.equal(groups_of, torch.arange(in_features) // group_size):
+            order = torch.argsort(groups_of, stable=True)
+            if not torch.equal(groups_of[order], torch.arange(in_features) // group_size):
+                raise ValueError(f"{key}: act-order groups of unequal sizes are not served")
+            ints = ints[:, order]
+    return Int4Linear(ints, scales, zeros, group_size, bias, dtype, order=order)
+
+
+def _packed_layer(
+    tensors: _Tensors, key: str, linear: nn.Linear, how: Plan, bias: torch.Tensor | None, dtype: torch.dtype
+) -> Int4Linear:
+    out_features, in_features = (int(v) for v in tensors.get(f"{key}.weight_shape").tolist())
+    _check_shape(key, (out_features, in_features), linear)
+    ints = unpack_nibbles(tensors.get(f"{key}.weight_packed"), dim=1)[:, :in_features]
+    scales = tensors.get(f"{key}.weight_scale").float().reshape(out_features, -1)
+    if how.symmetric:
+        zeros = torch.full_like(scales, 8.0)  # stored integers are the signed ones plus 8
+    else:
+        zeros = unpack_nibbles(tensors.get(f"{key}.weight_zero_point"), dim=0)[:out_features].float()
+    group_size = how.group_size or in_features
+    return Int4Linear(ints, scales, zeros.reshape(scales.shape), group_size, bias, dtype)
+
+
+def _check_shape(key: str, shape: Any, linear: nn.Linear) -> None:
+    if tuple(shape) != tuple(linear.weight.shape):
+        raise ValueError(
+            f"{key}: quantized weights {tuple(shape)} do not match the model's {tuple(linear.weight.shape)}"
+        )
+
+
+def unpack_nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """4-bit values packed eight to an int32 along `dim` (value j at bits 4j..4j+3), as unsigned
+    integers, `dim` eight times longer."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    moved = words.to(torch.int32).movedim(dim, -1).unsqueeze(-1)
+    values = torch.bitwise_and(torch.bitwise_right_shift(moved, shifts), 15)
+    return values.flatten(-2).movedim(-1, dim).to(torch.uint8)
+
+
+class _Tensors:
+    """The checkpoint's safetensors files, read one tensor at a time."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.files: dict[str, Path] = {}
+        paths = sorted(model_dir.glob("*.safetensors"))
+        if not paths:
+            raise ValueError(f"quantized checkpoints are read from safetensors files; {model_dir} has none")
+        for path in paths:
+            with safe_open(str(path), framework="pt", device="cpu") as stored:
+                for name in stored.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    self.files[name] = path
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.files[name]), framework="pt", device="cpu") as stored:
+            return stored.get_tensor(name)
+
+    def key(self, prefix: str) -> str | None:
+        """The checkpoint's name for the module the model calls `prefix` (transformers may add or
+        drop a leading `model.`), or None when it holds nothing under it."""
+        for candidate in (prefix, f"model.{prefix}", prefix.removeprefix("model.")):
+            if any(self.has(f"{candidate}.{leaf}") for leaf in ("qweight", "weight_packed", "weight_scale")):
+                return candidate
+        return None

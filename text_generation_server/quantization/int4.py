@@ -1,0 +1,102 @@
+"""4-bit linears on CPU: weights in 4-bit integers with a scale and a zero point per group of input
+channels (GPTQ's and compressed-tensors' W4A16 checkpoints), activations in the model's dtype.
+
+A weight is w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size. The values
+are held once, in the layout of torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, which
+takes w = (q - 8) * scale + offset, so offset = (8 - zero) * scale), half a byte per weight plus a
+scale and an offset per group. That kernel reads the packed weights directly but its cost grows
+with the number of rows: on a 2-core Xeon with AMX, [M, 2048] x [2048, 2048] in bf16 took 0.11 /
+0.21 / 0.45 / 2.2 / 3.9 ms at M = 1 / 4 / 8 / 32 / 64 against 0.46-0.75 ms for the bf16 product
+plus 3.6 ms to unpack the weights. Calls with more than KERNEL_MAX_ROWS rows (prompts, big
+batches) therefore unpack the weights to the model's dtype and run the dense product; float32
+models always do (the kernel is bf16/fp16-fast only).
+
+Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
+holds its input channels sorted by group (`order`) and gathers each input the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+KERNEL_MAX_ROWS = 48  # the kernel above, the dense product with unpacked weights beyond (doc)
+BLOCK = 64  # output channels per block of the kernel's packed layout
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Int4Linear(nn.Module):
+    """A Linear with 4-bit weights in groups along the input channels."""
+
+    packed: torch.Tensor  # [out padded to BLOCK, in / 2] uint8, the kernel's layout
+    scale_offset: torch.Tensor  # [groups, out padded, 2] in the model's dtype
+    order: torch.Tensor | None
+    bias_value: torch.Tensor | None
+
+    def __init__(
+        self,
+        ints: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        order: torch.Tensor | None = None,
+    ) -> None:
+        """`ints` [out, in] in [0, 15]; `scales`, `zeros` [out, in / group_size] (zeros may be
+        fractional); `order` [in]: input channel k of the layer is channel order[k] of the input
+        (None: in order); `dtype`: the model's (inputs, outputs and the scales' dtype)."""
+        super().__init__()
+        self.out_features, self.in_features = ints.shape
+        if self.in_features % group_size or group_size % 2:
+            raise ValueError(f"4-bit groups of {group_size} do not tile {self.in_features} input channels")
+        if tuple(scales.shape) != (self.out_features, self.in_features // group_size) != tuple(zeros.shape):
+            raise ValueError(f"4-bit scales {tuple(scales.shape)} do not match weights {tuple(ints.shape)}")
+        self.group_size = group_size
+        padded = -(-self.out_features // BLOCK) * BLOCK  # the kernel's layout is whole blocks
+        q = torch.zeros(padded, self.in_features, dtype=torch.int32)
+        q[: self.out_features] = ints.to(torch.int32)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        scale_offset = torch.zeros(self.in_features // group_size, padded, 2)
+        scale_offset[:, : self.out_features, 0] = scales.float().t()
+        scale_offset[:, : self.out_features, 1] = ((8.0 - zeros.float()) * scales.float()).t()
+        self.register_buffer("scale_offset", scale_offset.to(dtype).contiguous())
+        self.register_buffer("order", None if order is None else order.to(torch.long))
+        self.register_buffer("bias_value", None if bias is None else bias.detach().to(dtype))
+        self.bias = None  # model code may read it; `bias_value` is what is added
+        self.weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device="meta")
+
+    def unpacked(self) -> torch.Tensor:
+        """The weights [out, in] in the model's dtype (input channels in the layer's order)."""
+        blocks = self.packed.view(-1, self.in_features, BLOCK // 2)  # [blocks, in, 32]: two rows a byte
+        q = torch.empty(blocks.shape[0], BLOCK, self.in_features, dtype=torch.uint8)
+        torch.bitwise_and(blocks, 15, out=q[:, : BLOCK // 2].transpose(1, 2))
+        torch.bitwise_right_shift(blocks, 4, out=q[:, BLOCK // 2 :].transpose(1, 2))
+        groups = self.in_features // self.group_size
+        scale, offset = self.scale_offset.permute(1, 0, 2).unsqueeze(2).unbind(-1)  # [padded, groups, 1]
+        values = q.view(-1, groups, self.group_size).to(scale.dtype)
+        return ((values - 8) * scale + offset).view(-1, self.in_features)[: self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.order is not None:
+            rows = rows.index_select(1, self.order)
+        if x.dtype in KERNEL_DTYPES and rows.shape[0] <= KERNEL_MAX_ROWS:
+            y = torch._weight_int4pack_mm_for_cpu(
+                rows.contiguous(), self.packed, self.group_size, self.scale_offset
+            )
+            y = y[:, : self.out_features]
+            if self.bias_value is not None:
+                y = y + self.bias_value
+        else:
+            y = nn.functional.linear(rows, self.unpacked().to(x.dtype), self.bias_value)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes of this layer's weights: half a byte each, a scale and an offset per group."""
+        return self.packed.numel() + self.scale_offset.numel() * self.scale_offset.element_size()
+
+    def extra_repr(self) -> str:
+        order = ", act-order" if self.order is not None else ""
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, int4 g{self.group_size}{order}"
