@@ -136,7 +136,8 @@ def test_refusals(tiny_model) -> None:
     cuda = torch.device("cuda")
     with pytest.raises(
         ValueError,
-        match=r"^QUANTIZE=int8 runs on CPU \(our int8 / int4 layers, bitsandbytes' CPU backend\), not on cuda$",
+        match=r"^QUANTIZE=int8 runs on CPU \(our int8 / int4 layers, bitsandbytes' CPU backend\), "
+        r"not on cuda$",
     ):
         quantization.check("int8", "tgis_native", cuda)
     with pytest.raises(ValueError, match=r"^QUANTIZE=awq: AWQ checkpoints are not served yet"):
