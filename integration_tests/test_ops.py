@@ -353,12 +353,9 @@ def test_int8_through_the_launcher(root) -> None:
     finally:
         s.stop()
     with pytest.raises(RuntimeError) as error:
-        launch("llama", root, "--quantize", "awq")
+        launch("llama", root, "--quantize", "fp8")
     log = str(error.value)
-    assert (
-        "QUANTIZE=awq: AWQ checkpoints are not served yet; served: int8, gptq" in log
-        and "Traceback" not in log
-    )
+    assert "QUANTIZE=fp8: fp8 needs a GPU with fp8 (Hopper or newer)" in log and "Traceback" not in log
 
 
 def test_a_gptq_checkpoint_serves_through_the_launcher_without_the_flag(root) -> None:

@@ -640,3 +640,14 @@ def test_quantize_reaches_our_server_and_the_baselines(
         result = baselines.measure(kind, tiny_model("llama"), "float32", [2], 6, 3, quantize="int8")
         assert result["quantize"] == "int8" and result["points"][0]["output_throughput"] > 0
     assert len(quantized) == 2 and min(quantized) > 0  # both models ran in int8
+
+
+def test_logit_error_reports_cosines_of_the_final_logits(tiny_model) -> None:
+    from benchmarks.logit_error import measure
+
+    llama = tiny_model("llama")
+    close = measure(llama, None, "int8", "float32", prompts=4, length=8)
+    assert close["prompts"] == 4 and 0.99 <= close["min_cosine"] <= close["mean_cosine"] <= 1.0
+    assert close["greedy_agreement"] >= 0.75
+    other = measure(llama, tiny_model("gpt_neox"), None, "float32", prompts=4, length=8)  # other weights
+    assert other["mean_cosine"] < 0.9

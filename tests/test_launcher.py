@@ -248,16 +248,26 @@ def test_quantize_schemes_and_refusals() -> None:
     lc.check_quantize(None, "hf_optimum_ort", 2)
     lc.check_quantize("int8", "tgis_native", 1)
     lc.check_quantize("int8", "hf_transformers", 1)
-    for scheme in ("gptq", "compressed-tensors", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"):
+    for scheme in (
+        "gptq",
+        "awq",
+        "compressed-tensors",
+        "bitsandbytes",
+        "bitsandbytes-nf4",
+        "bitsandbytes-fp4",
+    ):
         lc.check_quantize(scheme, "tgis_native", 1)
     refused = {
-        ("awq", "tgis_native", 1): r"^QUANTIZE=awq: AWQ checkpoints are not served yet; served: int8, gptq, ",
-        ("fp8", "tgis_native", 1): r"^QUANTIZE=fp8: fp8 needs a GPU with fp8 \(Hopper or newer\)",
+        (
+            "fp8",
+            "tgis_native",
+            1,
+        ): r"^QUANTIZE=fp8: fp8 needs a GPU with fp8 \(Hopper or newer\).*; served: int8, gptq, awq, ",
         (
             "int4",
             "tgis_native",
             1,
-        ): r"^unknown QUANTIZE 'int4'; choose one of int8, gptq, compressed-tensors, ",
+        ): r"^unknown QUANTIZE 'int4'; choose one of int8, gptq, awq, compressed-tensors, ",
         ("gptq", "hf_optimum_ort", 1): r"^QUANTIZE=gptq is served by tgis_native and hf_transformers, not ",
         (
             "int8",

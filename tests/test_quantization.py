@@ -140,8 +140,8 @@ def test_refusals(tiny_model) -> None:
         r"not on cuda$",
     ):
         quantization.check("int8", "tgis_native", cuda)
-    with pytest.raises(ValueError, match=r"^QUANTIZE=awq: AWQ checkpoints are not served yet"):
-        quantization.check("awq", "tgis_native", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^QUANTIZE=fp8: fp8 needs a GPU with fp8"):
+        quantization.check("fp8", "tgis_native", torch.device("cpu"))
     quantization.check(None, "hf_optimum_ort", cuda)
     gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("gpt2"))
     with pytest.raises(ValueError, match=r"^QUANTIZE=int8: this model has no Linear layers to quantize$"):

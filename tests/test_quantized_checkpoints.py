@@ -24,7 +24,12 @@ from text_generation_server.engines.hf_transformers import load_pretrained
 from text_generation_server.quantization import Int4Linear, Int8Linear
 from text_generation_server.quantization.checkpoints import unpack_nibbles
 from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
-from text_generation_server.testing.quantized_models import build_compressed_tensors, build_gptq, pack_nibbles
+from text_generation_server.testing.quantized_models import (
+    build_awq,
+    build_compressed_tensors,
+    build_gptq,
+    pack_nibbles,
+)
 
 PROMPTS = ((5, 17, 42, 99, 7, 300, 12), (1, 250, 251, 252), (9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13))
 GROUP = 32  # the tiny Llama's layers are 64 and 128 wide
@@ -34,6 +39,7 @@ CHECKPOINTS = {  # name -> how it is made
         src, out, GROUP, symmetric=False, checkpoint_format="gptq_v2"
     ),
     "gptq-per-channel": lambda src, out: build_gptq(src, out, -1),
+    "awq": lambda src, out: build_awq(src, out, GROUP),
     "ct-w8a8": lambda src, out: build_compressed_tensors(src, out, "W8A8"),
     "ct-w4a16": lambda src, out: build_compressed_tensors(src, out, "W4A16", GROUP),
     "ct-w4a16-zeros": lambda src, out: build_compressed_tensors(src, out, "W4A16_ASYM", GROUP),
@@ -71,7 +77,9 @@ def reference(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     stored = load_file(path / "model.safetensors")
     model.load_state_dict({k: v for k, v in stored.items() if k in model.state_dict()}, strict=False)
     for name, module in model.named_modules():
-        if f"{name}.qweight" in stored:
+        if f"{name}.qweight" in stored and plain["quant_method"] == "awq":
+            module.weight.data.copy_(awq_weight(stored, name))
+        elif f"{name}.qweight" in stored:
             module.weight.data.copy_(gptq_weight(stored, name, plain["checkpoint_format"]))
         elif f"{name}.weight_packed" in stored:
             module.weight.data.copy_(packed_weight(stored, name))
@@ -90,6 +98,24 @@ def gptq_weight(stored: dict[str, torch.Tensor], name: str, checkpoint_format: s
         zeros += 1
     groups = stored[f"{name}.g_idx"].long()
     return ((ints - zeros[groups]) * stored[f"{name}.scales"].float()[groups]).t()
+
+
+def awq_weight(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """AutoAWQ's GEMM layout: nibble i of each int32 holds output channel [0, 2, 4, 6, 1, 3, 5, 7][i]
+    of its eight; rows are input channels (weights) or groups (zero points)."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+
+    def channels(words: torch.Tensor) -> torch.Tensor:
+        values = torch.zeros(words.shape[0], words.shape[1] * 8)
+        for word in range(words.shape[1]):
+            for nibble in range(8):
+                values[:, 8 * word + order[nibble]] = ((words[:, word] >> (4 * nibble)) & 15).float()
+        return values
+
+    ints, zeros = channels(stored[f"{name}.qweight"]), channels(stored[f"{name}.qzeros"])
+    scales = stored[f"{name}.scales"].float()
+    group = ints.shape[0] // scales.shape[0]
+    return ((ints - zeros.repeat_interleave(group, 0)) * scales.repeat_interleave(group, 0)).t()
 
 
 def packed_weight(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -159,6 +185,19 @@ def test_int4_weights_unpack_to_their_definition(shape) -> None:
     torch.testing.assert_close(shuffled(x), x @ original.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cpp_unpacking_equals_the_tensor_form(dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    for out_features, in_features, group in ((32, 64, 32), (96, 256, 128), (200, 384, 64)):
+        ints = torch.randint(0, 16, (out_features, in_features), generator=gen)
+        scales = torch.rand(out_features, in_features // group, generator=gen) / 10
+        zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
+        layer = Int4Linear(ints, scales, zeros, group, None, dtype)
+        ulp = 0 if dtype == torch.float32 else 2**-7  # one float rounding may differ (FMA)
+        theirs = layer.unpacked_by_torch()
+        torch.testing.assert_close(layer.unpacked(), theirs, rtol=ulp, atol=1e-6)
+
+
 def test_int4_kernel_and_unpacked_product_agree_in_bf16() -> None:
     """Calls with few rows take the int4 kernel, calls with many the unpacked weights: the same
     rows give the same values within bf16 rounding either way."""
@@ -211,7 +250,7 @@ def test_checkpoints_load_into_our_layers_and_match_the_reference_logits(checkpo
 
 
 @pytest.mark.parametrize("engine", ["tgis_native", "hf_transformers"])
-@pytest.mark.parametrize("name", ["gptq-act-order", "gptq-v2-zeros", "ct-w4a16", "ct-w8a8"])
+@pytest.mark.parametrize("name", ["gptq-act-order", "gptq-v2-zeros", "awq", "ct-w4a16", "ct-w8a8"])
 def test_engines_serve_the_checkpoints_greedy_output(checkpoint, name, engine) -> None:
     path = checkpoint(name)
     engine_ = served(path, engine)
@@ -231,16 +270,25 @@ def test_engines_serve_the_checkpoints_greedy_output(checkpoint, name, engine) -
     assert busy == expected
 
 
-def test_the_cpp_decoder_stack_serves_w8a8_checkpoints_and_int4_falls_back(checkpoint, caplog) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["ct-w8a8", "gptq-act-order", "awq"])
+def test_the_cpp_decoder_stack_runs_quantized_layers_as_the_modules_do(checkpoint, name, dtype) -> None:
+    """Decode rows (the int4 kernel in bf16) and prompts (the unpacked weights) of the C++
+    decoder stack against the model's modules over the same cache."""
+    from tests.engines.test_cpu_decoder import both_logits, started
     from tests.engines.test_tgis_native import config_for
     from text_generation_server.engines.tgis_native import TgisNativeEngine
 
-    engine = TgisNativeEngine(config_for(checkpoint("ct-w8a8"), cpu_forward="layers"))
-    assert engine.runner.decoder is not None and all(p is not None for p in engine.runner.decoder.int8)
-    with caplog.at_level("INFO"):
-        engine = TgisNativeEngine(config_for(checkpoint("ct-w4a16"), cpu_forward="auto"))
-    assert engine.runner.decoder is None
-    assert "forward: the model's modules, because its projections are Int4Linear, not Linear" in caplog.text
+    engine = TgisNativeEngine(config_for(checkpoint(name), cpu_forward="layers", dtype=dtype))
+    decoder = engine.runner.decoder
+    assert decoder is not None
+    quantized = decoder.int8 if name == "ct-w8a8" else decoder.int4
+    assert all(p is not None for p in quantized)
+    batch = started(engine, [5, 17, 9])
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    for ids in ([7, 8, 9], [300, 2, 41]):
+        ours, theirs = both_logits(engine, batch, ids)
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=tolerance, rtol=tolerance)
 
 
 # ---- bitsandbytes -------------------------------------------------------------------------------
@@ -303,9 +351,12 @@ def test_refusals_are_one_line(checkpoint, tiny_model, tmp_path) -> None:
         refusal(variant(gptq, bits=8))
         == "GPTQ checkpoints with 8-bit weights are not served yet (4-bit only)"
     )
-    assert refusal(variant(gptq, quant_method="awq")) == (
-        "this checkpoint is quantized with awq, which is not served; "
-        "served checkpoints: gptq, compressed-tensors"
+    assert refusal(variant(gptq, quant_method="exl2")) == (
+        "this checkpoint is quantized with exl2, which is not served; "
+        "served checkpoints: gptq, awq, compressed-tensors"
+    )
+    assert refusal(variant(checkpoint("awq"), version="gemv")) == (
+        "AWQ checkpoints are served in 4-bit GEMM layout with zero points, not 4-bit, gemv"
     )
     assert refusal(variant(checkpoint("ct-w8a8"), format="float-quantized")).startswith(
         "compressed-tensors float-quantized with 8-bit channel weights is not served"

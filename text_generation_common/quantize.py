@@ -5,11 +5,11 @@ text_generation_server/quantization/)."""
 from __future__ import annotations
 
 BITSANDBYTES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")  # transformers' integration
-CHECKPOINT_METHODS = ("gptq", "compressed-tensors")  # pre-quantized checkpoints, served without the flag too
+# pre-quantized checkpoints, served without the flag too
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
 SERVED = ("int8", *CHECKPOINT_METHODS, *BITSANDBYTES)
 ENGINES = ("tgis_native", "hf_transformers")  # the engines that serve SERVED
 NOT_YET = {  # scheme -> why it is refused today
-    "awq": "AWQ checkpoints are not served yet",
     "fp8": "fp8 needs a GPU with fp8 (Hopper or newer), which no engine serves yet; on CPU use int8",
 }
 SCHEMES = (*SERVED, *NOT_YET)

@@ -36,7 +36,12 @@ from text_generation_server.utils.cpu import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode_cpu.cpp", CSRC / "lora_cpu.cpp", CSRC / "decoder_cpu.cpp")
+SOURCES = (
+    CSRC / "paged_decode_cpu.cpp",
+    CSRC / "lora_cpu.cpp",
+    CSRC / "decoder_cpu.cpp",
+    CSRC / "int4_cpu.cpp",
+)
 HEADERS = (CSRC / "float_vectors.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")
 

@@ -5,6 +5,8 @@ Served without any flag (QUANTIZE may name the same method, never another):
   gptq                GPTQ (AutoGPTQ / GPTQModel layout: qweight, qzeros, scales, g_idx), 4-bit, any
                       group size that tiles the layer (or one group per channel), symmetric or not,
                       act-order (desc_act), checkpoint_format gptq (zeros stored minus one) or gptq_v2
+  awq                 AWQ (AutoAWQ's GEMM layout: qweight, qzeros packed along the output channels
+                      in AWQ's order, scales), 4-bit with zero points, any group size
   compressed-tensors  llm-compressor / vLLM's format: `int-quantized` W8A8 (int8 weights per output
                       channel, int8 activations per token, dynamic and symmetric) and
                       `pack-quantized` W4A16 (4-bit weights in groups, symmetric or not)
@@ -32,8 +34,11 @@ from text_generation_server.quantization.int8 import Int8Linear
 
 logger = logging.getLogger(__name__)
 
-GPTQ, COMPRESSED_TENSORS = "gptq", "compressed-tensors"
-METHODS = (GPTQ, COMPRESSED_TENSORS)
+GPTQ, AWQ, COMPRESSED_TENSORS = "gptq", "awq", "compressed-tensors"
+METHODS = (GPTQ, AWQ, COMPRESSED_TENSORS)
+# AWQ's GEMM layout packs eight output channels to an int32 in this order (nibble i holds channel
+# AWQ_ORDER[i] of its eight); reading nibbles in sequence, this puts them back in place
+AWQ_UNORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,8 @@ def plan(hf_config: Any, model_dir: Path) -> Plan:
     method = method_of(hf_config, model_dir)
     if method == GPTQ:
         return _gptq_plan(declared)
+    if method == AWQ:
+        return _awq_plan(declared)
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors_plan(declared)
     raise ValueError(
@@ -110,6 +117,17 @@ def _gptq_plan(declared: dict[str, Any]) -> Plan:
         act_order=bool(declared.get("desc_act", False)),
         zeros_minus_one=fmt == "gptq",
     )
+
+
+def _awq_plan(declared: dict[str, Any]) -> Plan:
+    bits = int(declared.get("bits", declared.get("w_bit", 4)))
+    version = str(declared.get("version", "gemm")).lower()
+    zeros = bool(declared.get("zero_point", True))
+    if bits != 4 or version != "gemm" or not zeros:
+        this = f"{bits}-bit, {version}{'' if zeros else ', no zero points'}"
+        raise ValueError(f"AWQ checkpoints are served in 4-bit GEMM layout with zero points, not {this}")
+    group = int(declared.get("group_size", declared.get("q_group_size", 128)))
+    return Plan(method=AWQ, bits=4, group_size=group if group > 0 else None, symmetric=False)
 
 
 def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
@@ -187,10 +205,11 @@ def _read_layer(
     if key is None:
         return None
     bias = tensors.get(f"{key}.bias") if tensors.has(f"{key}.bias") else linear.bias
-    if how.method == GPTQ:
+    if how.method in (GPTQ, AWQ):
         if not tensors.has(f"{key}.qweight"):
             return None
-        return _gptq_layer(tensors, key, linear, how, bias, dtype)
+        read = _gptq_layer if how.method == GPTQ else _awq_layer
+        return read(tensors, key, linear, how, bias, dtype)
     if tensors.has(f"{key}.weight_packed"):
         return _packed_layer(tensors, key, linear, how, bias, dtype)
     if tensors.has(f"{key}.weight_scale") and how.bits == 8:
@@ -220,6 +239,20 @@ def _gptq_layer(
                 raise ValueError(f"{key}: act-order groups of unequal sizes are not served")
             ints = ints[:, order]
     return Int4Linear(ints, scales, zeros, group_size, bias, dtype, order=order)
+
+
+def _awq_layer(
+    tensors: _Tensors, key: str, linear: nn.Linear, how: Plan, bias: torch.Tensor | None, dtype: torch.dtype
+) -> Int4Linear:
+    def channels(words: torch.Tensor) -> torch.Tensor:  # [rows, out / 8] -> [rows, out], in place
+        values = unpack_nibbles(words, dim=1)
+        return values.view(values.shape[0], -1, 8)[:, :, list(AWQ_UNORDER)].reshape(values.shape[0], -1)
+
+    ints = channels(tensors.get(f"{key}.qweight")).t()  # [out, in]
+    _check_shape(key, ints.shape, linear)
+    zeros = channels(tensors.get(f"{key}.qzeros"))[:, : ints.shape[0]].t().float()
+    scales = tensors.get(f"{key}.scales").float().t()
+    return Int4Linear(ints, scales, zeros, how.group_size or ints.shape[1], bias, dtype)
 
 
 def _packed_layer(

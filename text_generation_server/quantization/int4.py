@@ -7,9 +7,9 @@ takes w = (q - 8) * scale + offset, so offset = (8 - zero) * scale), half a byte
 scale and an offset per group. That kernel reads the packed weights directly but its cost grows
 with the number of rows: on a 2-core Xeon with AMX, [M, 2048] x [2048, 2048] in bf16 took 0.11 /
 0.21 / 0.45 / 2.2 / 3.9 ms at M = 1 / 4 / 8 / 32 / 64 against 0.46-0.75 ms for the bf16 product
-plus 3.6 ms to unpack the weights. Calls with more than KERNEL_MAX_ROWS rows (prompts, big
-batches) therefore unpack the weights to the model's dtype and run the dense product; float32
-models always do (the kernel is bf16/fp16-fast only).
+plus 3.6 ms to unpack the weights in tensor operations. Calls with more than KERNEL_MAX_ROWS rows
+(prompts, big batches) therefore unpack the weights to the model's dtype (csrc/int4_cpu.cpp, one
+pass) and run the dense product; float32 models always do (the kernel is bf16/fp16-fast only).
 
 Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
 holds its input channels sorted by group (`order`) and gathers each input the same way.
@@ -17,8 +17,15 @@ holds its input channels sorted by group (`order`) and gathers each input the sa
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
+
+from text_generation_server.engines import cpu_kernels
+
+logger = logging.getLogger(__name__)
 
 KERNEL_MAX_ROWS = 48  # the kernel above, the dense product with unpacked weights beyond (doc)
 BLOCK = 64  # output channels per block of the kernel's packed layout
@@ -67,15 +74,26 @@ class Int4Linear(nn.Module):
         self.weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device="meta")
 
     def unpacked(self) -> torch.Tensor:
-        """The weights [out, in] in the model's dtype (input channels in the layer's order)."""
+        """The weights [out, in] in the model's dtype (input channels in the layer's order):
+        our C++ kernel (csrc/int4_cpu.cpp) where the CPU kernels build, else `unpacked_by_torch`."""
+        if not _unpack_kernel():
+            return self.unpacked_by_torch()
+        return torch.ops.tgis_cpu.int4_unpack(
+            self.packed, self.scale_offset, self.group_size, self.out_features
+        )
+
+    def unpacked_by_torch(self) -> torch.Tensor:
+        """`unpacked` in tensor operations: (value - 8) * scale + offset in float, rounded once."""
         blocks = self.packed.view(-1, self.in_features, BLOCK // 2)  # [blocks, in, 32]: two rows a byte
         q = torch.empty(blocks.shape[0], BLOCK, self.in_features, dtype=torch.uint8)
         torch.bitwise_and(blocks, 15, out=q[:, : BLOCK // 2].transpose(1, 2))
         torch.bitwise_right_shift(blocks, 4, out=q[:, BLOCK // 2 :].transpose(1, 2))
         groups = self.in_features // self.group_size
-        scale, offset = self.scale_offset.permute(1, 0, 2).unsqueeze(2).unbind(-1)  # [padded, groups, 1]
-        values = q.view(-1, groups, self.group_size).to(scale.dtype)
-        return ((values - 8) * scale + offset).view(-1, self.in_features)[: self.out_features]
+        scale, offset = (
+            self.scale_offset.float().permute(1, 0, 2).unsqueeze(2).unbind(-1)
+        )  # [padded, groups, 1]
+        values = q.view(-1, groups, self.group_size).float().sub_(8).mul_(scale).add_(offset)
+        return values.view(-1, self.in_features)[: self.out_features].to(self.scale_offset.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -100,3 +118,14 @@ class Int4Linear(nn.Module):
         order = ", act-order" if self.order is not None else ""
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, int4 g{self.group_size}{order}"
+
+
+@functools.cache
+def _unpack_kernel() -> bool:
+    """Whether our C++ unpacking kernel is here (built once per process; the reason logged if not)."""
+    try:
+        cpu_kernels.load()
+    except cpu_kernels.KernelBuildError as exc:
+        logger.warning("4-bit layers unpack their weights with tensor operations, because %s", exc)
+        return False
+    return True

@@ -100,23 +100,7 @@ def build_gptq(
     checkpoint_format: str = "gptq",
 ) -> Path:
     """`src` in GPTQ's 4-bit layout in `out` (see the module doc)."""
-    import torch
-    from safetensors.torch import save_file
-
-    model = _load(src)
-    head = model.get_output_embeddings()
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or module is head:
-            continue
-        del state[f"{name}.weight"]
-        state.update(
-            _gptq_tensors(
-                name, module.weight.detach().float(), group_size, act_order, symmetric, checkpoint_format
-            )
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.quantization_config = {
+    quantization_config = {
         "quant_method": "gptq",
         "bits": 4,
         "group_size": group_size,
@@ -124,6 +108,64 @@ def build_gptq(
         "sym": symmetric,
         "checkpoint_format": checkpoint_format,
     }
+    return _write_quantized(
+        src,
+        out,
+        lambda name, weight: _gptq_tensors(name, weight, group_size, act_order, symmetric, checkpoint_format),
+        quantization_config,
+    )
+
+
+def build_awq(src: Path, out: Path, group_size: int = 128) -> Path:
+    """`src` in AutoAWQ's 4-bit GEMM layout in `out` (see the module doc)."""
+    import torch
+
+    from text_generation_server.quantization.checkpoints import AWQ_UNORDER
+
+    order = [AWQ_UNORDER.index(i) for i in range(8)]  # nibble i holds channel AWQ_ORDER[i]
+
+    def tensors(name: str, weight: Any) -> dict[str, Any]:
+        columns = weight.t().contiguous()  # [in, out]: AWQ keeps the input channels as rows
+        groups = columns.view(columns.shape[0] // group_size, group_size, -1)
+        low, high = groups.amin(1).clamp(max=0), groups.amax(1).clamp(min=0)
+        scale = ((high - low) / 15).clamp(min=1e-8).half().float()  # [groups, out]
+        zero = torch.round(-low / scale).clamp(0, 15)
+        ints = torch.clamp(torch.round(groups / scale[:, None]) + zero[:, None], 0, 15).view_as(columns)
+
+        def packed(values: Any) -> Any:  # [rows, out] -> [rows, out / 8] in AWQ's order
+            shuffled = values.reshape(values.shape[0], -1, 8)[:, :, order].reshape(values.shape[0], -1)
+            return pack_nibbles(shuffled.to(torch.int32), dim=1)
+
+        return {
+            f"{name}.qweight": packed(ints),
+            f"{name}.qzeros": packed(zero),
+            f"{name}.scales": scale.half(),
+        }
+
+    quantization_config = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    return _write_quantized(src, out, tensors, quantization_config)
+
+
+def _write_quantized(src: Path, out: Path, tensors: Any, quantization_config: dict[str, Any]) -> Path:
+    """`src`'s model with each Linear but the LM head replaced by `tensors(name, float weight)`."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = _load(src)
+    head = model.get_output_embeddings()
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            del state[f"{name}.weight"]
+            state.update(tensors(name, module.weight.detach().float()))
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.quantization_config = quantization_config
     model.config.save_pretrained(out)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     if getattr(model, "generation_config", None) is not None:
@@ -178,7 +220,7 @@ def pack_nibbles(values: Any, dim: int) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--method", choices=["gptq", "compressed-tensors"], required=True)
+    parser.add_argument("--method", choices=["gptq", "awq", "compressed-tensors"], required=True)
     parser.add_argument("--src", required=True, help="a local model directory (safetensors or .bin)")
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument(
@@ -194,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     src, out = Path(args.src), Path(args.out)
     if args.method == "gptq":
         build_gptq(src, out, args.group_size, args.act_order, not args.asym)
+    elif args.method == "awq":
+        build_awq(src, out, args.group_size)
     else:
         build_compressed_tensors(src, out, args.scheme, args.group_size)
     logger.info("wrote a %s checkpoint of %s in %s: %s", args.method, src, out, json.dumps(args.__dict__))

@@ -21,6 +21,13 @@
 //   int8       7 per layer: the packed int8 weights of QUANTIZE=int8 (quantization/int8.py's
 //              Int8Linear), else None; such a projection's weight slot holds its range row and
 //              its bias slot its float32 bias
+//   int4, int4_order, int4_out
+//              7 per layer each: the packed 4-bit weights of a quantization/int4.py Int4Linear
+//              (else None), its input channel order (act-order, else None) and its output
+//              features; such a projection's weight slot holds its scales and offsets and its
+//              bias slot its bias. Calls of up to int4_max_rows rows run torch's int4 kernel,
+//              larger ones the dense product over the weights unpacked by int4_cpu.cpp, as
+//              Int4Linear.forward does
 //   caches     one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
 //   slots      [T] int64            the cache slot of each new token's K/V
 //   decode     [D] int64 or None    the packed index of each single-token row (None with no
@@ -152,6 +159,32 @@ at::Tensor int8_linear(const at::Tensor& x, const Int8Weights& packed, const at:
   return y.to(x.scalar_type());
 }
 
+struct Int4 {
+  const c10::List<std::optional<at::Tensor>>& packed;
+  const c10::List<std::optional<at::Tensor>>& order;
+  at::IntArrayRef out;
+  int64_t max_rows;
+};
+
+// quantization/int4.py's Int4Linear.forward: the input's channels in the layer's order, torch's
+// int4 kernel for few rows (bf16 / fp16), else the dense product over the unpacked weights.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset,
+                       const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& bias,
+                       int64_t out_features, int64_t max_rows) {
+  const at::Tensor rows = order.has_value() ? x.index_select(1, *order) : x;
+  const int64_t group = packed.size(1) * 2 / scale_offset.size(0);
+  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+  if (half && rows.size(0) <= max_rows) {
+    at::Tensor y = at::_weight_int4pack_mm_for_cpu(rows.contiguous(), packed, group, scale_offset)
+                       .narrow(1, 0, out_features);
+    return bias.has_value() ? y + *bias : y;
+  }
+  static auto unpack = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("tgis_cpu::int4_unpack", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return at::linear(rows, unpack.call(packed, scale_offset, group, out_features).to(x.scalar_type()), bias);
+}
+
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                   bool onednn) {
   if (!onednn) return at::linear(x, *weight, bias);
@@ -260,8 +293,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T>
 at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
                const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
-               const c10::List<std::optional<Int8Weights>>& int8, const std::vector<at::Tensor>& caches,
-               const at::Tensor& slots, const Attention& attention, const Lora& lora, int64_t heads,
+               const c10::List<std::optional<Int8Weights>>& int8, const Int4& int4,
+               const std::vector<at::Tensor>& caches, const at::Tensor& slots, const Attention& attention,
+               const Lora& lora, int64_t heads,
                int64_t kv_heads, double eps, double residual_multiplier) {
   const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
   const int64_t dim = cos_t.size(1), block_size = attention.block_size;
@@ -275,8 +309,11 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
     const int64_t projection = layer * kLinearsPerLayer + which;
     const std::optional<Int8Weights> packed = int8.get(projection);
-    at::Tensor y = (packed.has_value() ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1))
-                                       : linear(x, param(layer, index), param(layer, index + 1), onednn[projection]))
+    const std::optional<at::Tensor> packed4 = int4.packed.get(projection);
+    at::Tensor y = (packed.has_value()    ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1))
+                    : packed4.has_value() ? int4_linear(x, *packed4, *param(layer, index), int4.order.get(projection),
+                                                        param(layer, index + 1), int4.out[projection], int4.max_rows)
+                                          : linear(x, param(layer, index), param(layer, index + 1), onednn[projection]))
                        .contiguous();
     lora.apply(y, x, projection);
     return y;
@@ -309,7 +346,10 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
 
 at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
-                          const c10::List<std::optional<Int8Weights>>& int8, at::TensorList caches,
+                          const c10::List<std::optional<Int8Weights>>& int8,
+                          const c10::List<std::optional<at::Tensor>>& int4,
+                          const c10::List<std::optional<at::Tensor>>& int4_order, at::IntArrayRef int4_out,
+                          int64_t int4_max_rows, at::TensorList caches,
                           const at::Tensor& slots, const std::optional<at::Tensor>& decode,
                           const std::optional<at::Tensor>& tables, const std::optional<at::Tensor>& lengths,
                           at::IntArrayRef piece_bounds, const c10::List<std::optional<at::Tensor>>& piece_blocks,
@@ -323,6 +363,9 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParamsPerLayer + 1, "16 parameters per layer + 1");
   TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLinearsPerLayer, "7 layout flags per layer");
   TORCH_CHECK(static_cast<int64_t>(int8.size()) == layers * kLinearsPerLayer, "7 int8 entries per layer");
+  TORCH_CHECK(static_cast<int64_t>(int4.size()) == layers * kLinearsPerLayer && int4_order.size() == int4.size() &&
+                  int4_out.size() == int4.size(),
+              "7 int4 entries, orders and output sizes per layer");
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [tokens, hidden], contiguous");
   const int64_t rows = embeddings.size(0);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && sin.sizes() == cos.sizes(), "cos/sin must be [tokens, head_dim]");
@@ -361,8 +404,8 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   auto typed = [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
-    return run<T>(embeddings, c, s, params, flags, int8, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps,
-                  residual_multiplier);
+    return run<T>(embeddings, c, s, params, flags, int8, Int4{int4, int4_order, int4_out, int4_max_rows}, layer_caches,
+                  slot_ids, attention, lora, heads, kv_heads, eps, residual_multiplier);
   };
   switch (embeddings.scalar_type()) {
     case at::kFloat:
@@ -381,7 +424,8 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
 TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
   m.def(
       "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, Tensor[] caches, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, Tensor?[] int4, Tensor?[] int4_order, "
+      "int[] int4_out, int int4_max_rows, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
       "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
       "int block_size, int heads, int kv_heads, float eps, float scale, "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,7 +33,8 @@ from text_generation_server.attention.layout import StepLayout
 from text_generation_server.engines.paged_kv import PagedKVCache
 from text_generation_server.engines.weight_layout import OneDnnLinear
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
-from text_generation_server.quantization import Int8Linear
+from text_generation_server.quantization import Int4Linear, Int8Linear
+from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +72,36 @@ class Unsupported(ValueError):
     """This model or setting cannot take the C++ decoder stack (the message says why)."""
 
 
-def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool, Any]:
-    """(weight as the kernel takes it, bias, whether oneDNN packed, int8 packed weights or None)
-    of a projection (an int8 one: its range row and float bias, see decoder_cpu.cpp)."""
+class Projection(NamedTuple):
+    """A projection as decoder_cpu.cpp takes it."""
+
+    weight: torch.Tensor  # as the kernel takes it (int8: its range row; int4: its scales and offsets)
+    bias: torch.Tensor | None  # (int8: float32)
+    onednn: bool  # oneDNN packed weights
+    int8: Any = None  # packed int8 weights (quantization/int8.py), else None
+    int4: torch.Tensor | None = None  # packed 4-bit weights (quantization/int4.py), else None
+    int4_order: torch.Tensor | None = None  # a 4-bit layer's input channel order (act-order)
+    out_features: int = 0
+
+
+def _linear(module: Any) -> Projection:
+    """A projection's weights as decoder_cpu.cpp takes them."""
     base = getattr(module, "base", module)  # a LoRA wrapper: the base module's weights
     if isinstance(base, OneDnnLinear):
         packed = base.packed_weight
         assert isinstance(packed, torch.Tensor)
-        return packed, base.bias, True, None
+        return Projection(packed, base.bias, True)
     if isinstance(base, Int8Linear):
         bounds, bias = base.bounds, base.bias_float
         assert isinstance(bounds, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
-        return bounds, bias, False, base.packed
+        return Projection(bounds, bias, False, int8=base.packed)
+    if isinstance(base, Int4Linear):
+        return Projection(
+            base.scale_offset, base.bias_value, False, int4=base.packed, int4_order=base.order,
+            out_features=base.out_features,
+        )  # fmt: skip
     if type(base) is torch.nn.Linear:
-        return base.weight, base.bias, False, None
+        return Projection(base.weight, base.bias, False)
     raise Unsupported(f"its projections are {type(base).__name__}, not Linear")
 
 
@@ -94,7 +111,10 @@ class CpuDecoder:
     projections: list[tuple[Any, str]]  # (owner module, attribute) of every projection, in order
     params: list[torch.Tensor | None]
     onednn: list[bool]
-    int8: list[Any]  # per projection: its packed int8 weights (QUANTIZE=int8), else None
+    int8: list[Any]  # per projection: its packed int8 weights (quantization/int8.py), else None
+    int4: list[torch.Tensor | None]  # per projection: its packed 4-bit weights, else None
+    int4_order: list[torch.Tensor | None]  # per projection: a 4-bit layer's input order, else None
+    int4_out: list[int]  # per projection: a 4-bit layer's output features, else 0
     caches: list[torch.Tensor]
     heads: int
     kv_heads: int
@@ -166,8 +186,9 @@ class CpuDecoder:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
-            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.caches, slots,
-            decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
+            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.int4,
+            self.int4_order, self.int4_out, KERNEL_MAX_ROWS, self.caches, slots, decode, tables, lengths,
+            bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
             self.eps, self.scale, self.residual_multiplier, self.window,
         )  # fmt: skip
@@ -233,6 +254,9 @@ def build(
     params: list[torch.Tensor | None] = []
     onednn: list[bool] = []
     int8: list[Any] = []
+    int4: list[torch.Tensor | None] = []
+    int4_order: list[torch.Tensor | None] = []
+    int4_out: list[int] = []
     projections: list[tuple[Any, str]] = []
     for layer in layers:
         attention = layer.self_attn
@@ -242,10 +266,13 @@ def build(
         for owner, name in PROJECTIONS:
             holder = getattr(layer, owner)
             projections.append((holder, name))
-            weight, bias, packed, quantized = _linear(getattr(holder, name))
-            params += [weight, bias]
-            onednn.append(packed)
-            int8.append(quantized)
+            projection = _linear(getattr(holder, name))
+            params += [projection.weight, projection.bias]
+            onednn.append(projection.onednn)
+            int8.append(projection.int8)
+            int4.append(projection.int4)
+            int4_order.append(projection.int4_order)
+            int4_out.append(projection.out_features)
             if name == "o_proj":
                 params.append(layer.post_attention_layernorm.weight)
     params.append(model.model.norm.weight)
@@ -257,6 +284,9 @@ def build(
         params=[p.detach() if p is not None else None for p in params],
         onednn=onednn,
         int8=int8,
+        int4=int4,
+        int4_order=int4_order,
+        int4_out=int4_out,
         caches=[cache.layers[i] for i in range(len(layers))],
         heads=heads,
         kv_heads=kv_heads,

@@ -1,0 +1,91 @@
+// 4-bit weights unpacked to the model's dtype on CPU, for the calls of quantization/int4.py's
+// Int4Linear with more rows than torch's int4 kernel serves well (prompts): one pass that reads
+// each packed byte once and writes each weight once, where the tensor form takes five passes.
+//
+//   packed        [padded, in / 2] uint8 in the layout of torch's CPU int4 kernel
+//                 (_convert_weight_to_int4pack_for_cpu): per block of 64 output rows, input
+//                 channel k's 32 bytes hold row i's value in the low nibble of byte i and row
+//                 32 + i's in the high nibble (i < 32)
+//   scale_offset  [groups, padded, 2] (scale, offset) of each group and output row, model dtype
+//   -> [out_features, in] model dtype: (value - 8) * scale + offset, rounded once
+//
+// Blocks and tiles of 64 input channels run in parallel; a tile is built in float in a buffer
+// that stays in L1 and written out row by row. Built with the other CPU kernels by
+// text_generation_server/engines/cpu_kernels.py as torch.ops.tgis_cpu.int4_unpack.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // output rows per block of the packed layout
+constexpr int64_t kTile = 64;   // input channels per tile
+
+template <typename T>
+void unpack(const uint8_t* packed, const T* scale_offset, T* out, int64_t out_features, int64_t padded,
+            int64_t in, int64_t group) {
+  const int64_t blocks = padded / kBlock, tiles = (in + kTile - 1) / kTile;
+  at::parallel_for(0, blocks * tiles, 1, [&](int64_t begin, int64_t end) {
+    float tile[kBlock][kTile];
+    float scale[kBlock], offset[kBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task / tiles, k0 = (task % tiles) * kTile, k1 = std::min(in, k0 + kTile);
+      const uint8_t* bytes = packed + block * in * (kBlock / 2);
+      int64_t loaded = -1;  // the group whose scales are in `scale` / `offset`
+      for (int64_t k = k0; k < k1; ++k) {
+        if (k / group != loaded) {
+          loaded = k / group;
+          const T* so = scale_offset + (loaded * padded + block * kBlock) * 2;
+          for (int64_t i = 0; i < kBlock; ++i) {
+            scale[i] = static_cast<float>(so[2 * i]);
+            offset[i] = static_cast<float>(so[2 * i + 1]);
+          }
+        }
+        const uint8_t* b = bytes + k * (kBlock / 2);
+        const int64_t column = k - k0;
+        for (int64_t i = 0; i < kBlock / 2; ++i) {
+          tile[i][column] = static_cast<float>((b[i] & 15) - 8) * scale[i] + offset[i];
+          const int64_t j = i + kBlock / 2;
+          tile[j][column] = static_cast<float>((b[i] >> 4) - 8) * scale[j] + offset[j];
+        }
+      }
+      const int64_t rows = std::min(kBlock, out_features - block * kBlock);
+      for (int64_t i = 0; i < rows; ++i) {
+        T* row = out + (block * kBlock + i) * in;
+        for (int64_t k = k0; k < k1; ++k) row[k] = static_cast<T>(tile[i][k - k0]);
+      }
+    }
+  });
+}
+
+at::Tensor int4_unpack(const at::Tensor& packed, const at::Tensor& scale_offset, int64_t group_size,
+                       int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "packed: contiguous [padded, in / 2] uint8");
+  const int64_t padded = packed.size(0), in = packed.size(1) * 2;
+  TORCH_CHECK(padded % kBlock == 0 && out_features <= padded, "packed rows come in blocks of 64");
+  TORCH_CHECK(group_size > 0 && in % group_size == 0, "groups must tile the input channels");
+  TORCH_CHECK(scale_offset.is_contiguous() && scale_offset.dim() == 3 && scale_offset.size(0) == in / group_size &&
+                  scale_offset.size(1) == padded && scale_offset.size(2) == 2,
+              "scale_offset: contiguous [groups, padded, 2]");
+  at::Tensor out = at::empty({out_features, in}, scale_offset.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scale_offset.scalar_type(), "int4_unpack", [&] {
+    unpack<scalar_t>(packed.data_ptr<uint8_t>(), scale_offset.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                     out_features, padded, in, group_size);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
+  m.def("int4_unpack(Tensor packed, Tensor scale_offset, int group_size, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) { m.impl("int4_unpack", &int4_unpack); }
