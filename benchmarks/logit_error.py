@@ -53,6 +53,8 @@ def measure(
             b = candidate(ids).logits[0, -1].float()
             cosines.append(torch.nn.functional.cosine_similarity(a, b, dim=0).item())
             agree += int(a.argmax() == b.argmax())
+    from text_generation_server.quantization import resident_bytes
+
     return {
         "base": str(base),
         "quantized": str(quantized) if quantized else f"QUANTIZE={quantize}",
@@ -62,6 +64,10 @@ def measure(
         "mean_cosine": statistics.fmean(cosines),
         "min_cosine": min(cosines),
         "greedy_agreement": agree / prompts,
+        "weights_mib": {
+            "base": resident_bytes(reference) / 2**20,
+            "quantized": resident_bytes(candidate) / 2**20,
+        },
     }
 
 

@@ -362,3 +362,59 @@ def test_refusals_are_one_line(checkpoint, tiny_model, tmp_path) -> None:
         "compressed-tensors float-quantized with 8-bit channel weights is not served"
     )
     assert "\n" not in refusal(variant(gptq, checkpoint_format="marlin"))
+
+
+def test_bitsandbytes_4bit_refuses_input_sizes_its_cpu_kernels_cannot_take(tmp_path) -> None:
+    from text_generation_server.testing.tiny_models import build_tiny_model
+
+    path = build_tiny_model("llama", tmp_path / "odd")
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] = 96  # down_proj takes 96 inputs: not a multiple of 64
+    (path / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    for name in list(weights):
+        if "gate_proj" in name or "up_proj" in name:
+            weights[name] = weights[name][:96].contiguous()
+        elif "down_proj" in name:
+            weights[name] = weights[name][:, :96].contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    assert refusal(path, "bitsandbytes-nf4") == (
+        "QUANTIZE=bitsandbytes-nf4: bitsandbytes' CPU 4-bit kernels need input sizes that are multiples "
+        "of 64; model.layers.0.mlp.down_proj takes 96"
+    )
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_compensation_beats_rounding_to_nearest_on_the_layer_output(act_order) -> None:
+    """The writer's GPTQ: on correlated inputs X, ||X (W - Q)^T|| is well below round-to-nearest's."""
+    from text_generation_server.testing.quantized_models import _gptq_dequantized, _gptq_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 256, generator=gen)
+    inputs = torch.randn(512, 256, generator=gen) @ torch.randn(256, 256, generator=gen) * 0.2
+    hessian = 2 * inputs.t() @ inputs / 512
+
+    def error(hessian_or_none) -> float:
+        tensors = _gptq_tensors("layer", weight, 64, act_order, True, "gptq", hessian_or_none)
+        return ((inputs @ (weight - _gptq_dequantized(tensors)).t()) ** 2).mean().item()
+
+    assert error(hessian) < 0.6 * error(None)
+
+
+def test_lora_on_a_4bit_base_is_the_same_on_both_forward_paths(checkpoint, tiny_model, tmp_path) -> None:
+    """Adapters stay in the activation dtype over 4-bit base layers, through the C++ decoder stack
+    and through the modules alike."""
+    from tests.adapter_helpers import engine_with_store
+    from text_generation_server.testing.tiny_prompts import build_lora
+
+    build_lora(tiny_model("llama"), tmp_path / "a", 1, 6, ["q_proj", "v_proj", "down_proj"])
+    requests = [GenerationRequest(1, PROMPTS[0], 8, adapter_id="a"), GenerationRequest(2, PROMPTS[0], 8)]
+    outputs = {}
+    for mode in ("layers", "modules"):
+        engine = engine_with_store("tgis_native", checkpoint("gptq-act-order"), tmp_path, cpu_forward=mode)
+        assert (engine.runner.decoder is not None) == (mode == "layers")
+        outputs[mode] = Runner(engine).run({0: requests})
+    assert outputs["layers"] == outputs["modules"]
+    assert outputs["layers"][1] != outputs["layers"][2]  # the adapter matters

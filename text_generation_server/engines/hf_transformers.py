@@ -172,11 +172,12 @@ def load_pretrained(
     if quantized is not None:
         quantization.replace_linears(model, Path(model_dir), quantized, dtype)
     quantization.quantize_model(model, config.quantize)
+    quantization.check_loaded(model, config.quantize)
     logger.info(
         "shard %d/%d holds %.1f MiB of the model's weights",
         config.rank,
         config.world_size,
-        (distributed.local_bytes(model) + quantization.packed_bytes(model)) / 2**20,
+        quantization.resident_bytes(model) / 2**20,
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True

@@ -39,11 +39,13 @@ __all__ = [
     "Int8Linear",
     "Plan",
     "check",
+    "check_loaded",
     "checkpoint_plan",
     "load_kwargs",
     "packed_bytes",
     "quantize_model",
     "replace_linears",
+    "resident_bytes",
 ]
 
 
@@ -108,10 +110,33 @@ def load_kwargs(scheme: str | None, dtype: torch.dtype) -> dict[str, Any]:
     return {"quantization_config": config, "device_map": "cpu"}
 
 
+BNB_4BIT_BLOCK = 64  # bitsandbytes' CPU 4-bit kernels take inputs in blocks of this many
+
+
+def check_loaded(model: nn.Module, scheme: str | None) -> None:
+    """ValueError (one line) where the loaded, quantized model cannot run: bitsandbytes' CPU
+    4-bit layers fail at their first call unless every input size is a multiple of 64."""
+    if scheme not in BITSANDBYTES[1:]:
+        return
+    for name, module in model.named_modules():
+        if type(module).__name__ == "Linear4bit" and module.in_features % BNB_4BIT_BLOCK:
+            raise ValueError(
+                f"QUANTIZE={scheme}: bitsandbytes' CPU 4-bit kernels need input sizes that are multiples "
+                f"of {BNB_4BIT_BLOCK}; {name} takes {module.in_features}"
+            )
+
+
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of int8 weights packed outside the model's parameters and buffers (oneDNN's packed
     objects); int4 weights are buffers, counted with the model's."""
     return sum(m.weight_bytes() for m in model.modules() if isinstance(m, Int8Linear))
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of the weights this rank holds: parameters, buffers and packed int8 weights."""
+    from text_generation_server import distributed
+
+    return distributed.local_bytes(model) + packed_bytes(model)
 
 
 def quantize_model(model: Any, scheme: str | None) -> None:

@@ -6,15 +6,23 @@ compressed-tensors  through the compressed-tensors package itself: its preset sc
                     (round-to-nearest; W8A8's activations are quantized at run time, so no
                     calibration data is needed), compressed and saved by its ModelCompressor
                     exactly as llm-compressor saves them.
-gptq                the AutoGPTQ / GPTQModel layout (qweight, qzeros, scales, g_idx and the
-                    config's quantization_config), written here because no GPTQ package installs
-                    from a wheel on this platform: 4-bit round-to-nearest integers in groups,
-                    symmetric or with zero points, act-order (input channels ranked by weight
-                    norm, as GPTQ ranks them by the Hessian's diagonal), v1 format (zeros stored
-                    minus one) or v2. Only the file layout matters to a loader; GPTQ's own error
-                    compensation would choose other integers in the same layout.
+gptq                GPTQ itself (written here: no GPTQ package installs from a wheel on this
+                    platform), in the AutoGPTQ / GPTQModel layout (qweight, qzeros, scales, g_idx
+                    and the config's quantization_config): 4-bit, groups, symmetric or with zero
+                    points, act-order, v1 format (zeros stored minus one) or v2. The Hessian of each
+                    Linear's inputs comes from random-token prompts run through the model one
+                    decoder layer at a time, each layer calibrated on the already quantized layers
+                    before it; columns are rounded one by one, each one's error spread over the
+                    columns not yet rounded (lazy updates in blocks of 128, 1 % damping, act-order
+                    by the Hessian's diagonal). Without calibration: round-to-nearest.
+awq                 AutoAWQ's GEMM layout (qweight and qzeros packed along the output channels in
+                    AWQ's order, scales), written here for the same reason: 4-bit round-to-nearest
+                    integers with zero points in groups. AWQ's activation-aware scaling would fold
+                    per-channel factors into the weights and norms before rounding; the layout is
+                    the same.
 
-  python -m text_generation_server.testing.quantized_models --method gptq --src MODEL --out DIR
+  python -m text_generation_server.testing.quantized_models --method gptq|awq|compressed-tensors \
+      --src MODEL --out DIR
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 COMPRESSED_SCHEMES = ("W8A8", "W4A16", "W4A16_ASYM")
+GPTQ_BLOCK = 128  # columns GPTQ updates one by one before updating the rest at once
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -98,8 +107,10 @@ def build_gptq(
     act_order: bool = False,
     symmetric: bool = True,
     checkpoint_format: str = "gptq",
+    calibration: tuple[int, int] | None = (16, 64),
 ) -> Path:
-    """`src` in GPTQ's 4-bit layout in `out` (see the module doc)."""
+    """`src` in GPTQ's 4-bit layout in `out` (see the module doc); `calibration` (prompts, tokens)
+    of random tokens drive GPTQ's error compensation, None rounds to nearest."""
     quantization_config = {
         "quant_method": "gptq",
         "bits": 4,
@@ -108,12 +119,111 @@ def build_gptq(
         "sym": symmetric,
         "checkpoint_format": checkpoint_format,
     }
-    return _write_quantized(
-        src,
-        out,
-        lambda name, weight: _gptq_tensors(name, weight, group_size, act_order, symmetric, checkpoint_format),
-        quantization_config,
-    )
+    model = _load(src)
+    hessians = _calibrated(model, *calibration) if calibration else None
+    solved: dict[str, dict[str, Any]] = {}
+
+    def tensors(name: str, weight: Any) -> dict[str, Any]:
+        hessian = hessians(name) if hessians is not None and name not in solved else None
+        if name not in solved:  # (computing the Hessians may have quantized it meanwhile)
+            solved[name] = _gptq_tensors(
+                name, weight, group_size, act_order, symmetric, checkpoint_format, hessian
+            )
+        return solved[name]
+
+    if hessians is not None:  # sequential GPTQ: each layer calibrated on the quantized layers before it
+        hessians.quantize = tensors
+    return _write_quantized(model, src, out, tensors, quantization_config)
+
+
+class _calibrated:
+    """GPTQ's Hessians (2 X^T X / rows of each Linear's inputs X) over random-token prompts, one
+    decoder layer at a time: the prompts run up to that layer, whose Linears' inputs are summed;
+    once they are quantized (`quantize`), their weights become the dequantized ones, so the next
+    layer sees the quantized model's activations."""
+
+    def __init__(self, model: Any, prompts: int, tokens: int) -> None:
+        import torch
+
+        self.model = model
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError("GPTQ calibration walks model.model.layers (Llama-family models)")
+        self.layers = list(layers)
+        vocab = int(model.config.vocab_size)
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(4, vocab, (prompts, tokens), generator=gen)
+        self.done: dict[str, Any] = {}
+        self.quantize: Any = None
+
+    def __call__(self, name: str) -> Any:
+        if name not in self.done:
+            self._layer_of(name)
+        return self.done.get(name)
+
+    def _layer_of(self, name: str) -> None:
+        import torch
+
+        for index, layer in enumerate(self.layers):
+            linears = {
+                f"model.layers.{index}.{child}": module
+                for child, module in layer.named_modules()
+                if isinstance(module, torch.nn.Linear)
+            }
+            if name in linears:
+                break
+        else:
+            return  # not in a decoder layer: rounded to nearest
+        sums = {
+            key: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for key, m in linears.items()
+        }
+        rows = {key: 0 for key in linears}
+
+        def summing(key: str) -> Any:
+            def hook(module: Any, args: tuple[Any, ...]) -> None:
+                x = args[0].reshape(-1, module.in_features).double()
+                sums[key] += x.t() @ x
+                rows[key] += x.shape[0]
+
+            return hook
+
+        class Stop(Exception):
+            pass
+
+        def stop(*_: Any) -> None:
+            raise Stop
+
+        hooks = [m.register_forward_pre_hook(summing(key)) for key, m in linears.items()]
+        hooks.append(layer.register_forward_hook(stop))
+        try:
+            with torch.no_grad():
+                self.model(self.ids)
+        except Stop:
+            pass
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for key, module in linears.items():
+            self.done[key] = (2 * sums[key] / max(rows[key], 1)).float()
+            written = self.quantize(key, module.weight.detach().float())
+            with torch.no_grad():
+                module.weight.copy_(_gptq_dequantized(written))
+
+
+def _gptq_dequantized(tensors: dict[str, Any]) -> Any:
+    """The weights [out, in] a GPTQ layer's tensors hold (v1 or v2 zeros: see `zeros_minus_one`)."""
+    import torch
+
+    from text_generation_server.quantization.checkpoints import unpack_nibbles
+
+    (qweight,) = (v for k, v in tensors.items() if k.endswith(".qweight"))
+    (qzeros,) = (v for k, v in tensors.items() if k.endswith(".qzeros"))
+    (scales,) = (v for k, v in tensors.items() if k.endswith(".scales"))
+    (groups,) = (v for k, v in tensors.items() if k.endswith(".g_idx"))
+    ints = unpack_nibbles(qweight, 0).float()  # [in, out]
+    zeros = unpack_nibbles(qzeros, 1).float() + tensors["zeros_minus_one"]
+    groups = groups.long()
+    return ((ints - zeros[groups]) * scales.float()[groups]).t().to(torch.float32)
 
 
 def build_awq(src: Path, out: Path, group_size: int = 128) -> Path:
@@ -149,21 +259,29 @@ def build_awq(src: Path, out: Path, group_size: int = 128) -> Path:
         "zero_point": True,
         "version": "gemm",
     }
-    return _write_quantized(src, out, tensors, quantization_config)
+    return _write_quantized(_load(src), src, out, tensors, quantization_config)
 
 
-def _write_quantized(src: Path, out: Path, tensors: Any, quantization_config: dict[str, Any]) -> Path:
-    """`src`'s model with each Linear but the LM head replaced by `tensors(name, float weight)`."""
+def _write_quantized(
+    model: Any, src: Path, out: Path, tensors: Any, quantization_config: dict[str, Any]
+) -> Path:
+    """`model` (loaded from `src`) with each Linear but the LM head replaced by `tensors(name,
+    float weight)` (in groups of quantization_config's group_size input channels)."""
     import torch
     from safetensors.torch import save_file
 
-    model = _load(src)
     head = model.get_output_embeddings()
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
+            group = quantization_config["group_size"]
+            if group > 0 and module.in_features % group:
+                raise ValueError(
+                    f"groups of {group} do not tile the {module.in_features} input channels of {name}"
+                )
             del state[f"{name}.weight"]
-            state.update(tensors(name, module.weight.detach().float()))
+            written = tensors(name, module.weight.detach().float())
+            state.update({k: v for k, v in written.items() if k.startswith(f"{name}.")})
     out.mkdir(parents=True, exist_ok=True)
     model.config.quantization_config = quantization_config
     model.config.save_pretrained(out)
@@ -175,25 +293,63 @@ def _write_quantized(src: Path, out: Path, tensors: Any, quantization_config: di
 
 
 def _gptq_tensors(
-    name: str, weight: Any, group_size: int, act_order: bool, symmetric: bool, checkpoint_format: str
+    name: str,
+    weight: Any,
+    group_size: int,
+    act_order: bool,
+    symmetric: bool,
+    checkpoint_format: str,
+    hessian: Any = None,
 ) -> dict[str, Any]:
+    """One Linear's GPTQ tensors: GPTQ's column-by-column rounding with error compensation over
+    `hessian` [in, in] (None: round to nearest). Act-order ranks the input channels by the
+    Hessian's diagonal (without one: by weight norm) and groups them in that order."""
     import torch
 
     out_features, in_features = weight.shape
     group = group_size if group_size > 0 else in_features
-    order = torch.argsort(weight.norm(dim=0), descending=True) if act_order else torch.arange(in_features)
-    grouped = weight[:, order].view(out_features, in_features // group, group)
-    if symmetric:
-        scale = (grouped.abs().amax(-1) * 2 / 15).clamp(min=1e-8)
-        zero = torch.full_like(scale, 8.0)
+    if not act_order:
+        order = torch.arange(in_features)
+    elif hessian is not None:
+        order = torch.argsort(torch.diagonal(hessian), descending=True)
     else:
-        low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
-        scale = ((high - low) / 15).clamp(min=1e-8)
-        zero = torch.round(-low / scale).clamp(0, 15)
-    scale = scale.half().float()  # the file holds float16 scales: the integers are chosen for those
-    q = torch.clamp(torch.round(grouped / scale[..., None]) + zero[..., None], 0, 15).view(
-        out_features, in_features
-    )
+        order = torch.argsort(weight.norm(dim=0), descending=True)
+    permuted = weight[:, order].clone()
+    scale = torch.empty(out_features, in_features // group)
+    zero = torch.empty_like(scale)
+
+    def params(columns: Any, g: int) -> None:  # the group's scale and zero point, from its weights
+        if symmetric:
+            scale[:, g] = (columns.abs().amax(-1) * 2 / 15).clamp(min=1e-8).half().float()
+            zero[:, g] = 8.0
+        else:
+            low, high = columns.amin(-1).clamp(max=0), columns.amax(-1).clamp(min=0)
+            scale[:, g] = ((high - low) / 15).clamp(min=1e-8).half().float()  # the file's float16
+            zero[:, g] = torch.round(-low / scale[:, g]).clamp(0, 15)
+
+    def rounded(column: Any, g: int) -> Any:
+        return torch.clamp(torch.round(column / scale[:, g]) + zero[:, g], 0, 15)
+
+    q = torch.empty_like(permuted)
+    if hessian is None:
+        for g in range(in_features // group):
+            params(permuted[:, g * group : (g + 1) * group], g)
+        for k in range(in_features):
+            q[:, k] = rounded(permuted[:, k], k // group)
+    else:  # GPTQ's lazy batch updates: within a block column by column, the rest once per block
+        inverse = _inverse_hessian(hessian[order][:, order])
+        for start in range(0, in_features, GPTQ_BLOCK):
+            end = min(start + GPTQ_BLOCK, in_features)
+            block = permuted[:, start:end].clone()
+            errors = torch.empty_like(block)
+            for j in range(end - start):
+                k, g = start + j, (start + j) // group
+                if k % group == 0:  # from the weights as updated so far
+                    params(torch.cat((block[:, j:], permuted[:, end:]), 1)[:, :group], g)
+                q[:, k] = rounded(block[:, j], g)
+                errors[:, j] = (block[:, j] - (q[:, k] - zero[:, g]) * scale[:, g]) / inverse[k, k]
+                block[:, j + 1 :] -= errors[:, j, None] * inverse[k, k + 1 : end][None, :]
+            permuted[:, end:] -= errors @ inverse[start:end, end:]
     ints = torch.empty_like(q)
     ints[:, order] = q  # back to the input channels' own order
     groups_of = torch.empty(in_features, dtype=torch.int32)
@@ -204,7 +360,20 @@ def _gptq_tensors(
         f"{name}.qzeros": pack_nibbles(stored_zero.t().to(torch.int32), dim=1),  # [groups, out / 8]
         f"{name}.scales": scale.t().half().contiguous(),  # [groups, out]
         f"{name}.g_idx": groups_of,
+        "zeros_minus_one": 1.0 if checkpoint_format == "gptq" else 0.0,
     }
+
+
+def _inverse_hessian(hessian: Any, damp: float = 0.01) -> Any:
+    """The upper Cholesky factor of the damped Hessian's inverse, as GPTQ updates with it."""
+    import torch
+
+    h = hessian.double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    h += damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    return torch.linalg.cholesky(inverse, upper=True).float()
 
 
 def pack_nibbles(values: Any, dim: int) -> Any:
@@ -231,11 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act")
     parser.add_argument("--asym", action="store_true", help="GPTQ with zero points")
+    parser.add_argument(
+        "--calibration",
+        default="16x64",
+        help="GPTQ's calibration: PROMPTSxTOKENS of random tokens, or 0 to round to nearest",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     src, out = Path(args.src), Path(args.out)
     if args.method == "gptq":
-        build_gptq(src, out, args.group_size, args.act_order, not args.asym)
+        prompts, _, tokens = args.calibration.partition("x")
+        calibration = (int(prompts), int(tokens)) if int(prompts) else None
+        build_gptq(src, out, args.group_size, args.act_order, not args.asym, calibration=calibration)
     elif args.method == "awq":
         build_awq(src, out, args.group_size)
     else:

@@ -26,7 +26,7 @@
 //              (else None), its input channel order (act-order, else None) and its output
 //              features; such a projection's weight slot holds its scales and offsets and its
 //              bias slot its bias. Calls of up to int4_max_rows rows run torch's int4 kernel,
-//              larger ones the dense product over the weights unpacked by int4_cpu.cpp, as
+//              larger ones int4_cpu.cpp's product over the unpacked weights, as
 //              Int4Linear.forward does
 //   caches     one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
 //   slots      [T] int64            the cache slot of each new token's K/V
@@ -179,10 +179,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        .narrow(1, 0, out_features);
     return bias.has_value() ? y + *bias : y;
   }
-  static auto unpack = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("tgis_cpu::int4_unpack", "")
-                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
-  return at::linear(rows, unpack.call(packed, scale_offset, group, out_features).to(x.scalar_type()), bias);
+  static auto unpacked = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tgis_cpu::int4_linear_unpacked", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                               int64_t, const std::optional<at::Tensor>&)>();
+  return unpacked.call(rows.contiguous(), packed, scale_offset, group, out_features, bias);
 }
 
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
