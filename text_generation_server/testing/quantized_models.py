@@ -208,6 +208,7 @@ class _calibrated:
             written = self.quantize(key, module.weight.detach().float())
             with torch.no_grad():
                 module.weight.copy_(_gptq_dequantized(written))
+            self.done[key] = None  # quantized: its Hessian is no longer needed
 
 
 def _gptq_dequantized(tensors: dict[str, Any]) -> Any:
