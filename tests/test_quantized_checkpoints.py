@@ -186,16 +186,28 @@ def test_int4_weights_unpack_to_their_definition(shape) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_cpp_unpacking_equals_the_tensor_form(dtype) -> None:
+def test_the_cpp_product_over_unpacked_slices_equals_the_tensor_form(dtype) -> None:
+    """csrc/int4_cpu.cpp against Int4Linear.unpacked: widths that do not fill the packed blocks,
+    groups smaller than its tiles, and a layer of two slices (2,100 x 2,048 in bf16 > 8 MB)."""
+    from text_generation_server.engines import cpu_kernels
+
+    cpu_kernels.load()
     gen = torch.Generator().manual_seed(4)
-    for out_features, in_features, group in ((32, 64, 32), (96, 256, 128), (200, 384, 64)):
+    for out_features, in_features, group in ((32, 64, 32), (200, 384, 64), (2100, 2048, 128)):
         ints = torch.randint(0, 16, (out_features, in_features), generator=gen)
         scales = torch.rand(out_features, in_features // group, generator=gen) / 10
         zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
-        layer = Int4Linear(ints, scales, zeros, group, None, dtype)
-        ulp = 0 if dtype == torch.float32 else 2**-7  # one float rounding may differ (FMA)
-        theirs = layer.unpacked_by_torch()
-        torch.testing.assert_close(layer.unpacked(), theirs, rtol=ulp, atol=1e-6)
+        bias = torch.randn(out_features, generator=gen)
+        layer = Int4Linear(ints, scales, zeros, group, bias, dtype)
+        x = torch.randn(60, in_features, generator=gen).to(dtype)
+        ours = torch.ops.tgis_cpu.int4_linear_unpacked(
+            x, layer.packed, layer.scale_offset, group, out_features, layer.bias_value
+        )
+        theirs = torch.nn.functional.linear(x.float(), layer.unpacked().float(), layer.bias_value.float())
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the products' own rounding
+        torch.testing.assert_close(
+            ours.float(), theirs, rtol=tolerance, atol=tolerance * theirs.abs().max().item()
+        )
 
 
 def test_int4_kernel_and_unpacked_product_agree_in_bf16() -> None:

@@ -124,8 +124,6 @@ def load_pretrained(
         config.quantize, hf_config, Path(model_dir), config.deployment_framework, device, config.world_size
     )
     load_kwargs: dict[str, Any] = quantization.load_kwargs(config.quantize, dtype)
-    if quantized is not None:  # built plain; its quantized linears are read after loading
-        load_kwargs["config"] = quantization.checkpoints.without_quantizer(hf_config)
     own_layers = config.world_size > 1 and getattr(hf_config, "model_type", None) == "gpt_bigcode"
     if config.world_size > 1:  # this rank reads only its slices of the weights
         distributed.check_shardable(hf_config, config.world_size)
@@ -148,20 +146,20 @@ def load_pretrained(
         attn = load_kwargs.get("attn_implementation")
         shards = config.world_size
         model = sharded_bigcode.load(Path(model_dir), hf_config, dtype, device, config.rank, shards, attn)
+    elif quantized is not None:
+        options = {k: v for k, v in load_kwargs.items() if k == "attn_implementation"}
+        options["trust_remote_code"] = config.trust_remote_code
+        model = quantization.checkpoints.load_model(
+            auto, Path(model_dir), hf_config, quantized, dtype, **options
+        )
     else:
-        verbosity = hf_logging.get_verbosity()
-        if quantized is not None:  # its report would list every quantized linear's tensors as unexpected
-            hf_logging.set_verbosity_error()
-        try:
-            model = auto.from_pretrained(
-                model_dir,
-                dtype=dtype,
-                trust_remote_code=config.trust_remote_code,
-                local_files_only=True,
-                **load_kwargs,
-            )
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        model = auto.from_pretrained(
+            model_dir,
+            dtype=dtype,
+            trust_remote_code=config.trust_remote_code,
+            local_files_only=True,
+            **load_kwargs,
+        )
     if device_map is not None:
         device = model.get_input_embeddings().weight.device
         placed = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})
@@ -169,8 +167,6 @@ def load_pretrained(
     elif config.world_size == 1 and "device_map" not in load_kwargs:
         model.to(device)
     model.eval()
-    if quantized is not None:
-        quantization.replace_linears(model, Path(model_dir), quantized, dtype)
     quantization.quantize_model(model, config.quantize)
     quantization.check_loaded(model, config.quantize)
     logger.info(

@@ -4,16 +4,18 @@ linears replaced by quantized ones.
   int8                   (CPU) every Linear (not the LM head, not the embeddings) rounded to int8
                          weights per output channel at load, activations in int8 per token
                          (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it)
-  gptq, compressed-tensors  pre-quantized checkpoints, read as their quantization_config says
-                         (checkpoints.py; int4.py and int8.py run them), with or without the flag
+  gptq, awq, compressed-tensors  pre-quantized checkpoints, read as their quantization_config
+                         says (checkpoints.py; int4.py and int8.py run them), with or without the
+                         flag
   bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4  HF TGI's names: transformers' bitsandbytes
                          integration quantizes at load (LLM.int8(), NF4, FP4; compute in the
                          model's dtype), on the modules' forward
 
 The names TGIS and HF TGI give QUANTIZE and the engines each serves on are in
-text_generation_common/quantize.py (the launcher checks them too); `check` runs before loading,
-`checkpoint_plan` on the model's config, `load_kwargs` into transformers' loader, then
-`quantize_model` and `replace_linears` on the loaded model.
+text_generation_common/quantize.py (the launcher checks them too). The loader
+(engines/hf_transformers.py) calls `check` before loading, `checkpoint_plan` on the model's
+config (then checkpoints.load_model builds the model), `load_kwargs` into transformers'
+from_pretrained otherwise, then `quantize_model` and `check_loaded` on the loaded model.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 from text_generation_common.quantize import BITSANDBYTES, CHECKPOINT_METHODS, refusal
 from text_generation_server.engines.weight_layout import cpu_linears
 from text_generation_server.quantization import checkpoints
-from text_generation_server.quantization.checkpoints import Plan, replace_linears
+from text_generation_server.quantization.checkpoints import Plan
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
 
@@ -44,7 +46,6 @@ __all__ = [
     "load_kwargs",
     "packed_bytes",
     "quantize_model",
-    "replace_linears",
     "resident_bytes",
 ]
 

@@ -13,8 +13,9 @@ Served without any flag (QUANTIZE may name the same method, never another):
 4-bit layers run on quantization/int4.py's Int4Linear, W8A8 on quantization/int8.py's Int8Linear
 (the same integer products as the checkpoint's definition). Every other variant is refused with
 one line naming it. The model is built by transformers from its config without the quantizer
-(which would need packages that have no CPU wheel); each quantized Linear is then replaced from
-the checkpoint's tensors, which are read once, straight from the safetensors files.
+(which would need packages that have no CPU wheel) and without weights (`load_model`); each
+quantized Linear is then made from the checkpoint's tensors and every other weight read, straight
+from the safetensors files.
 """
 
 from __future__ import annotations
@@ -171,11 +172,38 @@ def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
     )
 
 
-def without_quantizer(hf_config: Any) -> Any:
-    """`hf_config` without its quantization_config, so that transformers builds plain layers."""
+def load_model(
+    auto: Any, model_dir: Path, hf_config: Any, how: Plan, dtype: torch.dtype, **options: Any
+) -> Any:
+    """The model of a quantized checkpoint: built by transformers from its config (without the
+    quantization_config, `options` to from_config) with its weights on the meta device, its
+    quantized Linears replaced from the checkpoint, every other weight read from the safetensors
+    files. The dense weights the quantized layers stand for are never allocated."""
+    import transformers
+    from accelerate import init_empty_weights
+
     if hasattr(hf_config, "quantization_config"):
         delattr(hf_config, "quantization_config")
-    return hf_config
+    with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed
+        model = auto.from_config(hf_config, dtype=dtype, **options)
+    replace_linears(model, model_dir, how, dtype)
+    tensors = _Tensors(model_dir)
+    for name, param in list(model.named_parameters()):
+        key = next((k for k in (name, f"model.{name}", name.removeprefix("model.")) if tensors.has(k)), None)
+        if param.device.type != "meta" or key is None:
+            continue
+        value = tensors.get(key)
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = nn.Parameter(
+            value.to(dtype) if value.is_floating_point() else value, requires_grad=False
+        )
+    model.tie_weights()
+    missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
+    if missing:
+        raise ValueError(f"the safetensors files of {model_dir} lack {', '.join(missing[:3])}")
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+    return model
 
 
 def replace_linears(model: nn.Module, model_dir: Path, how: Plan, dtype: torch.dtype) -> int:
@@ -205,6 +233,8 @@ def _read_layer(
     if key is None:
         return None
     bias = tensors.get(f"{key}.bias") if tensors.has(f"{key}.bias") else linear.bias
+    if bias is not None and bias.device.type == "meta":
+        raise ValueError(f"the checkpoint lacks {key}.bias")
     if how.method in (GPTQ, AWQ):
         if not tensors.has(f"{key}.qweight"):
             return None

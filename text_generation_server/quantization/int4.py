@@ -75,16 +75,9 @@ class Int4Linear(nn.Module):
         self.weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device="meta")
 
     def unpacked(self) -> torch.Tensor:
-        """The weights [out, in] in the model's dtype (input channels in the layer's order):
-        our C++ kernel (csrc/int4_cpu.cpp) where the CPU kernels build, else `unpacked_by_torch`."""
-        if not _unpack_kernel():
-            return self.unpacked_by_torch()
-        return torch.ops.tgis_cpu.int4_unpack(
-            self.packed, self.scale_offset, self.group_size, self.out_features
-        )
-
-    def unpacked_by_torch(self) -> torch.Tensor:
-        """`unpacked` in tensor operations: (value - 8) * scale + offset in float, rounded once."""
+        """The weights [out, in] in the model's dtype (input channels in the layer's order), in
+        tensor operations: (value - 8) * scale + offset in float, rounded once (the C++ product
+        unpacks the same way, a slice at a time)."""
         blocks = self.packed.view(-1, self.in_features, BLOCK // 2)  # [blocks, in, 32]: two rows a byte
         q = torch.empty(blocks.shape[0], BLOCK, self.in_features, dtype=torch.uint8)
         torch.bitwise_and(blocks, 15, out=q[:, : BLOCK // 2].transpose(1, 2))
@@ -117,7 +110,7 @@ class Int4Linear(nn.Module):
                 self.bias_value,
             )
         else:
-            y = nn.functional.linear(rows, self.unpacked_by_torch().to(x.dtype), self.bias_value)
+            y = nn.functional.linear(rows, self.unpacked().to(x.dtype), self.bias_value)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:

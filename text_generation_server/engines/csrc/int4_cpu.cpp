@@ -1,7 +1,7 @@
-// 4-bit weights unpacked to the model's dtype on CPU, for the calls of quantization/int4.py's
-// Int4Linear with more rows than torch's int4 kernel serves well (prompts): one pass that reads
-// each packed byte once and writes each weight once, where the tensor form takes five passes;
-// int4_linear_unpacked multiplies by them a cache-sized slice of output rows at a time.
+// The product of quantization/int4.py's Int4Linear for calls with more rows than torch's int4
+// kernel serves well (prompts) on CPU: its 4-bit weights unpacked to the model's dtype a slice of
+// output rows at a time, in one pass that reads each packed byte once and writes each weight once
+// (Int4Linear.unpacked's tensor form takes five passes), each slice multiplied in turn.
 //
 //   packed        [padded, in / 2] uint8 in the layout of torch's CPU int4 kernel
 //                 (_convert_weight_to_int4pack_for_cpu): per block of 64 output rows, input
@@ -12,7 +12,7 @@
 //
 // Blocks and tiles of 64 input channels run in parallel; a tile is built in float in a buffer
 // that stays in L1 and written out row by row. Built with the other CPU kernels by
-// text_generation_server/engines/cpu_kernels.py as torch.ops.tgis_cpu.int4_unpack.
+// text_generation_server/engines/cpu_kernels.py as torch.ops.tgis_cpu.int4_linear_unpacked.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -78,18 +78,6 @@ void check(const at::Tensor& packed, const at::Tensor& scale_offset, int64_t gro
               "scale_offset: contiguous [groups, padded, 2]");
 }
 
-at::Tensor int4_unpack(const at::Tensor& packed, const at::Tensor& scale_offset, int64_t group_size,
-                       int64_t out_features) {
-  check(packed, scale_offset, group_size, out_features);
-  const int64_t padded = packed.size(0), in = packed.size(1) * 2;
-  at::Tensor out = at::empty({out_features, in}, scale_offset.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scale_offset.scalar_type(), "int4_unpack", [&] {
-    unpack<scalar_t>(packed.data_ptr<uint8_t>(), scale_offset.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), 0,
-                     out_features, padded, in, group_size);
-  });
-  return out;
-}
-
 // x [rows, in] (the model's dtype, the layer's channel order) times the unpacked weights, plus
 // bias: the weights unpacked a slice of output rows (about kSliceBytes) at a time into one
 // buffer, each slice's product written to its rows of the transposed output. A large layer's
@@ -125,13 +113,11 @@ at::Tensor int4_linear_unpacked(const at::Tensor& x, const at::Tensor& packed, c
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
-  m.def("int4_unpack(Tensor packed, Tensor scale_offset, int group_size, int out_features) -> Tensor");
   m.def(
       "int4_linear_unpacked(Tensor x, Tensor packed, Tensor scale_offset, int group_size, int out_features, "
       "Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) {
-  m.impl("int4_unpack", &int4_unpack);
   m.impl("int4_linear_unpacked", &int4_linear_unpacked);
 }
