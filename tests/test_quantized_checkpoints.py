@@ -430,3 +430,19 @@ def test_lora_on_a_4bit_base_is_the_same_on_both_forward_paths(checkpoint, tiny_
         outputs[mode] = Runner(engine).run({0: requests})
     assert outputs["layers"] == outputs["modules"]
     assert outputs["layers"][1] != outputs["layers"][2]  # the adapter matters
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "granite", "mistral", "gpt_neox", "bloom"])
+def test_gptq_checkpoints_of_other_architectures_serve_their_reference_greedy_output(
+    tiny_model, tmp_path, arch
+) -> None:
+    """Biases (Qwen2's q/k/v, GPT-NeoX's and BLOOM's everywhere), Granite's multipliers, fused
+    QKV projections, a tied LM head (BLOOM, on hf_transformers): each architecture's GPTQ
+    checkpoint against its dequantized reference (calibrated GPTQ where the writer walks
+    model.model.layers, else rounding)."""
+    llama_like = arch in ("qwen2", "granite", "mistral")
+    path = build_gptq(tiny_model(arch), tmp_path / arch, GROUP, calibration=(4, 16) if llama_like else None)
+    engine = served(path, "hf_transformers" if arch == "bloom" else "tgis_native")
+    theirs = reference(path, torch.float32)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        assert alone(engine, GenerationRequest(i, prompt, 8)) == greedy(theirs, prompt, 8), (arch, i)

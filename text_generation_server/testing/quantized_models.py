@@ -272,7 +272,12 @@ def _write_quantized(
     from safetensors.torch import save_file
 
     head = model.get_output_embeddings()
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state: dict[str, Any] = {}
+    stored: set[int] = set()
+    for name, tensor in model.state_dict().items():  # a tied LM head is its embeddings: once
+        if tensor.data_ptr() not in stored:
+            stored.add(tensor.data_ptr())
+            state[name] = tensor.contiguous()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
             group = quantization_config["group_size"]
