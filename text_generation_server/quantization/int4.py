@@ -1,5 +1,5 @@
 """4-bit linears on CPU: weights in 4-bit integers with a scale and a zero point per group of input
-channels (GPTQ's and compressed-tensors' W4A16 checkpoints), activations in the model's dtype.
+channels (GPTQ's, AWQ's and compressed-tensors' W4A16 checkpoints), activations in the model's dtype.
 
 A weight is w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size. The values
 are held once, in the layout of torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, which
@@ -28,7 +28,9 @@ from text_generation_server.engines import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
-KERNEL_MAX_ROWS = 48  # the kernel above, the dense product with unpacked weights beyond (doc)
+# the kernel up to this many rows, the product over unpacked weights beyond (module doc); on the
+# 30 M reference model's GPTQ checkpoint a batch-32 decode step took 13.3 ms with 48, 16.5 with 16
+KERNEL_MAX_ROWS = 48
 BLOCK = 64  # output channels per block of the kernel's packed layout
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
