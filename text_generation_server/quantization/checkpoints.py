@@ -30,13 +30,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from text_generation_common.quantize import CHECKPOINT_METHODS
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
 
 logger = logging.getLogger(__name__)
 
 GPTQ, AWQ, COMPRESSED_TENSORS = "gptq", "awq", "compressed-tensors"
-METHODS = (GPTQ, AWQ, COMPRESSED_TENSORS)
 # AWQ's GEMM layout packs eight output channels to an int32 in this order (nibble i holds channel
 # AWQ_ORDER[i] of its eight); reading nibbles in sequence, this puts them back in place
 AWQ_UNORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -46,7 +46,7 @@ AWQ_UNORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 class Plan:
     """How a checkpoint's quantized linears are read."""
 
-    method: str  # one of METHODS
+    method: str  # one of CHECKPOINT_METHODS
     bits: int
     group_size: int | None  # None: one scale per output channel
     symmetric: bool
@@ -71,8 +71,10 @@ def method_of(hf_config: Any, model_dir: Path) -> str | None:
     """The quantization method a checkpoint declares (its config's `quant_method`, or GPTQ's old
     `quantize_config.json`), or None."""
     declared = _declared(hf_config, model_dir)
-    if declared is None:
-        return None
+    return None if declared is None else _method(declared)
+
+
+def _method(declared: dict[str, Any]) -> str:
     return str(declared.get("quant_method") or GPTQ).lower().replace("_", "-")
 
 
@@ -90,7 +92,7 @@ def plan(hf_config: Any, model_dir: Path) -> Plan:
     """How this checkpoint's quantized linears are read; ValueError (one line) for a variant that
     is not served."""
     declared = _declared(hf_config, model_dir) or {}
-    method = method_of(hf_config, model_dir)
+    method = _method(declared)
     if method == GPTQ:
         return _gptq_plan(declared)
     if method == AWQ:
@@ -98,7 +100,8 @@ def plan(hf_config: Any, model_dir: Path) -> Plan:
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors_plan(declared)
     raise ValueError(
-        f"this checkpoint is quantized with {method}, which is not served; served: {', '.join(METHODS)}"
+        f"this checkpoint is quantized with {method}, which is not served; "
+        f"served: {', '.join(CHECKPOINT_METHODS)}"
     )
 
 
@@ -186,10 +189,10 @@ def load_model(
         delattr(hf_config, "quantization_config")
     with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed
         model = auto.from_config(hf_config, dtype=dtype, **options)
-    replace_linears(model, model_dir, how, dtype)
     tensors = _Tensors(model_dir)
+    _replace_linears(model, tensors, how, dtype)
     for name, param in list(model.named_parameters()):
-        key = next((k for k in (name, f"model.{name}", name.removeprefix("model.")) if tensors.has(k)), None)
+        key = tensors.stored_as(name)
         if param.device.type != "meta" or key is None:
             continue
         value = tensors.get(key)
@@ -206,9 +209,8 @@ def load_model(
     return model
 
 
-def replace_linears(model: nn.Module, model_dir: Path, how: Plan, dtype: torch.dtype) -> int:
-    """Replace every Linear the checkpoint holds quantized with our layer; returns the count."""
-    tensors = _Tensors(model_dir)
+def _replace_linears(model: nn.Module, tensors: _Tensors, how: Plan, dtype: torch.dtype) -> None:
+    """Replace every Linear the checkpoint holds quantized with our layer."""
     replaced = 0
     for prefix, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
@@ -223,7 +225,6 @@ def replace_linears(model: nn.Module, model_dir: Path, how: Plan, dtype: torch.d
             f"the checkpoint declares {how.method} quantization but holds no quantized linear layers"
         )
     logger.info("checkpoint quantization: %s: %d linear layers", how.describe(), replaced)
-    return replaced
 
 
 def _read_layer(
@@ -317,29 +318,34 @@ def unpack_nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class _Tensors:
-    """The checkpoint's safetensors files, read one tensor at a time."""
+    """The checkpoint's safetensors files, each opened once, read one tensor at a time."""
 
     def __init__(self, model_dir: Path) -> None:
-        self.files: dict[str, Path] = {}
+        self.files: dict[str, Any] = {}  # tensor name -> its open file
         paths = sorted(model_dir.glob("*.safetensors"))
         if not paths:
             raise ValueError(f"quantized checkpoints are read from safetensors files; {model_dir} has none")
         for path in paths:
-            with safe_open(str(path), framework="pt", device="cpu") as stored:
-                for name in stored.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    self.files[name] = path
+            stored = safe_open(str(path), framework="pt", device="cpu")
+            for name in stored.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                self.files[name] = stored
 
     def has(self, name: str) -> bool:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.files[name]), framework="pt", device="cpu") as stored:
-            return stored.get_tensor(name)
+        tensor: torch.Tensor = self.files[name].get_tensor(name)
+        return tensor
 
-    def key(self, prefix: str) -> str | None:
-        """The checkpoint's name for the module the model calls `prefix` (transformers may add or
-        drop a leading `model.`), or None when it holds nothing under it."""
-        for candidate in (prefix, f"model.{prefix}", prefix.removeprefix("model.")):
-            if any(self.has(f"{candidate}.{leaf}") for leaf in ("qweight", "weight_packed", "weight_scale")):
+    def stored_as(self, name: str, leaves: tuple[str, ...] = ("",)) -> str | None:
+        """The checkpoint's spelling of the model's `name` (transformers may add or drop a leading
+        `model.`): the first under which it holds `name` + one of `leaves`, or None."""
+        for candidate in (name, f"model.{name}", name.removeprefix("model.")):
+            if any(self.has(f"{candidate}{leaf}") for leaf in leaves):
                 return candidate
         return None
+
+    def key(self, prefix: str) -> str | None:
+        """The checkpoint's name for the module the model calls `prefix`, or None when it holds no
+        quantized weights under it."""
+        return self.stored_as(prefix, (".qweight", ".weight_packed", ".weight_scale"))
