@@ -143,9 +143,4 @@ def adapters_for(
 def lora_kernel_builds() -> bool:
     """Whether our CPU LoRA kernel serves the steps with few adapter tokens (lora.py); where it
     cannot be built (no compiler) every step takes the matmul form, which computes the same."""
-    try:
-        cpu_kernels.load()
-    except cpu_kernels.KernelBuildError as exc:
-        logger.warning("LoRA steps use matmuls only (no CPU kernel): %s", exc)
-        return False
-    return True
+    return cpu_kernels.loads("LoRA steps use matmuls only (no CPU kernel)")

@@ -112,6 +112,17 @@ def load() -> None:
     logger.info("CPU kernels loaded (%s)", name)
 
 
+def loads(otherwise: str) -> bool:
+    """Whether the kernels are loaded here (built on first use); where they cannot be, the warning
+    says what runs `otherwise` and why."""
+    try:
+        load()
+    except KernelBuildError as exc:
+        logger.warning("%s, because %s", otherwise, exc)
+        return False
+    return True
+
+
 def use_kernel(mode: str, device: torch.device) -> bool:
     """Whether paged decode attention runs on our kernel, by CPU_ATTENTION (`mode`)."""
     if device.type != "cpu" or mode == "sdpa":

@@ -19,14 +19,11 @@ holds its input channels sorted by group (`order`) and gathers each input the sa
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from torch import nn
 
 from text_generation_server.engines import cpu_kernels
-
-logger = logging.getLogger(__name__)
 
 # the kernel up to this many rows, the product over unpacked weights beyond (module doc); on the
 # 30 M reference model's GPTQ checkpoint a batch-32 decode step took 13.3 ms with 48, 16.5 with 16
@@ -128,9 +125,4 @@ class Int4Linear(nn.Module):
 @functools.cache
 def _unpack_kernel() -> bool:
     """Whether our C++ unpacking kernel is here (built once per process; the reason logged if not)."""
-    try:
-        cpu_kernels.load()
-    except cpu_kernels.KernelBuildError as exc:
-        logger.warning("4-bit layers unpack their weights with tensor operations, because %s", exc)
-        return False
-    return True
+    return cpu_kernels.loads("4-bit layers unpack their weights with tensor operations")
