@@ -410,7 +410,7 @@ def test_gptq_compensation_beats_rounding_to_nearest_on_the_layer_output(act_ord
 
     def error(hessian_or_none) -> float:
         tensors = _gptq_tensors("layer", weight, 64, act_order, True, "gptq", hessian_or_none)
-        return ((inputs @ (weight - _gptq_dequantized(tensors)).t()) ** 2).mean().item()
+        return ((inputs @ (weight - _gptq_dequantized(tensors, True)).t()) ** 2).mean().item()
 
     assert error(hessian) < 0.6 * error(None)
 

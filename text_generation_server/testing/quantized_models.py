@@ -120,99 +120,84 @@ def build_gptq(
         "checkpoint_format": checkpoint_format,
     }
     model = _load(src)
-    hessians = _calibrated(model, *calibration) if calibration else None
     solved: dict[str, dict[str, Any]] = {}
 
-    def tensors(name: str, weight: Any) -> dict[str, Any]:
-        hessian = hessians(name) if hessians is not None and name not in solved else None
-        if name not in solved:  # (computing the Hessians may have quantized it meanwhile)
-            solved[name] = _gptq_tensors(
-                name, weight, group_size, act_order, symmetric, checkpoint_format, hessian
-            )
+    def solve(name: str, weight: Any, hessian: Any = None) -> dict[str, Any]:
+        solved[name] = _gptq_tensors(
+            name, weight, group_size, act_order, symmetric, checkpoint_format, hessian
+        )
         return solved[name]
 
-    if hessians is not None:  # sequential GPTQ: each layer calibrated on the quantized layers before it
-        hessians.quantize = tensors
+    if calibration:
+        _calibrate(model, *calibration, solve, zeros_minus_one=checkpoint_format == "gptq")
+
+    def tensors(name: str, weight: Any) -> dict[str, Any]:  # outside the decoder layers: rounded
+        return solved[name] if name in solved else solve(name, weight)
+
     return _write_quantized(model, src, out, tensors, quantization_config)
 
 
-class _calibrated:
-    """GPTQ's Hessians (2 X^T X / rows of each Linear's inputs X) over random-token prompts, one
-    decoder layer at a time: the prompts run up to that layer, whose Linears' inputs are summed;
-    once they are quantized (`quantize`), their weights become the dequantized ones, so the next
-    layer sees the quantized model's activations."""
+def _calibrate(model: Any, prompts: int, tokens: int, solve: Any, zeros_minus_one: bool) -> None:
+    """Sequential GPTQ over random-token prompts, one decoder layer at a time: `solve(name, weight,
+    hessian)` quantizes each of the layer's Linears, whose weights then become the dequantized
+    ones, so the next layer is calibrated on the quantized model's activations."""
+    import torch
 
-    def __init__(self, model: Any, prompts: int, tokens: int) -> None:
-        import torch
-
-        self.model = model
-        layers = getattr(getattr(model, "model", None), "layers", None)
-        if layers is None:
-            raise ValueError("GPTQ calibration walks model.model.layers (Llama-family models)")
-        self.layers = list(layers)
-        vocab = int(model.config.vocab_size)
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(4, vocab, (prompts, tokens), generator=gen)
-        self.done: dict[str, Any] = {}
-        self.quantize: Any = None
-
-    def __call__(self, name: str) -> Any:
-        if name not in self.done:
-            self._layer_of(name)
-        return self.done.get(name)
-
-    def _layer_of(self, name: str) -> None:
-        import torch
-
-        for index, layer in enumerate(self.layers):
-            linears = {
-                f"model.layers.{index}.{child}": module
-                for child, module in layer.named_modules()
-                if isinstance(module, torch.nn.Linear)
-            }
-            if name in linears:
-                break
-        else:
-            return  # not in a decoder layer: rounded to nearest
-        sums = {
-            key: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for key, m in linears.items()
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("GPTQ calibration walks model.model.layers (Llama-family models)")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, int(model.config.vocab_size), (prompts, tokens), generator=gen)
+    for index, layer in enumerate(layers):
+        linears = {
+            f"model.layers.{index}.{child}": module
+            for child, module in layer.named_modules()
+            if isinstance(module, torch.nn.Linear)
         }
-        rows = {key: 0 for key in linears}
-
-        def summing(key: str) -> Any:
-            def hook(module: Any, args: tuple[Any, ...]) -> None:
-                x = args[0].reshape(-1, module.in_features).double()
-                sums[key] += x.t() @ x
-                rows[key] += x.shape[0]
-
-            return hook
-
-        class Stop(Exception):
-            pass
-
-        def stop(*_: Any) -> None:
-            raise Stop
-
-        hooks = [m.register_forward_pre_hook(summing(key)) for key, m in linears.items()]
-        hooks.append(layer.register_forward_hook(stop))
-        try:
+        for key, hessian in _hessians(model, ids, layer, linears).items():
+            module = linears[key]
+            written = solve(key, module.weight.detach().float(), hessian)
             with torch.no_grad():
-                self.model(self.ids)
-        except Stop:
-            pass
-        finally:
-            for hook in hooks:
-                hook.remove()
-        for key, module in linears.items():
-            self.done[key] = (2 * sums[key] / max(rows[key], 1)).float()
-            written = self.quantize(key, module.weight.detach().float())
-            with torch.no_grad():
-                module.weight.copy_(_gptq_dequantized(written))
-            self.done[key] = None  # quantized: its Hessian is no longer needed
+                module.weight.copy_(_gptq_dequantized(written, zeros_minus_one))
 
 
-def _gptq_dequantized(tensors: dict[str, Any]) -> Any:
-    """The weights [out, in] a GPTQ layer's tensors hold (v1 or v2 zeros: see `zeros_minus_one`)."""
+class _Stop(Exception):
+    """Ends a calibration forward once the layer being calibrated has run."""
+
+
+def _hessians(model: Any, ids: Any, layer: Any, linears: dict[str, Any]) -> dict[str, Any]:
+    """2 X^T X / rows of each of `linears`' inputs X, `ids` run through `model` up to `layer`."""
+    import torch
+
+    sums = {key: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for key, m in linears.items()}
+    rows = dict.fromkeys(linears, 0)
+
+    def summing(key: str) -> Any:
+        def hook(module: Any, args: tuple[Any, ...]) -> None:
+            x = args[0].reshape(-1, module.in_features).double()
+            sums[key] += x.t() @ x
+            rows[key] += x.shape[0]
+
+        return hook
+
+    def stop(*_: Any) -> None:
+        raise _Stop
+
+    hooks = [m.register_forward_pre_hook(summing(key)) for key, m in linears.items()]
+    hooks.append(layer.register_forward_hook(stop))
+    try:
+        with torch.no_grad():
+            model(ids)
+    except _Stop:
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {key: (2 * sums[key] / max(rows[key], 1)).float() for key in linears}
+
+
+def _gptq_dequantized(tensors: dict[str, Any], zeros_minus_one: bool) -> Any:
+    """The weights [out, in] a GPTQ layer's tensors hold (v1 format: zeros stored minus one)."""
     import torch
 
     from text_generation_server.quantization.checkpoints import unpack_nibbles
@@ -222,7 +207,7 @@ def _gptq_dequantized(tensors: dict[str, Any]) -> Any:
     (scales,) = (v for k, v in tensors.items() if k.endswith(".scales"))
     (groups,) = (v for k, v in tensors.items() if k.endswith(".g_idx"))
     ints = unpack_nibbles(qweight, 0).float()  # [in, out]
-    zeros = unpack_nibbles(qzeros, 1).float() + tensors["zeros_minus_one"]
+    zeros = unpack_nibbles(qzeros, 1).float() + float(zeros_minus_one)
     groups = groups.long()
     return ((ints - zeros[groups]) * scales.float()[groups]).t().to(torch.float32)
 
@@ -286,8 +271,7 @@ def _write_quantized(
                     f"groups of {group} do not tile the {module.in_features} input channels of {name}"
                 )
             del state[f"{name}.weight"]
-            written = tensors(name, module.weight.detach().float())
-            state.update({k: v for k, v in written.items() if k.startswith(f"{name}.")})
+            state.update(tensors(name, module.weight.detach().float()))
     out.mkdir(parents=True, exist_ok=True)
     model.config.quantization_config = quantization_config
     model.config.save_pretrained(out)
@@ -366,7 +350,6 @@ def _gptq_tensors(
         f"{name}.qzeros": pack_nibbles(stored_zero.t().to(torch.int32), dim=1),  # [groups, out / 8]
         f"{name}.scales": scale.t().half().contiguous(),  # [groups, out]
         f"{name}.g_idx": groups_of,
-        "zeros_minus_one": 1.0 if checkpoint_format == "gptq" else 0.0,
     }
 
 
