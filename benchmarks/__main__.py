@@ -263,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
         "against the base model)",
     )
     g.add_argument(
+        "--speculate",
+        type=_budgets,
+        default=(),
+        metavar="N[,N...]",
+        help="our server's --speculate (speculative decoding, engines that offer it), one server per "
+        "value (e.g. 0,4 to compare with and without)",
+    )
+    g.add_argument(
         "--adapter-targets",
         type=lambda text: tuple(t.strip() for t in text.split(",") if t.strip()),
         default=("q_proj", "v_proj"),
@@ -391,7 +399,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         long_interval_s=args.long_interval,
         long_adapters=args.long_adapters,
     )
-    variants = plan_variants(args.engine, args.prefix_cache, args.prefill_budget, args.adapters)
+    variants = plan_variants(
+        args.engine, args.prefix_cache, args.prefill_budget, args.adapters, args.speculate
+    )
     if args.grpc_address and len(variants) > 1:
         raise ValueError(
             "--grpc-address measures one running server: give one engine, prefix-cache "
@@ -435,6 +445,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prefix_cache=args.prefix_cache,
         prefill_budgets=args.prefill_budget,
         adapters=args.adapters,
+        speculate=args.speculate,
         adapter_targets=args.adapter_targets,
         guided_json=args.guided_json,
     )

@@ -106,6 +106,7 @@ class BenchConfig:
     prefix_cache: str = "default"  # default | on | off | both (variants.plan_variants)
     prefill_budgets: tuple[int, ...] = ()  # --max-batch-prefill-tokens per variant; () = default
     adapters: tuple[int, ...] = ()  # LoRA adapters per variant, named by requests in turn; () = none
+    speculate: tuple[int, ...] = ()  # --speculate per variant; () = off
     adapter_targets: tuple[str, ...] = ("q_proj", "v_proj")  # the modules they adapt (PEFT's Llama default)
     guided_json: bool = False  # our gRPC requests carry a JSON schema (clients.GUIDED_SCHEMA)
     vllm_dtype: str | None = None  # None: the dtype our server resolved
@@ -470,7 +471,9 @@ class Run:
         self.model_dir = model_dir
         maker = PromptMaker(model_dir)
         plans = plan_points(cfg, maker)
-        variants = plan_variants(cfg.engines, cfg.prefix_cache, cfg.prefill_budgets, cfg.adapters)
+        variants = plan_variants(
+            cfg.engines, cfg.prefix_cache, cfg.prefill_budgets, cfg.adapters, cfg.speculate
+        )
         mix = cfg.workload.kind == LONG_MIX
         meta = self.results["metadata"]
         meta.update(

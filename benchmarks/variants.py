@@ -1,11 +1,12 @@
 """The configurations of our server that one run measures, one server start each.
 
 A run can start our server several times: once per engine (`--engine hf_transformers,tgis_native`),
-with and without prefix caching (`--prefix-cache both`) and once per router prefill token budget
-(`--prefill-budget 256,100000`). Each combination is a `ServerVariant`: the launcher arguments and
-environment that select it, and the key its results are stored under, `ours` when the run has one
-variant, else `ours[...]` naming only what varies (`ours[tgis_native]`,
-`ours[tgis_native,no-prefix-cache]`, `ours[budget=256]`).
+with and without prefix caching (`--prefix-cache both`), once per router prefill token budget
+(`--prefill-budget 256,100000`), per adapter count and per SPECULATE (`--speculate 0,4`). Each
+combination is a `ServerVariant`: the launcher arguments and environment that select it, and the
+key its results are stored under, `ours` when the run has one variant, else `ours[...]` naming
+only what varies (`ours[tgis_native]`, `ours[tgis_native,no-prefix-cache]`, `ours[budget=256]`,
+`ours[speculate=4]`).
 
 The engine-only baseline runs once per engine: its results are stored under `engine_only`, or
 `engine_only[ENGINE]` when the run has several engines (`baseline_key`).
@@ -39,6 +40,7 @@ class ServerVariant:
     prefix_cache: bool | None = None  # None: the server's default (on)
     prefill_budget: int | None = None  # --max-batch-prefill-tokens; None: the router's default
     adapters: int = 0  # LoRA adapters in the server's store; requests name them in turn
+    speculate: int = 0  # --speculate: candidate tokens per row and step (0 = off)
 
     @property
     def adapter_ids(self) -> list[str]:
@@ -49,6 +51,8 @@ class ServerVariant:
         args: tuple[str, ...] = ("--deployment-framework", self.engine)
         if self.prefill_budget is not None:
             args += ("--max-batch-prefill-tokens", str(self.prefill_budget))
+        if self.speculate:
+            args += ("--speculate", str(self.speculate))
         return args
 
     def env(self) -> dict[str, str]:
@@ -64,6 +68,7 @@ class ServerVariant:
             "prefix_cache": "default" if self.prefix_cache is None else self.prefix_cache,
             "prefill_budget": "default" if self.prefill_budget is None else self.prefill_budget,
             "adapters": self.adapters,
+            "speculate": self.speculate,
         }
 
 
@@ -103,10 +108,11 @@ def plan_variants(
     prefix_cache: str = "default",
     budgets: Sequence[int] = (),
     adapters: Sequence[int] = (),
+    speculate: Sequence[int] = (),
 ) -> list[ServerVariant]:
-    """Every combination of engine x prefix caching x budget x adapter count, in that order.
-    Prefix-cache settings apply to engines that cache prefixes; the others run once with their
-    default."""
+    """Every combination of engine x prefix caching x budget x adapter count x SPECULATE, in that
+    order. Prefix-cache settings apply to engines that cache prefixes, and speculation to engines
+    that speculate; the others run once with their default."""
     if prefix_cache not in PREFIX_CACHE_MODES:
         raise ValueError(f"prefix cache mode must be one of {', '.join(PREFIX_CACHE_MODES)}")
     settings: dict[str, tuple[bool | None, ...]] = {
@@ -117,18 +123,20 @@ def plan_variants(
     }
     budget_choices: tuple[int | None, ...] = tuple(budgets) or (None,)
     adapter_choices = tuple(adapters) or (0,)
+    speculate_choices = tuple(speculate) or (0,)
     combos = [
-        (engine, cache, budget, count)
+        (engine, cache, budget, count, lookahead)
         for engine in engines
         for cache in (settings[prefix_cache] if caches_prefixes(engine) else (None,))
         for budget in budget_choices
         for count in adapter_choices
+        for lookahead in (speculate_choices if ENGINES[engine].capabilities.speculation else (0,))
     ]
     several_engines = len(set(engines)) > 1
-    several_caches = len({c for _, c, _, _ in combos}) > 1
+    several_caches = len({c[1] for c in combos}) > 1
     several_budgets = len(budget_choices) > 1
     variants = []
-    for engine, cache, budget, count in combos:
+    for engine, cache, budget, count, lookahead in combos:
         parts = []
         if several_engines:
             parts.append(engine)
@@ -138,8 +146,10 @@ def plan_variants(
             parts.append(f"budget={budget}")
         if len(adapter_choices) > 1 or count:
             parts.append(f"adapters={count}")
+        if len(speculate_choices) > 1 or lookahead:
+            parts.append(f"speculate={lookahead}")
         key = f"{OURS}[{','.join(parts)}]" if parts else OURS
-        variants.append(ServerVariant(key, engine, cache, budget, count))
+        variants.append(ServerVariant(key, engine, cache, budget, count, lookahead))
     return variants
 
 

@@ -41,6 +41,8 @@ from text_generation_common.defaults import (
 from text_generation_common.engines import ENGINES, EngineSpec
 from text_generation_common.model_config import context_length
 from text_generation_common.quantize import refusal as quantize_refusal
+from text_generation_common.speculate import DEFAULT_SPECULATOR_MAX_BATCH_SIZE
+from text_generation_common.speculate import refusal as speculate_refusal
 from text_generation_server.utils import hub
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class LaunchFlags:
     dtype: str | None = None
     dtype_str: str | None = None
     quantize: str | None = None
+    speculate: int = 0
+    speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
     num_shard: int | None = None
     max_concurrent_requests: int = router_defaults.DEFAULT_MAX_CONCURRENT_REQUESTS
     max_sequence_length: int | None = None
@@ -148,6 +152,8 @@ class LaunchConfig:
     otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
     placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
     quantize: str | None = None  # QUANTIZE, passed to the shards (checked here, and there for the device)
+    speculate: int = 0  # SPECULATE and SPECULATOR_MAX_BATCH_SIZE, passed to the shards
+    speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
     auth: AuthConfig = field(default_factory=AuthConfig)  # the router's; secrets go in its environment
 
     def socket_path(self, rank: int) -> str:
@@ -276,7 +282,15 @@ def check_engine_installed(engine: str, engines: Mapping[str, EngineSpec] = ENGI
 
 
 def check_quantize(quantize: str | None, engine: str, num_shard: int) -> None:
-    reason = quantize_refusal(quantize, engine, num_shard)
+    refuse(quantize_refusal(quantize, engine, num_shard))
+
+
+def check_speculate(speculate: int, max_batch_size: int, engine: str) -> None:
+    refuse(speculate_refusal(speculate, max_batch_size, engine))
+
+
+def refuse(reason: str | None) -> None:
+    """Stop the launch with `reason` (None: nothing to refuse)."""
     if reason is not None:
         raise LaunchError(reason)
 
@@ -370,6 +384,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)
     check_quantize(flags.quantize, engine, num_shard)
+    check_speculate(flags.speculate, flags.speculator_max_batch_size, engine)
     check_engine_installed(engine)
     check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
     auth = resolve_auth(flags)
@@ -423,6 +438,8 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         otlp_service_name=flags.otlp_service_name,
         placements=tuple(placements),
         quantize=flags.quantize,
+        speculate=flags.speculate,
+        speculator_max_batch_size=flags.speculator_max_batch_size,
         auth=auth,
     )
 
@@ -463,6 +480,9 @@ def shard_command(config: LaunchConfig) -> list[str]:
         argv += ["--dtype", config.dtype]
     if config.quantize:
         argv += ["--quantize", config.quantize]
+    if config.speculate:
+        argv += ["--speculate", str(config.speculate)]
+        argv += ["--speculator-max-batch-size", str(config.speculator_max_batch_size)]
     if config.revision:
         argv += ["--revision", config.revision]
     return argv

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -287,14 +288,14 @@ class Batcher:
         the tokens are handed out."""
         now = time.monotonic()
         done = []
-        got_token = {g.request_id for g in step.output.generations}
+        got = Counter(g.request_id for g in step.output.generations)  # several: speculative decoding
         for entry in batch.entries:
             st = entry.request.stopping
             deadline = entry.request.deadline
             if (
                 entry.finished
                 or entry.cancelled
-                or (entry.id in got_token and entry.generated + 1 >= st.max_new_tokens)
+                or (entry.id in got and entry.generated + got[entry.id] >= st.max_new_tokens)
                 or (deadline is not None and now > deadline)
             ) and entry.id not in batch.completed:
                 done.append(entry.id)
@@ -356,6 +357,8 @@ class Batcher:
         if output is not None and output.kv_cache is not None:
             self.queue.capacity.observe(output)
             self.metrics.kv_cache(output.kv_cache)
+        if output is not None:
+            self.metrics.speculation(output.speculation)
 
     def _fail(self, method: str, entries: Sequence[Entry], exc: ShardCallError) -> None:
         logger.error("shard call failed (%s): %s", exc.reason, exc)
@@ -366,8 +369,9 @@ class Batcher:
             entry.fail(str(exc), failure)
 
     def _hand_out(self, step: _Step, method: str = "next_token") -> list[int]:
-        """Give every token of `step` to its request; returns the ids of the requests that
-        finished (those still in the shard's batch, for pruning)."""
+        """Give every token of `step` to its request, in order (a request may have several:
+        speculative decoding); returns the ids of the requests that finished (those still in
+        the shard's batch, for pruning)."""
         output = step.output
         by_id = {e.id: e for e in step.entries}
         now = time.monotonic()
@@ -382,7 +386,7 @@ class Batcher:
             logger.error("request %d: %s", entry.id, MISSING_ANSWER)
             if not entry.finished:
                 entry.fail(MISSING_ANSWER, Failure.ENGINE_FAULT, request_error=True)
-        finished = []
+        finished: dict[int, None] = {}  # in order, once each
         for request_id in output.pending:  # no token this step (a prompt still being computed, or
             entry = by_id.get(request_id)  # rows joining a step run ahead): it may end all the same
             if entry is None or entry.finished:
@@ -394,7 +398,7 @@ class Batcher:
                 entry.time_out(self.detokenizer)
             else:
                 continue
-            finished.append(entry.id)
+            finished[entry.id] = None
         for generation in output.generations:
             entry = by_id.get(generation.request_id)
             if entry is None:
@@ -420,8 +424,8 @@ class Batcher:
                         raise
                     logger.exception("request %d: decoding failed", entry.id)
                     entry.fail_detokenization(str(exc) or type(exc).__name__)
-            finished.append(entry.id)
+            finished[entry.id] = None
         self.metrics.shard_call_succeeded(
             method, step.call_s, output.forward_ns / 1e9, time.monotonic() - now, output.guided_mask_ns / 1e9
         )
-        return finished
+        return list(finished)

@@ -14,13 +14,13 @@ tests/router/test_metrics.py.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from router.stopping import StopReason
-from text_generation_common.messages import AdapterCacheState, KvCacheState
+from text_generation_common.messages import AdapterCacheState, KvCacheState, Speculation
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # 0.00015 s ... about 145.6 s
@@ -103,7 +103,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_tokenize_request_duration", "histogram", "Tokenize call time (s)", DURATION),
     # ---- ours ----
     _spec("tgi_request_time_to_first_token_duration", "histogram", "Receipt to first generated token (s)", DURATION, False),
-    _spec("tgi_request_inter_token_duration", "histogram", "Time between consecutive tokens of a request (s)", DURATION, False),
+    _spec("tgi_request_inter_token_duration", "histogram", "Time between consecutive tokens of a request (s); tokens taken in one step (speculative decoding) arrive together, 0 s apart", DURATION, False),
     _spec("tgi_batch_capacity_usage", "gauge", "Used share of the running batch's tighter limit: weight (memory) or size", "", False),
     _spec("tgi_queue_rejected", "counter", "Requests refused before queueing: over the concurrency limit (or a tenant over its own), draining, or too much text waiting for tokenization", "", False, reason=REJECTIONS),
     _spec("tgi_request_cancellation", "counter", "Requests whose client went away, by where they were", "", False, phase=PHASES),
@@ -120,6 +120,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_adapter_lookup_cache_hits", "counter", "prefix_id / adapter_id lookups the router answered from its own cache (no shard call)", "", False),
     _spec("tgi_adapter_request_count", "counter", "Requests that finished with an answer, per adapter (prefix_id or adapter_id); the first 64 ids, then \"other\"", "", False, adapter_id=OPEN),
     _spec("tgi_adapter_generated_tokens", "counter", "Tokens generated for those requests, per adapter", "", False, adapter_id=OPEN),
+    _spec("tgi_spec_proposed_tokens", "counter", "Speculative decoding: candidate tokens verified in the shard's forwards (SPECULATE)", "", False),
+    _spec("tgi_spec_accepted_tokens", "counter", "Speculative decoding: candidate tokens the model agreed with and that were taken", "", False),
+    _spec("tgi_spec_step_accepted_tokens", "histogram", "Speculative decoding: candidates taken per row and step (a row that speculated takes this many + 1 tokens)", "0 .. 16", False),
 )  # fmt: skip
 
 
@@ -182,6 +185,7 @@ class Metrics:
             "max_sequence_length/64 * 1..64": _linear(max_sequence_length),
             "1 .. max_batch_size": tuple(float(k) for k in range(1, max_batch_size + 1)),
             "2^6 .. 2^19": TOKENIZE_BUCKETS,
+            "0 .. 16": tuple(float(k) for k in range(17)),
             DURATION: DURATION_BUCKETS,
             "default": Histogram.DEFAULT_BUCKETS,
         }
@@ -260,6 +264,15 @@ class Metrics:
                 seen = self._shard_totals.get(f"{name}:{kind}", 0)
                 self.inc(name, total - seen if total >= seen else total, kind=kind)  # below: a restart
                 self._shard_totals[f"{name}:{kind}"] = total
+
+    def speculation(self, rows: Sequence[Speculation]) -> None:
+        """The rows of a step that verified candidate tokens."""
+        if not rows:
+            return
+        self.inc("tgi_spec_proposed_tokens", sum(r.proposed for r in rows))
+        self.inc("tgi_spec_accepted_tokens", sum(r.accepted for r in rows))
+        for row in rows:
+            self.observe("tgi_spec_step_accepted_tokens", row.accepted)
 
     def kv_cache(self, state: KvCacheState) -> None:
         """The paged KV cache as a step left it; its prefix-cache totals become counter steps."""

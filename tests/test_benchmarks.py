@@ -306,9 +306,18 @@ def test_variants_name_only_what_varies() -> None:
         "prefix_cache": False,
         "prefill_budget": 256,
         "adapters": 0,
+        "speculate": 0,
     }
     budgets = plan_variants(("tgis_native",), "default", (256, 100000))
     assert [v.key for v in budgets] == ["ours[budget=256]", "ours[budget=100000]"]
+    speculating = plan_variants(("hf_transformers", "tgis_native"), speculate=(0, 4))
+    assert [v.key for v in speculating] == [
+        "ours[hf_transformers,speculate=0]",  # no speculation to switch: runs once
+        "ours[tgis_native,speculate=0]",
+        "ours[tgis_native,speculate=4]",
+    ]
+    assert speculating[2].launcher_args()[-2:] == ("--speculate", "4")
+    assert "--speculate" not in speculating[1].launcher_args()
     assert baseline_key("engine_only", "tgis_native", ("tgis_native",)) == "engine_only"
     assert (
         baseline_key("engine_only", "tgis_native", ("hf_transformers", "tgis_native"))

@@ -8,7 +8,16 @@ import pytest
 
 from text_generation_common import convert
 from text_generation_common.engines import CapacityKind
-from text_generation_common.messages import GenerationRequest, MemoryScalingModel, ModelInfo, NewBatch
+from text_generation_common.messages import (
+    Generation,
+    GenerationRequest,
+    MemoryScalingModel,
+    ModelInfo,
+    NewBatch,
+    Speculation,
+    StepOutput,
+    TokenInfo,
+)
 
 
 @pytest.mark.parametrize("graphed", [False, True])
@@ -34,3 +43,17 @@ def test_model_info_round_trips(graphed: bool) -> None:
 def test_a_joining_batch_round_trips() -> None:
     join = NewBatch(7, (GenerationRequest(3, (1, 5, 9), 4), GenerationRequest(4, (1, 2), 8)))
     assert convert.new_batch_from_pb(convert.new_batch_to_pb(join)) == join
+
+
+def test_a_step_with_several_tokens_per_request_round_trips() -> None:
+    """Speculative decoding: a request's tokens of one step in order, and what was verified."""
+    output = StepOutput(
+        generations=[Generation(7, TokenInfo(11)), Generation(7, TokenInfo(12)), Generation(9, TokenInfo(5))],
+        batch_id=3,
+        pending=[4],
+        speculation=[Speculation(proposed=3, accepted=1)],
+    )
+    back = convert.result_from_pb(convert.result_to_pb(output))
+    assert back == output
+    assert back.request_ids == [7, 9, 4]  # once each
+    assert back.running_ids == {4, 7, 9}

@@ -14,6 +14,7 @@ import torch
 
 from tests.adapter_helpers import engine_with_store, peft_generate
 from tests.engines.conformance import Runner, alone
+from tests.test_speculation import Replay
 from text_generation_common.messages import GenerationRequest
 from text_generation_server import lora as lora_layers
 from text_generation_server.lora import AdapterError
@@ -92,6 +93,10 @@ def test_lora_equals_peft_alone_and_in_mixed_batches(
     if name == "tgis_native":  # chunked prompts; prefix-cache keys apart per adapter
         assert Runner(e, token_budget=5).run({0: requests}) == expected
         assert Runner(e).run({0: requests}) == expected
+        # speculative decoding: each row's candidates verified through its own adapter
+        e = engine_with_store(name, base, store / arch, speculate=3)
+        e.speculator = Replay([[*PROMPTS[p], *want[(a, p)]] for a, p in want], wrong_every=4)
+        assert Runner(e).run({0: requests[:4], 3: requests[4:]}) == expected
 
 
 @pytest.mark.parametrize("name", ["hf_transformers", "tgis_native"])

@@ -12,6 +12,7 @@ import torch
 
 from tests.adapter_helpers import engine_with_store, peft_generate
 from tests.engines.conformance import Runner, alone
+from tests.test_speculation import Replay
 from text_generation_common.messages import GenerationRequest
 from text_generation_server.adapters import AdapterSet
 from text_generation_server.errors import PrefixNotFoundError
@@ -85,6 +86,10 @@ def test_soft_prompts_equal_peft_alone_and_mixed(name: str, tiny_model, store: P
     if name == "tgis_native":  # chunked prefill across the virtual tokens; prefix-cache hits
         assert Runner(e, token_budget=4).run({0: requests}) == expected
         assert Runner(e).run({0: requests}) == expected
+        # speculative decoding: candidates verified behind each request's soft prompt
+        e = engine_with_store(name, base, store, speculate=3)
+        e.speculator = Replay([[*r.input_ids, *expected[r.id]] for r in requests], wrong_every=4)
+        assert Runner(e, token_budget=4).run({0: requests[:3], 2: requests[3:]}) == expected
 
 
 @pytest.mark.parametrize("name", ENGINES)

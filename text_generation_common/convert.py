@@ -27,6 +27,7 @@ from text_generation_common.messages import (
     RequestedDetails,
     RequestError,
     SamplingParams,
+    Speculation,
     StepOutput,
     TokenInfo,
     TopToken,
@@ -116,6 +117,7 @@ def result_to_pb(out: StepOutput) -> pb.GenerateResult:
         forward_ns=out.forward_ns,
         pending_ids=out.pending,
         guided_mask_ns=out.guided_mask_ns,
+        speculation=[pb.Speculation(proposed=x.proposed, accepted=x.accepted) for x in out.speculation],
     )
     if out.batch_id is not None:
         result.batch_id = out.batch_id
@@ -223,6 +225,7 @@ def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTok
             if result.HasField("kv_cache")
             else None
         ),
+        speculation=[Speculation(x.proposed, x.accepted) for x in result.speculation],
     )
 
 

@@ -32,6 +32,7 @@ class EngineCapabilities:
     prompt_tuning: bool = False  # tuned soft prompts (prefix_id, or adapter_id naming one)
     lora: bool = False  # LoRA adapters (adapter_id)
     chunked_prefill: bool = False  # can compute part of a prompt per step (a token budget)
+    speculation: bool = False  # speculative decoding (SPECULATE)
     requires: tuple[str, ...] = ()  # modules beyond the core install (an extra), checked by the launcher
     install_hint: str = ""  # how to get them
 
@@ -77,6 +78,7 @@ ENGINES: dict[str, EngineSpec] = {
                 chunked_prefill=True,
                 prompt_tuning=True,
                 lora=True,
+                speculation=True,
             ),
             "decoder-only Llama, Mistral, GPT-NeoX, GPT-2, GPT-BigCode, Granite, Qwen2: ragged batches "
             "over a paged KV cache",

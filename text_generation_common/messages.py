@@ -177,11 +177,20 @@ class KvCacheState:
         return self.used_blocks + self.reserved_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """One row's speculation in a step: candidate tokens verified, and how many were taken."""
+
+    proposed: int
+    accepted: int
+
+
 @dataclass(slots=True)
 class StepOutput:
     """The result of one prefill or decode call: every live request of the call is answered by
-    exactly one of a generation, an error, or a pending id (still running, no token this step,
-    e.g. its prompt is only partly computed)."""
+    generations, an error, or a pending id (still running, no token this step, e.g. its prompt is
+    only partly computed). A request has one generation per step, or several in order when the
+    engine speculates (their candidate tokens verified in the step's forward)."""
 
     generations: list[Generation] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
@@ -191,11 +200,13 @@ class StepOutput:
     pending: list[int] = field(default_factory=list)  # request ids
     kv_cache: KvCacheState | None = None  # KV_BLOCKS engines: the cache after this step
     guided_mask_ns: int = 0  # guided decoding: token masks and matchers (0: no constrained row)
+    speculation: list[Speculation] = field(default_factory=list)  # one per row that speculated
 
     @property
     def request_ids(self) -> list[int]:
-        """The requests this output answers (a token, an error or a pending entry each)."""
-        return [g.request_id for g in self.generations] + [e.request_id for e in self.errors] + self.pending
+        """The requests this output answers (tokens, an error or a pending entry each), once each."""
+        generated = list(dict.fromkeys(g.request_id for g in self.generations))
+        return generated + [e.request_id for e in self.errors] + self.pending
 
     @property
     def running_ids(self) -> set[int]:
@@ -213,6 +224,7 @@ class StepOutput:
             [i for i in self.pending if i not in completed_ids],
             self.kv_cache,
             self.guided_mask_ns,
+            self.speculation,
         )
 
     @classmethod
@@ -228,6 +240,7 @@ class StepOutput:
             pending=[i for o in outputs for i in o.pending],
             kv_cache=states[-1] if states else None,
             guided_mask_ns=sum(o.guided_mask_ns for o in outputs),
+            speculation=[s for o in outputs for s in o.speculation],
         )
 
 

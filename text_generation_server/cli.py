@@ -21,6 +21,7 @@ import click
 
 from text_generation_common.heap import freeze_loaded_heap
 from text_generation_common.logs import setup_logging
+from text_generation_common.speculate import speculate_option, speculator_max_batch_size_option
 from text_generation_server.config import (
     CPU_ATTENTION_MODES,
     CPU_FORWARD_MODES,
@@ -248,6 +249,8 @@ def pin_to(cpu_list: str) -> None:
     default=True,
     help="Reuse the KV-cache blocks of prompt prefixes seen before (tgis_native) [env PREFIX_CACHING].",
 )
+@speculate_option
+@speculator_max_batch_size_option
 @click.option(
     "--cpu-kv-cache-space",
     envvar="CPU_KV_CACHE_SPACE",
@@ -329,6 +332,8 @@ def serve(
     quantize: str | None,
     cpu_forward: str,
     prefix_caching: bool,
+    speculate: int,
+    speculator_max_batch_size: int,
     cpu_kv_cache_space: float,
     kv_cache_blocks: int,
     gpu_attention: str,
@@ -372,6 +377,8 @@ def serve(
             quantize=quantize,
             cpu_forward=cpu_forward,
             prefix_caching=prefix_caching,
+            speculate=speculate,
+            speculator_max_batch_size=speculator_max_batch_size,
             cpu_kv_cache_space=cpu_kv_cache_space,
             kv_cache_blocks=kv_cache_blocks,
             gpu_attention=gpu_attention,

@@ -18,6 +18,8 @@ from text_generation_common.defaults import (
     shard_socket_path,
 )
 from text_generation_common.quantize import refusal as quantize_refusal
+from text_generation_common.speculate import DEFAULT_SPECULATOR_MAX_BATCH_SIZE
+from text_generation_common.speculate import refusal as speculate_refusal
 
 LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
@@ -64,6 +66,8 @@ class ServerConfig:
     estimate_memory: str = "auto"  # batch-weight model: auto | manual | off (memory.py)
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN  # % of free memory held back
     cuda_process_memory_fraction: float = 1.0  # share of the GPU this process may use
+    speculate: int = 0  # most candidate tokens per row and step (speculative decoding); 0 = off
+    speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE  # no speculation above this many rows
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -91,6 +95,9 @@ class ServerConfig:
             choices = ", ".join(CPU_ATTENTION_MODES)
             raise ValueError(f"unknown CPU_ATTENTION {self.cpu_attention!r}; choose one of {choices}")
         refused = quantize_refusal(self.quantize, self.deployment_framework, self.world_size)
+        if refused is not None:
+            raise ValueError(refused)
+        refused = speculate_refusal(self.speculate, self.speculator_max_batch_size, self.deployment_framework)
         if refused is not None:
             raise ValueError(refused)
         if self.cpu_forward not in CPU_FORWARD_MODES:

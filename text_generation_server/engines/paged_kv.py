@@ -4,7 +4,8 @@ that hands them out, per-request block tables and their one owner.
     slot = block * block_size + position % block_size          (position = token index in its sequence)
     cache.layers[layer]: [2 (K, V), kv_heads, num_blocks + 1, block_size * head_dim]
 
-A SequenceKV grows its block table as tokens are written (`reserve`). `KVAllocations` owns every
+A SequenceKV grows its block table as tokens are written (`reserve`) and gives back the blocks of
+tokens it forgets (`truncate`: rejected speculative candidates). `KVAllocations` owns every
 request's SequenceKV by request id: the engine opens one when a request arrives and releases
 it when the request leaves every batch (prune, cancel, error, a dropped or failed batch,
 ClearCache: the BatchManager says which ids left after every call), which gives its blocks back
@@ -171,6 +172,17 @@ class SequenceKV:
         self.reserve(tokens)
         self.length = begin + tokens
         return begin
+
+    def truncate(self, length: int) -> None:
+        """Forget the tokens from `length` on (speculative candidates the model rejected): the
+        blocks past it go back to the pool. Never shorter than the registered prompt blocks."""
+        if length > self.length:
+            raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
+        keep = max(-(-length // self.pool.block_size), self.registered)
+        self.length = length
+        if keep < len(self.blocks):
+            self.blocks, dropped = self.blocks[:keep], self.blocks[keep:]
+            self.pool.release(dropped)
 
     def slot(self, position: int) -> int:
         size = self.pool.block_size

@@ -10,6 +10,14 @@ each row to the step's output.
 An engine runs its forward pass, calls `choose_tokens`, feeds the next ids back into its batch
 (`append_tokens` or its own equivalent), then `drop_failed` removes the rows that failed. Rows
 are in batch order; the chooser and `requests` must be in that order too.
+
+Speculative decoding (`choose_speculated`): a row with candidate tokens d1..dk has the logits of
+k + 1 positions (after its last token, after d1, ...). The chooser picks a token at every
+position as the row would be there (sampling/chooser.py `expand`); the row takes the token of
+position 0, and of position j + 1 while the token of position j equals d(j+1). Each token taken
+is what a step without speculation would have chosen (for sampling rows too: the row's generator
+draws in the same order and is rewound to one draw per token taken), so greedy and seeded
+output are the same with or without speculation, and sampling keeps the model's distribution.
 """
 
 from __future__ import annotations
@@ -19,7 +27,13 @@ from typing import TypeVar
 
 import torch
 
-from text_generation_common.messages import Generation, GenerationRequest, RequestError, StepOutput
+from text_generation_common.messages import (
+    Generation,
+    GenerationRequest,
+    RequestError,
+    Speculation,
+    StepOutput,
+)
 from text_generation_server.batch import Batch
 from text_generation_server.sampling.chooser import TokenChooser
 from text_generation_server.sampling.token_details import generated_token_infos
@@ -52,6 +66,60 @@ def choose_tokens(
         else:
             output.generations.append(Generation(request.id, info))
     return next_ids, output
+
+
+def choose_speculated(
+    logits: torch.Tensor,
+    requests: Sequence[GenerationRequest],
+    chooser: TokenChooser,
+    drafts: Sequence[Sequence[int]],
+) -> tuple[list[list[int]], list[int], StepOutput]:
+    """Verify each row's candidate tokens `drafts` (trimmed: TokenChooser.trim_drafts) against
+    `logits` [sum(len(d) + 1), vocab] float32 (a row's positions in order, modified in place).
+
+    Returns, in batch row order, the tokens each row took (one at least, unless its logits are
+    NaN at its first position: an error then) and how many of its candidates they include; and
+    the step's output: each request's generations in order, a Speculation per row that had
+    candidates and took tokens.
+    """
+    expanded = chooser.expand(drafts)
+    speculating = [row for row, draft in enumerate(drafts) if draft]
+    states = chooser.generator_states(speculating)
+    nan = torch.isnan(logits.amax(dim=-1))
+    chosen_t, scores = expanded.choose(logits)
+    host = torch.cat((chosen_t, nan.to(chosen_t.dtype))).tolist()
+    count = len(host) // 2
+    chosen, nan_rows = host[:count], host[count:]
+    taken: list[list[int]] = []
+    accepted: list[int] = []  # per row, its candidates taken
+    kept: list[int] = []  # the expanded rows whose tokens are taken
+    start = 0
+    for draft in drafts:
+        tokens: list[int] = []
+        for j in range(len(draft) + 1):
+            if nan_rows[start + j]:  # the tokens before it stand; the row fails at its next step
+                break
+            tokens.append(chosen[start + j])
+            kept.append(start + j)
+            if j == len(draft) or chosen[start + j] != draft[j]:
+                break
+        taken.append(tokens)
+        accepted.append(sum(1 for t, d in zip(tokens, draft, strict=False) if t == d))
+        start += len(draft) + 1
+    chooser.rewind(speculating, states, [len(taken[row]) for row in speculating])
+    details = [requests[row].details for row, tokens in enumerate(taken) for _ in tokens]
+    wanted = any(d.any_token_detail for d in details)
+    rows = scores.index_select(0, torch.tensor(kept, device=scores.device)) if wanted else scores
+    infos = iter(generated_token_infos(rows, [chosen[v] for v in kept], details))
+    chooser.guided_ns = 0
+    chooser.advance_many(taken)
+    output = StepOutput(guided_mask_ns=expanded.guided_ns + chooser.guided_ns)
+    for request, tokens in zip(requests, taken, strict=True):
+        if not tokens:
+            output.errors.append(RequestError(request.id, NAN_LOGITS_MESSAGE))
+        output.generations += [Generation(request.id, next(infos)) for _ in tokens]
+    output.speculation = [Speculation(len(drafts[row]), accepted[row]) for row in speculating if taken[row]]
+    return taken, accepted, output
 
 
 def drop_failed(batch: B, output: StepOutput) -> B | None:

@@ -14,6 +14,14 @@ Per step (`choose`), in TGIS order:
      (`sample`): one uniform number per row from the row's own torch.Generator.
 Then `advance` records the chosen ids and feeds them to the rows' grammar matchers.
 
+Speculative decoding (engines/step.py `choose_speculated`) chooses at several positions of a row
+in one call: `trim_drafts` cuts each row's candidate tokens where the row could never take them,
+`expand` makes a chooser with one row per position (each as the row would be after taking the
+candidates before it), and after the accepted tokens are known `rewind` leaves each sampling
+row's generator as if it had drawn once per token taken and `advance_many` records them. A
+sampling row draws its numbers in the same order with or without speculation, so a seed gives
+the same text either way.
+
 Every per-row parameter and counter that a step reads on the device (warper plans, penalties,
 min-new-token limits, length-penalty starts and decays, generated counts, the sampling rows) is
 a device tensor made when the chooser is built (a batch is created, pruned or merged), and
@@ -48,10 +56,13 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) ->
     """One token per row of `probs` [rows, vocab], drawn with one uniform number per row from the
     row's generator (`inverse_transform`). Exponential noise over the whole vocabulary (the
     argmax(p / E) way) drew `vocab` numbers per row: 13x slower per step at 32 rows of 8,192."""
-    uniform = torch.cat(
-        [torch.rand(1, generator=g, dtype=torch.float64, device=probs.device) for g in generators]
-    )
+    uniform = torch.cat([draw(g, probs.device) for g in generators])
     return inverse_transform(probs, uniform)
+
+
+def draw(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The one uniform number [1] (float64) a sampling row draws per token."""
+    return torch.rand(1, generator=generator, dtype=torch.float64, device=device)
 
 
 def inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -249,10 +260,91 @@ class TokenChooser:
         if self.seen is not None:
             ids = next_ids_t if next_ids_t is not None else torch.tensor(next_ids, device=self.device)
             self.seen.scatter_(1, ids.view(-1, 1), True)
+        self._advance_matchers([[token] for token in next_ids])
+
+    def advance_many(self, tokens: Sequence[Sequence[int]]) -> None:
+        """Record several tokens per row (speculative decoding), in order; `tokens` in batch row
+        order, one list per row (empty: the row took none)."""
+        for row, ids in enumerate(tokens):
+            self.histories[row].extend(ids)
+            self.generated[row] += len(ids)
+        if self.generated_t is not None:
+            self.generated_t += torch.tensor([len(ids) for ids in tokens], device=self.device)
+        if self.seen is not None:
+            rows = [row for row, ids in enumerate(tokens) for _ in ids]
+            if rows:
+                flat = [t for ids in tokens for t in ids]
+                self.seen[torch.tensor(rows, device=self.device), torch.tensor(flat, device=self.device)] = (
+                    True
+                )
+        self._advance_matchers(tokens)
+
+    def _advance_matchers(self, tokens: Sequence[Sequence[int]]) -> None:
         if self.any_guided:
             started = time.perf_counter_ns()
-            guided.advance(self.matchers, next_ids)
+            guided.advance(self.matchers, tokens)
             self.guided_ns += time.perf_counter_ns() - started
+
+    # ---- speculative decoding ---------------------------------------------------------------------
+
+    def trim_drafts(self, drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Each row's candidate tokens up to the first it could never take: those after an EOS
+        (the request ends there) and those its grammar refuses."""
+        eos = self.eos_token_id
+        trimmed = []
+        for row, draft in enumerate(drafts):
+            cut = list(draft[: draft.index(eos) + 1] if eos in draft else draft)
+            matcher = self.matchers[row]
+            if matcher is not None and cut:
+                cut = cut[: guided.allowed_prefix(matcher, cut)]
+            trimmed.append(cut)
+        return trimmed
+
+    def expand(self, drafts: Sequence[Sequence[int]]) -> TokenChooser:
+        """A chooser with len(drafts[i]) + 1 rows for row i: its j-th is row i after it took
+        drafts[i][:j] (history, generated count, seen tokens, grammar state; the row's own
+        parameters and generator, so position j draws the row's j-th number). Drafts must be
+        trimmed (`trim_drafts`)."""
+        rows = [row for row, draft in enumerate(drafts) for _ in range(len(draft) + 1)]
+        taken = [draft[:j] for draft in drafts for j in range(len(draft) + 1)]
+        seen = None
+        if self.seen is not None:
+            seen = self.seen.index_select(0, torch.tensor(rows, device=self.device))
+            marks = [(v, t) for v, ids in enumerate(taken) for t in ids]
+            if marks:
+                at, ids = zip(*marks, strict=True)
+                seen[torch.tensor(at, device=self.device), torch.tensor(ids, device=self.device)] = True
+        matchers: list[Any | None] = []
+        for row, draft in enumerate(drafts):
+            matchers += guided.positions(self.matchers[row], draft)
+        return TokenChooser(
+            [self.params[i] for i in rows],
+            [[*self.histories[i], *ids] for i, ids in zip(rows, taken, strict=True)],
+            [self.generated[i] + len(ids) for i, ids in zip(rows, taken, strict=True)],
+            [self.generators[i] for i in rows],
+            self.eos_token_id,
+            self.vocab_size,
+            self.device,
+            seen,
+            matchers,
+        )
+
+    def generator_states(self, rows: Sequence[int]) -> list[torch.Tensor | None]:
+        """The generator state of each of `rows` (None: a greedy row), to `rewind` to."""
+        return [g.get_state() if (g := self.generators[row]) is not None else None for row in rows]
+
+    def rewind(
+        self, rows: Sequence[int], states: Sequence[torch.Tensor | None], draws: Sequence[int]
+    ) -> None:
+        """Set each sampling row of `rows` back to its state before `expand`'s choice, then draw
+        the number of times it took a token: as if it had stepped once per token."""
+        for row, state, count in zip(rows, states, draws, strict=True):
+            generator = self.generators[row]
+            if generator is None or state is None:
+                continue
+            generator.set_state(state)
+            for _ in range(count):
+                draw(generator, self.device)
 
     def select(self, rows: Sequence[int]) -> TokenChooser:
         """A chooser for the given rows (in that order), carrying their state."""

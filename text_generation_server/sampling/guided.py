@@ -52,10 +52,37 @@ def apply_masks(matchers: Sequence[Any | None], scores: torch.Tensor, eos_token_
     scores.index_copy_(0, index, masked)
 
 
-def advance(matchers: Sequence[Any | None], next_ids: Sequence[int]) -> None:
-    """Feed each constrained row its chosen token (a row whose grammar has stopped takes none)."""
-    for matcher, token in zip(matchers, next_ids, strict=True):
-        if matcher is None or matcher.is_stopped():
+def advance(matchers: Sequence[Any | None], tokens: Sequence[Sequence[int]]) -> None:
+    """Feed each constrained row its chosen tokens, in order (a row whose grammar has stopped
+    takes none)."""
+    for matcher, ids in zip(matchers, tokens, strict=True):
+        for token in ids:
+            if matcher is None or matcher.is_stopped():
+                break
+            if not matcher.consume_token(token):  # cannot happen with the mask applied; say so if it does
+                logger.error("guided decoding: token %d was not accepted (%s)", token, matcher.get_error())
+
+
+def allowed_prefix(matcher: Any, tokens: Sequence[int]) -> int:
+    """How many of `tokens`, from the first, the matcher's grammar allows in its current state
+    (the matcher itself is left as it is)."""
+    if matcher.is_stopped():
+        return 0
+    copy = matcher.deep_copy()
+    return int(copy.try_consume_tokens(list(tokens)))
+
+
+def positions(matcher: Any | None, tokens: Sequence[int]) -> list[Any | None]:
+    """The matcher's state before each of `tokens` and after the last (len(tokens) + 1 states;
+    the first is `matcher` itself, the others copies): the grammar of each position of a row
+    under speculation. The grammar must allow `tokens` (`allowed_prefix`)."""
+    states = [matcher]
+    for token in tokens:
+        if matcher is None:
+            states.append(None)
             continue
-        if not matcher.consume_token(token):  # cannot happen with the mask applied; say so if it does
-            logger.error("guided decoding: token %d was not accepted (%s)", token, matcher.get_error())
+        matcher = matcher.deep_copy()
+        if not matcher.is_stopped():
+            matcher.consume_token(token)
+        states.append(matcher)
+    return states

@@ -21,6 +21,14 @@ blocks used, blocks the live requests may still take at their longest, reclaimab
 blocks, prefix-cache totals); the router admits a request only when its longest length fits
 beside that (router/capacity.py KVBlockCapacity), so a running request never runs out of blocks.
 
+Speculative decoding (SPECULATE, speculation/): while at most SPECULATOR_MAX_BATCH_SIZE rows
+decode, each decoding request may carry k candidate tokens after its last token and becomes
+1 + k decode rows of its sequence, one position apart (the same decode step, so the same numbers
+as a step without speculation: C++ decoder stack, CUDA graphs); the chooser takes the candidates
+the model would have chosen plus the token after them (step.py `choose_speculated`), and the
+sequence's block table is cut back to the tokens taken (the rejected candidates' K/V are never
+read: lengths bound the attention; their blocks go back to the pool).
+
 Decoder-only models of the families in SUPPORTED_MODEL_TYPES; others are refused at load with
 one line naming the engine that serves them.
 """
@@ -61,7 +69,7 @@ from text_generation_server.engines.paged_kv import (
     prefix_keys,
 )
 from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
-from text_generation_server.engines.step import choose_tokens, drop_failed
+from text_generation_server.engines.step import choose_speculated, choose_tokens, drop_failed
 from text_generation_server.engines.tgis_native.cpu_decoder import decoder_for
 from text_generation_server.engines.tgis_native.graphs import (
     Capture,
@@ -74,6 +82,7 @@ from text_generation_server.engines.tgis_native.runner import ModelRunner, StepP
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
+from text_generation_server.speculation import Lookahead, speculator_for
 
 if TYPE_CHECKING:
     from text_generation_server.lora import LoraWeights
@@ -107,6 +116,7 @@ class RequestState:
 
     kv: SequenceKV  # its block table (owned by the engine's KVAllocations)
     lora: LoraWeights | None = None  # its LoRA adapter, if it has one
+    lookahead: Lookahead | None = None  # candidates it asks for (speculative decoding)
 
 
 class TgisNativeEngine(ModelEngine):
@@ -143,6 +153,16 @@ class TgisNativeEngine(ModelEngine):
         )
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.speculate = config.speculate
+        self.speculator_max_rows = config.speculator_max_batch_size
+        self.speculator = speculator_for(config.speculate)
+        if self.speculator is not None:
+            logger.info(
+                "speculative decoding: %s, up to %d candidate tokens per row, while at most %d rows decode",
+                self.speculator.name,
+                config.speculate,
+                config.speculator_max_batch_size,
+            )
         self.info = ModelInfo(
             seq2seq=False,
             eos_token_id=self.context.eos_token_id,
@@ -304,7 +324,8 @@ class TgisNativeEngine(ModelEngine):
                 keys = self._prefix_keys(item)
                 sequence = self.allocations.open(request.id, keys, len(item.prompt) + request.max_new_tokens)
                 item.computed = sequence.length  # prefix-cache hit: those blocks are not prefilled
-                batch.states[request.id] = RequestState(sequence, found.loras.get(request.id))
+                lookahead = Lookahead(self.speculate) if self.speculator is not None else None
+                batch.states[request.id] = RequestState(sequence, found.loras.get(request.id), lookahead)
                 if keys:
                     self.prefix_query_tokens += len(keys) * self.block_size
                     self.prefix_hit_tokens += sequence.length
@@ -333,12 +354,23 @@ class TgisNativeEngine(ModelEngine):
     def _step(self, batch: RaggedBatch, token_budget: int) -> tuple[StepOutput, RaggedBatch | None]:
         chunks = batch.plan_prompts(token_budget)
         decoding: list[RequestState] = [batch.states[r.id] for r in batch.requests]
-        last_ids = [history[-1] for history in batch.histories]
+        drafts = self._drafts(batch, decoding)
+        begins = [s.kv.length for s in decoding]
+        # one row per token to decode: a row's last token, then its candidates (each a decode row
+        # of the same sequence, one position further: the numbers of a step without speculation)
+        sequences, ids, loras = [], [], []
+        candidates = drafts or [[] for _ in decoding]
+        for state, history, draft in zip(decoding, batch.histories, candidates, strict=True):
+            sequences += [state.kv] * (1 + len(draft))
+            ids += [history[-1], *draft]
+            loras += [state.lora] * (1 + len(draft))
         details = [c for c in chunks if c.item.request.details.input_tokens]
         if not chunks:
-            rows = self.runner.decode([s.kv for s in decoding], last_ids, [s.lora for s in decoding])
+            rows = self.runner.decode(sequences, ids, loras)
         else:
-            pieces = [StepPiece(s.kv, [i], None, s.lora) for s, i in zip(decoding, last_ids, strict=True)]
+            pieces = [
+                StepPiece(kv, [i], None, lora) for kv, i, lora in zip(sequences, ids, loras, strict=True)
+            ]
             prompts = [batch.states[c.item.request.id] for c in chunks]
             pieces += [
                 StepPiece(s.kv, c.tokens, c.virtual, s.lora) for s, c in zip(prompts, chunks, strict=True)
@@ -346,36 +378,61 @@ class TgisNativeEngine(ModelEngine):
             ends: list[int] = []  # the packed index of each piece's last token
             for piece in pieces:
                 ends.append((ends[-1] if ends else -1) + len(piece.tokens))
-            wanted = self._wanted(batch, chunks, ends)
+            wanted = self._wanted(len(ids), chunks, ends)
             logits = self.runner.forward(pieces, None if details else wanted)
             for state in prompts:
                 state.kv.register_written()
             rows = logits if not details else logits[wanted]
             if details:
-                self._keep_prompt_logits(batch, chunks, logits, ends)
+                self._keep_prompt_logits(len(ids), chunks, logits, ends)
         completed = batch.finish_prompts(chunks)
         input_tokens = [self._input_tokens(p) for p in completed if p.request.details.input_tokens]
         if batch.chooser is None:
             return StepOutput(pending=batch.pending_ids, forward_ns=self.runner.timer.elapsed_ns()), batch
-        _, output = choose_tokens(rows.float(), batch.requests, batch.chooser)
+        if drafts is None:
+            _, output = choose_tokens(rows.float(), batch.requests, batch.chooser)
+        else:
+            rows_drafts = drafts + [[] for _ in completed]  # the chooser's rows: decoding, then completed
+            taken, accepted, output = choose_speculated(
+                rows.float(), batch.requests, batch.chooser, rows_drafts
+            )
+            for row, (state, draft) in enumerate(zip(decoding, drafts, strict=True)):
+                if draft and taken[row]:
+                    state.kv.truncate(begins[row] + len(taken[row]))  # rejected candidates forgotten
+                    assert state.lookahead is not None
+                    state.lookahead.taken(len(draft), accepted[row])
         output.forward_ns = self.runner.timer.elapsed_ns()  # after the ids' copy: no sync of its own
         output.input_tokens = input_tokens
         output.pending = batch.pending_ids
         return output, drop_failed(batch, output)
 
+    def _drafts(self, batch: RaggedBatch, decoding: Sequence[RequestState]) -> list[list[int]] | None:
+        """Each decoding row's candidate tokens for this step (None: no row has any, or
+        speculation is off or the batch too large for it). A row is offered at most its
+        lookahead and never more than would take it past max_new_tokens."""
+        if self.speculator is None or not decoding or len(decoding) > self.speculator_max_rows:
+            return None
+        chooser = batch.chooser
+        assert chooser is not None
+        limits = []
+        for state, request, generated in zip(decoding, batch.requests, chooser.generated, strict=True):
+            assert state.lookahead is not None
+            limits.append(max(0, min(state.lookahead.ask(), request.max_new_tokens - generated - 1)))
+        proposed = self.speculator.propose(chooser.histories, limits)
+        drafts = chooser.trim_drafts([p[:k] for p, k in zip(proposed, limits, strict=True)])
+        return drafts if any(drafts) else None
+
     @staticmethod
-    def _wanted(batch: RaggedBatch, chunks: Sequence[Chunk], ends: list[int]) -> list[int]:
-        """Packed indices whose logits choose tokens: every decoding row, then each completed
-        prompt (the chooser's row order after finish_prompts)."""
-        decoding = len(batch.requests)
+    def _wanted(decoding: int, chunks: Sequence[Chunk], ends: list[int]) -> list[int]:
+        """Packed indices whose logits choose tokens: every decode row (`decoding` pieces of one
+        token), then each completed prompt (the chooser's row order after finish_prompts)."""
         completed = [ends[decoding + i] for i, c in enumerate(chunks) if c.completes]
         return ends[:decoding] + completed
 
     @staticmethod
     def _keep_prompt_logits(
-        batch: RaggedBatch, chunks: Sequence[Chunk], logits: torch.Tensor, ends: list[int]
+        decoding: int, chunks: Sequence[Chunk], logits: torch.Tensor, ends: list[int]
     ) -> None:
-        decoding = len(batch.requests)
         for i, chunk in enumerate(chunks):
             if not chunk.item.request.details.input_tokens:
                 continue

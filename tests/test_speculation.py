@@ -1,0 +1,404 @@
+"""Speculative decoding: the n-gram proposer, the per-request lookahead, cutting a block table
+back, the chooser's verification of candidates against a step-by-step reference (every logits
+processor, seeded sampling, token details), the distribution it samples from (chi-square), and
+the tgis_native engine with speculation against the same engine without it: the same tokens,
+greedy and seeded, alone and in batches with joins and chunked prefill, on two model families
+and both dtypes, with every KV block back in the pool at the end."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from router.capacity import capacity_for
+from router.metrics import Metrics
+from router.stopping import StopReason
+from router.tokenizer import load_tokenizer
+from tests.engines.conformance import LocalShard, Runner, through_batcher, validated_request
+from tests.engines.test_tgis_native import config_for
+from text_generation_common.messages import (
+    GenerationRequest,
+    Guided,
+    GuidedKind,
+    LengthPenalty,
+    RequestedDetails,
+    SamplingParams,
+    Speculation,
+    StepOutput,
+)
+from text_generation_common.speculate import refusal
+from text_generation_server.config import ServerConfig
+from text_generation_server.engines.paged_kv import BlockPool, SequenceKV, prefix_keys
+from text_generation_server.engines.step import choose_speculated, choose_tokens
+from text_generation_server.engines.tgis_native import TgisNativeEngine
+from text_generation_server.sampling.chooser import TokenChooser
+from text_generation_server.speculation import Lookahead, Speculator
+from text_generation_server.speculation.ngram import NgramSpeculator
+
+CPU = torch.device("cpu")
+VOCAB = 40
+EOS = 2
+
+# ---- the n-gram proposer and the lookahead ------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix() -> None:
+    ngram = NgramSpeculator(max_match=3, min_match=2)
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    history = [5, 6, 7, 8, 9, 6, 7, 1, 2, 3, 6, 7]
+    # suffix (6, 7) occurs at 1 and 5; (x, 6, 7) never: the latest 2-gram wins -> 1, 2, 3
+    assert ngram.lookup(history, 3) == [1, 2, 3]
+    # past the end of the history the copy goes on from itself: the loop it is in
+    assert ngram.lookup(history, 8) == [1, 2, 3, 6, 7, 1, 2, 3]
+    assert ngram.lookup([5, 6, 7, 8, 9, 5, 6, 7], 2) == [8, 9]  # the 3-gram (5, 6, 7)
+    assert ngram.lookup([1, 2, 3, 4], 4) == []  # no earlier occurrence
+    assert ngram.lookup([3, 3], 4) == []  # shorter than the shortest match after the last token
+    assert ngram.lookup([3, 3, 3], 4) == [3, 3, 3, 3]  # (3, 3) at 0, followed by 3 and so on
+    assert ngram.propose([history, history], [0, 1]) == [[], [1]]
+
+
+def test_the_lookahead_follows_what_was_taken() -> None:
+    look = Lookahead(4)
+    assert look.limit == 4
+    look.taken(4, 1)
+    assert look.limit == 2  # one more than taken
+    look.taken(2, 2)
+    assert look.limit == 3  # all taken: one more than offered
+    look.taken(3, 0)
+    assert look.limit == 1  # never below one
+    look.taken(1, 1)
+    look.taken(2, 2)
+    look.taken(3, 3)
+    look.taken(4, 4)
+    assert look.limit == 4  # never above the most
+    assert look.ask() == 4
+
+
+def test_a_request_whose_candidates_keep_missing_pauses_longer_each_time() -> None:
+    look = Lookahead(3)
+    pauses = []
+    for _ in range(8):
+        look.taken(look.limit, 0)
+        pauses.append(look.pause)
+        asked = [look.ask() for _ in range(look.pause + 1)]
+        assert asked == [0] * pauses[-1] + [1]  # paused, then one candidate again
+    assert pauses == [0, 2, 4, 8, 16, 32, 32, 32]
+    look.taken(1, 1)  # a hit ends the misses
+    assert (look.misses, look.pause, look.limit) == (0, 0, 2)
+
+
+def test_speculation_is_refused_with_one_line_where_it_cannot_run() -> None:
+    assert refusal(0, 16, "hf_transformers") is None
+    assert refusal(3, 16, "tgis_native") is None
+    assert refusal(3, 16, "hf_transformers") == (
+        "SPECULATE=3: speculative decoding is served by tgis_native, not hf_transformers"
+    )
+    assert refusal(-1, 16, "tgis_native") == "SPECULATE must be >= 0, got -1"
+    assert refusal(2, 0, "tgis_native") == "SPECULATOR_MAX_BATCH_SIZE must be >= 1, got 0"
+    with pytest.raises(ValueError, match="served by tgis_native, not hf_optimum_ort"):
+        ServerConfig(model_name="m", deployment_framework="hf_optimum_ort", speculate=2)
+
+
+def test_a_sequence_cut_back_gives_its_later_blocks_to_the_pool() -> None:
+    pool = BlockPool(8, 4)
+    prompt = list(range(10, 19))  # 9 tokens: two full blocks registered
+    sequence = SequenceKV(pool, prefix_keys(prompt, 4), max_tokens=30)
+    sequence.append(len(prompt))
+    sequence.register_written()
+    sequence.append(6)  # 15 tokens: 4 blocks
+    assert len(sequence.blocks) == 4 and pool.free == 4
+    sequence.truncate(11)
+    assert sequence.length == 11 and len(sequence.blocks) == 3 and pool.free == 5
+    sequence.truncate(2)  # never below the registered prompt blocks
+    assert len(sequence.blocks) == 2
+    with pytest.raises(ValueError, match="cannot truncate"):
+        sequence.truncate(3)
+
+
+# ---- the chooser's verification against stepping one token at a time --------------------------
+
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(repetition_penalty=1.5),
+    SamplingParams(min_new_tokens=3),
+    SamplingParams(length_penalty=LengthPenalty(1, 1.5)),
+    SamplingParams(temperature=0.9, top_k=8, seed=11),
+    SamplingParams(temperature=1.3, top_p=0.8, seed=12, repetition_penalty=1.2),
+    SamplingParams(temperature=0.7, typical_p=0.9, seed=13, min_new_tokens=2),
+]
+DETAILS = RequestedDetails(logprobs=True, ranks=True, top_n_tokens=3)
+
+
+def fresh_chooser() -> TokenChooser:
+    prompts = [[EOS + 3 + i, 7, 8, 9][: 2 + i % 3] for i in range(len(PARAMS))]
+    return TokenChooser.create(PARAMS, prompts, EOS, VOCAB, CPU)
+
+
+def position_logits(rows: int, positions: int, seed: int) -> torch.Tensor:
+    """[rows, positions, vocab]: few large logits, so that candidates are often right."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn((rows, positions, VOCAB), generator=gen)
+    logits[..., EOS] += 2.0
+    return logits * 2.5
+
+
+def stepwise(chooser: TokenChooser, logits: torch.Tensor, drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The reference: one choose per position, every row at its own pace (rows stop at their
+    first disagreement with their candidates), as steps without speculation would."""
+    requests = [GenerationRequest(i, (1,), 64, details=DETAILS) for i in range(len(drafts))]
+    taken: list[list[int]] = [[] for _ in drafts]
+    live = list(range(len(drafts)))
+    position = 0
+    while live:
+        sub = chooser.select(live)
+        rows = torch.stack([logits[row, position] for row in live])
+        _, output = choose_tokens(rows.clone(), [requests[row] for row in live], sub)
+        # put the rows' state back into the full chooser, the way the engine keeps one chooser
+        for k, row in enumerate(live):
+            chooser.histories[row] = sub.histories[k]
+            chooser.generated[row] = sub.generated[k]
+        if sub.seen is not None:
+            chooser.seen[torch.tensor(live)] = sub.seen
+        if chooser.generated_t is not None:
+            chooser.generated_t = torch.tensor(chooser.generated)
+        still = []
+        for row, generation in zip(live, output.generations, strict=True):
+            taken[row].append(generation.token)
+            draft = drafts[row]
+            if position < len(draft) and generation.token.token_id == draft[position]:
+                still.append(row)
+        live = still
+        position += 1
+    return taken
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verified_tokens_are_those_steps_one_at_a_time_would_choose(seed: int) -> None:
+    rng = random.Random(seed)
+    rows, positions = len(PARAMS), 5
+    logits = position_logits(rows, positions, seed)
+    expected_chooser, chooser = fresh_chooser(), fresh_chooser()
+    for _ in range(3):  # the state carried from one step to the next stays the same too
+        # candidates: the raw logits' argmax (often right), half of them spoilt at one position
+        drafts = []
+        for row in range(rows):
+            k = rng.randint(0, positions - 1)
+            guess = [int(logits[row, j].argmax()) for j in range(k)]
+            if guess and rng.random() < 0.5:
+                guess[rng.randrange(len(guess))] = rng.randrange(VOCAB)
+            drafts.append(guess)
+        drafts = chooser.trim_drafts(drafts)
+        expected = stepwise(expected_chooser, logits, drafts)
+        flat = torch.cat([logits[row, : len(d) + 1] for row, d in enumerate(drafts)])
+        requests = [GenerationRequest(i, (1,), 64, details=DETAILS) for i in range(rows)]
+        taken, accepted, output = choose_speculated(flat.clone(), requests, chooser, drafts)
+        got = {i: [g.token for g in output.generations if g.request_id == i] for i in range(rows)}
+        for row in range(rows):
+            assert [t.token_id for t in got[row]] == taken[row] == [t.token_id for t in expected[row]]
+            for mine, theirs in zip(got[row], expected[row], strict=True):
+                assert mine.rank == theirs.rank and mine.top_tokens == theirs.top_tokens
+                assert math.isclose(mine.logprob, theirs.logprob, rel_tol=1e-6)
+            assert accepted[row] == len(taken[row]) - 1
+        assert output.speculation == [Speculation(len(d), accepted[row]) for row, d in enumerate(drafts) if d]
+        assert chooser.histories == expected_chooser.histories
+        assert chooser.generated == expected_chooser.generated
+        for mine, theirs in zip(chooser.generators, expected_chooser.generators, strict=True):
+            assert (mine is None) == (theirs is None)
+            if mine is not None:  # one draw per token taken: the same stream as without speculation
+                assert torch.equal(mine.get_state(), theirs.get_state())
+
+
+def test_candidates_past_eos_are_cut() -> None:
+    chooser = TokenChooser.create([SamplingParams()] * 2, [[5], [6]], EOS, VOCAB, CPU)
+    assert chooser.trim_drafts([[4, EOS, 9, 9], [7, 8]]) == [[4, EOS], [7, 8]]
+
+
+def test_speculative_sampling_keeps_the_models_distribution() -> None:
+    """Two positions of a small vocabulary; the candidate for the first is the likeliest token.
+    Over 20,000 seeded rows the first token follows softmax(first logits), and the second,
+    where the first was the candidate, softmax(second logits): chi-square, p > 0.01."""
+    vocab, rows = 6, 20_000
+    first = torch.tensor([1.0, 0.2, -0.5, 1.5, 0.0, -1.0])
+    second = torch.tensor([-0.3, 0.8, 0.1, -1.2, 0.5, 0.0])
+    candidate = int(first.argmax())
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(rows)]
+    chooser = TokenChooser.create(params, [[1]] * rows, 5, vocab, CPU)
+    logits = torch.stack([first, second]).repeat(rows, 1)
+    requests = [GenerationRequest(i, (1,), 4) for i in range(rows)]
+    taken, _, _ = choose_speculated(logits, requests, chooser, [[candidate]] * rows)
+    counts = torch.bincount(torch.tensor([t[0] for t in taken]), minlength=vocab)
+    assert p_value(counts, first.softmax(-1)) > 0.01
+    seconds = [t[1] for t in taken if t[0] == candidate]
+    counts = torch.bincount(torch.tensor(seconds), minlength=vocab)
+    assert len(seconds) > 5_000 and p_value(counts, second.softmax(-1)) > 0.01
+
+
+def p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() * counts.sum()
+    statistic = float(((counts.double() - expected) ** 2 / expected).sum())
+    dof = len(probs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
+
+
+# ---- the engine: with and without speculation -----------------------------------------------------
+
+
+class Replay(Speculator):
+    """Proposes each request's known continuation (from a run without speculation), wrong at
+    every `wrong_every`-th position of the sequence: acceptance of every length happens."""
+
+    name = "replay"
+
+    def __init__(self, sequences: Sequence[Sequence[int]], wrong_every: int) -> None:
+        self.sequences = [list(s) for s in sequences]
+        self.wrong_every = wrong_every
+        self.asked = 0
+
+    def propose(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
+        out = []
+        for history, limit in zip(histories, limits, strict=True):
+            self.asked += 1
+            n = len(history)
+            known = next((s for s in self.sequences if s[:n] == list(history) and len(s) > n), None)
+            guess = list(known[n : n + limit]) if known else []
+            for j in range(len(guess)):
+                if (n + j) % self.wrong_every == 0:
+                    guess[j] = (guess[j] + 1) % 100 + 5
+            out.append(guess)
+        return out
+
+
+def workload(seed: int) -> dict[int, list[GenerationRequest]]:
+    rng = random.Random(seed)
+    kinds = [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(min_new_tokens=6, length_penalty=LengthPenalty(3, 1.2)),
+        SamplingParams(temperature=0.8, top_k=30, seed=5),
+        SamplingParams(temperature=1.1, top_p=0.9, seed=6),
+        SamplingParams(guided=Guided(GuidedKind.JSON)),
+    ]
+    schedule: dict[int, list[GenerationRequest]] = {}
+    next_id = 1
+    for step in (0, 0, 3, 7, 7, 9):
+        prompt = tuple(rng.randrange(5, 300) for _ in range(rng.randint(3, 20)))
+        params = kinds[next_id % len(kinds)]
+        details = DETAILS if next_id % 2 else RequestedDetails()
+        request = GenerationRequest(next_id, prompt, rng.randint(8, 24), params=params, details=details)
+        schedule.setdefault(step, []).append(request)
+        next_id += 1
+    return schedule
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [("llama", "float32"), ("gpt2", "float32"), ("llama", "bfloat16")]
+)
+def test_the_engine_takes_the_same_tokens_with_and_without_speculation(
+    tiny_model, arch: str, dtype: str
+) -> None:
+    model_dir = tiny_model(arch)
+    base = TgisNativeEngine(config_for(model_dir, dtype=dtype))
+    spec = TgisNativeEngine(
+        config_for(model_dir, dtype=dtype, speculate=4, deployment_framework="tgis_native")
+    )
+    verified: list[Speculation] = []
+    real_step = spec.generate_token
+
+    def recording(batch, first, token_budget=0):  # type: ignore[no-untyped-def]
+        output, kept = real_step(batch, first, token_budget)
+        verified.extend(output.speculation)
+        return output, kept
+
+    spec.generate_token = recording  # type: ignore[method-assign]
+    for seed, budget in ((0, 0), (1, 6), (2, 0)):
+        schedule = workload(seed)
+        requests = {r.id: r for group in schedule.values() for r in group}
+        runner = Runner(base, token_budget=budget)
+        expected = runner.run(schedule)
+        sequences = [list(requests[i].input_ids) + ids for i, ids in expected.items()]
+        spec.speculator = Replay(sequences, wrong_every=3 + seed)
+        speculating = Runner(spec, token_budget=budget, run_ahead=seed == 2)
+        assert speculating.run(schedule) == expected
+        for rid, infos in runner.tokens.items():  # details too, to the batch's rounding
+            for mine, theirs in zip(speculating.tokens[rid], infos, strict=True):
+                assert mine.rank == theirs.rank and len(mine.top_tokens) == len(theirs.top_tokens)
+                assert math.isclose(mine.logprob, theirs.logprob, rel_tol=1e-4, abs_tol=1e-6)
+        assert spec.kv.pool.free == spec.kv.pool.num_blocks
+    proposed = sum(v.proposed for v in verified)
+    accepted = sum(v.accepted for v in verified)
+    assert 0 < accepted < proposed, (accepted, proposed)
+    assert any(v.accepted == v.proposed for v in verified) and any(v.accepted == 0 for v in verified)
+
+
+def test_no_speculation_above_the_batch_limit(tiny_model) -> None:
+    model_dir = tiny_model("llama")
+    config = config_for(
+        model_dir, speculate=3, speculator_max_batch_size=2, deployment_framework="tgis_native"
+    )
+    engine = TgisNativeEngine(config)
+    replay = Replay([], wrong_every=1000)
+    engine.speculator = replay
+    outputs: list[StepOutput] = []
+    real_step = engine.generate_token
+
+    def recording(batch, first, token_budget=0):  # type: ignore[no-untyped-def]
+        output, kept = real_step(batch, first, token_budget)
+        outputs.append(output)
+        return output, kept
+
+    engine.generate_token = recording  # type: ignore[method-assign]
+    requests = [GenerationRequest(i, (5 + i, 6, 7), 6) for i in range(3)]
+    Runner(engine).run({0: requests[:2], 3: requests[2:]})
+    # two rows decode: asked; three: not asked (the steps where all three decode)
+    assert replay.asked > 0
+    asked_before = replay.asked
+    Runner(engine).run({0: requests})
+    assert replay.asked == asked_before
+
+
+# ---- through the router: several tokens per step ------------------------------------------------
+
+
+async def test_the_router_hands_out_several_tokens_a_step_and_cuts_at_stop_sequences(tiny_model) -> None:
+    model_dir = tiny_model("llama")
+    tokenizer = load_tokenizer(str(model_dir))
+    prompts = [tuple(range(40 + i, 52 + 2 * i)) for i in range(3)]
+
+    async def serve(engine: TgisNativeEngine, stops: Sequence[tuple[str, ...]]) -> tuple[list, Metrics]:
+        shard = LocalShard(engine)
+        metrics = Metrics(max_batch_size=8)
+        requests = [
+            (validated_request(p, 14, stop=stop), stream)
+            for p, stop in zip(prompts, stops, strict=True)
+            for stream in (False, True)
+        ]
+        capacity = capacity_for(await shard.model_info(), 1.0)
+        return await through_batcher(shard, tokenizer, requests, capacity, metrics), metrics
+
+    base = TgisNativeEngine(config_for(model_dir))
+    plain, _ = await serve(base, [()] * 3)
+    answers = [plain[2 * i][0] for i in range(3)]
+    stops = [(), (answers[1].text[5:8],), (answers[2].text[9:11],)]
+    expected, _ = await serve(base, stops)
+    assert [o[-1].stop_reason for o in expected[::2]] == [
+        StopReason.MAX_TOKENS,
+        StopReason.STOP_SEQUENCE,
+        StopReason.STOP_SEQUENCE,
+    ]
+    spec = TgisNativeEngine(config_for(model_dir, speculate=5, deployment_framework="tgis_native"))
+    spec.speculator = Replay(
+        [[*p, *(t.token_id for t in a.tokens)] for p, a in zip(prompts, answers, strict=True)], wrong_every=6
+    )
+    got, metrics = await serve(spec, stops)
+    for mine, theirs in zip(got, expected, strict=True):
+        assert [(o.text, o.stop_reason, o.generated_tokens) for o in mine] == [
+            (o.text, o.stop_reason, o.generated_tokens) for o in theirs
+        ]
+    proposed = metrics.counters["tgi_spec_proposed_tokens"].get()
+    accepted = metrics.counters["tgi_spec_accepted_tokens"].get()
+    assert 0 < accepted < proposed
+    assert spec.kv.pool.free == spec.kv.pool.num_blocks

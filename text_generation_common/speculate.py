@@ -1,0 +1,41 @@
+"""SPECULATE / SPECULATOR_MAX_BATCH_SIZE: the flags (the launcher's and the shard's, defined once)
+and their check against the engine; torch-free, so that the launcher refuses before any process
+starts (text_generation_server/speculation/ serves them)."""
+
+from __future__ import annotations
+
+import click
+
+from text_generation_common.engines import ENGINES
+
+DEFAULT_SPECULATOR_MAX_BATCH_SIZE = 16
+
+speculate_option = click.option(
+    "--speculate",
+    envvar="SPECULATE",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Speculative decoding (tgis_native): up to N candidate tokens per row and step, proposed "
+    "by n-gram lookup in the prompt and output and verified in the step's forward; 0 = off [env SPECULATE].",
+)
+speculator_max_batch_size_option = click.option(
+    "--speculator-max-batch-size",
+    envvar="SPECULATOR_MAX_BATCH_SIZE",
+    type=click.IntRange(min=1),
+    default=DEFAULT_SPECULATOR_MAX_BATCH_SIZE,
+    help="Steps with more decoding rows than this do not speculate [env SPECULATOR_MAX_BATCH_SIZE].",
+)
+
+
+def refusal(speculate: int, max_batch_size: int, engine: str) -> str | None:
+    """Why SPECULATE=`speculate` cannot serve on `engine` (None: it can, or it is off)."""
+    if speculate < 0:
+        return f"SPECULATE must be >= 0, got {speculate}"
+    if max_batch_size < 1:
+        return f"SPECULATOR_MAX_BATCH_SIZE must be >= 1, got {max_batch_size}"
+    if not speculate:
+        return None
+    serving = [name for name, spec in ENGINES.items() if spec.capabilities.speculation]
+    if engine not in serving:
+        return f"SPECULATE={speculate}: speculative decoding is served by {', '.join(serving)}, not {engine}"
+    return None

@@ -1,0 +1,75 @@
+"""Speculative decoding: candidate tokens proposed per running request, verified by the engine
+in its next forward (engines/step.py `choose_speculated`), so that one forward may take several
+tokens of a row.
+
+    Speculator.propose(histories, limits) -> candidates per row (each at most its limit; any
+                                             row may get none and steps normally)
+    Lookahead                               per request: how many candidates to ask for next,
+                                            after how many of the last ones were taken (and a
+                                            pause after repeated misses)
+
+Speculators:
+  - n-gram (prompt lookup, SPECULATE=N without a speculator model, ngram.py): the tokens that
+    followed the latest earlier occurrence of the row's last few tokens in its prompt and output.
+
+The engine (tgis_native) asks only while at most SPECULATOR_MAX_BATCH_SIZE rows decode: past
+that a step is no longer bound by reading the weights, and verifying candidates costs more
+than it saves.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class Speculator(ABC):
+    name: str  # how the start-up log names it
+
+    @abstractmethod
+    def propose(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
+        """Candidate tokens to follow each row's history (prompt + generated ids), at most
+        limits[i] for row i (0: none asked)."""
+
+
+MAX_PAUSE = 32  # most steps a request that keeps missing waits between tries
+
+
+@dataclass(slots=True)
+class Lookahead:
+    """How many candidates a request asks for: one more than it took last time (up to `most`),
+    or one more than it was offered when it took them all. A request whose candidates keep
+    missing (none taken twice in a row and more) pauses: 2, 4, ... up to MAX_PAUSE steps without
+    candidates, until one is taken again; a row that cannot be predicted costs little."""
+
+    most: int
+    limit: int = 0
+    misses: int = 0  # verifications in a row that took no candidate
+    pause: int = 0  # steps still to go without candidates
+
+    def __post_init__(self) -> None:
+        self.limit = self.limit or self.most
+
+    def ask(self) -> int:
+        """The candidates to ask for at this step (0 while paused)."""
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.limit
+
+    def taken(self, proposed: int, accepted: int) -> None:
+        grown = proposed + 1 if accepted == proposed else accepted + 1
+        self.limit = max(1, min(self.most, grown))
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        if self.misses >= 2:
+            self.pause = min(2 ** (self.misses - 1), MAX_PAUSE)
+
+
+def speculator_for(speculate: int) -> Speculator | None:
+    """The speculator SPECULATE asks for (None: off)."""
+    if speculate <= 0:
+        return None
+    from text_generation_server.speculation.ngram import NgramSpeculator
+
+    return NgramSpeculator()
