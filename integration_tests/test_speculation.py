@@ -1,8 +1,9 @@
-"""Speculative decoding through the real launcher: `--speculate 4` on tgis_native gives the same
-text as the same server without it (greedy, seeded sampling, stop sequences, a busy batch and a
-stream), counts what it verified in /metrics, says what runs in its log, and an engine without
-speculation is refused with one line. The model is the benchmarks' reference Llama, whose
-random-weight greedy output falls into short loops that n-gram lookup predicts."""
+"""Speculative decoding through the real launcher: `--speculate 4` (n-gram) and `--speculator-name`
+(an MLP speculator made by the training command) on tgis_native give the same text as the same
+server without them (greedy, seeded sampling, stop sequences, a busy batch and a stream), count
+what they verified in /metrics, say what runs in the log; an engine without speculation and a
+speculator that is not there are refused with one line. The model is the benchmarks' reference
+Llama, whose random-weight greedy output falls into short loops that the speculators predict."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from benchmarks.reference_model import build, is_built
 from integration_tests.servers import Server, launch
 from integration_tests.test_ops import scrape
 from router.pb import generation_pb2 as pb
+from text_generation_server.speculation.train import main as train_main
 
 PROMPTS = ["A very long story:\n", "def main():\n    return", "Once upon a time", "1, 2, 3, 4,"]
+TRAIN_SMALL = ["--prompts", "24", "--length", "64", "--epochs", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +67,27 @@ def answers(server: Server) -> list[tuple[str, int, int]]:
     ]
 
 
-def test_speculation_gives_the_same_text_and_counts_what_it_verified(root) -> None:
+@pytest.fixture(scope="module")
+def expected(root) -> list[tuple[str, int, int]]:
     plain = launch("reference@tgis_native", root)
     try:
-        expected = answers(plain)
+        return answers(plain)
     finally:
         plain.stop()
-    server = launch("reference@tgis_native", root, "--speculate", "4")
+
+
+@pytest.mark.parametrize("speculator", ["n-gram", "mlp"])
+def test_speculation_gives_the_same_text_and_counts_what_it_verified(root, expected, speculator: str) -> None:
+    if speculator == "mlp":
+        out = root / "models" / "reference-accelerator"
+        if not (out / "config.json").exists():  # the training command, seconds at this size
+            train_main(["--model", str(root / "models" / "reference"), "--out", str(out), *TRAIN_SMALL])
+        flags: tuple[str, ...] = ("--speculator-name", str(out))
+        logged = f"speculative decoding: MLP speculator {out} (3 heads), up to 3 candidate tokens per row"
+    else:
+        flags = ("--speculate", "4")
+        logged = "speculative decoding: n-gram (prompt lookup), up to 4 candidate tokens per row"
+    server = launch("reference@tgis_native", root, *flags)
     try:
         assert answers(server) == expected
         samples = scrape(server)
@@ -78,9 +95,7 @@ def test_speculation_gives_the_same_text_and_counts_what_it_verified(root) -> No
         accepted = samples[("tgi_spec_accepted_tokens_total", ())]
         assert 0 < accepted <= proposed
         assert samples[("tgi_spec_step_accepted_tokens_count", ())] > 0
-        assert (
-            "speculative decoding: n-gram (prompt lookup), up to 4 candidate tokens per row" in server.log()
-        )
+        assert logged in server.log()
     finally:
         server.stop()
 
@@ -91,3 +106,7 @@ def test_an_engine_without_speculation_is_refused_with_one_line(root) -> None:
     log = str(error.value)
     assert "SPECULATE=3: speculative decoding is served by tgis_native, not hf_transformers" in log
     assert "Traceback" not in log
+    with pytest.raises(RuntimeError) as error:
+        launch("reference@tgis_native", root, "--speculator-name", str(root / "nowhere"))
+    log = str(error.value)
+    assert f"speculator directory {root / 'nowhere'} does not exist" in log and "Traceback" not in log

@@ -46,7 +46,12 @@ from launcher.supervisor import ChildSpec, Supervisor, write_termination_log
 from router import cli_options as options
 from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
 from text_generation_common.logs import setup_logging
-from text_generation_common.speculate import speculate_option, speculator_max_batch_size_option
+from text_generation_common.speculate import (
+    speculate_option,
+    speculator_max_batch_size_option,
+    speculator_name_option,
+    speculator_revision_option,
+)
 
 # What the router gets beyond its drain timeout to close its servers and exit.
 ROUTER_STOP_MARGIN_S = 10.0
@@ -206,6 +211,8 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     "TGIS's and TGI's other names (gptq, bitsandbytes, fp8, ...) are refused with the reason [env QUANTIZE].",
 )
 @speculate_option
+@speculator_name_option
+@speculator_revision_option
 @speculator_max_batch_size_option
 @click.option(
     "--num-shard",

@@ -74,6 +74,8 @@ class LaunchFlags:
     dtype_str: str | None = None
     quantize: str | None = None
     speculate: int = 0
+    speculator_name: str | None = None
+    speculator_revision: str | None = None
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
     num_shard: int | None = None
     max_concurrent_requests: int = router_defaults.DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -152,7 +154,8 @@ class LaunchConfig:
     otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
     placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
     quantize: str | None = None  # QUANTIZE, passed to the shards (checked here, and there for the device)
-    speculate: int = 0  # SPECULATE and SPECULATOR_MAX_BATCH_SIZE, passed to the shards
+    speculate: int = 0  # SPECULATE, SPECULATOR_NAME and SPECULATOR_MAX_BATCH_SIZE, passed to the shards
+    speculator_dir: Path | None = None  # SPECULATOR_NAME resolved (a directory with config.json)
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
     auth: AuthConfig = field(default_factory=AuthConfig)  # the router's; secrets go in its environment
 
@@ -181,21 +184,22 @@ def resolve_cache_dir(env: Mapping[str, str]) -> str:
     return os.path.join(home, ".cache", "huggingface", "hub")
 
 
-def resolve_model_dir(model_name: str, revision: str | None, cache_dir: str) -> Path:
-    """A local directory with config.json, or the snapshot of a hub id in the local cache."""
+def resolve_model_dir(model_name: str, revision: str | None, cache_dir: str, what: str = "model") -> Path:
+    """A local directory with config.json, or the snapshot of a hub id in the local cache
+    (`what`: how errors name it, the model or its speculator)."""
     path = Path(model_name)
     if path.is_absolute() and not path.is_dir():
-        raise LaunchError(f"model directory {model_name} does not exist")
+        raise LaunchError(f"{what} directory {model_name} does not exist")
     try:
         model_dir = hub.resolve_model_dir(model_name, revision, cache_dir=cache_dir)
     except hub.ModelNotFoundError:
         raise LaunchError(
-            f"model {model_name!r} (revision {revision or 'main'}) not found: it is not a local directory "
+            f"{what} {model_name!r} (revision {revision or 'main'}) not found: it is not a local directory "
             f"and not in the Hugging Face cache at {cache_dir} "
             f"(run `text-generation-server download-weights {model_name}`)"
         ) from None
     if not (model_dir / "config.json").is_file():
-        raise LaunchError(f"model directory {model_dir} has no config.json")
+        raise LaunchError(f"{what} directory {model_dir} has no config.json")
     return model_dir
 
 
@@ -285,8 +289,10 @@ def check_quantize(quantize: str | None, engine: str, num_shard: int) -> None:
     refuse(quantize_refusal(quantize, engine, num_shard))
 
 
-def check_speculate(speculate: int, max_batch_size: int, engine: str) -> None:
-    refuse(speculate_refusal(speculate, max_batch_size, engine))
+def check_speculate(
+    speculate: int, max_batch_size: int, engine: str, speculator_name: str | None = None
+) -> None:
+    refuse(speculate_refusal(speculate, max_batch_size, engine, speculator_name))
 
 
 def refuse(reason: str | None) -> None:
@@ -384,13 +390,18 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)
     check_quantize(flags.quantize, engine, num_shard)
-    check_speculate(flags.speculate, flags.speculator_max_batch_size, engine)
+    check_speculate(flags.speculate, flags.speculator_max_batch_size, engine, flags.speculator_name)
     check_engine_installed(engine)
     check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
     auth = resolve_auth(flags)
     cache_dir = resolve_cache_dir(env)
     model_dir = resolve_model_dir(flags.model_name, flags.revision, cache_dir)
     check_model_kind(model_dir, engine)
+    speculator_dir = None
+    if flags.speculator_name:
+        speculator_dir = resolve_model_dir(
+            flags.speculator_name, flags.speculator_revision, cache_dir, "speculator"
+        )
     max_sequence_length = resolve_max_sequence_length(
         flags.max_sequence_length, model_sequence_length(model_dir)
     )
@@ -439,6 +450,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         placements=tuple(placements),
         quantize=flags.quantize,
         speculate=flags.speculate,
+        speculator_dir=speculator_dir,
         speculator_max_batch_size=flags.speculator_max_batch_size,
         auth=auth,
     )
@@ -482,6 +494,9 @@ def shard_command(config: LaunchConfig) -> list[str]:
         argv += ["--quantize", config.quantize]
     if config.speculate:
         argv += ["--speculate", str(config.speculate)]
+    if config.speculator_dir is not None:
+        argv += ["--speculator-name", str(config.speculator_dir)]
+    if config.speculate or config.speculator_dir is not None:
         argv += ["--speculator-max-batch-size", str(config.speculator_max_batch_size)]
     if config.revision:
         argv += ["--revision", config.revision]

@@ -7,9 +7,12 @@ and both dtypes, with every KV block back in the pool at the end."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +40,14 @@ from text_generation_server.engines.step import choose_speculated, choose_tokens
 from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.sampling.chooser import TokenChooser
 from text_generation_server.speculation import Lookahead, Speculator
+from text_generation_server.speculation.mlp import (
+    MlpSpeculatorConfig,
+    MlpSpeculatorModel,
+    load_speculator,
+    save_speculator,
+)
 from text_generation_server.speculation.ngram import NgramSpeculator
+from text_generation_server.speculation.train import main as train_main
 
 CPU = torch.device("cpu")
 VOCAB = 40
@@ -86,7 +96,7 @@ def test_a_request_whose_candidates_keep_missing_pauses_longer_each_time() -> No
         pauses.append(look.pause)
         asked = [look.ask() for _ in range(look.pause + 1)]
         assert asked == [0] * pauses[-1] + [1]  # paused, then one candidate again
-    assert pauses == [0, 2, 4, 8, 16, 32, 32, 32]
+    assert pauses == [0, 2, 4, 8, 8, 8, 8, 8]
     look.taken(1, 1)  # a hit ends the misses
     assert (look.misses, look.pause, look.limit) == (0, 0, 2)
 
@@ -258,7 +268,12 @@ class Replay(Speculator):
         self.wrong_every = wrong_every
         self.asked = 0
 
-    def propose(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
+    def propose(
+        self,
+        histories: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        hidden: torch.Tensor | None = None,
+    ) -> list[list[int]]:
         out = []
         for history, limit in zip(histories, limits, strict=True):
             self.asked += 1
@@ -270,6 +285,20 @@ class Replay(Speculator):
                     guess[j] = (guess[j] + 1) % 100 + 5
             out.append(guess)
         return out
+
+
+def recorded(engine: TgisNativeEngine) -> list[Speculation]:
+    """What `engine`'s steps verify from now on (filled as they run)."""
+    verified: list[Speculation] = []
+    real_step = engine.generate_token
+
+    def recording(batch, first, token_budget=0):  # type: ignore[no-untyped-def]
+        output, kept = real_step(batch, first, token_budget)
+        verified.extend(output.speculation)
+        return output, kept
+
+    engine.generate_token = recording  # type: ignore[method-assign]
+    return verified
 
 
 def workload(seed: int) -> dict[int, list[GenerationRequest]]:
@@ -305,15 +334,7 @@ def test_the_engine_takes_the_same_tokens_with_and_without_speculation(
     spec = TgisNativeEngine(
         config_for(model_dir, dtype=dtype, speculate=4, deployment_framework="tgis_native")
     )
-    verified: list[Speculation] = []
-    real_step = spec.generate_token
-
-    def recording(batch, first, token_budget=0):  # type: ignore[no-untyped-def]
-        output, kept = real_step(batch, first, token_budget)
-        verified.extend(output.speculation)
-        return output, kept
-
-    spec.generate_token = recording  # type: ignore[method-assign]
+    verified = recorded(spec)
     for seed, budget in ((0, 0), (1, 6), (2, 0)):
         schedule = workload(seed)
         requests = {r.id: r for group in schedule.values() for r in group}
@@ -402,3 +423,150 @@ async def test_the_router_hands_out_several_tokens_a_step_and_cuts_at_stop_seque
     accepted = metrics.counters["tgi_spec_accepted_tokens"].get()
     assert 0 < accepted < proposed
     assert spec.kv.pool.free == spec.kv.pool.num_blocks
+
+
+# ---- IBM's MLP speculator -------------------------------------------------------------------------
+
+
+def random_speculator(tie: bool = False, scale_input: bool = False, seed: int = 0) -> MlpSpeculatorModel:
+    torch.manual_seed(seed)
+    config = MlpSpeculatorConfig(
+        vocab_size=50, emb_dim=24, inner_dim=16, n_predict=3, tie_weights=tie, scale_input=scale_input
+    )
+    model = MlpSpeculatorModel(config)
+    for param in model.parameters():
+        param.data.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def reference_heads(model: MlpSpeculatorModel, state: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:
+    """fms-extras' formulas, one row and one head at a time: head i gets the state and token i."""
+    config = model.config
+    params = dict(model.named_parameters(remove_duplicate=False))
+    w_state = 0.5 ** (0.5 / config.n_predict)
+    w_emb = math.sqrt(1 - w_state**2)
+    if config.scale_input:
+        state = state / torch.sqrt(state.pow(2).mean() + 1e-6) / math.sqrt(2)
+    out = []
+    for i, token in enumerate(tokens):
+        z = params[f"emb.{i}.weight"][token] * w_emb * math.sqrt(config.inner / 2)
+        mixed = params[f"proj.{i}.weight"] @ state * w_state + z
+        normed = (
+            mixed / torch.sqrt(mixed.pow(2).mean() + 1e-6) * params[f"ln.{i}.weight"] + params[f"ln.{i}.bias"]
+        )
+        state = torch.nn.functional.gelu(normed)
+        out.append(params[f"head.{i}.weight"] @ state)
+    return out
+
+
+@pytest.mark.parametrize(("tie", "scale_input"), [(False, False), (True, True)])
+def test_the_speculator_heads_follow_the_fms_extras_formulas(tie: bool, scale_input: bool) -> None:
+    model = random_speculator(tie, scale_input)
+    state = torch.randn(2, 5, 24)
+    tokens = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        logits = model(state, tokens)  # [heads, B, T, vocab]
+    for b in range(2):
+        for t in range(5):
+            expected = reference_heads(model, state[b, t], [int(tokens[b, t + i]) for i in range(3)])
+            for i in range(3):
+                torch.testing.assert_close(logits[i, b, t], expected[i], rtol=1e-4, atol=1e-4)
+    # inference: each head's top token is the next head's input
+    chained = model.chain(state[:, 0], tokens[:, 0], 3)
+    for b in range(2):
+        guesses: list[int] = [int(tokens[b, 0])]
+        for i in range(3):
+            guesses.append(int(reference_heads(model, state[b, 0], guesses)[i].argmax()))
+        assert chained[b].tolist() == guesses[1:]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_saved_speculator_loads_back_in_ibm_layout(tmp_path, tie: bool) -> None:
+    model = random_speculator(tie)
+    save_speculator(model, tmp_path / "spec")
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert raw["model_type"] == "mlp_speculator" and raw["n_predict"] == 3 and raw["tie_weights"] is tie
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "spec" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"emb.0.weight", "proj.0.weight", "head.0.weight", "ln.0.weight", "ln.0.bias"} <= names
+    assert ("emb.2.weight" in names) is not tie  # tied tensors are stored once
+    loaded = load_speculator(tmp_path / "spec", 50, 24, torch.float32, CPU)
+    state, last = torch.randn(4, 24), torch.randint(0, 50, (4,))
+    assert torch.equal(loaded.chain(state, last, 3), model.chain(state, last, 3))
+
+
+def test_a_transformers_style_checkpoint_with_prefixed_names_loads(tmp_path) -> None:
+    model = random_speculator()
+    path = tmp_path / "spec"
+    path.mkdir()
+    model.config.write(path)
+    tensors = {f"speculator.{k}": v for k, v in model.state_dict().items()}
+    torch.save(tensors, path / "pytorch_model.bin")
+    loaded = load_speculator(path, 50, 24, torch.float32, CPU)
+    state, last = torch.randn(3, 24), torch.randint(0, 50, (3,))
+    assert torch.equal(loaded.chain(state, last, 2), model.chain(state, last, 2))
+
+
+def test_a_speculator_that_does_not_fit_is_refused_with_one_line(tmp_path) -> None:
+    save_speculator(random_speculator(), tmp_path / "spec")
+    with pytest.raises(ValueError, match=r"predicts a vocabulary of 50, the model's has 60$"):
+        load_speculator(tmp_path / "spec", 60, 24, torch.float32, CPU)
+    with pytest.raises(ValueError, match=r"reads hidden states of 24, the model's are 32$"):
+        load_speculator(tmp_path / "spec", 50, 32, torch.float32, CPU)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="model_type 'llama' is not 'mlp_speculator'"):
+        load_speculator(tmp_path / "other", 50, 24, torch.float32, CPU)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "spec" / "model.safetensors"))
+    del weights["head.1.weight"]
+    save_file(weights, str(tmp_path / "spec" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"the weights have no head\.1\.weight"):
+        load_speculator(tmp_path / "spec", 50, 24, torch.float32, CPU)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory) -> Path:
+    """A speculator for the tiny Llama, made by the training command (seconds)."""
+    out = tmp_path_factory.mktemp("speculator") / "llama-accelerator"
+    args = ["--model", str(tiny_model("llama")), "--out", str(out), "--prompts", "12", "--length", "24"]
+    assert train_main([*args, "--prompt-len", "8", "--epochs", "1"]) == 0
+    return out
+
+
+def test_the_training_command_writes_a_speculator_and_its_report(
+    trained: Path, tiny_model, tmp_path: Path
+) -> None:
+    report = json.loads((trained / "train.json").read_text())
+    assert report["sequences"] == 12 and len(report["held_out_top1"]) == 3
+    config = MlpSpeculatorConfig.read(trained)
+    assert (config.emb_dim, config.n_predict, config.tie_weights) == (64, 3, True)
+    wider = tmp_path / "wider"  # a speculator made for another model: refused at load, one line
+    shutil.copytree(trained, wider)
+    raw = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**raw, "emb_dim": 96}))
+    config = config_for(tiny_model("llama"), speculator_name=str(wider), deployment_framework="tgis_native")
+    with pytest.raises(ValueError, match=r"speculator .* reads hidden states of 96, the model's are 64$"):
+        TgisNativeEngine(config)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_mlp_speculator_leaves_the_output_unchanged(tiny_model, trained: Path, dtype: str) -> None:
+    model_dir = tiny_model("llama")
+    base = TgisNativeEngine(config_for(model_dir, dtype=dtype))
+    config = config_for(
+        model_dir, dtype=dtype, speculator_name=str(trained), deployment_framework="tgis_native"
+    )
+    spec = TgisNativeEngine(config)
+    assert spec.speculate == 3 and spec.runner.capturing
+    verified = recorded(spec)
+    for seed, budget in ((0, 0), (1, 6)):
+        schedule = workload(seed)
+        assert Runner(spec, token_budget=budget).run(schedule) == Runner(base, token_budget=budget).run(
+            schedule
+        )
+        assert spec.kv.pool.free == spec.kv.pool.num_blocks
+    assert sum(v.proposed for v in verified) > 0

@@ -18,6 +18,19 @@ speculate_option = click.option(
     help="Speculative decoding (tgis_native): up to N candidate tokens per row and step, proposed "
     "by n-gram lookup in the prompt and output and verified in the step's forward; 0 = off [env SPECULATE].",
 )
+speculator_name_option = click.option(
+    "--speculator-name",
+    envvar="SPECULATOR_NAME",
+    default=None,
+    help="IBM's MLP speculator for speculative decoding (tgis_native): a directory, or a hub id in "
+    "the local cache; SPECULATE, where set, lowers its number of heads [env SPECULATOR_NAME].",
+)
+speculator_revision_option = click.option(
+    "--speculator-revision",
+    envvar="SPECULATOR_REVISION",
+    default=None,
+    help="Revision of SPECULATOR_NAME in the hub cache [env SPECULATOR_REVISION].",
+)
 speculator_max_batch_size_option = click.option(
     "--speculator-max-batch-size",
     envvar="SPECULATOR_MAX_BATCH_SIZE",
@@ -27,15 +40,19 @@ speculator_max_batch_size_option = click.option(
 )
 
 
-def refusal(speculate: int, max_batch_size: int, engine: str) -> str | None:
-    """Why SPECULATE=`speculate` cannot serve on `engine` (None: it can, or it is off)."""
+def refusal(
+    speculate: int, max_batch_size: int, engine: str, speculator_name: str | None = None
+) -> str | None:
+    """Why SPECULATE=`speculate` / SPECULATOR_NAME cannot serve on `engine` (None: they can, or
+    speculation is off)."""
     if speculate < 0:
         return f"SPECULATE must be >= 0, got {speculate}"
     if max_batch_size < 1:
         return f"SPECULATOR_MAX_BATCH_SIZE must be >= 1, got {max_batch_size}"
-    if not speculate:
+    if not speculate and not speculator_name:
         return None
     serving = [name for name, spec in ENGINES.items() if spec.capabilities.speculation]
     if engine not in serving:
-        return f"SPECULATE={speculate}: speculative decoding is served by {', '.join(serving)}, not {engine}"
+        asked = f"SPECULATOR_NAME={speculator_name}" if speculator_name else f"SPECULATE={speculate}"
+        return f"{asked}: speculative decoding is served by {', '.join(serving)}, not {engine}"
     return None

@@ -21,7 +21,12 @@ import click
 
 from text_generation_common.heap import freeze_loaded_heap
 from text_generation_common.logs import setup_logging
-from text_generation_common.speculate import speculate_option, speculator_max_batch_size_option
+from text_generation_common.speculate import (
+    speculate_option,
+    speculator_max_batch_size_option,
+    speculator_name_option,
+    speculator_revision_option,
+)
 from text_generation_server.config import (
     CPU_ATTENTION_MODES,
     CPU_FORWARD_MODES,
@@ -250,6 +255,8 @@ def pin_to(cpu_list: str) -> None:
     help="Reuse the KV-cache blocks of prompt prefixes seen before (tgis_native) [env PREFIX_CACHING].",
 )
 @speculate_option
+@speculator_name_option
+@speculator_revision_option
 @speculator_max_batch_size_option
 @click.option(
     "--cpu-kv-cache-space",
@@ -333,6 +340,8 @@ def serve(
     cpu_forward: str,
     prefix_caching: bool,
     speculate: int,
+    speculator_name: str | None,
+    speculator_revision: str | None,
     speculator_max_batch_size: int,
     cpu_kv_cache_space: float,
     kv_cache_blocks: int,
@@ -378,6 +387,8 @@ def serve(
             cpu_forward=cpu_forward,
             prefix_caching=prefix_caching,
             speculate=speculate,
+            speculator_name=speculator_name,
+            speculator_revision=speculator_revision,
             speculator_max_batch_size=speculator_max_batch_size,
             cpu_kv_cache_space=cpu_kv_cache_space,
             kv_cache_blocks=kv_cache_blocks,

@@ -67,6 +67,8 @@ class ServerConfig:
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN  # % of free memory held back
     cuda_process_memory_fraction: float = 1.0  # share of the GPU this process may use
     speculate: int = 0  # most candidate tokens per row and step (speculative decoding); 0 = off
+    speculator_name: str | None = None  # SPECULATOR_NAME: an MLP speculator (directory or cached hub id)
+    speculator_revision: str | None = None
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE  # no speculation above this many rows
 
     def __post_init__(self) -> None:
@@ -97,7 +99,9 @@ class ServerConfig:
         refused = quantize_refusal(self.quantize, self.deployment_framework, self.world_size)
         if refused is not None:
             raise ValueError(refused)
-        refused = speculate_refusal(self.speculate, self.speculator_max_batch_size, self.deployment_framework)
+        refused = speculate_refusal(
+            self.speculate, self.speculator_max_batch_size, self.deployment_framework, self.speculator_name
+        )
         if refused is not None:
             raise ValueError(refused)
         if self.cpu_forward not in CPU_FORWARD_MODES:

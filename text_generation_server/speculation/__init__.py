@@ -9,6 +9,8 @@ tokens of a row.
                                             pause after repeated misses)
 
 Speculators:
+  - IBM's MLP speculator (SPECULATOR_NAME, mlp.py): small heads over the target's last hidden
+    state, one per token ahead; train.py makes one for a model by self-distillation;
   - n-gram (prompt lookup, SPECULATE=N without a speculator model, ngram.py): the tokens that
     followed the latest earlier occurrence of the row's last few tokens in its prompt and output.
 
@@ -22,18 +24,33 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from text_generation_server.config import ServerConfig
 
 
 class Speculator(ABC):
     name: str  # how the start-up log names it
+    needs_hidden = False  # propose reads the target's last hidden state of each row
+    network: torch.nn.Module | None = None  # its own model, whose linears the engine lays out on CPU
 
     @abstractmethod
-    def propose(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
+    def propose(
+        self,
+        histories: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        hidden: torch.Tensor | None = None,
+    ) -> list[list[int]]:
         """Candidate tokens to follow each row's history (prompt + generated ids), at most
-        limits[i] for row i (0: none asked)."""
+        limits[i] for row i (0: none asked). `hidden` [rows, hidden size] (speculators that
+        need it): the target's final hidden state at each row's last position, the one whose
+        logits chose the row's last token."""
 
 
-MAX_PAUSE = 32  # most steps a request that keeps missing waits between tries
+MAX_PAUSE = 8  # most steps a request that keeps missing waits between tries
 
 
 @dataclass(slots=True)
@@ -66,10 +83,22 @@ class Lookahead:
             self.pause = min(2 ** (self.misses - 1), MAX_PAUSE)
 
 
-def speculator_for(speculate: int) -> Speculator | None:
-    """The speculator SPECULATE asks for (None: off)."""
-    if speculate <= 0:
+def speculator_for(
+    config: ServerConfig, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Speculator, int] | None:
+    """The speculator the config asks for and the most candidates a row may ask for (None: off):
+    SPECULATOR_NAME's MLP speculator (SPECULATE, where set, lowers its number of heads), else
+    n-gram lookup with SPECULATE candidates."""
+    if config.speculator_name:
+        from text_generation_server.speculation.mlp import MlpSpeculator, load_speculator
+        from text_generation_server.utils.hub import resolve_model_dir
+
+        path = resolve_model_dir(config.speculator_name, config.speculator_revision)
+        mlp = MlpSpeculator(load_speculator(path, vocab_size, hidden_size, dtype, device), path)
+        heads = mlp.model.config.n_predict
+        return mlp, min(config.speculate or heads, heads)
+    if config.speculate <= 0:
         return None
     from text_generation_server.speculation.ngram import NgramSpeculator
 
-    return NgramSpeculator()
+    return NgramSpeculator(), config.speculate

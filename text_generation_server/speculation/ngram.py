@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from text_generation_server.speculation import Speculator
 
@@ -25,7 +26,12 @@ class NgramSpeculator(Speculator):
         self.max_match = max_match
         self.min_match = min_match
 
-    def propose(self, histories: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
+    def propose(
+        self,
+        histories: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        hidden: torch.Tensor | None = None,
+    ) -> list[list[int]]:
         return [self.lookup(h, k) if k > 0 else [] for h, k in zip(histories, limits, strict=True)]
 
     def lookup(self, history: Sequence[int], limit: int) -> list[int]:

@@ -82,7 +82,7 @@ from text_generation_server.engines.tgis_native.runner import ModelRunner, StepP
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
-from text_generation_server.speculation import Lookahead, speculator_for
+from text_generation_server.speculation import Lookahead, Speculator, speculator_for
 
 if TYPE_CHECKING:
     from text_generation_server.lora import LoraWeights
@@ -117,6 +117,7 @@ class RequestState:
     kv: SequenceKV  # its block table (owned by the engine's KVAllocations)
     lora: LoraWeights | None = None  # its LoRA adapter, if it has one
     lookahead: Lookahead | None = None  # candidates it asks for (speculative decoding)
+    hidden: torch.Tensor | None = None  # the model's last hidden state, for a speculator that reads it
 
 
 class TgisNativeEngine(ModelEngine):
@@ -145,7 +146,8 @@ class TgisNativeEngine(ModelEngine):
         self.runner.adapters = self.adapters
         # after the probe step above, which reads the loaded weights; sharded linears keep
         # transformers' tensor-parallel modules
-        if self.device.type == "cpu" and config.world_size == 1:
+        lay_out = self.device.type == "cpu" and config.world_size == 1
+        if lay_out:
             choose_linear_layouts(self.model, config.max_batch_size, LinearLayout(config.linear_layout))
         # after the layouts: the C++ step takes the weights as they are laid out now
         self.runner.decoder = decoder_for(
@@ -153,14 +155,21 @@ class TgisNativeEngine(ModelEngine):
         )
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        self.speculate = config.speculate
         self.speculator_max_rows = config.speculator_max_batch_size
-        self.speculator = speculator_for(config.speculate)
+        hidden_size = int(loaded.hf_config.hidden_size)
+        found = speculator_for(config, self.context.vocab_size, hidden_size, self.runner.dtype, self.device)
+        self.speculator: Speculator | None = found[0] if found is not None else None
+        self.speculate = found[1] if found is not None else 0
         if self.speculator is not None:
+            if self.speculator.needs_hidden:
+                self.runner.capture_hidden()
+            if lay_out and self.speculator.network is not None:
+                layout = LinearLayout(config.linear_layout)
+                choose_linear_layouts(self.speculator.network, config.speculator_max_batch_size, layout)
             logger.info(
                 "speculative decoding: %s, up to %d candidate tokens per row, while at most %d rows decode",
                 self.speculator.name,
-                config.speculate,
+                self.speculate,
                 config.speculator_max_batch_size,
             )
         self.info = ModelInfo(
@@ -365,6 +374,7 @@ class TgisNativeEngine(ModelEngine):
             ids += [history[-1], *draft]
             loras += [state.lora] * (1 + len(draft))
         details = [c for c in chunks if c.item.request.details.input_tokens]
+        wanted: list[int] = []
         if not chunks:
             rows = self.runner.decode(sequences, ids, loras)
         else:
@@ -389,10 +399,11 @@ class TgisNativeEngine(ModelEngine):
         input_tokens = [self._input_tokens(p) for p in completed if p.request.details.input_tokens]
         if batch.chooser is None:
             return StepOutput(pending=batch.pending_ids, forward_ns=self.runner.timer.elapsed_ns()), batch
+        rows_drafts = [*candidates, *([] for _ in completed)]  # the chooser's rows: decoding, completed
         if drafts is None:
             _, output = choose_tokens(rows.float(), batch.requests, batch.chooser)
+            counts = [1] * len(rows_drafts)
         else:
-            rows_drafts = drafts + [[] for _ in completed]  # the chooser's rows: decoding, then completed
             taken, accepted, output = choose_speculated(
                 rows.float(), batch.requests, batch.chooser, rows_drafts
             )
@@ -401,10 +412,34 @@ class TgisNativeEngine(ModelEngine):
                     state.kv.truncate(begins[row] + len(taken[row]))  # rejected candidates forgotten
                     assert state.lookahead is not None
                     state.lookahead.taken(len(draft), accepted[row])
+            counts = [len(t) for t in taken]
+        if self.runner.capturing:
+            self._keep_hidden(batch, rows_drafts, counts, wanted if details else None)
         output.forward_ns = self.runner.timer.elapsed_ns()  # after the ids' copy: no sync of its own
         output.input_tokens = input_tokens
         output.pending = batch.pending_ids
         return output, drop_failed(batch, output)
+
+    def _keep_hidden(
+        self,
+        batch: RaggedBatch,
+        drafts: Sequence[Sequence[int]],
+        counts: Sequence[int],
+        wanted: list[int] | None,
+    ) -> None:
+        """Each chooser row's final hidden state at the position that chose its last token (the
+        runner kept the LM head's input: one row per logits row, `wanted` of them where the step
+        computed every token's logits)."""
+        hidden = self.runner.hidden
+        assert hidden is not None
+        index, start = [], 0
+        for draft, count in zip(drafts, counts, strict=True):  # the row of each one's last token taken
+            index.append(start + max(count, 1) - 1)
+            start += 1 + len(draft)
+        rows = [wanted[i] for i in index] if wanted is not None else index
+        kept = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        for request, row in zip(batch.requests, kept, strict=True):
+            batch.states[request.id].hidden = row
 
     def _drafts(self, batch: RaggedBatch, decoding: Sequence[RequestState]) -> list[list[int]] | None:
         """Each decoding row's candidate tokens for this step (None: no row has any, or
@@ -417,8 +452,17 @@ class TgisNativeEngine(ModelEngine):
         limits = []
         for state, request, generated in zip(decoding, batch.requests, chooser.generated, strict=True):
             assert state.lookahead is not None
-            limits.append(max(0, min(state.lookahead.ask(), request.max_new_tokens - generated - 1)))
-        proposed = self.speculator.propose(chooser.histories, limits)
+            limit = min(state.lookahead.ask(), request.max_new_tokens - generated - 1)
+            limits.append(0 if self.runner.capturing and state.hidden is None else max(0, limit))
+        hidden = None
+        if self.runner.capturing:
+            like = next((s.hidden for s in decoding if s.hidden is not None), None)
+            if like is None:
+                return None
+            hidden = torch.stack(
+                [s.hidden if s.hidden is not None else torch.zeros_like(like) for s in decoding]
+            )
+        proposed = self.speculator.propose(chooser.histories, limits, hidden)
         drafts = chooser.trim_drafts([p[:k] for p, k in zip(proposed, limits, strict=True)])
         return drafts if any(drafts) else None
 

@@ -192,6 +192,21 @@ class ModelRunner:
         self.buffers = DecodeBuffers(max_rows, self.width, self.device, cache.scratch_slot)
         self._overflow: DecodeBuffers | None = None  # steps larger than MAX_BATCH_SIZE (tests)
         self.timer = ForwardTimer(self.device)
+        self.capturing = False  # keep the LM head's input of every forward (capture_hidden)
+        self.hidden: torch.Tensor | None = None
+
+    def capture_hidden(self) -> None:
+        """From now on keep the LM head's input of every forward in `hidden` [rows, hidden size]:
+        the final hidden states of the rows whose logits the forward returns, in their order
+        (an MLP speculator reads them). Decode steps then run eagerly (no CUDA graph replay)."""
+        if self.capturing:
+            return
+
+        def keep(module: Any, args: tuple[torch.Tensor, ...]) -> None:
+            self.hidden = args[0].reshape(-1, args[0].shape[-1])
+
+        self.model.get_output_embeddings().register_forward_pre_hook(keep)
+        self.capturing = True
 
     # ---- any step -------------------------------------------------------------------------------
 
@@ -241,7 +256,10 @@ class ModelRunner:
                 **kwargs,
             )
         logits = out.logits[0]
-        logits = logits[keep] if keep is not None and not selected else logits
+        if keep is not None and not selected:
+            logits = logits[keep]
+            if self.capturing and self.hidden is not None:
+                self.hidden = self.hidden[keep]
         self.timer.stop()
         return logits
 
@@ -290,7 +308,8 @@ class ModelRunner:
         """One token per row (`ids` [D], each at its sequence's next position) -> logits [D, vocab]."""
         count = len(sequences)
         graphs = self.graphs
-        bucket = graphs.bucket_for(count) if graphs is not None and not any(loras) else None
+        replay = graphs is not None and not any(loras) and not self.capturing
+        bucket = graphs.bucket_for(count) if replay and graphs is not None else None
         rows = bucket or count
         buffers = self._buffers_for(rows)
         longest, shortest = buffers.fill(sequences, ids, rows)

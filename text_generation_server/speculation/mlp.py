@@ -1,0 +1,270 @@
+"""IBM's MLP speculator (fms-extras `MLPSpeculator`, TGIS's SPECULATOR_NAME): small heads that
+guess the next few tokens from the target model's last hidden state.
+
+    config.json: model_type "mlp_speculator", emb_dim (the target's hidden size), inner_dim
+                 (0 = emb_dim), vocab_size, n_predict (heads), top_k_tokens_per_head,
+                 n_candidates, tie_weights (fms-extras' tie_wts), scale_input
+    weights:     emb.{i}.weight [vocab, inner], proj.{i}.weight [inner, emb or inner],
+                 head.{i}.weight [vocab, inner], ln.{i}.weight / .bias [inner], for each head i
+                 (a "speculator." prefix, as transformers-style checkpoints write it, is
+                 accepted), in model.safetensors or pytorch_model.bin; tied heads may store
+                 their shared tensors once (head 0, and proj 1 for proj 2.. )
+
+Head i takes the state s (the target's final hidden state for head 0, after ln0's scaling when
+scale_input) and the token t before the one it predicts (the target's own last token for head
+0, head i-1's guess after):
+
+    s = gelu(ln_i(proj_i(s) * w_state + emb_i(t) * w_emb * sqrt(inner / 2)))    logits_i = head_i(s)
+    w_state = 0.5 ** (0.5 / n_predict),  w_emb = sqrt(1 - w_state ** 2)
+
+ln_i normalises by the root mean square (eps 1e-6), then scales and shifts. Candidates are the
+most likely chain (each head's top token fed to the next), the best candidate per row; the
+candidate trees of top_k_tokens_per_head / n_candidates are not built.
+
+`train.py` makes one for a model by self-distillation, saved in this layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from text_generation_server.speculation import Speculator
+
+MODEL_TYPE = "mlp_speculator"
+EPS = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class MlpSpeculatorConfig:
+    vocab_size: int
+    emb_dim: int
+    inner_dim: int = 0  # 0 = emb_dim
+    n_predict: int = 3
+    top_k_tokens_per_head: tuple[int, ...] = field(default=())
+    n_candidates: int = 1
+    tie_weights: bool = False
+    scale_input: bool = False
+
+    @property
+    def inner(self) -> int:
+        return self.inner_dim or self.emb_dim
+
+    @classmethod
+    def read(cls, path: Path) -> MlpSpeculatorConfig:
+        """The speculator config in `path`/config.json; ValueError saying what is wrong."""
+        file = path / "config.json"
+        if not file.is_file():
+            raise ValueError(f"speculator {path}: no config.json")
+        raw: dict[str, Any] = json.loads(file.read_text())
+        if raw.get("model_type") != MODEL_TYPE:
+            raise ValueError(
+                f"speculator {path}: model_type {raw.get('model_type')!r} is not {MODEL_TYPE!r} "
+                "(IBM's MLP speculator)"
+            )
+        try:
+            config = cls(
+                vocab_size=int(raw["vocab_size"]),
+                emb_dim=int(raw["emb_dim"]),
+                inner_dim=int(raw.get("inner_dim", 0)),
+                n_predict=int(raw.get("n_predict", 3)),
+                top_k_tokens_per_head=tuple(int(k) for k in raw.get("top_k_tokens_per_head", ())),
+                n_candidates=int(raw.get("n_candidates", 1)),
+                tie_weights=bool(raw.get("tie_weights", raw.get("tie_wts", False))),
+                scale_input=bool(raw.get("scale_input", False)),
+            )
+        except KeyError as missing:
+            raise ValueError(f"speculator {path}: config.json has no {missing.args[0]}") from None
+        if config.n_predict < 1:
+            raise ValueError(f"speculator {path}: n_predict must be >= 1, got {config.n_predict}")
+        return config
+
+    def write(self, path: Path) -> None:
+        raw = asdict(self)
+        raw["top_k_tokens_per_head"] = list(self.top_k_tokens_per_head) or [1] * self.n_predict
+        raw = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": MODEL_TYPE, **raw}
+        (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+
+
+class ScaledNorm(nn.Module):
+    """Root-mean-square normalisation, then (optionally) a learned scale and shift."""
+
+    def __init__(self, size: int, affine: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(size)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+        if self.weight is not None and self.bias is not None:
+            x = x * self.weight + self.bias
+        return x
+
+
+class MlpSpeculatorModel(nn.Module):
+    def __init__(self, config: MlpSpeculatorConfig) -> None:
+        super().__init__()
+        self.config = config
+        n, inner, vocab = config.n_predict, config.inner, config.vocab_size
+        self.emb = nn.ModuleList(nn.Embedding(vocab, inner) for _ in range(n))
+        self.proj = nn.ModuleList(
+            nn.Linear(config.emb_dim if i == 0 else inner, inner, bias=False) for i in range(n)
+        )
+        self.head = nn.ModuleList(nn.Linear(inner, vocab, bias=False) for _ in range(n))
+        self.ln = nn.ModuleList(ScaledNorm(inner, affine=True) for _ in range(n))
+        self.ln0 = ScaledNorm(config.emb_dim, affine=False) if config.scale_input else None
+        self.state_weight = 0.5 ** (0.5 / n)
+        self.emb_weight = math.sqrt(1 - self.state_weight**2) * math.sqrt(inner / 2)
+        if config.tie_weights:
+            self._tie()
+
+    def _tie(self) -> None:
+        first_emb, first_head, first_ln = self.emb[0], self.head[0], self.ln[0]
+        for i in range(1, self.config.n_predict):
+            self.emb[i].weight = first_emb.weight
+            self.head[i].weight = first_head.weight
+            self.ln[i].weight, self.ln[i].bias = first_ln.weight, first_ln.bias
+            if i >= 2:
+                self.proj[i].weight = self.proj[1].weight
+
+    def _step(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        z = self.emb[i](tokens) * self.emb_weight
+        out: torch.Tensor = nn.functional.gelu(self.ln[i](self.proj[i](state) * self.state_weight + z))
+        return out
+
+    def _input(self, state: torch.Tensor) -> torch.Tensor:
+        return self.ln0(state) / math.sqrt(2) if self.ln0 is not None else state
+
+    def forward(self, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Training (teacher forcing): `state` [B, T, emb] the target's hidden states, `tokens`
+        [B, T + n_predict] where tokens[:, j] follows state[:, j] -> logits [n_predict, B, T, vocab]:
+        head i at position j predicts tokens[:, j + i + 1]."""
+        steps = state.shape[1]
+        state = self._input(state)
+        out = []
+        for i in range(self.config.n_predict):
+            state = self._step(i, state, tokens[:, i : i + steps])
+            out.append(self.head[i](state))
+        return torch.stack(out)
+
+    @torch.inference_mode()
+    def chain(self, state: torch.Tensor, last: torch.Tensor, steps: int) -> torch.Tensor:
+        """The most likely continuation: `state` [R, emb], `last` [R] the token after it ->
+        [R, steps] (steps <= n_predict), each head's top token fed to the next."""
+        state = self._input(state)
+        tokens = last
+        out = []
+        for i in range(steps):
+            state = self._step(i, state, tokens)
+            tokens = self.head[i](state).argmax(dim=-1)
+            out.append(tokens)
+        return torch.stack(out, dim=1)
+
+
+def weight_names(config: MlpSpeculatorConfig) -> dict[str, str]:
+    """Parameter name -> the checkpoint name it is read from (tied parameters: the first head's)."""
+    names = {}
+    for i in range(config.n_predict):
+        tied = config.tie_weights and i > 0
+        names[f"emb.{i}.weight"] = f"emb.{0 if tied else i}.weight"
+        names[f"head.{i}.weight"] = f"head.{0 if tied else i}.weight"
+        names[f"ln.{i}.weight"] = f"ln.{0 if tied else i}.weight"
+        names[f"ln.{i}.bias"] = f"ln.{0 if tied else i}.bias"
+        names[f"proj.{i}.weight"] = f"proj.{1 if tied and i >= 2 else i}.weight"
+    return names
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    safetensors = sorted(path.glob("*.safetensors"))
+    if safetensors:
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for file in safetensors:
+            tensors.update(load_file(str(file)))
+    elif (path / "pytorch_model.bin").is_file():
+        tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"speculator {path}: no *.safetensors or pytorch_model.bin")
+    return {name.removeprefix("speculator."): tensor for name, tensor in tensors.items()}
+
+
+def load_speculator(
+    path: Path, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+) -> MlpSpeculatorModel:
+    """The speculator in `path` for a target with `vocab_size` logits and `hidden_size` hidden
+    states; ValueError (one line) when it does not fit the target or its files are incomplete."""
+    config = MlpSpeculatorConfig.read(path)
+    if config.emb_dim != hidden_size:
+        raise ValueError(
+            f"speculator {path} reads hidden states of {config.emb_dim}, the model's are {hidden_size}"
+        )
+    if config.vocab_size != vocab_size:
+        raise ValueError(
+            f"speculator {path} predicts a vocabulary of {config.vocab_size}, the model's has {vocab_size}"
+        )
+    tensors = _read_tensors(path)
+    model = MlpSpeculatorModel(config)
+    state = {}
+    for name, source in weight_names(config).items():
+        if source not in tensors:
+            raise ValueError(f"speculator {path}: the weights have no {source}")
+        state[name] = tensors[source]
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"speculator {path}: {name} is {tuple(tensor.shape)}, its config makes it "
+                f"{tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_speculator(model: MlpSpeculatorModel, path: Path) -> None:
+    """`model` in IBM's layout (config.json + model.safetensors, each tensor stored once)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.write(path)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    stored = sorted(set(weight_names(model.config).values()))
+    save_file(
+        {name: params[name].detach().contiguous().cpu() for name in stored}, str(path / "model.safetensors")
+    )
+
+
+class MlpSpeculator(Speculator):
+    needs_hidden = True
+
+    def __init__(self, model: MlpSpeculatorModel, path: Path) -> None:
+        self.model = self.network = model
+        self.heads = model.config.n_predict
+        self.dtype = next(model.parameters()).dtype
+        self.name = f"MLP speculator {path} ({model.config.n_predict} heads)"
+
+    def propose(
+        self,
+        histories: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        hidden: torch.Tensor | None = None,
+    ) -> list[list[int]]:
+        rows = [row for row, k in enumerate(limits) if k > 0]
+        out: list[list[int]] = [[] for _ in limits]
+        if not rows or hidden is None:
+            return out
+        device = hidden.device
+        index = torch.tensor(rows, device=device)
+        last = torch.tensor([histories[row][-1] for row in rows], device=device)
+        steps = min(self.heads, max(limits[row] for row in rows))
+        guesses = self.model.chain(hidden.index_select(0, index).to(self.dtype), last, steps).tolist()
+        for row, guess in zip(rows, guesses, strict=True):
+            out[row] = guess[: limits[row]]
+        return out
