@@ -1,9 +1,10 @@
 """Speculative decoding through the real launcher: `--speculate 4` (n-gram) and `--speculator-name`
-(an MLP speculator made by the training command) on tgis_native give the same text as the same
-server without them (greedy, seeded sampling, stop sequences, a busy batch and a stream), count
-what they verified in /metrics, say what runs in the log; an engine without speculation and a
-speculator that is not there are refused with one line. The model is the benchmarks' reference
-Llama, whose random-weight greedy output falls into short loops that the speculators predict."""
+(an MLP speculator made by the training command, or a draft model: here the model itself) on
+tgis_native give the same text as the same server without them (greedy, seeded sampling, stop
+sequences, a busy batch and a stream), count what they verified in /metrics, say what runs in the
+log; an engine without speculation and a speculator that is not there are refused with one line.
+The model is the benchmarks' reference Llama, whose random-weight greedy output falls into short
+loops that the speculators predict."""
 
 from __future__ import annotations
 
@@ -76,13 +77,18 @@ def expected(root) -> list[tuple[str, int, int]]:
         plain.stop()
 
 
-@pytest.mark.parametrize("speculator", ["n-gram", "mlp"])
+@pytest.mark.parametrize("speculator", ["n-gram", "mlp", "draft"])
 def test_speculation_gives_the_same_text_and_counts_what_it_verified(root, expected, speculator: str) -> None:
-    if speculator == "mlp":
+    flags: tuple[str, ...]
+    if speculator == "draft":  # the model as its own draft
+        model = root / "models" / "reference"
+        flags = ("--speculator-name", str(model), "--speculate", "3")
+        logged = f"speculative decoding: draft model {model} (llama, 30.5 M parameters), up to 3 candidate"
+    elif speculator == "mlp":
         out = root / "models" / "reference-accelerator"
         if not (out / "config.json").exists():  # the training command, seconds at this size
             train_main(["--model", str(root / "models" / "reference"), "--out", str(out), *TRAIN_SMALL])
-        flags: tuple[str, ...] = ("--speculator-name", str(out))
+        flags = ("--speculator-name", str(out))
         logged = f"speculative decoding: MLP speculator {out} (3 heads), up to 3 candidate tokens per row"
     else:
         flags = ("--speculate", "4")

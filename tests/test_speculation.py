@@ -39,7 +39,8 @@ from text_generation_server.engines.paged_kv import BlockPool, SequenceKV, prefi
 from text_generation_server.engines.step import choose_speculated, choose_tokens
 from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.sampling.chooser import TokenChooser
-from text_generation_server.speculation import Lookahead, Speculator
+from text_generation_server.speculation import Lookahead, Speculator, Target
+from text_generation_server.speculation.draft import DraftSpeculator
 from text_generation_server.speculation.mlp import (
     MlpSpeculatorConfig,
     MlpSpeculatorModel,
@@ -48,6 +49,7 @@ from text_generation_server.speculation.mlp import (
 )
 from text_generation_server.speculation.ngram import NgramSpeculator
 from text_generation_server.speculation.train import main as train_main
+from text_generation_server.testing.tiny_models import build_tiny_model
 
 CPU = torch.device("cpu")
 VOCAB = 40
@@ -68,7 +70,7 @@ def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffi
     assert ngram.lookup([1, 2, 3, 4], 4) == []  # no earlier occurrence
     assert ngram.lookup([3, 3], 4) == []  # shorter than the shortest match after the last token
     assert ngram.lookup([3, 3, 3], 4) == [3, 3, 3, 3]  # (3, 3) at 0, followed by 3 and so on
-    assert ngram.propose([history, history], [0, 1]) == [[], [1]]
+    assert ngram.propose([1, 2], [history, history], [0, 1]) == [[], [1]]
 
 
 def test_the_lookahead_follows_what_was_taken() -> None:
@@ -270,6 +272,7 @@ class Replay(Speculator):
 
     def propose(
         self,
+        requests: Sequence[int],
         histories: Sequence[Sequence[int]],
         limits: Sequence[int],
         hidden: torch.Tensor | None = None,
@@ -428,6 +431,10 @@ async def test_the_router_hands_out_several_tokens_a_step_and_cuts_at_stop_seque
 # ---- IBM's MLP speculator -------------------------------------------------------------------------
 
 
+def target(vocab: int, hidden: int) -> Target:
+    return Target(vocab, hidden, torch.float32, "float32", CPU, 128, None)
+
+
 def random_speculator(tie: bool = False, scale_input: bool = False, seed: int = 0) -> MlpSpeculatorModel:
     torch.manual_seed(seed)
     config = MlpSpeculatorConfig(
@@ -492,7 +499,7 @@ def test_a_saved_speculator_loads_back_in_ibm_layout(tmp_path, tie: bool) -> Non
         names = set(f.keys())
     assert {"emb.0.weight", "proj.0.weight", "head.0.weight", "ln.0.weight", "ln.0.bias"} <= names
     assert ("emb.2.weight" in names) is not tie  # tied tensors are stored once
-    loaded = load_speculator(tmp_path / "spec", 50, 24, torch.float32, CPU)
+    loaded = load_speculator(tmp_path / "spec", target(50, 24))
     state, last = torch.randn(4, 24), torch.randint(0, 50, (4,))
     assert torch.equal(loaded.chain(state, last, 3), model.chain(state, last, 3))
 
@@ -504,7 +511,7 @@ def test_a_transformers_style_checkpoint_with_prefixed_names_loads(tmp_path) -> 
     model.config.write(path)
     tensors = {f"speculator.{k}": v for k, v in model.state_dict().items()}
     torch.save(tensors, path / "pytorch_model.bin")
-    loaded = load_speculator(path, 50, 24, torch.float32, CPU)
+    loaded = load_speculator(path, target(50, 24))
     state, last = torch.randn(3, 24), torch.randint(0, 50, (3,))
     assert torch.equal(loaded.chain(state, last, 2), model.chain(state, last, 2))
 
@@ -512,20 +519,20 @@ def test_a_transformers_style_checkpoint_with_prefixed_names_loads(tmp_path) -> 
 def test_a_speculator_that_does_not_fit_is_refused_with_one_line(tmp_path) -> None:
     save_speculator(random_speculator(), tmp_path / "spec")
     with pytest.raises(ValueError, match=r"predicts a vocabulary of 50, the model's has 60$"):
-        load_speculator(tmp_path / "spec", 60, 24, torch.float32, CPU)
+        load_speculator(tmp_path / "spec", target(60, 24))
     with pytest.raises(ValueError, match=r"reads hidden states of 24, the model's are 32$"):
-        load_speculator(tmp_path / "spec", 50, 32, torch.float32, CPU)
+        load_speculator(tmp_path / "spec", target(50, 32))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match="model_type 'llama' is not 'mlp_speculator'"):
-        load_speculator(tmp_path / "other", 50, 24, torch.float32, CPU)
+        load_speculator(tmp_path / "other", target(50, 24))
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(tmp_path / "spec" / "model.safetensors"))
     del weights["head.1.weight"]
     save_file(weights, str(tmp_path / "spec" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"the weights have no head\.1\.weight"):
-        load_speculator(tmp_path / "spec", 50, 24, torch.float32, CPU)
+        load_speculator(tmp_path / "spec", target(50, 24))
 
 
 @pytest.fixture(scope="module")
@@ -570,3 +577,56 @@ def test_the_mlp_speculator_leaves_the_output_unchanged(tiny_model, trained: Pat
         )
         assert spec.kv.pool.free == spec.kv.pool.num_blocks
     assert sum(v.proposed for v in verified) > 0
+
+
+# ---- a draft model -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_arch", ["llama", "mistral"])
+def test_a_draft_model_leaves_the_output_unchanged(tiny_model, draft_arch: str) -> None:
+    """The model as its own draft (every candidate right) and another model of the same
+    vocabulary (mostly wrong): the same tokens as without speculation, the draft's blocks back."""
+    model_dir = tiny_model("llama")
+    base = TgisNativeEngine(config_for(model_dir))
+    config = config_for(
+        model_dir,
+        speculate=3,
+        speculator_name=str(tiny_model(draft_arch)),
+        deployment_framework="tgis_native",
+    )
+    spec = TgisNativeEngine(config)
+    assert isinstance(spec.speculator, DraftSpeculator) and spec.speculate == 3
+    verified = recorded(spec)
+    for seed, budget in ((0, 0), (1, 6), (2, 0)):
+        schedule = workload(seed)
+        assert Runner(spec, token_budget=budget).run(schedule) == Runner(base, token_budget=budget).run(
+            schedule
+        )
+        draft = spec.speculator.engine.kv.pool
+        assert spec.kv.pool.free == spec.kv.pool.num_blocks and draft.free == draft.num_blocks
+    proposed = sum(v.proposed for v in verified)
+    accepted = sum(v.accepted for v in verified)
+    assert 0 < accepted < proposed  # penalties, sampling and grammars make the target differ
+    if draft_arch == "llama":  # plain greedy requests: what it guesses is what it then says
+        verified.clear()
+        greedy = [GenerationRequest(100 + i, tuple(range(10 + i, 30 + 2 * i)), 20) for i in range(3)]
+        assert Runner(spec).run({0: greedy[:2], 2: greedy[2:]}) == Runner(base).run(
+            {0: greedy[:2], 2: greedy[2:]}
+        )
+        assert sum(v.accepted for v in verified) == sum(v.proposed for v in verified) > 0
+
+
+def test_a_draft_model_that_does_not_fit_is_refused_with_one_line(tiny_model, tmp_path: Path) -> None:
+    model_dir = tiny_model("llama")
+    other = build_tiny_model("llama", tmp_path / "metaspace", tokenizer="metaspace")
+    config = config_for(model_dir, speculator_name=str(other), deployment_framework="tgis_native")
+    with pytest.raises(ValueError, match=r"draft model .* has another tokenizer than the model"):
+        TgisNativeEngine(config)
+    seq2seq = tmp_path / "t5"  # with the model's tokenizer: refused for what it is
+    shutil.copytree(tiny_model("t5"), seq2seq)
+    shutil.copy(model_dir / "tokenizer.json", seq2seq / "tokenizer.json")
+    config = config_for(model_dir, speculator_name=str(seq2seq), deployment_framework="tgis_native")
+    with pytest.raises(
+        ValueError, match=r"draft model .*: the tgis_native engine serves .*; t5 models run on"
+    ):
+        TgisNativeEngine(config)

@@ -22,8 +22,9 @@ speculator_name_option = click.option(
     "--speculator-name",
     envvar="SPECULATOR_NAME",
     default=None,
-    help="IBM's MLP speculator for speculative decoding (tgis_native): a directory, or a hub id in "
-    "the local cache; SPECULATE, where set, lowers its number of heads [env SPECULATOR_NAME].",
+    help="Speculative decoding (tgis_native) with IBM's MLP speculator (SPECULATE, where set, lowers "
+    "its number of heads) or a draft model of the same tokenizer (SPECULATE candidates, default 4): a "
+    "directory, or a hub id in the local cache [env SPECULATOR_NAME].",
 )
 speculator_revision_option = click.option(
     "--speculator-revision",

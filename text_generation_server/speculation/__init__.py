@@ -11,6 +11,8 @@ tokens of a row.
 Speculators:
   - IBM's MLP speculator (SPECULATOR_NAME, mlp.py): small heads over the target's last hidden
     state, one per token ahead; train.py makes one for a model by self-distillation;
+  - a draft model (SPECULATOR_NAME naming a smaller causal LM of the same vocabulary, draft.py):
+    greedy tokens of its own, on its own paged KV cache;
   - n-gram (prompt lookup, SPECULATE=N without a speculator model, ngram.py): the tokens that
     followed the latest earlier occurrence of the row's last few tokens in its prompt and output.
 
@@ -22,14 +24,28 @@ than it saves.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from text_generation_server.config import ServerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a speculator must agree with: the model it speculates for."""
+
+    vocab_size: int  # logits per position
+    hidden_size: int
+    dtype: torch.dtype
+    dtype_name: str  # as DTYPE names it
+    device: torch.device
+    max_sequence_length: int
+    tokenizer: Path | None  # its tokenizer.json, where it has one
 
 
 class Speculator(ABC):
@@ -40,14 +56,19 @@ class Speculator(ABC):
     @abstractmethod
     def propose(
         self,
+        requests: Sequence[int],
         histories: Sequence[Sequence[int]],
         limits: Sequence[int],
         hidden: torch.Tensor | None = None,
     ) -> list[list[int]]:
         """Candidate tokens to follow each row's history (prompt + generated ids), at most
-        limits[i] for row i (0: none asked). `hidden` [rows, hidden size] (speculators that
-        need it): the target's final hidden state at each row's last position, the one whose
-        logits chose the row's last token."""
+        limits[i] for row i (0: none asked). `requests`: each row's request id. `hidden`
+        [rows, hidden size] (speculators that need it): the target's final hidden state at each
+        row's last position, the one whose logits chose the row's last token."""
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        """These requests are gone: drop what is kept for them (a draft model's KV blocks)."""
+        return None
 
 
 MAX_PAUSE = 8  # most steps a request that keeps missing waits between tries
@@ -83,20 +104,26 @@ class Lookahead:
             self.pause = min(2 ** (self.misses - 1), MAX_PAUSE)
 
 
-def speculator_for(
-    config: ServerConfig, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[Speculator, int] | None:
-    """The speculator the config asks for and the most candidates a row may ask for (None: off):
-    SPECULATOR_NAME's MLP speculator (SPECULATE, where set, lowers its number of heads), else
-    n-gram lookup with SPECULATE candidates."""
+DEFAULT_DRAFT_TOKENS = 4  # candidates per row from a draft model when SPECULATE is not set
+
+
+def speculator_for(config: ServerConfig, target: Target) -> tuple[Speculator, int] | None:
+    """The speculator the config asks for and the most candidates a row may ask for (None: off).
+    SPECULATOR_NAME: an MLP speculator (config.json model_type mlp_speculator; SPECULATE, where
+    set, lowers its number of heads) or else a draft model (SPECULATE candidates, default
+    DEFAULT_DRAFT_TOKENS); without it n-gram lookup with SPECULATE candidates."""
     if config.speculator_name:
-        from text_generation_server.speculation.mlp import MlpSpeculator, load_speculator
+        from text_generation_server.speculation import mlp
         from text_generation_server.utils.hub import resolve_model_dir
 
         path = resolve_model_dir(config.speculator_name, config.speculator_revision)
-        mlp = MlpSpeculator(load_speculator(path, vocab_size, hidden_size, dtype, device), path)
-        heads = mlp.model.config.n_predict
-        return mlp, min(config.speculate or heads, heads)
+        if mlp.is_mlp_speculator(path):
+            speculator = mlp.MlpSpeculator(mlp.load_speculator(path, target), path)
+            heads = speculator.model.config.n_predict
+            return speculator, min(config.speculate or heads, heads)
+        from text_generation_server.speculation.draft import DraftSpeculator
+
+        return DraftSpeculator.load(path, config, target), config.speculate or DEFAULT_DRAFT_TOKENS
     if config.speculate <= 0:
         return None
     from text_generation_server.speculation.ngram import NgramSpeculator

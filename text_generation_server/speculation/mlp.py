@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from text_generation_server.speculation import Speculator
+from text_generation_server.speculation import Speculator, Target
 
 MODEL_TYPE = "mlp_speculator"
 EPS = 1e-6
@@ -196,19 +196,26 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {name.removeprefix("speculator."): tensor for name, tensor in tensors.items()}
 
 
-def load_speculator(
-    path: Path, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device
-) -> MlpSpeculatorModel:
-    """The speculator in `path` for a target with `vocab_size` logits and `hidden_size` hidden
-    states; ValueError (one line) when it does not fit the target or its files are incomplete."""
+def is_mlp_speculator(path: Path) -> bool:
+    """Whether `path` holds an MLP speculator (its config.json's model_type)."""
+    try:
+        return bool(json.loads((path / "config.json").read_text()).get("model_type") == MODEL_TYPE)
+    except (OSError, ValueError):
+        return False
+
+
+def load_speculator(path: Path, target: Target) -> MlpSpeculatorModel:
+    """The speculator in `path` for `target`; ValueError (one line) when it does not fit the
+    target or its files are incomplete."""
     config = MlpSpeculatorConfig.read(path)
-    if config.emb_dim != hidden_size:
+    if config.emb_dim != target.hidden_size:
         raise ValueError(
-            f"speculator {path} reads hidden states of {config.emb_dim}, the model's are {hidden_size}"
+            f"speculator {path} reads hidden states of {config.emb_dim}, the model's are {target.hidden_size}"
         )
-    if config.vocab_size != vocab_size:
+    if config.vocab_size != target.vocab_size:
+        vocab = target.vocab_size
         raise ValueError(
-            f"speculator {path} predicts a vocabulary of {config.vocab_size}, the model's has {vocab_size}"
+            f"speculator {path} predicts a vocabulary of {config.vocab_size}, the model's has {vocab}"
         )
     tensors = _read_tensors(path)
     model = MlpSpeculatorModel(config)
@@ -225,7 +232,7 @@ def load_speculator(
                 f"{tuple(expected[name].shape)}"
             )
     model.load_state_dict(state, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=target.device, dtype=target.dtype).eval()
 
 
 def save_speculator(model: MlpSpeculatorModel, path: Path) -> None:
@@ -252,6 +259,7 @@ class MlpSpeculator(Speculator):
 
     def propose(
         self,
+        requests: Sequence[int],
         histories: Sequence[Sequence[int]],
         limits: Sequence[int],
         hidden: torch.Tensor | None = None,

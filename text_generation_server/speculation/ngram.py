@@ -28,6 +28,7 @@ class NgramSpeculator(Speculator):
 
     def propose(
         self,
+        requests: Sequence[int],
         histories: Sequence[Sequence[int]],
         limits: Sequence[int],
         hidden: torch.Tensor | None = None,

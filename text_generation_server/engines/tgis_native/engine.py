@@ -82,7 +82,8 @@ from text_generation_server.engines.tgis_native.runner import ModelRunner, StepP
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
-from text_generation_server.speculation import Lookahead, Speculator, speculator_for
+from text_generation_server.speculation import Lookahead, Speculator, Target, speculator_for
+from text_generation_server.utils.hub import resolve_model_dir
 
 if TYPE_CHECKING:
     from text_generation_server.lora import LoraWeights
@@ -156,8 +157,17 @@ class TgisNativeEngine(ModelEngine):
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.speculator_max_rows = config.speculator_max_batch_size
-        hidden_size = int(loaded.hf_config.hidden_size)
-        found = speculator_for(config, self.context.vocab_size, hidden_size, self.runner.dtype, self.device)
+        tokenizer = resolve_model_dir(config.model_name, config.revision) / "tokenizer.json"
+        target = Target(
+            vocab_size=self.context.vocab_size,
+            hidden_size=int(loaded.hf_config.hidden_size),
+            dtype=self.runner.dtype,
+            dtype_name=loaded.dtype_name,
+            device=self.device,
+            max_sequence_length=self.context.max_sequence_length,
+            tokenizer=tokenizer if tokenizer.is_file() else None,
+        )
+        found = speculator_for(config, target)
         self.speculator: Speculator | None = found[0] if found is not None else None
         self.speculate = found[1] if found is not None else 0
         if self.speculator is not None:
@@ -341,7 +351,10 @@ class TgisNativeEngine(ModelEngine):
         return batch, errors
 
     def release(self, request_ids: Iterable[int]) -> None:
+        request_ids = list(request_ids)
         self.allocations.release(request_ids)
+        if self.speculator is not None:
+            self.speculator.release(request_ids)
 
     def _prefix_keys(self, item: Prefilling) -> list[bytes]:
         """The keys of the prompt's full blocks that a later token attends to (the last prompt
@@ -462,7 +475,8 @@ class TgisNativeEngine(ModelEngine):
             hidden = torch.stack(
                 [s.hidden if s.hidden is not None else torch.zeros_like(like) for s in decoding]
             )
-        proposed = self.speculator.propose(chooser.histories, limits, hidden)
+        requests = [r.id for r in batch.requests]
+        proposed = self.speculator.propose(requests, chooser.histories, limits, hidden)
         drafts = chooser.trim_drafts([p[:k] for p, k in zip(proposed, limits, strict=True)])
         return drafts if any(drafts) else None
 
