@@ -2,8 +2,10 @@
 in its next forward (engines/step.py `choose_speculated`), so that one forward may take several
 tokens of a row.
 
-    Speculator.propose(histories, limits) -> candidates per row (each at most its limit; any
-                                             row may get none and steps normally)
+    Speculator.propose(requests, histories, limits[, hidden])
+                                            -> candidates per row (each at most its limit; any
+                                               row may get none and steps normally)
+    Speculator.release(request ids)         what it keeps for finished requests is dropped
     Lookahead                               per request: how many candidates to ask for next,
                                             after how many of the last ones were taken (and a
                                             pause after repeated misses)
