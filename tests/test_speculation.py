@@ -630,3 +630,20 @@ def test_a_draft_model_that_does_not_fit_is_refused_with_one_line(tiny_model, tm
         ValueError, match=r"draft model .*: the tgis_native engine serves .*; t5 models run on"
     ):
         TgisNativeEngine(config)
+
+
+def test_a_draft_model_without_room_proposes_nothing_and_changes_nothing(tiny_model) -> None:
+    model_dir = tiny_model("llama")
+    config = config_for(model_dir, speculator_name=str(model_dir), deployment_framework="tgis_native")
+    spec = TgisNativeEngine(config)
+    assert isinstance(spec.speculator, DraftSpeculator)
+    pool = spec.speculator.engine.kv.pool
+    taken = pool.allocate(pool.free)  # the draft's cache is full
+    verified = recorded(spec)
+    requests = [GenerationRequest(i, tuple(range(10 + i, 30)), 12) for i in range(3)]
+    assert Runner(spec).run({0: requests}) == Runner(TgisNativeEngine(config_for(model_dir))).run(
+        {0: requests}
+    )
+    assert verified == [] and spec.speculator.sequences == {}
+    pool.release(taken)
+    assert pool.free == pool.num_blocks

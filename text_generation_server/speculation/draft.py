@@ -101,7 +101,7 @@ class DraftSpeculator(Speculator):
             if limit <= 0:
                 continue
             try:
-                sequence = self._caught_up(request, history)
+                sequence = self._caught_up(request, history, limit)
             except OutOfBlocks:
                 self.release([request])
                 continue
@@ -129,10 +129,11 @@ class DraftSpeculator(Speculator):
                     out[row].append(token)
         return out
 
-    def _caught_up(self, request: int, history: Sequence[int]) -> SequenceKV:
+    def _caught_up(self, request: int, history: Sequence[int], limit: int) -> SequenceKV:
         """The request's sequence in the draft, cut back to the longest prefix of what it holds
         that `history` still starts with, short of the history's last token (which the catch-up
-        forward feeds, to guess what follows it)."""
+        forward feeds, to guess what follows it), with the blocks for the catch-up and `limit` - 1
+        candidates fed back reserved (OutOfBlocks: no room for them)."""
         sequence = self.sequences.get(request)
         if sequence is None:
             sequence = self.sequences[request] = self.allocations.open(request, (), self.max_tokens)
@@ -144,7 +145,7 @@ class DraftSpeculator(Speculator):
             keep += 1
         del written[keep:]
         sequence.truncate(keep)
-        sequence.reserve(len(history) - keep)  # OutOfBlocks here: no room for this row
+        sequence.reserve(len(history) - keep + limit - 1)
         return sequence
 
     def release(self, request_ids: Iterable[int]) -> None:
