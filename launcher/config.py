@@ -290,9 +290,9 @@ def check_quantize(quantize: str | None, engine: str, num_shard: int) -> None:
 
 
 def check_speculate(
-    speculate: int, max_batch_size: int, engine: str, speculator_name: str | None = None
+    speculate: int, max_batch_size: int, engine: str, speculator_name: str | None = None, num_shard: int = 1
 ) -> None:
-    refuse(speculate_refusal(speculate, max_batch_size, engine, speculator_name))
+    refuse(speculate_refusal(speculate, max_batch_size, engine, speculator_name, num_shard))
 
 
 def refuse(reason: str | None) -> None:
@@ -390,7 +390,9 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)
     check_quantize(flags.quantize, engine, num_shard)
-    check_speculate(flags.speculate, flags.speculator_max_batch_size, engine, flags.speculator_name)
+    check_speculate(
+        flags.speculate, flags.speculator_max_batch_size, engine, flags.speculator_name, num_shard
+    )
     check_engine_installed(engine)
     check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
     auth = resolve_auth(flags)

@@ -111,6 +111,11 @@ def test_speculation_is_refused_with_one_line_where_it_cannot_run() -> None:
     )
     assert refusal(-1, 16, "tgis_native") == "SPECULATE must be >= 0, got -1"
     assert refusal(2, 0, "tgis_native") == "SPECULATOR_MAX_BATCH_SIZE must be >= 1, got 0"
+    assert refusal(2, 16, "tgis_native", world_size=2) is None  # n-gram: every rank proposes the same
+    assert refusal(0, 16, "tgis_native", "ibm/accelerator", 2) == (
+        "SPECULATOR_NAME=ibm/accelerator: a speculator model is not served on 2 shards yet (NUM_SHARD=1; "
+        "SPECULATE alone is)"
+    )
     with pytest.raises(ValueError, match="served by tgis_native, not hf_optimum_ort"):
         ServerConfig(model_name="m", deployment_framework="hf_optimum_ort", speculate=2)
 

@@ -42,18 +42,25 @@ speculator_max_batch_size_option = click.option(
 
 
 def refusal(
-    speculate: int, max_batch_size: int, engine: str, speculator_name: str | None = None
+    speculate: int,
+    max_batch_size: int,
+    engine: str,
+    speculator_name: str | None = None,
+    world_size: int = 1,
 ) -> str | None:
-    """Why SPECULATE=`speculate` / SPECULATOR_NAME cannot serve on `engine` (None: they can, or
-    speculation is off)."""
+    """Why SPECULATE=`speculate` / SPECULATOR_NAME cannot serve on `engine` with `world_size`
+    shards (None: they can, or speculation is off)."""
     if speculate < 0:
         return f"SPECULATE must be >= 0, got {speculate}"
     if max_batch_size < 1:
         return f"SPECULATOR_MAX_BATCH_SIZE must be >= 1, got {max_batch_size}"
     if not speculate and not speculator_name:
         return None
+    asked = f"SPECULATOR_NAME={speculator_name}" if speculator_name else f"SPECULATE={speculate}"
     serving = [name for name, spec in ENGINES.items() if spec.capabilities.speculation]
     if engine not in serving:
-        asked = f"SPECULATOR_NAME={speculator_name}" if speculator_name else f"SPECULATE={speculate}"
         return f"{asked}: speculative decoding is served by {', '.join(serving)}, not {engine}"
+    if speculator_name and world_size > 1:
+        shards = f"{world_size} shards yet (NUM_SHARD=1; SPECULATE alone is)"
+        return f"{asked}: a speculator model is not served on {shards}"
     return None

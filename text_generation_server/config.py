@@ -100,7 +100,11 @@ class ServerConfig:
         if refused is not None:
             raise ValueError(refused)
         refused = speculate_refusal(
-            self.speculate, self.speculator_max_batch_size, self.deployment_framework, self.speculator_name
+            self.speculate,
+            self.speculator_max_batch_size,
+            self.deployment_framework,
+            self.speculator_name,
+            self.world_size,
         )
         if refused is not None:
             raise ValueError(refused)
