@@ -116,7 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             try:
                 with self.service.admission(1, tenant):
                     if not request.HasField("request"):
-                        raise RequestError("INVALID_ARGUMENT", "missing request", "validation")
+                        raise self.service.refuse("missing request")
                     (validated,) = await self._validate(request, [request.request.text], received_at)
                     yield pb.GenerationResponse(
                         input_token_count=validated.input_length,

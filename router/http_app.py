@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from router.auth import Authenticator, AuthError
 from router.http_server import HealthCheck, HttpResponse, error_body
 from router.openai_api import OpenAIApi, error_json
+from router.service import GenerationService
 from router.tgi_rest import TgiRest
 from text_generation_common.logs import clip
 
@@ -59,7 +60,7 @@ def build_app(
     app.include_router(tgi.router, dependencies=authenticated)
     app.include_router(openai.router, dependencies=authenticated)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, _validation_error(tgi.service))
     app.add_exception_handler(Unauthenticated, _unauthenticated)
     return app
 
@@ -175,11 +176,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     )
 
 
-async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    if _openai(request):  # OpenAI answers a bad body with 400
-        return JSONResponse(error_json(400, describe_validation(exc)), 400)
-    return Response(error_body(describe_validation(exc), "validation"), 422, media_type="application/json")
+def _validation_error(service: GenerationService) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """A body the routes' models refuse: 400 (OpenAI) or 422 (TGI); a generate request's counts as
+    a validation failure, as every door's refusals do (Tokenize's do not)."""
+
+    async def refused(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        message = describe_validation(exc)
+        if not request.url.path.endswith("/tokenize"):
+            service.refuse(message)
+        if _openai(request):  # OpenAI answers a bad body with 400
+            return JSONResponse(error_json(400, message), 400)
+        return Response(error_body(message, "validation"), 422, media_type="application/json")
+
+    return refused
 
 
 def _openai(request: Request) -> bool:

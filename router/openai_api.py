@@ -40,7 +40,7 @@ from router.service import CallInfo, GenerationService, RequestError
 from router.stopping import StopReason
 from router.tokenizer import TokenizerPool
 from router.tracing import Tracing, correlation_id
-from router.validation import RequestParams, ResponseSpec, StoppingSpec, ValidatedRequest
+from router.validation import RequestParams, ResponseSpec, StoppingSpec, ValidatedRequest, ValidationError
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind, SamplingParams, TokenInfo
 
@@ -162,7 +162,7 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def guided_of(body: _Common) -> Guided | None:
-    """The request's constraint: response_format or one guided_* field (RequestError for
+    """The request's constraint: response_format or one guided_* field (ValidationError for
     more than one, or a json_schema format without its schema)."""
     found: list[Guided] = []
     fmt = body.response_format or {}
@@ -171,9 +171,7 @@ def guided_of(body: _Common) -> Guided | None:
     elif fmt.get("type") == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
         if schema is None:
-            raise RequestError(
-                "INVALID_ARGUMENT", "response_format json_schema needs json_schema.schema", "validation"
-            )
+            raise ValidationError("response_format json_schema needs json_schema.schema")
         found.append(Guided(GuidedKind.JSON_SCHEMA, schema_text(schema)))
     if body.guided_json is not None:
         found.append(Guided(GuidedKind.JSON_SCHEMA, schema_text(body.guided_json)))
@@ -184,11 +182,9 @@ def guided_of(body: _Common) -> Guided | None:
     if body.guided_grammar is not None:
         found.append(Guided(GuidedKind.GRAMMAR, body.guided_grammar))
     if len(found) > 1:
-        raise RequestError(
-            "INVALID_ARGUMENT",
+        raise ValidationError(
             "only one of response_format (json), guided_json, guided_regex, guided_choice and guided_grammar "
-            "may be given",
-            "validation",
+            "may be given"
         )
     return found[0] if found else None
 
@@ -200,9 +196,7 @@ def _text_content(message: ChatMessage) -> Any:
     texts = []
     for part in message.content:
         if part.get("type") != "text":
-            raise RequestError(
-                "INVALID_ARGUMENT", f"content of type {part.get('type')} is not supported", "validation"
-            )
+            raise ValidationError(f"content of type {part.get('type')} is not supported")
         texts.append(str(part.get("text", "")))
     return "".join(texts)
 
@@ -323,15 +317,17 @@ class OpenAIApi:
                 "this model has no chat template (its tokenizer_config.json has no chat_template): "
                 "use /v1/completions"
             )
+            self.service.refuse(message)
             return JSONResponse(error_json(400, message, "messages"), 400)
         try:
             messages = [
                 {**m.model_dump(exclude_none=True), "content": _text_content(m)} for m in body.messages
             ]
             prompt = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
-        except RequestError as exc:
-            return error_response(exc)
+        except ValidationError as exc:
+            return error_response(self.service.refuse(str(exc)))
         except ChatTemplateError as exc:
+            self.service.refuse(str(exc))
             return JSONResponse(error_json(400, str(exc), "messages"), 400)
         top_n = (body.top_logprobs or 0) if body.logprobs else 0
         return await self._serve(body, request, "chat", [prompt], top_n, body.logprobs, False)
@@ -358,9 +354,16 @@ class OpenAIApi:
         try:
             self._check(body, count)
             stack.enter_context(self.service.admission(count, tenant_of(request)))
-            params = request_params(
-                body, max_new_tokens=self.max_new_tokens, top_n=top_n, logprobs=logprobs, stream=body.stream
-            )
+            try:
+                params = request_params(
+                    body,
+                    max_new_tokens=self.max_new_tokens,
+                    top_n=top_n,
+                    logprobs=logprobs,
+                    stream=body.stream,
+                )
+            except ValidationError as exc:
+                raise self.service.refuse(str(exc)) from exc
             texts = [p for p in prompts for _ in range(body.n)]
             validated = await self.service.validate(texts, params, received_at)
         except RequestError as exc:
@@ -389,17 +392,12 @@ class OpenAIApi:
 
     def _check(self, body: _Common, count: int) -> None:
         """The door's own refusals, before admission (RequestError)."""
-        problem = None
         if body.model is not None and body.model != self.model_name:
-            problem = RequestError("NOT_FOUND", f"The model `{body.model}` does not exist.", "validation")
-        elif count > MAX_CHOICES:
-            message = f"n x prompts must be <= {MAX_CHOICES}, got {count}"
-            problem = RequestError("INVALID_ARGUMENT", message, "validation")
-        elif (refusal := unsupported(body)) is not None:
-            problem = RequestError("INVALID_ARGUMENT", refusal, "validation")
-        if problem is not None:
-            self.service.metrics.inc("tgi_request_failure", err="validation")
-            raise problem
+            raise self.service.refuse(f"The model `{body.model}` does not exist.", "NOT_FOUND")
+        if count > MAX_CHOICES:
+            raise self.service.refuse(f"n x prompts must be <= {MAX_CHOICES}, got {count}")
+        if (refusal := unsupported(body)) is not None:
+            raise self.service.refuse(refusal)
 
     def _answer(self, call: _Call, outputs: Sequence[Output]) -> dict[str, Any]:
         choices = []

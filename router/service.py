@@ -107,6 +107,12 @@ class GenerationService:
         self.metrics.inc("tgi_request_count", kind=kind)
         self.metrics.inc("tgi_request_input_count", inputs)
 
+    def refuse(self, message: str, code: str = "INVALID_ARGUMENT") -> RequestError:
+        """A door's own refusal of a request (its wire format's rules, checked before the shared
+        validation): counted as a validation failure like the shared validation's refusals."""
+        self.metrics.inc("tgi_request_failure", err="validation")
+        return RequestError(code, message, "validation")
+
     @contextlib.contextmanager
     def admission(self, count: int, tenant: str | None = None) -> Iterator[None]:
         """Hold `count` permits for the block; RequestError when draining or over a limit."""
@@ -147,8 +153,7 @@ class GenerationService:
         try:
             return await self.validator.validate(texts, params, prefix_id, received_at, adapter_id)
         except ValidationError as exc:
-            self.metrics.inc("tgi_request_failure", err="validation")
-            raise RequestError("INVALID_ARGUMENT", str(exc), "validation") from exc
+            raise self.refuse(str(exc)) from exc
         except TokenizerBusy as exc:
             self.metrics.inc("tgi_queue_rejected", reason="tokenizer_busy")
             self.metrics.inc("tgi_request_failure", err="queue_full")

@@ -265,10 +265,8 @@ class TgiRest:
         span = stack.enter_context(self.tracing.request_span("generate_stream", headers))
         try:
             if body.parameters.decoder_input_details:
-                raise RequestError(
-                    "INVALID_ARGUMENT",
-                    "decoder_input_details == true is not supported when streaming tokens",
-                    "validation",
+                raise self.service.refuse(
+                    "decoder_input_details == true is not supported when streaming tokens"
                 )
             stack.enter_context(self.service.admission(1, tenant_of(request)))
             (validated,) = await self._validate(body, received_at, stream=True)
@@ -315,8 +313,7 @@ class TgiRest:
         p = body.parameters
         refusal = unsupported(p)
         if refusal is not None:
-            self.service.metrics.inc("tgi_request_failure", err="validation")
-            raise RequestError("INVALID_ARGUMENT", refusal, "validation")
+            raise self.service.refuse(refusal)
         params = request_params(p, stream=stream, max_new_tokens=self.max_new_tokens)
         return await self.service.validate([body.inputs], params, received_at, adapter_id=p.adapter_id or "")
 

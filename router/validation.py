@@ -138,15 +138,25 @@ def shard_input_ids(ids: list[int], truncate_input_tokens: int) -> tuple[int, ..
     return tuple(ids[-(keep + 1) :] if 0 < keep < len(ids) - 1 else ids)
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the shard holds sampling parameters in float32
+
+
+def held(value: float) -> float:
+    """`value` as the shard will hold it (float32): past float32's range it is infinite. The HTTP
+    doors read float64, gRPC float32; every door's numbers are checked as held."""
+    return math.copysign(math.inf, value) if abs(value) > FLOAT32_MAX else value
+
+
 def check_params(p: RequestParams, max_new_tokens: int) -> None:
     """Checks 1-11 of tgis-api §9.1, in order, then the guided-decoding extension."""
     s, st, r = p.sampling, p.stopping, p.response
     # NOTE: comparisons are written so that NaN and infinities fail them (TGIS lets NaN through).
-    if s.temperature != 0.0 and not (MIN_TEMPERATURE <= s.temperature < math.inf):
+    temperature = held(s.temperature)
+    if temperature != 0.0 and not (MIN_TEMPERATURE <= temperature < math.inf):
         raise ValidationError(f"temperature must be >= {MIN_TEMPERATURE}")
-    if not 0.0 < s.top_p <= 1.0:
+    if not 0.0 < held(s.top_p) <= 1.0:
         raise ValidationError("top_p must be > 0.0 and <= 1.0")
-    if s.typical_p > 1.0:
+    if held(s.typical_p) > 1.0:
         raise ValidationError("typical_p must be <= 1.0")
     if s.top_k < 0:
         raise ValidationError("top_k must be strictly positive")
@@ -154,10 +164,10 @@ def check_params(p: RequestParams, max_new_tokens: int) -> None:
         raise ValidationError(f"max_new_tokens must be <= {max_new_tokens}")
     if st.min_new_tokens > st.max_new_tokens:
         raise ValidationError("min_new_tokens must be <= max_new_tokens")
-    if not 0.0 < s.repetition_penalty < math.inf:
+    if not 0.0 < held(s.repetition_penalty) < math.inf:
         raise ValidationError("repetition_penalty must be > 0.0")
     lp = s.length_penalty
-    if lp is not None and not 1.0 <= lp.decay_factor <= 10.0:
+    if lp is not None and not 1.0 <= held(lp.decay_factor) <= 10.0:
         raise ValidationError("length_penalty must be >= 1.0 and <= 10.0")
     if len(st.stop_sequences) > MAX_STOP_SEQUENCES:
         raise ValidationError(STOP_SEQUENCES_MESSAGE)

@@ -21,9 +21,10 @@ from router.metrics import Metrics
 from router.openai_api import ChatRequest, OpenAIApi
 from router.openai_api import request_params as openai_request_params
 from router.openai_api import unsupported as openai_unsupported
-from router.service import GenerationService, RequestError
+from router.service import GenerationService
 from router.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
 from router.tracing import Tracing
+from router.validation import ValidationError
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
 from text_generation_common.messages import Guided, GuidedKind
@@ -194,15 +195,46 @@ def test_tgi_grammar_and_openai_guided_parameters_become_constraints() -> None:
     assert openai(guided_regex="a+") == Guided(GuidedKind.REGEX, "a+")
     assert openai(guided_choice=["x", "y"]) == Guided(GuidedKind.CHOICE, choices=("x", "y"))
     assert openai(guided_grammar='start: "x"') == Guided(GuidedKind.GRAMMAR, 'start: "x"')
-    with pytest.raises(RequestError, match="only one of response_format"):
+    with pytest.raises(ValidationError, match="only one of response_format"):
         openai(guided_regex="a", guided_choice=["a"])
-    with pytest.raises(RequestError, match=r"json_schema needs json_schema\.schema"):
+    with pytest.raises(ValidationError, match=r"json_schema needs json_schema\.schema"):
         openai(response_format={"type": "json_schema"})
     refused = ChatRequest(messages=[{"role": "user", "content": "hi"}], response_format={"type": "xml"})
     assert openai_unsupported(refused) == "response_format xml is not supported by this server"
 
 
 # ---- routes ---------------------------------------------------------------------------------
+
+
+REFUSALS = [  # (path, body, status): every way the HTTP doors refuse a generate request
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422),  # the body's model
+    ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422),  # not served here
+    ("/generate", {"inputs": "hi", "parameters": {"repetition_penalty": 1e308}}, 422),  # inf as held
+    ("/generate", {"inputs": "hi", "parameters": {"temperature": 1e39, "do_sample": True}}, 422),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 500}}, 422),  # the shared validation
+    ("/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422),
+    ("/", {"inputs": "hi", "parameters": {"top_p": 2.0}}, 422),
+    ("/v1/completions", {"prompt": "hi", "model": "other"}, 404),
+    ("/v1/completions", {"prompt": "hi", "n": 100}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 2}}, 400),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e308}, 400),
+    ("/v1/completions", {"prompt": 7}, 400),  # the body's model
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), REFUSALS, ids=[f"{p} {b}" for p, b, _ in REFUSALS])
+async def test_every_refusal_of_the_http_doors_counts_as_a_validation_failure(
+    stack: Stack, path: str, body: dict, status: int
+) -> None:
+    failures = stack.metrics.counters["tgi_request_failure"]
+    before = failures.get(err="validation")
+    got, answer = await post(stack, path, body)
+    assert got == status, answer
+    assert failures.get(err="validation") == before + 1
+    await stack.settled()
 
 
 async def test_generate_with_details(stack: Stack) -> None:

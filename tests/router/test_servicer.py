@@ -226,3 +226,21 @@ async def test_every_call_needs_a_token_when_authentication_is_on(servicer) -> N
         await anext(stream)
     assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
     assert s.service.limiter.in_use == 0
+
+
+async def test_a_stream_without_its_request_is_refused_and_counted(servicer) -> None:
+    s, _ = servicer
+    with pytest.raises(Aborted) as error:
+        async for _ in s.GenerateStream(pb.SingleGenerationRequest(), FakeContext()):
+            pass
+    assert (error.value.code, error.value.details) == (grpc.StatusCode.INVALID_ARGUMENT, "missing request")
+    assert s.metrics.counters["tgi_request_failure"].get(err="validation") == 1
+    with pytest.raises(Aborted) as error:  # repetition_penalty past float32's range: infinite in the shard
+        await s.Generate(
+            pb.BatchedGenerationRequest(
+                requests=[{"text": "hi"}], params={"decoding": {"repetition_penalty": 3.0e38 * 10}}
+            ),
+            FakeContext(),
+        )
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert s.metrics.counters["tgi_request_failure"].get(err="validation") == 2
