@@ -8,10 +8,12 @@ router's own batcher, stop sequences and streaming equal to unary answers.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,8 +133,10 @@ def test_chunked_prefill_gives_the_same_tokens(subject: Subject, run_ahead: bool
     assert chunked.run(schedule) == whole.run(schedule)
     assert chunked.pending_steps > 0 and whole.pending_steps == 0
     assert chunked.input_tokens.keys() == whole.input_tokens.keys() == {1, 4}
-    for rid, tokens in whole.input_tokens.items():
-        assert [t.token_id for t in chunked.input_tokens[rid]] == [t.token_id for t in tokens]
+    for rid, tokens in whole.input_tokens.items():  # the chunks' logits sliced to the right tokens
+        got = chunked.input_tokens[rid]
+        assert [t.token_id for t in got] == [t.token_id for t in tokens]
+        assert [t.logprob for t in got[1:]] == pytest.approx([t.logprob for t in tokens[1:]], abs=1e-4)
 
 
 def test_seeds_reproduce_and_differ(subject: Subject) -> None:
@@ -174,11 +178,29 @@ def test_token_details(subject: Subject) -> None:
         assert math.isnan(inputs[0].logprob)
         if not subject.seq2seq:
             assert all(t.rank >= 1 and t.logprob <= 0.0 for t in inputs[1:])
+            if subject.case.engine != "fake":  # each prompt token's logprob under the model itself
+                expected = prompt_logprobs(subject.model_dir, request.input_ids)
+                assert [t.logprob for t in inputs[1:]] == pytest.approx(expected, abs=2e-3)
         solo = Runner(subject.engine)
         solo.run({0: [request]})
         assert [t.logprob for t in solo.tokens[request.id]] == pytest.approx(
             [t.logprob for t in tokens], abs=1e-4
         )
+
+
+@functools.cache
+def _causal_lm(model_dir: Path) -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def prompt_logprobs(model_dir: Path, ids: Sequence[int]) -> list[float]:
+    """log p(token i | tokens before it) for i >= 1, by transformers in float32 on CPU."""
+    with torch.inference_mode():
+        logits = _causal_lm(model_dir)(torch.tensor([list(ids)])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    return logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
 
 
 def test_truncation_keeps_the_last_tokens(subject: Subject) -> None:

@@ -27,7 +27,7 @@ from router.tracing import Tracing
 from router.validation import ValidationError
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
-from text_generation_common.messages import Guided, GuidedKind
+from text_generation_common.messages import GenerationRequest, Guided, GuidedKind
 
 MAX_NEW = 200
 
@@ -344,6 +344,33 @@ async def test_a_failure_mid_stream_is_the_last_event(stack: Stack) -> None:
     stack.shard.request_errors[1] = "boom"
     events = await sse_events(stack, {"inputs": "hi", "parameters": {"max_new_tokens": 5}})
     assert events[-1] == {"error": "Request failed during generation: boom", "error_type": "generation"}
+    await stack.settled()
+
+
+async def test_a_failure_mid_stream_ends_an_openai_stream_with_an_error_event(stack: Stack) -> None:
+    stack.shard.request_errors[1] = "boom"
+    events = await sse_events(
+        stack, {"prompt": "hi", "max_tokens": 5, "stream": True}, path="/v1/completions"
+    )
+    error = {"message": "Request failed during generation: boom", "type": "server_error", "param": None}
+    assert events[-2:] == [{"error": {**error, "code": 500}}, "[DONE]"]
+    await stack.settled()
+
+
+async def test_openai_choices_sample_with_distinct_seeds(stack: Stack) -> None:
+    """With a seed and n > 1, choice i samples with seed + i: the same seed for all would make
+    every choice the same text."""
+    seeds: dict[int, int | None] = {}
+
+    def script(request: GenerationRequest, step: int) -> int:
+        seeds[request.id] = request.params.seed
+        return 10 + step
+
+    stack.shard.script = script
+    body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 2, "seed": 5, "temperature": 1.0}
+    status, answer = await post(stack, "/v1/completions", body)
+    assert status == 200, answer
+    assert sorted(seeds.values()) == [5, 6, 7, 8]
     await stack.settled()
 
 

@@ -95,4 +95,12 @@ def test_other_models_have_no_bound(tmp_path) -> None:
 
 
 def test_the_router_tokenizers_of_the_tests_are_bounded(tokenizer_dir) -> None:
-    assert max_token_bytes(load_tokenizer(str(tokenizer_dir))) is not None
+    """The bound is the longest piece of the vocabulary (added tokens included), in UTF-8 bytes
+    of its text, and no token of any text covers more bytes than that."""
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    bound = max_token_bytes(tokenizer)
+    pieces = tokenizer.get_vocab(with_added_tokens=True)
+    assert bound == max(len(piece.encode()) for piece in pieces)
+    text = "".join(chr(c) for c in range(32, 0x2FF)) * 3 + "naïve 東京 🙂 " * 20
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    assert max(len(text[a:b].encode()) for a, b in encoding.offsets) <= bound
