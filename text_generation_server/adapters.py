@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from text_generation_common.messages import AdapterCacheState, GenerationRequest
+from text_generation_server import distributed
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import cpu_kernels
 from text_generation_server.errors import PrefixNotFoundError, ShardError
@@ -132,8 +133,7 @@ def adapters_for(
     transformers' tensor-parallel plans (GPT-BigCode's own sharded layers take no LoRA yet)."""
     prompts = store_for(config, model.get_input_embeddings(), device, seq2seq, max_sequence_length)
     lora = None
-    own_layers = getattr(getattr(model, "config", None), "model_type", None) == "gpt_bigcode"
-    if config.world_size == 1 or not own_layers:
+    if not distributed.own_sharded_layers(getattr(model, "config", None), config.world_size):
         cache_bytes = config.lora_cache_size_mb * 2**20
         kernel = device.type == "cpu" and bool(config.prefix_store_path) and lora_kernel_builds()
         lora = Adapters(model, config.max_loras, cache_bytes, prompts.spec.dtype, device, kernel)

@@ -100,12 +100,19 @@ def leave() -> None:
         torch.distributed.destroy_process_group()
 
 
+def own_sharded_layers(hf_config: Any, shards: int) -> bool:
+    """Whether the model, split over `shards` ranks, runs on our own sharded layers
+    (engines/sharded_bigcode.py: GPT-BigCode, which has no transformers tensor-parallel plan)
+    rather than transformers' plan: the loader, the adapters and this check ask here."""
+    return shards > 1 and getattr(hf_config, "model_type", None) == "gpt_bigcode"
+
+
 def check_shardable(hf_config: Any, shards: int) -> None:
     """Refuse, with one line, a model that cannot be split over `shards` ranks."""
     if shards == 1:
         return
     model_type = getattr(hf_config, "model_type", "?")
-    if model_type == "gpt_bigcode":  # our own layers (engines/sharded_bigcode.py)
+    if own_sharded_layers(hf_config, shards):
         from text_generation_server.engines import sharded_bigcode
 
         sharded_bigcode.check(hf_config, shards)

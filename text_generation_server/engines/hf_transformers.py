@@ -124,7 +124,7 @@ def load_pretrained(
         config.quantize, hf_config, Path(model_dir), config.deployment_framework, device, config.world_size
     )
     load_kwargs: dict[str, Any] = quantization.load_kwargs(config.quantize, dtype)
-    own_layers = config.world_size > 1 and getattr(hf_config, "model_type", None) == "gpt_bigcode"
+    own_layers = distributed.own_sharded_layers(hf_config, config.world_size)
     if config.world_size > 1:  # this rank reads only its slices of the weights
         distributed.check_shardable(hf_config, config.world_size)
         if not own_layers:
