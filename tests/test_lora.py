@@ -105,7 +105,7 @@ def test_at_most_max_loras_stay_resident(name: str, tiny_model, store: Path) -> 
     lora = e.adapters.lora
     for adapter in ("a", "b", "a", "c"):  # c evicts b, the least recently used
         Runner(e).run({0: [GenerationRequest(1, PROMPTS[0], 2, adapter_id=adapter)]})
-    assert lora.resident == ["a", "c"] and lora.evictions == 1
+    assert lora.cache.keys() == ["a", "c"] and lora.evictions == 1
     # a running request keeps its adapter even when it is evicted meanwhile
     out = Runner(e).run(
         {

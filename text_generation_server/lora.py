@@ -292,10 +292,6 @@ class Adapters:
         return self.cache.get(adapter_id, lambda: self._load(adapter_id, directory))
 
     @property
-    def resident(self) -> list[str]:
-        return self.cache.keys()
-
-    @property
     def evictions(self) -> int:
         return self.cache.evictions
 

@@ -235,7 +235,7 @@ def prompt(seed: int, length: int) -> tuple[int, ...]:
 def hits(engine: TgisNativeEngine, request: GenerationRequest) -> int:
     batch, _ = engine.new_batch(999, [request])
     assert batch is not None
-    found = batch.states[request.id].kv.hit_tokens
+    found = batch.prefilling[0].computed  # the prompt tokens the prefix cache already holds
     engine.release([request.id])
     return found
 

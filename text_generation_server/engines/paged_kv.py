@@ -148,10 +148,6 @@ class SequenceKV:
         """Blocks this sequence may still take before it reaches max_tokens."""
         return max(0, self.max_blocks - len(self.blocks))
 
-    @property
-    def hit_tokens(self) -> int:
-        return self.registered * self.pool.block_size if self.keys else 0
-
     def register_written(self) -> None:
         """Offer the prompt blocks that are full and written to the prefix cache."""
         full = min(len(self.keys), self.length // self.pool.block_size)
