@@ -652,3 +652,50 @@ def test_a_draft_model_without_room_proposes_nothing_and_changes_nothing(tiny_mo
     assert verified == [] and spec.speculator.sequences == {}
     pool.release(taken)
     assert pool.free == pool.num_blocks
+
+
+def test_the_mlp_speculator_reads_the_hidden_states_of_replayed_decode_graphs(
+    tiny_model, tmp_path: Path
+) -> None:
+    """Decode steps replayed from captured graphs (the CPU stand-in of CUDA graphs) give the MLP
+    speculator the hidden states eager steps give: the same candidates, the same tokens."""
+    from tests.engines.test_runner import Replays
+    from text_generation_server.engines import cpu_kernels
+
+    try:
+        cpu_kernels.load()
+    except cpu_kernels.KernelBuildError as exc:
+        pytest.skip(f"the CPU kernel (a graphable backend) cannot be built here: {exc}")
+    model_dir = tiny_model("llama")
+    vocab = TgisNativeEngine(config_for(model_dir)).context.vocab_size
+    torch.manual_seed(3)
+    heads = MlpSpeculatorModel(MlpSpeculatorConfig(vocab_size=vocab, emb_dim=64, n_predict=2))
+    save_speculator(heads, tmp_path / "heads")
+    proposals: dict[str, list[list[list[int]]]] = {}
+    outputs = {}
+    for mode in ("eager", "graphed"):
+        config = config_for(
+            model_dir,
+            cpu_attention="kernel",
+            speculator_name=str(tmp_path / "heads"),
+            deployment_framework="tgis_native",
+        )
+        engine = TgisNativeEngine(config)
+        replays = Replays()
+        if mode == "graphed":
+            engine.capture_graphs(8, replays)
+        real = engine.speculator.propose
+        seen = proposals[mode] = []
+
+        def propose(*args, real=real, seen=seen):  # type: ignore[no-untyped-def]
+            out = real(*args)
+            seen.append(out)
+            return out
+
+        engine.speculator.propose = propose  # type: ignore[method-assign]
+        requests = [GenerationRequest(i, tuple(range(20 + i, 32 + 2 * i)), 10) for i in range(3)]
+        outputs[mode] = Runner(engine).run({0: requests[:2], 2: requests[2:]})
+        if mode == "graphed":
+            assert replays.count > 0
+    assert outputs["graphed"] == outputs["eager"]
+    assert proposals["graphed"] == proposals["eager"] and any(any(p) for p in proposals["eager"])

@@ -194,11 +194,13 @@ class ModelRunner:
         self.timer = ForwardTimer(self.device)
         self.capturing = False  # keep the LM head's input of every forward (capture_hidden)
         self.hidden: torch.Tensor | None = None
+        self._step_hidden: dict[int, torch.Tensor] = {}  # per decode_step size: its LM head's input
 
     def capture_hidden(self) -> None:
         """From now on keep the LM head's input of every forward in `hidden` [rows, hidden size]:
         the final hidden states of the rows whose logits the forward returns, in their order
-        (an MLP speculator reads them). Decode steps then run eagerly (no CUDA graph replay)."""
+        (an MLP speculator reads them). A replayed decode graph does not run the hook: the input
+        its capture saw is its own tensor, rewritten by every replay, and stands in for it."""
         if self.capturing:
             return
 
@@ -308,8 +310,7 @@ class ModelRunner:
         """One token per row (`ids` [D], each at its sequence's next position) -> logits [D, vocab]."""
         count = len(sequences)
         graphs = self.graphs
-        replay = graphs is not None and not any(loras) and not self.capturing
-        bucket = graphs.bucket_for(count) if replay and graphs is not None else None
+        bucket = graphs.bucket_for(count) if graphs is not None and not any(loras) else None
         rows = bucket or count
         buffers = self._buffers_for(rows)
         longest, shortest = buffers.fill(sequences, ids, rows)
@@ -318,6 +319,8 @@ class ModelRunner:
         if bucket is not None:
             assert graphs is not None
             logits = graphs.replay(bucket)[:count]
+            if self.capturing:
+                self.hidden = self._step_hidden[bucket][:count]
         elif self.decoder is not None and (lora := self._layers_lora(loras, [1] * count)) is not None:
             b = buffers
             logits = self.decoder.decode(
@@ -356,6 +359,8 @@ class ModelRunner:
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, tgis_step=layout
             )
             logits: torch.Tensor = out.logits[0]
+            if self.capturing and self.hidden is not None:
+                self._step_hidden[rows] = self.hidden  # captured: the graph's own tensor
             return logits
 
         return step
