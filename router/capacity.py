@@ -214,6 +214,8 @@ class KVBlockCapacity(Capacity):
 def capacity_for(info: ModelInfo, max_prefill_padding: float) -> Capacity:
     """The capacity policy of the kind the shard reported."""
     if info.capacity in (CapacityKind.PADDED_WEIGHTS, CapacityKind.UNPADDED_WEIGHTS):
+        if info.memory is None:
+            raise CapacityError(f"the shard reports {info.capacity.value} capacity without its memory model")
         padded = info.capacity is CapacityKind.PADDED_WEIGHTS
         return WeightCapacity(BatchWeights.from_model(info.memory, padded), max_prefill_padding)
     if info.capacity is CapacityKind.KV_BLOCKS:

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from router.capacity import CapacityError, KVBlockCapacity, capacity_for
 from text_generation_common import convert
 from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
@@ -20,15 +21,20 @@ from text_generation_common.messages import (
 )
 
 
-@pytest.mark.parametrize("graphed", [False, True])
-def test_model_info_round_trips(graphed: bool) -> None:
+@pytest.mark.parametrize(
+    ("graphed", "capacity"),
+    [(False, CapacityKind.KV_BLOCKS), (True, CapacityKind.KV_BLOCKS), (False, CapacityKind.PADDED_WEIGHTS)],
+)
+def test_model_info_round_trips(graphed: bool, capacity: CapacityKind) -> None:
+    """A KV-blocks engine reports no batch-weight model (the router admits by blocks)."""
+    weights = capacity is not CapacityKind.KV_BLOCKS
     info = ModelInfo(
         seq2seq=False,
         eos_token_id=2,
         vocab_size=8192,
         max_sequence_length=2048,
-        memory=MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 4096),
-        capacity=CapacityKind.KV_BLOCKS,
+        memory=MemoryScalingModel(1.5, 0.25, 0.125, 1.0, 2.0, 4096) if weights else None,
+        capacity=capacity,
         dtype="bfloat16",
         dtype_reason="asked for",
         chunked_prefill=True,
@@ -38,6 +44,10 @@ def test_model_info_round_trips(graphed: bool) -> None:
     )
     back = convert.model_info_from_pb(convert.model_info_to_pb(info))
     assert dataclasses.asdict(back) == dataclasses.asdict(info)
+    if not weights:
+        assert isinstance(capacity_for(back, 1.0), KVBlockCapacity)
+        with pytest.raises(CapacityError, match="padded_weights capacity without its memory model"):
+            capacity_for(dataclasses.replace(back, capacity=CapacityKind.PADDED_WEIGHTS), 1.0)
 
 
 def test_a_joining_batch_round_trips() -> None:

@@ -8,6 +8,7 @@ and repetition_penalty 0 -> 1.0).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from text_generation_common.engines import CapacityKind
@@ -132,8 +133,11 @@ def input_tokens_to_pb(items: Iterable[InputTokens]) -> list[pb.InputTokens]:
     return [pb.InputTokens(request_id=i.request_id, tokens=[token_to_pb(t) for t in i.tokens]) for i in items]
 
 
+MEMORY_FIELDS = [f.name for f in dataclasses.fields(MemoryScalingModel)]
+
+
 def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
-    return pb.ModelInfoResponse(
+    response = pb.ModelInfoResponse(
         model_type=pb.ModelInfoResponse.SEQ2SEQ_LM if info.seq2seq else pb.ModelInfoResponse.CAUSAL_LM,
         eos_token_id=info.eos_token_id,
         capacity_kind=CAPACITY_TO_PB[info.capacity],
@@ -145,15 +149,11 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         max_sequence_length=info.max_sequence_length,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
-        memory_scaling_model=pb.MemoryScalingModel(
-            prefill_linear_coef0=info.memory.prefill_linear_coef0,
-            prefill_quadratic_coef0=info.memory.prefill_quadratic_coef0,
-            prefill_quadratic_coef1=info.memory.prefill_quadratic_coef1,
-            nexttoken_linear_coef0=info.memory.nexttoken_linear_coef0,
-            nexttoken_linear_coef1=info.memory.nexttoken_linear_coef1,
-            weight_limit=info.memory.weight_limit,
-        ),
     )
+    if info.memory is not None:
+        memory = {name: getattr(info.memory, name) for name in MEMORY_FIELDS}
+        response.memory_scaling_model.CopyFrom(pb.MemoryScalingModel(**memory))
+    return response
 
 
 # ---- router side: requests out, results in -----------------------------------------------------
@@ -230,20 +230,16 @@ def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTok
 
 
 def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
-    m = info.memory_scaling_model
+    memory = None
+    if info.HasField("memory_scaling_model"):
+        m = info.memory_scaling_model
+        memory = MemoryScalingModel(**{name: getattr(m, name) for name in MEMORY_FIELDS})
     return ModelInfo(
         seq2seq=info.model_type == pb.ModelInfoResponse.SEQ2SEQ_LM,
         eos_token_id=info.eos_token_id,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
-        memory=MemoryScalingModel(
-            prefill_linear_coef0=m.prefill_linear_coef0,
-            prefill_quadratic_coef0=m.prefill_quadratic_coef0,
-            prefill_quadratic_coef1=m.prefill_quadratic_coef1,
-            nexttoken_linear_coef0=m.nexttoken_linear_coef0,
-            nexttoken_linear_coef1=m.nexttoken_linear_coef1,
-            weight_limit=m.weight_limit,
-        ),
+        memory=memory,
         capacity={v: k for k, v in CAPACITY_TO_PB.items()}[info.capacity_kind],
         chunked_prefill=info.chunked_prefill,
         kv_block_size=info.kv_block_size,

@@ -264,7 +264,7 @@ class ModelInfo:
     eos_token_id: int
     vocab_size: int
     max_sequence_length: int
-    memory: MemoryScalingModel
+    memory: MemoryScalingModel | None  # the batch-weight model of the weights kinds; None for KV_BLOCKS
     capacity: CapacityKind = CapacityKind.PADDED_WEIGHTS
     dtype: str = ""  # what the weights and activations are in ("bfloat16", ...)
     dtype_reason: str = ""  # why that dtype ("the CPU has AMX-BF16", "asked for ...")

@@ -49,7 +49,6 @@ from text_generation_common.messages import (
     GenerationRequest,
     InputTokens,
     KvCacheState,
-    MemoryScalingModel,
     ModelInfo,
     RequestError,
     StepOutput,
@@ -187,7 +186,7 @@ class TgisNativeEngine(ModelEngine):
             eos_token_id=self.context.eos_token_id,
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
-            memory=MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, self.kv.slots),
+            memory=None,  # admitted by KV blocks, which every step reports (kv_state)
             capacity=CapacityKind.KV_BLOCKS,
             chunked_prefill=True,
             kv_block_size=self.block_size,
