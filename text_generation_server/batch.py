@@ -1,8 +1,9 @@
 """The Batch contract: the state of a group of requests that run their steps together.
 
 A Batch owns its requests' device state (inputs, attention masks, KV cache, sampling state).
-The shard server keeps batches in a cache keyed by batch id and only ever:
-  - builds one from requests            (Batch.from_requests, per-request errors beside it),
+Its engine builds it from requests (each batch type's own `from_requests`, typed by what that
+type needs: per-request errors beside it); the shard server keeps batches in a cache keyed by
+batch id and only ever:
   - drops finished requests             (prune, without recomputing anything),
   - merges several into one             (Batch.concatenate, cached under the first id),
   - hands it to its engine for a step   (ModelEngine.generate_token), also ahead of the router's
@@ -14,29 +15,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Self
-
-from text_generation_common.messages import GenerationRequest, RequestError
+from typing import Self
 
 
 class Batch(ABC):
     batch_id: int
-
-    @classmethod
-    @abstractmethod
-    def from_requests(
-        cls,
-        batch_id: int,
-        requests: Sequence[GenerationRequest],
-        context: Any,
-        adapters: Any = None,
-    ) -> tuple[Self | None, list[RequestError]]:
-        """Build a batch of the valid requests; invalid ones come back as errors.
-
-        Returns None for the batch when no request is valid. `context` is the engine's model
-        context (device, special token ids, limits); `adapters` (adapters.Resolved) the soft
-        prompts and LoRA adapters found for the requests that name one.
-        """
 
     @classmethod
     @abstractmethod

@@ -102,6 +102,18 @@ class PaddedBatch(Batch):
         self.prompts = prompts  # truncated prompt ids, until the prefill step only
         self.loras: list[LoraWeights | None] = [None] * len(requests)  # each row's LoRA adapter
 
+    @classmethod
+    @abstractmethod
+    def from_requests(
+        cls,
+        batch_id: int,
+        requests: Sequence[GenerationRequest],
+        context: ModelContext,
+        adapters: Resolved | None = None,
+    ) -> tuple[Self | None, list[RequestError]]:
+        """A batch of the valid requests (None: none is valid) and the errors of the others;
+        `adapters`: the soft prompts and LoRA adapters found for the requests that name one."""
+
     @property
     def request_ids(self) -> list[int]:
         return [r.id for r in self.requests]

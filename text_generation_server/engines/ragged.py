@@ -105,13 +105,14 @@ class RaggedBatch(Batch):
         cls,
         batch_id: int,
         requests: Sequence[GenerationRequest],
-        context: Any,
+        limits: RequestLimits,
+        device: torch.device,
         adapters: Resolved | None = None,
     ) -> tuple[Self | None, list[RequestError]]:
-        """`adapters`: a soft prompt's virtual tokens are computed first, as placeholders (id 0)
-        whose embeddings the engine replaces; LoRA adapters are the engine's business."""
-        limits, device = context
-        assert isinstance(limits, RequestLimits)
+        """A batch of the valid requests, all prefilling (None: none is valid), and the errors
+        of the others. `adapters`: a soft prompt's virtual tokens are computed first, as
+        placeholders (id 0) whose embeddings the engine replaces; LoRA adapters are the
+        engine's business."""
         valid, prompts, errors = split_valid(
             requests, limits, adapters.prefix_lengths() if adapters else None
         )

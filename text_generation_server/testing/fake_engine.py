@@ -90,7 +90,7 @@ class FakeEngine(ModelEngine):
     def new_batch(
         self, batch_id: int, requests: Sequence[GenerationRequest]
     ) -> tuple[RaggedBatch | None, list[RequestError]]:
-        return RaggedBatch.from_requests(batch_id, requests, (self.limits, torch.device("cpu")))
+        return RaggedBatch.from_requests(batch_id, requests, self.limits, torch.device("cpu"))
 
     def generate_token(
         self, batch: Batch, first: bool, token_budget: int = 0

@@ -335,7 +335,7 @@ class TgisNativeEngine(ModelEngine):
     ) -> tuple[RaggedBatch | None, list[RequestError]]:
         assert self.adapters is not None
         found = self.adapters.for_requests(requests)
-        batch, errors = RaggedBatch.from_requests(batch_id, requests, (self.context, self.device), found)
+        batch, errors = RaggedBatch.from_requests(batch_id, requests, self.context, self.device, found)
         if batch is not None:
             for item in batch.prefilling:
                 request = item.request
