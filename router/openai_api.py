@@ -499,11 +499,8 @@ class OpenAIApi:
 
     # ---- token details --------------------------------------------------------------------
 
-    def _piece(self, token_id: int) -> str:
-        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
-
     def _completion_logprobs(self, tokens: Sequence[TokenInfo], offset: int) -> dict[str, Any]:
-        pieces = [self._piece(t.token_id) for t in tokens]
+        pieces = [self.tokenizer.token_text(t.token_id) for t in tokens]
         offsets = []
         for piece in pieces:
             offsets.append(offset)
@@ -512,14 +509,14 @@ class OpenAIApi:
             "tokens": pieces,
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [
-                {self._piece(top.token_id): top.logprob for top in t.top_tokens} for t in tokens
+                {self.tokenizer.token_text(top.token_id): top.logprob for top in t.top_tokens} for t in tokens
             ],
             "text_offset": offsets,
         }
 
     def _chat_logprobs(self, tokens: Sequence[TokenInfo]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            piece = self._piece(token_id)
+            piece = self.tokenizer.token_text(token_id)
             return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
         return {

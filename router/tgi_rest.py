@@ -382,25 +382,22 @@ class TgiRest:
             details["top_tokens"] = [[self._top(top) for top in t.top_tokens] for t in output.tokens]
         return details
 
-    def _text(self, token_id: int) -> str:
-        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
-
     def _token(self, t: TokenInfo, text: str | None = None) -> dict[str, Any]:
         return {
             "id": t.token_id,
-            "text": self._text(t.token_id) if text is None else text,
+            "text": self.tokenizer.token_text(t.token_id) if text is None else text,
             "logprob": t.logprob,
             "special": t.token_id in self._special,
         }
 
     def _input_token(self, t: TokenInfo) -> dict[str, Any]:
         logprob = None if t.logprob != t.logprob else t.logprob  # NaN (the first token) -> null
-        return {"id": t.token_id, "text": self._text(t.token_id), "logprob": logprob}
+        return {"id": t.token_id, "text": self.tokenizer.token_text(t.token_id), "logprob": logprob}
 
     def _top(self, top: Any) -> dict[str, Any]:
         return {
             "id": top.token_id,
-            "text": self._text(top.token_id),
+            "text": self.tokenizer.token_text(top.token_id),
             "logprob": top.logprob,
             "special": top.token_id in self._special,
         }

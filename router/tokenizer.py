@@ -143,6 +143,12 @@ class TokenizerPool:
         """The raw vocabulary piece of a token (`Ġvery`, `▁The`, `</s>`); "" for unknown ids."""
         return self._pieces[token_id] if 0 <= token_id < len(self._pieces) else ""
 
+    def token_text(self, token_id: int) -> str:
+        """A token decoded alone, special tokens kept (` very`, `</s>`): the text the HTTP doors
+        show per token (gRPC shows the piece, as TGIS does)."""
+        text: str = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
     def encode_batch_sync(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=True)]
 
