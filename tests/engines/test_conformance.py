@@ -239,3 +239,13 @@ async def test_stream_equals_unary_and_stop_sequences_cut(subject: Subject) -> N
     stop = answer.text[2:4]
     ((cut,),) = await router_outputs(subject, [(validated(subject, 0, 10, stop=(stop,)), False)])
     assert cut.stop_reason is StopReason.STOP_SEQUENCE and cut.text == answer.text[: answer.text.find(stop)]
+
+
+def test_a_step_reports_its_forward_time(subject: Subject) -> None:
+    if subject.case.engine == "fake":
+        pytest.skip("the fake engine runs no model")
+    batch, errors = subject.engine.new_batch(1, [subject.request(1, 0, 2)])
+    assert batch is not None and not errors
+    output, _ = subject.engine.generate_token(batch, True)
+    assert 0 < output.forward_ns < 60 * 10**9
+    subject.engine.release([1])

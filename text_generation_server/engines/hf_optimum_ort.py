@@ -39,6 +39,7 @@ from text_generation_server.engines.onnx_session import (
     session_device,
 )
 from text_generation_server.engines.padded_causal import CausalLMBatch
+from text_generation_server.engines.step import ForwardTimer
 from text_generation_server.memory import MemoryFacts, host_available_bytes
 from text_generation_server.utils.hub import resolve_model_dir
 
@@ -140,6 +141,7 @@ class OnnxRuntimeEngine(PaddedEngine):
             generation_config = None
         self.model = session
         self.device, self.dtype, self.seq2seq = device, dtype, False
+        self.timer = ForwardTimer(device)
         self.dtype_reason = "the ONNX export's"
         self.batch_type = OrtCausalBatch
         self.context = build_context(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from text_generation_server.engines.kv_cache import cache_bytes, new_cache
 from text_generation_server.engines.padded import ModelContext, PaddedBatch
 from text_generation_server.engines.padded_causal import CausalLMBatch
 from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
-from text_generation_server.engines.step import choose_tokens, drop_failed
+from text_generation_server.engines.step import ForwardTimer, choose_tokens, drop_failed
 from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
 from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
@@ -262,6 +261,7 @@ class PaddedEngine(ModelEngine):
     dtype_reason: str
     batch_type: type[PaddedBatch]
     context: ModelContext
+    timer: ForwardTimer  # of the model's forward, on `device`
 
     def padded_info(self, config: ServerConfig, facts: MemoryFacts, dtype_name: str) -> ModelInfo:
         """What the router learns of the engine: limits, special tokens, the batch-weight model."""
@@ -299,7 +299,7 @@ class PaddedEngine(ModelEngine):
 
     def _step(self, batch: PaddedBatch, first: bool) -> tuple[StepOutput, PaddedBatch | None]:
         want_input_logits = first and not self.seq2seq and batch.wants_input_logits
-        start = time.perf_counter_ns()
+        self.timer.start()
         applied = (
             self.adapters.applied(batch.loras, self.device, by_rows=True)
             if self.adapters is not None
@@ -308,11 +308,9 @@ class PaddedEngine(ModelEngine):
         with applied:
             logits = batch.forward(self.model, all_logits=want_input_logits)
         last = logits[:, -1, :].to(torch.float32, copy=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        forward_ns = time.perf_counter_ns() - start
-
-        next_ids, output = choose_tokens(last, batch.requests, batch.chooser, forward_ns)
+        self.timer.stop()
+        next_ids, output = choose_tokens(last, batch.requests, batch.chooser)
+        output.forward_ns = self.timer.elapsed_ns()  # after the ids' copy: no sync of its own
         if first:
             output.input_tokens = self._input_tokens(batch, logits if want_input_logits else None)
         batch.append_tokens(next_ids)
@@ -342,6 +340,7 @@ class HFTransformersEngine(PaddedEngine):
         loaded = load_pretrained(config, device_map=self.device_map)
         self.model = loaded.model
         self.device, self.dtype, self.dtype_reason = loaded.device, loaded.dtype, loaded.dtype_reason
+        self.timer = ForwardTimer(self.device)
         self.seq2seq = loaded.seq2seq
         dtype_name = loaded.dtype_name
         hf_config = loaded.hf_config

@@ -7,9 +7,10 @@ each row to the step's output.
                            --chooser.advance--> sampling state moves on (every row)
     -> (next ids, StepOutput with a Generation per finite row and an error per NaN row)
 
-An engine runs its forward pass, calls `choose_tokens`, feeds the next ids back into its batch
-(`append_tokens` or its own equivalent), then `drop_failed` removes the rows that failed. Rows
-are in batch order; the chooser and `requests` must be in that order too.
+An engine times its forward pass (`ForwardTimer`: no host sync of its own), calls
+`choose_tokens`, feeds the next ids back into its batch (`append_tokens` or its own
+equivalent), then `drop_failed` removes the rows that failed. Rows are in batch order; the
+chooser and `requests` must be in that order too.
 
 Speculative decoding (`choose_speculated`): a row with candidate tokens d1..dk has the logits of
 k + 1 positions (after its last token, after d1, ...). The chooser picks a token at every
@@ -22,8 +23,9 @@ output are the same with or without speculation, and sampling keeps the model's 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -127,3 +129,35 @@ def drop_failed(batch: B, output: StepOutput) -> B | None:
     if not output.errors:
         return batch
     return batch.prune({e.request_id for e in output.errors})
+
+
+class ForwardTimer:
+    """Forward time without a host sync: host time on CPU, CUDA events on a GPU (read after the
+    step's device-to-host copy has synchronized)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start_ns = 0
+        self._elapsed_ns = 0
+        self._events: tuple[Any, Any] | None = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._start_ns = time.perf_counter_ns()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._elapsed_ns = time.perf_counter_ns() - self._start_ns
+
+    def elapsed_ns(self) -> int:
+        """The last forward's time (on CUDA: call after a sync, e.g. the ids' copy to the host)."""
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()
+            return int(start.elapsed_time(end) * 1e6)
+        return self._elapsed_ns

@@ -25,7 +25,6 @@ chosen ids (engines/step.py). Forward time is read from CUDA events after that c
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ import torch
 from text_generation_server.attention.backend import AttentionBackend, DecodeRows
 from text_generation_server.attention.layout import Piece, StepLayout
 from text_generation_server.engines.paged_kv import PagedKVCache, SequenceKV
+from text_generation_server.engines.step import ForwardTimer
 from text_generation_server.engines.tgis_native.cpu_decoder import NO_LORA, CpuDecoder, LoraArgs
 
 if TYPE_CHECKING:
@@ -133,38 +133,6 @@ class DecodeBuffers:
             return
         used = 4 * self.max_rows + rows * self.width
         self.device_copy[:used].copy_(self.host[:used], non_blocking=True)
-
-
-class ForwardTimer:
-    """Forward time without a host sync: host time on CPU, CUDA events on a GPU (read after the
-    step's device-to-host copy has synchronized)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._start_ns = 0
-        self._elapsed_ns = 0
-        self._events: tuple[Any, Any] | None = None
-
-    def start(self) -> None:
-        if self.cuda:
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        else:
-            self._start_ns = time.perf_counter_ns()
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._elapsed_ns = time.perf_counter_ns() - self._start_ns
-
-    def elapsed_ns(self) -> int:
-        """The last forward's time (on CUDA: call after a sync, e.g. the ids' copy to the host)."""
-        if self._events is not None:
-            start, end = self._events
-            end.synchronize()
-            return int(start.elapsed_time(end) * 1e6)
-        return self._elapsed_ns
 
 
 class ModelRunner:
