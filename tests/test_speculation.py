@@ -637,6 +637,21 @@ def test_a_draft_model_that_does_not_fit_is_refused_with_one_line(tiny_model, tm
         TgisNativeEngine(config)
 
 
+def test_a_draft_model_reserves_the_blocks_of_its_catch_up_and_candidates(tiny_model) -> None:
+    model_dir = tiny_model("llama")
+    config = config_for(model_dir, speculator_name=str(model_dir), deployment_framework="tgis_native")
+    draft = TgisNativeEngine(config).speculator
+    assert isinstance(draft, DraftSpeculator)
+    history = list(range(10, 25))  # 15 tokens: the catch-up, then 5 candidates fed back
+    sequence = draft._caught_up(7, history, 6)
+    assert sequence.length == 0 and len(sequence.blocks) == -(-(15 + 5) // 4)  # blocks of 4 tokens
+    draft.written[7] = history[:12]
+    sequence.append(12)
+    sequence = draft._caught_up(7, [*history[:10], 99, 98], 3)  # 10 shared, then 2 to catch up
+    assert sequence.length == 10 and len(sequence.blocks) == -(-(12 + 2) // 4)
+    draft.release([7])
+
+
 def test_a_draft_model_without_room_proposes_nothing_and_changes_nothing(tiny_model) -> None:
     model_dir = tiny_model("llama")
     config = config_for(model_dir, speculator_name=str(model_dir), deployment_framework="tgis_native")

@@ -139,9 +139,8 @@ class DraftSpeculator(Speculator):
             sequence = self.sequences[request] = self.allocations.open(request, (), self.max_tokens)
             self.written[request] = []
         written = self.written[request]
-        keep = 0
-        limit = min(len(written), len(history) - 1)
-        while keep < limit and written[keep] == history[keep]:
+        keep, most = 0, min(len(written), len(history) - 1)
+        while keep < most and written[keep] == history[keep]:
             keep += 1
         del written[keep:]
         sequence.truncate(keep)
