@@ -207,6 +207,10 @@ class KVAllocations:
         sequence = self._sequences[request_id] = SequenceKV(self.pool, keys, max_tokens)
         return sequence
 
+    def get(self, request_id: int) -> SequenceKV | None:
+        """The request's sequence (None: it holds no blocks)."""
+        return self._sequences.get(request_id)
+
     def release(self, request_ids: Iterable[int]) -> None:
         """Free the blocks of these requests (ids that hold none are ignored)."""
         for request_id in request_ids:

@@ -45,7 +45,6 @@ class DraftSpeculator(Speculator):
         self.allocations = engine.allocations
         self.max_tokens = engine.context.max_sequence_length
         self.written: dict[int, list[int]] = {}  # request id -> the tokens whose K/V the draft holds
-        self.sequences: dict[int, SequenceKV] = {}
         params = sum(p.numel() for p in engine.model.parameters())
         model_type = getattr(engine.model.config, "model_type", "?")
         self.name = f"draft model {path} ({model_type}, {params / 1e6:.1f} M parameters)"
@@ -116,12 +115,13 @@ class DraftSpeculator(Speculator):
             ends: list[int] = []
             for piece in pieces:
                 ends.append((ends[-1] if ends else -1) + len(piece.tokens))
+            held = {row: piece.kv for row, piece in zip(rows, pieces, strict=True)}
             tokens = self.runner.forward(pieces, ends).argmax(dim=-1).tolist()
             for row, token in zip(rows, tokens, strict=True):
                 out[row].append(token)
             for step in range(1, max(limits[row] for row in rows)):
                 rows = [row for row in rows if limits[row] > step]
-                sequences = [self.sequences[requests[row]] for row in rows]
+                sequences = [held[row] for row in rows]
                 fed = [out[row][-1] for row in rows]
                 tokens = self.runner.decode(sequences, fed, [None] * len(rows)).argmax(dim=-1).tolist()
                 for row, last, token in zip(rows, fed, tokens, strict=True):
@@ -134,9 +134,9 @@ class DraftSpeculator(Speculator):
         that `history` still starts with, short of the history's last token (which the catch-up
         forward feeds, to guess what follows it), with the blocks for the catch-up and `limit` - 1
         candidates fed back reserved (OutOfBlocks: no room for them)."""
-        sequence = self.sequences.get(request)
+        sequence = self.allocations.get(request)
         if sequence is None:
-            sequence = self.sequences[request] = self.allocations.open(request, (), self.max_tokens)
+            sequence = self.allocations.open(request, (), self.max_tokens)
             self.written[request] = []
         written = self.written[request]
         keep, most = 0, min(len(written), len(history) - 1)
@@ -151,5 +151,4 @@ class DraftSpeculator(Speculator):
         ids = list(request_ids)
         self.allocations.release(ids)
         for request in ids:
-            self.sequences.pop(request, None)
             self.written.pop(request, None)
