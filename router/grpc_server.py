@@ -26,9 +26,8 @@ from router.grpc_params import convert_params
 from router.metrics import Metrics
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc
-from router.service import DRAINING, CallInfo, GenerationService, RequestError
+from router.service import DRAINING, Call, GenerationService, RequestError
 from router.tokenizer import TokenizedText, TokenizerBusy, TokenizerError, TokenizerPool
-from router.tracing import Tracing, correlation_id
 from router.validation import ValidatedRequest, tokenizer_error_message
 from text_generation_common.messages import TokenInfo
 
@@ -41,7 +40,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         service: GenerationService,
         tokenizer: TokenizerPool,
         metrics: Metrics,
-        tracing: Tracing,
         auth: Authenticator,
         *,
         seq2seq: bool,
@@ -52,7 +50,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.service = service
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.tracing = tracing
         self.auth = auth
         self.seq2seq = seq2seq
         self.max_sequence_length = max_sequence_length
@@ -64,21 +61,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: pb.BatchedGenerationRequest, context: Any
     ) -> pb.BatchedGenerationResponse:
-        received_at = time.monotonic()
         tenant = await self._tenant(context)
         count = len(request.requests)
         kind = "single" if count == 1 else "batch"
-        self.service.count_call(kind, count)
-        if count == 0:
-            return pb.BatchedGenerationResponse()
         metadata = context.invocation_metadata()
-        with self.tracing.request_span("Generate", metadata) as span:
-            span.set_attribute("inputs", count)
+        with self.service.open_call(kind, "Generate", metadata, count, tenant) as call:
+            if count == 0:
+                return pb.BatchedGenerationResponse()
             try:
-                with self.service.admission(count, tenant):
-                    validated = await self._validate(request, [r.text for r in request.requests], received_at)
-                    call = CallInfo(kind, correlation_id(metadata), span, tenant)
-                    outputs = await self.service.generate(validated, call)
+                call.admit()
+                validated = await self._validate(call, request, [r.text for r in request.requests])
+                outputs = await self.service.generate(validated, call.info)
             except RequestError as exc:
                 await _abort(context, exc)
             return pb.BatchedGenerationResponse(
@@ -108,25 +101,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GenerateStream(
         self, request: pb.SingleGenerationRequest, context: Any
     ) -> AsyncIterator[pb.GenerationResponse]:
-        received_at = time.monotonic()
         tenant = await self._tenant(context)
-        self.service.count_call("stream", 1)
-        metadata = context.invocation_metadata()
-        with self.tracing.request_span("GenerateStream", metadata) as span:
+        with self.service.open_call(
+            "stream", "GenerateStream", context.invocation_metadata(), 1, tenant
+        ) as call:
             try:
-                with self.service.admission(1, tenant):
-                    if not request.HasField("request"):
-                        raise self.service.refuse("missing request")
-                    (validated,) = await self._validate(request, [request.request.text], received_at)
-                    yield pb.GenerationResponse(
-                        input_token_count=validated.input_length,
-                        text=validated.text if validated.response.input_text else "",
-                        seed=validated.seed,
-                    )
-                    call = CallInfo("stream", correlation_id(metadata), span, tenant)
-                    async with contextlib.aclosing(self.service.stream(validated, call)) as outputs:
-                        async for output in outputs:
-                            yield self._stream_message(validated, output)
+                call.admit()
+                if not request.HasField("request"):
+                    raise self.service.refuse("missing request")
+                (validated,) = await self._validate(call, request, [request.request.text])
+                yield pb.GenerationResponse(
+                    input_token_count=validated.input_length,
+                    text=validated.text if validated.response.input_text else "",
+                    seed=validated.seed,
+                )
+                async with contextlib.aclosing(self.service.stream(validated, call.info)) as outputs:
+                    async for output in outputs:
+                        yield self._stream_message(validated, output)
             except RequestError as exc:
                 await _abort(context, exc)
 
@@ -156,14 +147,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except AuthError as exc:
             await _abort(context, RequestError("UNAUTHENTICATED", str(exc), "unauthenticated"))
 
-    async def _validate(
-        self, request: Any, texts: Sequence[str], received_at: float
-    ) -> list[ValidatedRequest]:
+    async def _validate(self, call: Call, request: Any, texts: Sequence[str]) -> list[ValidatedRequest]:
         params = request.params if request.HasField("params") else None
-        return await self.service.validate(
+        return await call.validate(
             texts,
             convert_params(params, self.default_include_stop_seqs),
-            received_at,
             prefix_id=request.prefix_id if request.HasField("prefix_id") else "",
             adapter_id=request.adapter_id if request.HasField("adapter_id") else "",
         )

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from router.service import RequestError
+from router.service import Call, RequestError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 T = TypeVar("T")
@@ -46,12 +46,12 @@ async def _disconnected(request: Request) -> None:
 
 class EventStream(StreamingResponse):
     """An SSE answer that, however it ends (finished, client gone, cancelled), closes its event
-    generator (which abandons the request) and then `cleanup` (the admission and the span)."""
+    generator (which abandons the request) and then `call` (its admission and its span)."""
 
-    def __init__(self, events: AsyncGenerator[str, None], cleanup: contextlib.ExitStack) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], call: Call) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
         self._events = events
-        self._cleanup = cleanup
+        self._call = call
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -60,4 +60,4 @@ class EventStream(StreamingResponse):
             try:
                 await self._events.aclose()
             finally:
-                self._cleanup.close()
+                self._call.close()

@@ -39,7 +39,6 @@ from router.http_calls import EventStream, tenant_of, until_disconnected
 from router.service import CallInfo, GenerationService, RequestError
 from router.stopping import StopReason
 from router.tokenizer import TokenizerPool
-from router.tracing import Tracing, correlation_id
 from router.validation import RequestParams, ResponseSpec, StoppingSpec, ValidatedRequest, ValidationError
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind, SamplingParams, TokenInfo
@@ -236,8 +235,8 @@ def request_params(
 
 
 @dataclass
-class _Call:
-    """One OpenAI call: its requests (choice i = requests[i]) and how to answer."""
+class _Answer:
+    """How to answer one OpenAI call: its requests (choice i = requests[i]) and the answer's fields."""
 
     id: str
     kind: str  # completion | chat
@@ -259,7 +258,6 @@ class OpenAIApi:
         self,
         service: GenerationService,
         tokenizer: TokenizerPool,
-        tracing: Tracing,
         *,
         model_name: str,
         max_sequence_length: int,
@@ -268,7 +266,6 @@ class OpenAIApi:
     ) -> None:
         self.service = service
         self.tokenizer = tokenizer
-        self.tracing = tracing
         self.model_name = model_name
         self.max_sequence_length = max_sequence_length
         self.max_new_tokens = max_new_tokens
@@ -344,16 +341,13 @@ class OpenAIApi:
         logprobs: bool,
         echo: bool,
     ) -> Response:
-        received_at = time.monotonic()
         door = "openai_stream" if body.stream else "openai"
         count = len(prompts) * body.n
-        self.service.count_call(door, count)
         headers = list(request.headers.items())
-        stack = contextlib.ExitStack()
-        span = stack.enter_context(self.tracing.request_span(f"v1/{kind}", headers))
+        call = self.service.open_call(door, f"v1/{kind}", headers, count, tenant_of(request))
         try:
             self._check(body, count)
-            stack.enter_context(self.service.admission(count, tenant_of(request)))
+            call.admit()
             try:
                 params = request_params(
                     body,
@@ -365,12 +359,12 @@ class OpenAIApi:
             except ValidationError as exc:
                 raise self.service.refuse(str(exc)) from exc
             texts = [p for p in prompts for _ in range(body.n)]
-            validated = await self.service.validate(texts, params, received_at)
+            validated = await call.validate(texts, params)
         except RequestError as exc:
-            stack.close()
+            call.close()
             return error_response(exc)
         validated = _distinct_seeds(validated, body.seed)
-        call = _Call(
+        answer = _Answer(
             id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
             kind=kind,
             requests=validated,
@@ -379,16 +373,15 @@ class OpenAIApi:
             logprobs=logprobs,
             created=int(time.time()),
         )
-        info = CallInfo(door, correlation_id(headers), span, tenant_of(request))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self._events(call, info, usage), stack)
-        with stack:
+            return EventStream(self._events(answer, call.info, usage), call)
+        with call:
             try:
-                outputs = await until_disconnected(request, self.service.generate(validated, info))
+                outputs = await until_disconnected(request, self.service.generate(validated, call.info))
             except RequestError as exc:
                 return error_response(exc)
-        return JSONResponse(self._answer(call, outputs))
+        return JSONResponse(self._answer(answer, outputs))
 
     def _check(self, body: _Common, count: int) -> None:
         """The door's own refusals, before admission (RequestError)."""
@@ -399,30 +392,30 @@ class OpenAIApi:
         if (refusal := unsupported(body)) is not None:
             raise self.service.refuse(refusal)
 
-    def _answer(self, call: _Call, outputs: Sequence[Output]) -> dict[str, Any]:
+    def _answer(self, answer: _Answer, outputs: Sequence[Output]) -> dict[str, Any]:
         choices = []
         for index, output in enumerate(outputs):
-            echoed = call.prompts[index] if call.echo else ""
+            echoed = answer.prompts[index] if answer.echo else ""
             text = echoed + output.text
             choice: dict[str, Any] = {"index": index, "finish_reason": _finish(output.stop_reason)}
-            if call.kind == "chat":
+            if answer.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": text}
-                choice["logprobs"] = self._chat_logprobs(output.tokens) if call.logprobs else None
+                choice["logprobs"] = self._chat_logprobs(output.tokens) if answer.logprobs else None
             else:
                 choice["text"] = text
-                logprobs = self._completion_logprobs(output.tokens, len(echoed)) if call.logprobs else None
+                logprobs = self._completion_logprobs(output.tokens, len(echoed)) if answer.logprobs else None
                 choice["logprobs"] = logprobs
             choices.append(choice)
         return {
-            "id": call.id,
-            "object": call.object,
-            "created": call.created,
+            "id": answer.id,
+            "object": answer.object,
+            "created": answer.created,
             "model": self.model_name,
             "choices": choices,
-            "usage": _usage(call.requests, outputs),
+            "usage": _usage(answer.requests, outputs),
         }
 
-    async def _events(self, call: _Call, info: CallInfo, usage: bool) -> AsyncGenerator[str, None]:
+    async def _events(self, answer: _Answer, info: CallInfo, usage: bool) -> AsyncGenerator[str, None]:
         """SSE chunks of every choice as its tokens come, then usage (if asked) and [DONE]."""
         queue: asyncio.Queue[tuple[int, Output | RequestError | None]] = asyncio.Queue()
 
@@ -436,16 +429,16 @@ class OpenAIApi:
             finally:
                 queue.put_nowait((index, None))
 
-        pumps = [asyncio.ensure_future(pump(i, v)) for i, v in enumerate(call.requests)]
+        pumps = [asyncio.ensure_future(pump(i, v)) for i, v in enumerate(answer.requests)]
         final: dict[int, Output] = {}
-        offsets = [len(call.prompts[i]) if call.echo else 0 for i in range(len(call.requests))]
+        offsets = [len(answer.prompts[i]) if answer.echo else 0 for i in range(len(answer.requests))]
         try:
-            if call.kind == "chat":
-                for index in range(len(call.requests)):
-                    yield _sse(self._chunk(call, index, {"role": "assistant", "content": ""}, None, None))
-            elif call.echo:
-                for index in range(len(call.requests)):
-                    yield _sse(self._chunk(call, index, call.prompts[index], None, None))
+            if answer.kind == "chat":
+                for index in range(len(answer.requests)):
+                    yield _sse(self._chunk(answer, index, {"role": "assistant", "content": ""}, None, None))
+            elif answer.echo:
+                for index in range(len(answer.requests)):
+                    yield _sse(self._chunk(answer, index, answer.prompts[index], None, None))
             running = len(pumps)
             while running:
                 index, item = await queue.get()
@@ -457,13 +450,14 @@ class OpenAIApi:
                     break
                 if item.final:
                     final[index] = item
-                yield _sse(self._delta(call, index, item, offsets))
+                yield _sse(self._delta(answer, index, item, offsets))
                 offsets[index] += len(item.text)
             else:
                 if usage:
-                    outputs = [final[i] for i in range(len(call.requests))]
+                    outputs = [final[i] for i in range(len(answer.requests))]
                     yield _sse(
-                        self._chunk(call, None, None, None, None) | {"usage": _usage(call.requests, outputs)}
+                        self._chunk(answer, None, None, None, None)
+                        | {"usage": _usage(answer.requests, outputs)}
                     )
             yield "data: [DONE]\n\n"
         finally:
@@ -471,29 +465,29 @@ class OpenAIApi:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
 
-    def _delta(self, call: _Call, index: int, output: Output, offsets: list[int]) -> dict[str, Any]:
+    def _delta(self, answer: _Answer, index: int, output: Output, offsets: list[int]) -> dict[str, Any]:
         finish = _finish(output.stop_reason) if output.final else None
-        if call.kind == "chat":
-            logprobs = self._chat_logprobs(output.tokens) if call.logprobs else None
+        if answer.kind == "chat":
+            logprobs = self._chat_logprobs(output.tokens) if answer.logprobs else None
             return self._chunk(
-                call, index, {"content": output.text} if output.text or not finish else {}, finish, logprobs
+                answer, index, {"content": output.text} if output.text or not finish else {}, finish, logprobs
             )
-        logprobs = self._completion_logprobs(output.tokens, offsets[index]) if call.logprobs else None
-        return self._chunk(call, index, output.text, finish, logprobs)
+        logprobs = self._completion_logprobs(output.tokens, offsets[index]) if answer.logprobs else None
+        return self._chunk(answer, index, output.text, finish, logprobs)
 
     def _chunk(
-        self, call: _Call, index: int | None, content: Any, finish: str | None, logprobs: Any
+        self, answer: _Answer, index: int | None, content: Any, finish: str | None, logprobs: Any
     ) -> dict[str, Any]:
         chunk: dict[str, Any] = {
-            "id": call.id,
-            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
-            "created": call.created,
+            "id": answer.id,
+            "object": "chat.completion.chunk" if answer.kind == "chat" else "text_completion",
+            "created": answer.created,
             "model": self.model_name,
             "choices": [],
         }
         if index is not None:
             choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
-            choice["delta" if call.kind == "chat" else "text"] = content
+            choice["delta" if answer.kind == "chat" else "text"] = content
             chunk["choices"] = [choice]
         return chunk
 

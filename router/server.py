@@ -195,13 +195,12 @@ async def build(config: RouterConfig) -> Router:
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
     service = GenerationService(
-        validator, queue, limiter, metrics, tenant_limit=config.auth.tenant_max_concurrent_requests
+        validator, queue, limiter, metrics, config.auth.tenant_max_concurrent_requests, tracing
     )
     servicer = GenerationServicer(
         service,
         pool,
         metrics,
-        tracing,
         auth,
         seq2seq=info.seq2seq,
         max_sequence_length=config.max_sequence_length,
@@ -232,7 +231,6 @@ async def build(config: RouterConfig) -> Router:
     tgi = TgiRest(
         service,
         pool,
-        tracing,
         info=info_fields(
             model_id=model_name(config),
             dtype=info.dtype,
@@ -250,7 +248,6 @@ async def build(config: RouterConfig) -> Router:
     openai = OpenAIApi(
         service,
         pool,
-        tracing,
         model_name=model_name(config),
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,

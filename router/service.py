@@ -3,12 +3,14 @@ per-request log line.
 
 The doors (grpc_server.py for fmaas.GenerationService, tgi_rest.py for HF TGI's REST routes,
 openai_api.py for OpenAI's) translate their wire format into RequestParams and texts, and the
-Outputs they get back into their answers. Everything a door can be refused with is a
-RequestError carrying a door-neutral code, named after the gRPC status code it maps to: each door
-maps it to its own status (gRPC code, HTTP status). One ConcurrencyLimiter bounds the inputs in
-flight across all doors (MAX_CONCURRENT_REQUESTS), and, with authentication on, a per-tenant
-limit (TENANT_MAX_CONCURRENT_REQUESTS) keeps one tenant from holding them all; draining refuses
-new requests on every door.
+Outputs they get back into their answers. Every generation call of every door takes one path,
+`open_call`: counted (tgi_request_count) -> one trace span -> the door's own checks (`refuse`)
+-> admitted -> validated -> generated or streamed -> closed with its answer. Everything a door
+can be refused with is a RequestError carrying a door-neutral code, named after the gRPC status
+code it maps to: each door maps it to its own status (gRPC code, HTTP status). One
+ConcurrencyLimiter bounds the inputs in flight across all doors (MAX_CONCURRENT_REQUESTS), and,
+with authentication on, a per-tenant limit (TENANT_MAX_CONCURRENT_REQUESTS) keeps one tenant from
+holding them all; draining refuses new requests on every door.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.entry import Entry, Output
 from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.stopping import StopReason
 from router.tokenizer import TokenizerBusy
-from router.tracing import Span
+from router.tracing import Metadata, Span, Tracing, correlation_id
 from router.validation import RequestParams, ValidatedRequest, ValidationError, Validator
 from text_generation_common.logs import clip
 
@@ -84,6 +87,50 @@ class CallInfo:
         return self.kind.endswith("stream")
 
 
+class Call:
+    """One generation call of a door, from its arrival to its answer (GenerationService.open_call):
+    counted and traced when opened, admitted once for all its inputs, validated as of its
+    arrival. Close it (or leave its `with` block) once the answer is sent; a stream's answer
+    ends with its last event (http_calls.EventStream closes it then)."""
+
+    def __init__(
+        self,
+        service: GenerationService,
+        kind: str,
+        name: str,
+        headers: Metadata | None,
+        inputs: int,
+        tenant: str | None,
+    ) -> None:
+        self.service = service
+        self.received_at = time.monotonic()
+        self.inputs = inputs
+        service.metrics.inc("tgi_request_count", kind=kind)
+        service.metrics.inc("tgi_request_input_count", inputs)
+        self._held = contextlib.ExitStack()
+        span = self._held.enter_context(service.tracing.request_span(name, headers))
+        span.set_attribute("inputs", inputs)
+        self.info = CallInfo(kind, correlation_id(headers), span, tenant)
+
+    def admit(self) -> None:
+        """Take the permits of the call's inputs until it closes (RequestError when refused)."""
+        self._held.enter_context(self.service.admission(self.inputs, self.info.tenant))
+
+    async def validate(
+        self, texts: Sequence[str], params: RequestParams | None, prefix_id: str = "", adapter_id: str = ""
+    ) -> list[ValidatedRequest]:
+        return await self.service.validate(texts, params, self.received_at, prefix_id, adapter_id)
+
+    def close(self) -> None:
+        self._held.close()
+
+    def __enter__(self) -> Call:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._held.__exit__(*exc_info)  # the span records an exception that escapes
+
+
 class GenerationService:
     def __init__(
         self,
@@ -92,20 +139,26 @@ class GenerationService:
         limiter: ConcurrencyLimiter,
         metrics: Metrics,
         tenant_limit: int = 0,
+        tracing: Tracing | None = None,
     ) -> None:
         self.validator = validator
         self.queue = queue
         self.limiter = limiter
         self.metrics = metrics
+        self.tracing = tracing or Tracing()  # disabled unless given
         self.tenant_limit = tenant_limit  # inputs in flight per tenant; 0 = no limit
         self.tenant_in_flight: dict[str, int] = {}
         self.draining = False  # set on SIGTERM: new requests are refused
 
     # ---- admission and validation ---------------------------------------------------------
 
-    def count_call(self, kind: str, inputs: int) -> None:
-        self.metrics.inc("tgi_request_count", kind=kind)
-        self.metrics.inc("tgi_request_input_count", inputs)
+    def open_call(
+        self, kind: str, name: str, headers: Metadata | None, inputs: int, tenant: str | None = None
+    ) -> Call:
+        """A door's generation call of `inputs` requests: `kind` labels its metrics (KINDS),
+        `name` its span; `headers` (gRPC metadata or HTTP headers) carry the trace context and
+        the correlation id."""
+        return Call(self, kind, name, headers, inputs, tenant)
 
     def refuse(self, message: str, code: str = "INVALID_ARGUMENT") -> RequestError:
         """A door's own refusal of a request (its wire format's rules, checked before the shared

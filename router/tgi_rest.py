@@ -35,10 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.entry import Output
 from router.http_calls import EventStream, tenant_of, until_disconnected
-from router.service import CallInfo, GenerationService, RequestError
+from router.service import Call, CallInfo, GenerationService, RequestError
 from router.stopping import StopReason
 from router.tokenizer import TokenizerBusy, TokenizerError, TokenizerPool
-from router.tracing import Tracing, correlation_id
 from router.validation import (
     MAX_STOP_SEQUENCES,
     RequestParams,
@@ -209,14 +208,12 @@ class TgiRest:
         self,
         service: GenerationService,
         tokenizer: TokenizerPool,
-        tracing: Tracing,
         *,
         info: dict[str, Any],
         max_new_tokens: int,
     ) -> None:
         self.service = service
         self.tokenizer = tokenizer
-        self.tracing = tracing
         self.info_fields = info
         self.max_new_tokens = max_new_tokens
         raw = tokenizer.tokenizer
@@ -258,23 +255,20 @@ class TgiRest:
     async def generate_stream(self, body: GenerateRequest, request: Request) -> Response:
         """Server-sent events: `data:{token, generated_text: null, details: null}` per token, the
         last one with the whole text and the details."""
-        received_at = time.monotonic()
-        headers = list(request.headers.items())
-        self.service.count_call("rest_stream", 1)
-        stack = contextlib.ExitStack()
-        span = stack.enter_context(self.tracing.request_span("generate_stream", headers))
+        call = self.service.open_call(
+            "rest_stream", "generate_stream", list(request.headers.items()), 1, tenant_of(request)
+        )
         try:
             if body.parameters.decoder_input_details:
                 raise self.service.refuse(
                     "decoder_input_details == true is not supported when streaming tokens"
                 )
-            stack.enter_context(self.service.admission(1, tenant_of(request)))
-            (validated,) = await self._validate(body, received_at, stream=True)
+            call.admit()
+            (validated,) = await self._validate(call, body, stream=True)
         except RequestError as exc:
-            stack.close()
+            call.close()
             return error_response(exc)
-        call = CallInfo("rest_stream", correlation_id(headers), span, tenant_of(request))
-        return EventStream(self._events(validated, body.inputs, call), stack)
+        return EventStream(self._events(validated, body.inputs, call.info), call)
 
     async def tokenize(self, body: TokenizeRequest) -> Response:
         """The prompt's tokens: id, text and character offsets (TGI's /tokenize)."""
@@ -307,25 +301,20 @@ class TgiRest:
 
     # ---- generation -----------------------------------------------------------------------
 
-    async def _validate(
-        self, body: GenerateRequest, received_at: float, *, stream: bool
-    ) -> list[ValidatedRequest]:
+    async def _validate(self, call: Call, body: GenerateRequest, *, stream: bool) -> list[ValidatedRequest]:
         p = body.parameters
         refusal = unsupported(p)
         if refusal is not None:
             raise self.service.refuse(refusal)
         params = request_params(p, stream=stream, max_new_tokens=self.max_new_tokens)
-        return await self.service.validate([body.inputs], params, received_at, adapter_id=p.adapter_id or "")
+        return await call.validate([body.inputs], params, adapter_id=p.adapter_id or "")
 
     async def _generate(self, body: GenerateRequest, request: Request) -> dict[str, Any]:
-        received_at = time.monotonic()
         headers = list(request.headers.items())
-        self.service.count_call("rest", 1)
-        tenant = tenant_of(request)
-        with self.tracing.request_span("generate", headers) as span, self.service.admission(1, tenant):
-            (validated,) = await self._validate(body, received_at, stream=False)
-            call = CallInfo("rest", correlation_id(headers), span, tenant)
-            (output,) = await self.service.generate([validated], call)
+        with self.service.open_call("rest", "generate", headers, 1, tenant_of(request)) as call:
+            call.admit()
+            (validated,) = await self._validate(call, body, stream=False)
+            (output,) = await self.service.generate([validated], call.info)
         answer: dict[str, Any] = {"generated_text": self._full_text(body, output.text)}
         if body.parameters.details:
             answer["details"] = self._details(validated, output)

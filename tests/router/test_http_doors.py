@@ -23,7 +23,6 @@ from router.openai_api import request_params as openai_request_params
 from router.openai_api import unsupported as openai_unsupported
 from router.service import GenerationService
 from router.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
-from router.tracing import Tracing
 from router.validation import ValidationError
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
@@ -81,13 +80,12 @@ async def stack(detokenizer, tokenizer_pool, tokenizer_dir, auth):
         max_batch_prefill_tokens=0,
         version="0.1.0",
     )
-    tgi = TgiRest(service, tokenizer_pool, Tracing.setup(None, "test"), info=info, max_new_tokens=MAX_NEW)
+    tgi = TgiRest(service, tokenizer_pool, info=info, max_new_tokens=MAX_NEW)
     health = HealthCheck(shard, batcher, tokenizer_pool, lambda: service.draining)
     empty = tokenizer_pool.encode_batch_sync([""])[0]
     openai = OpenAIApi(
         service,
         tokenizer_pool,
-        Tracing.setup(None, "test"),
         model_name="tiny",
         max_sequence_length=512,
         max_new_tokens=MAX_NEW,
@@ -206,34 +204,48 @@ def test_tgi_grammar_and_openai_guided_parameters_become_constraints() -> None:
 # ---- routes ---------------------------------------------------------------------------------
 
 
-REFUSALS = [  # (path, body, status): every way the HTTP doors refuse a generate request
-    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422),  # the body's model
-    ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422),  # not served here
-    ("/generate", {"inputs": "hi", "parameters": {"repetition_penalty": 1e308}}, 422),  # inf as held
-    ("/generate", {"inputs": "hi", "parameters": {"temperature": 1e39, "do_sample": True}}, 422),
-    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 500}}, 422),  # the shared validation
-    ("/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422),
-    ("/", {"inputs": "hi", "parameters": {"top_p": 2.0}}, 422),
-    ("/v1/completions", {"prompt": "hi", "model": "other"}, 404),
-    ("/v1/completions", {"prompt": "hi", "n": 100}, 400),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 2}}, 400),
-    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400),
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e308}, 400),
-    ("/v1/completions", {"prompt": 7}, 400),  # the body's model
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a generate request;
+    # kind: the call's tgi_request_count label, None where the body's model refuses it before any door
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422, None),
+    ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "rest"),  # not served here
+    ("/generate", {"inputs": "hi", "parameters": {"repetition_penalty": 1e308}}, 422, "rest"),  # inf as held
+    ("/generate", {"inputs": "hi", "parameters": {"temperature": 1e39, "do_sample": True}}, 422, "rest"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 500}}, 422, "rest"),  # shared validation
+    ("/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422, "rest_stream"),
+    ("/generate_stream", {"inputs": "hi", "parameters": {"top_k": -1}}, 422, "rest_stream"),
+    ("/", {"inputs": "hi", "parameters": {"top_p": 2.0}}, 422, "rest"),
+    ("/", {"inputs": "hi", "stream": True, "parameters": {"top_p": 2.0}}, 422, "rest_stream"),
+    ("/v1/completions", {"prompt": "hi", "model": "other"}, 404, "openai"),
+    ("/v1/completions", {"prompt": "hi", "n": 100}, 400, None),
+    ("/v1/completions", {"prompt": ["hi"] * 9, "n": 2}, 400, "openai"),  # n x prompts over 16
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 2}}, 400, "openai"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400, "openai"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "openai"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e308}, 400, "openai"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 2.0}, 400, "openai_stream"),
+    ("/v1/completions", {"prompt": 7}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "status"), REFUSALS, ids=[f"{p} {b}" for p, b, _ in REFUSALS])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "kind"), REFUSALS, ids=[f"{p} {b}" for p, b, _, _ in REFUSALS]
+)
 async def test_every_refusal_of_the_http_doors_counts_as_a_validation_failure(
-    stack: Stack, path: str, body: dict, status: int
+    stack: Stack, path: str, body: dict, status: int, kind: str | None
 ) -> None:
+    """Every refusal is one validation failure; one a door makes is also one call of its kind
+    (one path for every door: counted, refused, its permits given back)."""
     failures = stack.metrics.counters["tgi_request_failure"]
-    before = failures.get(err="validation")
+    calls = stack.metrics.counters["tgi_request_count"]
+    kinds = ("rest", "rest_stream", "openai", "openai_stream")
+    before = failures.get(err="validation"), {k: calls.get(kind=k) for k in kinds}
     got, answer = await post(stack, path, body)
     assert got == status, answer
-    assert failures.get(err="validation") == before + 1
+    counted = {k: calls.get(kind=k) - before[1][k] for k in kinds}
+    assert failures.get(err="validation") == before[0] + 1
+    assert counted == {k: int(k == kind) for k in kinds}
+    assert stack.service.limiter.in_use == 0
     await stack.settled()
 
 

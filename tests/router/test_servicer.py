@@ -16,7 +16,6 @@ from router.pb import generation_pb2 as pb
 from router.service import DRAINING
 from router.shard_client import CONNECTION_MESSAGE, OOM_MESSAGE, ShardCallError
 from router.tokenizer import BUSY_MESSAGE, TokenizerPool
-from router.tracing import Tracing
 from tests.router.fakes import FakeShard
 from tests.router.stacks import service_over
 
@@ -45,7 +44,6 @@ async def servicer(detokenizer, tokenizer_pool):
         service,
         tokenizer_pool,
         service.metrics,
-        Tracing.setup(None, "test"),
         Authenticator(AuthConfig()),
         seq2seq=False,
         max_sequence_length=512,
