@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
@@ -42,6 +43,12 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def sse(payload: dict[str, Any], *, space: bool = False) -> str:
+    """One server-sent event of compact JSON: `data:{...}` (TGI's), or `data: {...}` with `space`
+    (OpenAI's)."""
+    return f"data:{' ' if space else ''}{json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 class EventStream(StreamingResponse):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -35,13 +34,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.entry import Output
-from router.http_calls import EventStream, tenant_of, until_disconnected
+from router.http_calls import EventStream, sse, tenant_of, until_disconnected
 from router.service import CallInfo, GenerationService, RequestError
 from router.stopping import StopReason
 from router.tokenizer import TokenizerPool
-from router.validation import RequestParams, ResponseSpec, StoppingSpec, ValidatedRequest, ValidationError
+from router.validation import (
+    RequestParams,
+    ResponseSpec,
+    StoppingSpec,
+    ValidatedRequest,
+    ValidationError,
+    http_sampling,
+)
 from text_generation_common.guided import schema_text
-from text_generation_common.messages import Guided, GuidedKind, SamplingParams, TokenInfo
+from text_generation_common.messages import Guided, GuidedKind, TokenInfo
 
 MAX_CHOICES = 16  # n, or prompts in one call
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
@@ -205,18 +211,15 @@ def request_params(
 ) -> RequestParams:
     """OpenAI's parameters -> RequestParams (validated afterwards like every door's)."""
     temperature = 1.0 if body.temperature is None else body.temperature
-    sampling = SamplingParams(
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+    sampling = http_sampling(
+        temperature != 0.0,
+        temperature=temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        seed=body.seed,
+        repetition_penalty=body.repetition_penalty,
         guided=guided_of(body),
     )
-    if temperature != 0.0:
-        sampling = replace(
-            sampling,
-            temperature=temperature,
-            top_k=body.top_k or 0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed,
-        )
     limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or max_new_tokens
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     tokens = stream or logprobs or top_n > 0
@@ -543,4 +546,4 @@ def _usage(requests: Sequence[ValidatedRequest], outputs: Sequence[Output]) -> d
 
 
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return sse(payload, space=True)

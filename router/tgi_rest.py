@@ -23,10 +23,8 @@ is its last event: {"error": ..., "error_type": "generation"}.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -34,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.entry import Output
-from router.http_calls import EventStream, tenant_of, until_disconnected
+from router.http_calls import EventStream, sse, tenant_of, until_disconnected
 from router.service import Call, CallInfo, GenerationService, RequestError
 from router.stopping import StopReason
 from router.tokenizer import TokenizerBusy, TokenizerError, TokenizerPool
@@ -44,10 +42,11 @@ from router.validation import (
     ResponseSpec,
     StoppingSpec,
     ValidatedRequest,
+    http_sampling,
     tokenizer_error_message,
 )
 from text_generation_common.guided import schema_text
-from text_generation_common.messages import Guided, GuidedKind, SamplingParams, TokenInfo
+from text_generation_common.messages import Guided, GuidedKind, TokenInfo
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
 HTTP_STATUS = {
@@ -163,19 +162,16 @@ def _sampling_wanted(p: Parameters) -> bool:
 
 def request_params(p: Parameters, *, stream: bool, max_new_tokens: int) -> RequestParams:
     """TGI's parameters -> RequestParams (validated afterwards like every door's)."""
-    sampling = SamplingParams(
-        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+    sampling = http_sampling(
+        _sampling_wanted(p),
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        typical_p=p.typical_p,
+        seed=p.seed,
+        repetition_penalty=p.repetition_penalty,
         guided=guided_of(p.grammar),
     )
-    if _sampling_wanted(p):
-        sampling = replace(
-            sampling,
-            temperature=1.0 if p.temperature is None else p.temperature,
-            top_k=p.top_k or 0,
-            top_p=1.0 if p.top_p is None else p.top_p,
-            typical_p=1.0 if p.typical_p is None else p.typical_p,
-            seed=p.seed,
-        )
     top_n = p.top_n_tokens or 0
     tokens = p.details or stream or top_n > 0
     return RequestParams(
@@ -329,9 +325,9 @@ class TgiRest:
             async with contextlib.aclosing(self.service.stream(validated, call)) as outputs:
                 async for output in outputs:
                     text.append(output.text)
-                    yield _sse(self._event(validated, output, prompt, "".join(text)))
+                    yield sse(self._event(validated, output, prompt, "".join(text)))
         except RequestError as exc:
-            yield _sse({"error": exc.message, "error_type": ERROR_TYPES.get(exc.cause, exc.cause)})
+            yield sse({"error": exc.message, "error_type": ERROR_TYPES.get(exc.cause, exc.cause)})
 
     def _event(self, validated: ValidatedRequest, output: Output, prompt: str, text: str) -> dict[str, Any]:
         token = output.tokens[-1] if output.tokens else None
@@ -390,10 +386,6 @@ class TgiRest:
             "logprob": top.logprob,
             "special": top.token_id in self._special,
         }
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data:{json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def info_fields(

@@ -125,6 +125,34 @@ class RequestParams:
     truncate_input_tokens: int = 0
 
 
+def http_sampling(
+    sample: bool,
+    *,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    typical_p: float | None = None,
+    seed: int | None,
+    repetition_penalty: float | None,
+    guided: Guided | None,
+) -> SamplingParams:
+    """The HTTP doors' sampling parameters (None: not given) -> SamplingParams: greedy unless
+    `sample` (each door decides by its API's rule), every field not given at its neutral value."""
+    chosen = SamplingParams(
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty, guided=guided
+    )
+    if not sample:
+        return chosen
+    return replace(
+        chosen,
+        temperature=1.0 if temperature is None else temperature,
+        top_k=top_k or 0,
+        top_p=1.0 if top_p is None else top_p,
+        typical_p=1.0 if typical_p is None else typical_p,
+        seed=seed,
+    )
+
+
 def tokenizer_error_message(exc: Exception) -> str:
     """TGIS's message for an input the tokenizer fails on (check 13), the detail clipped."""
     return f"tokenizer error {clip(str(exc))}"
