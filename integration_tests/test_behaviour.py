@@ -14,9 +14,9 @@ import torch
 
 from integration_tests.faults import long_params
 from integration_tests.servers import Server
-from router.detokenizer import Detokenizer
+from router.core.detokenizer import Detokenizer
+from router.core.tokenizer import load_tokenizer
 from router.pb import generation_pb2 as pb
-from router.tokenizer import load_tokenizer
 
 PROMPTS = [
     "A very long story:\n",

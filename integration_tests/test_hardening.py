@@ -19,9 +19,9 @@ import pytest
 
 from integration_tests import fuzz
 from integration_tests.servers import Server, launch
+from router.core.validation import EMPTY_INPUT_MESSAGE
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc
-from router.validation import EMPTY_INPUT_MESSAGE
 
 logger = logging.getLogger(__name__)
 FOUR_MIB_TEXT = "hello world, " * 300_000  # 3.9 MB: just under gRPC's 4 MiB message limit

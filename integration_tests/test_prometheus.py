@@ -19,7 +19,7 @@ from integration_tests.prometheus import (
     prometheus_version,
 )
 from integration_tests.servers import Server
-from router.metrics import KINDS
+from router.core.metrics import KINDS
 from router.pb import generation_pb2 as pb
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from router import config as router_defaults
-from router.auth import AuthConfig
+from router.api.auth import AuthConfig
 from router.cli_options import AUTH_PARAMS, auth_config
 from text_generation_common.cpu_placement import PlacementError, ShardPlacement, shard_placements
 from text_generation_common.defaults import (

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from router import config as defaults
-from router.auth import AuthConfig, parse_api_keys
+from router.api.auth import AuthConfig, parse_api_keys
 
 max_concurrent_requests = click.option(
     "--max-concurrent-requests",
@@ -118,7 +118,7 @@ otlp_service_name = click.option(
     help="Service name of the traces [env OTEL_SERVICE_NAME].",
 )
 
-# ---- authentication (router/auth.py): off unless a key, a secret or a public key is given ----
+# ---- authentication (router/api/auth.py): off unless a key, a secret or a public key is given ----
 
 _AUTH_OPTIONS = (
     click.option(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from router.auth import AuthConfig
+from router.api.auth import AuthConfig
 from text_generation_common.defaults import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
@@ -63,7 +63,9 @@ class RouterConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: time in-flight requests get to finish
     otlp_endpoint: str | None = None  # OpenTelemetry collector (OTLP/gRPC); None = no tracing
     otlp_service_name: str = DEFAULT_OTLP_SERVICE_NAME
-    auth: AuthConfig = field(default_factory=AuthConfig)  # API keys / JWT (router/auth.py); off by default
+    auth: AuthConfig = field(
+        default_factory=AuthConfig
+    )  # API keys / JWT (router/api/auth.py); off by default
 
     def __post_init__(self) -> None:
         if not self.tokenizer_path:

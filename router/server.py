@@ -25,28 +25,28 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from router.auth import Authenticator
-from router.batcher import Batcher
-from router.capacity import CapacityError, capacity_for
-from router.chat_template import load_chat_template
+from router.api.auth import Authenticator
+from router.api.service import ConcurrencyLimiter, GenerationService
+from router.api.tls import TlsConfigError, server_credentials
+from router.api.tracing import Tracing, TracingError
 from router.config import RouterConfig
-from router.detokenizer import Detokenizer
-from router.grpc_server import GenerationServicer
-from router.http_app import build_app
-from router.http_server import HealthCheck, HttpServer
-from router.metrics import CONTENT_TYPE, Metrics
-from router.openai_api import OpenAIApi
+from router.core.capacity import CapacityError, capacity_for
+from router.core.detokenizer import Detokenizer
+from router.core.metrics import CONTENT_TYPE, Metrics
+from router.core.tokenizer import TokenizerPool, load_tokenizer
+from router.core.validation import PrefixLengths, Validator
+from router.grpc.grpc_server import GenerationServicer
+from router.grpc.reflection import enable_server_reflection
+from router.grpc.rpc_handlers import add_servicer
+from router.http.chat_template import load_chat_template
+from router.http.http_app import build_app
+from router.http.http_server import HealthCheck, HttpServer
+from router.http.openai_api import OpenAIApi
+from router.http.tgi_rest import TgiRest, info_fields
 from router.pb import generation_pb2
-from router.reflection import enable_server_reflection
-from router.request_queue import RequestQueue
-from router.rpc_handlers import add_servicer
-from router.service import ConcurrencyLimiter, GenerationService
-from router.shard_client import GrpcShardClient, ShardCallError
-from router.tgi_rest import TgiRest, info_fields
-from router.tls import TlsConfigError, server_credentials
-from router.tokenizer import TokenizerPool, load_tokenizer
-from router.tracing import Tracing, TracingError
-from router.validation import PrefixLengths, Validator
+from router.scheduling.batcher import Batcher
+from router.scheduling.request_queue import RequestQueue
+from router.scheduling.shard_client import GrpcShardClient, ShardCallError
 from text_generation_common.guided import grammars_of
 from text_generation_common.heap import freeze_loaded_heap
 from text_generation_common.messages import ModelInfo

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from router.capacity import CapacityError, KVBlockCapacity, capacity_for
+from router.core.capacity import CapacityError, KVBlockCapacity, capacity_for
 from text_generation_common import convert
 from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (

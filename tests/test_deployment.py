@@ -39,8 +39,8 @@ from launcher.config import (
 from launcher.supervisor import SHARD_GRACE_S
 from router import cli as router_cli
 from router.config import DEFAULT_GRPC_PORT, DEFAULT_PORT
-from router.http_app import PROBE_PATHS
-from router.http_server import READY_WINDOW_S
+from router.http.http_app import PROBE_PATHS
+from router.http.http_server import READY_WINDOW_S
 from tests.deployment_tools import (
     REPO,
     Renderer,

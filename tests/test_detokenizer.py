@@ -1,4 +1,4 @@
-"""router/detokenizer.py: full and incremental decoding of continuations, per tokenizer family.
+"""router/core/detokenizer.py: full and incremental decoding of continuations, per tokenizer family.
 
 Tokenizers come from text_generation_server/testing/tiny_models.py (byte_level, metaspace with
 byte fallback, wordpiece), plus decoder variants made by editing their JSON (Llama-2's Sequence,
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from router.detokenizer import REPLACEMENT_CHAR, Detokenizer, classify_decoder
+from router.core.detokenizer import REPLACEMENT_CHAR, Detokenizer, classify_decoder
 from text_generation_server.testing import tiny_models
 
 KINDS = ("byte_level", "metaspace", "wordpiece")
@@ -414,6 +414,6 @@ def test_tiny_tokenizer_kinds_load_and_frame_like_the_architecture(tmp_path: Pat
 
 
 def test_detokenizer_import_stays_torch_free() -> None:
-    code = "import sys, router.detokenizer; sys.exit(bool({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, router.core.detokenizer; sys.exit(bool({'torch', 'transformers'} & set(sys.modules)))"
     repo = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=repo, check=False).returncode == 0

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from router.batcher import Batcher
-from router.capacity import capacity_for
-from router.detokenizer import Detokenizer
-from router.entry import Entry, Output
-from router.metrics import Metrics
-from router.request_queue import RequestQueue
-from router.shard_client import GrpcShardClient
-from router.tokenizer import load_tokenizer
-from router.validation import ValidatedRequest
+from router.core.capacity import capacity_for
+from router.core.detokenizer import Detokenizer
+from router.core.entry import Entry, Output
+from router.core.metrics import Metrics
+from router.core.tokenizer import load_tokenizer
+from router.core.validation import ValidatedRequest
+from router.scheduling.batcher import Batcher
+from router.scheduling.request_queue import RequestQueue
+from router.scheduling.shard_client import GrpcShardClient
 from tests.engines.conformance import validated_request
 from tests.shard_harness import running_shard
 from text_generation_common.messages import HEALTH_CHECK_BATCH_ID, GenerationRequest, SamplingParams

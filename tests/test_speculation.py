@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from router.capacity import capacity_for
-from router.metrics import Metrics
-from router.stopping import StopReason
-from router.tokenizer import load_tokenizer
+from router.core.capacity import capacity_for
+from router.core.metrics import Metrics
+from router.core.stopping import StopReason
+from router.core.tokenizer import load_tokenizer
 from tests.engines.conformance import LocalShard, Runner, through_batcher, validated_request
 from tests.engines.test_tgis_native import config_for
 from text_generation_common.messages import (

@@ -1,6 +1,6 @@
 """Every conversion between the internal protobuf messages and outputs.py dataclasses, in both
 directions: the shard (server.py) reads requests and writes results, the router
-(router/shard_client.py) writes requests and reads results.
+(router/scheduling/shard_client.py) writes requests and reads results.
 
 Zero values of proto3 scalars that mean "off" are normalised on reading (top_p / typical_p <= 0
 and repetition_penalty 0 -> 1.0).

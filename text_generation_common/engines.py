@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 
 class CapacityKind(enum.Enum):
-    """How the router decides that a request fits beside the running ones (router/capacity.py)."""
+    """How the router decides that a request fits beside the running ones (router/core/capacity.py)."""
 
     PADDED_WEIGHTS = "padded_weights"  # TGIS batch weights of left-padded rectangular batches
     UNPADDED_WEIGHTS = "unpadded_weights"  # TGIS batch weights of packed (ragged) batches

@@ -5,7 +5,7 @@ torch.distributed group before the model loads (gloo on CPU, NCCL on CUDA, rende
 MASTER_ADDR:MASTER_PORT, every collective bounded by COLLECTIVE_TIMEOUT); transformers' own
 tensor-parallel plans then split the weights as they are read (each rank reads only its slices
 of the safetensors files), and the sharded linears all-reduce inside the forward pass. The
-router sends every call to every rank in the same order (router/shard_client.py), so all ranks
+router sends every call to every rank in the same order (router/scheduling/shard_client.py), so all ranks
 hold the same batches and block tables and choose the same tokens (sampling is always seeded);
 rank 0 answers.
 

@@ -47,7 +47,7 @@ T = TypeVar("T")
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
-    # The router pings every second to notice a frozen shard (router/shard_client.py).
+    # The router pings every second to notice a frozen shard (router/scheduling/shard_client.py).
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from router.batcher import Batcher
-from router.capacity import Capacity
-from router.detokenizer import Detokenizer
-from router.entry import Entry, Output
-from router.metrics import Metrics
-from router.request_queue import RequestQueue
-from router.shard_client import ShardCallError
-from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from router.core.capacity import Capacity
+from router.core.detokenizer import Detokenizer
+from router.core.entry import Entry, Output
+from router.core.metrics import Metrics
+from router.core.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from router.scheduling.batcher import Batcher
+from router.scheduling.request_queue import RequestQueue
+from router.scheduling.shard_client import ShardCallError
 from text_generation_common.engines import ENGINES
 from text_generation_common.messages import (
     CachedBatchRef,
@@ -285,7 +285,7 @@ def alone(engine: ModelEngine, request: GenerationRequest) -> list[int]:
 
 
 class LocalShard:
-    """router.shard_client.ShardClient over a BatchManager in this process (no gRPC)."""
+    """router.scheduling.shard_client.ShardClient over a BatchManager in this process (no gRPC)."""
 
     def __init__(self, engine: ModelEngine) -> None:
         self.manager = BatchManager(engine, MAX_BATCH)

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from router.capacity import capacity_for
-from router.entry import Output
-from router.metrics import Metrics
-from router.stopping import StopReason
-from router.tokenizer import load_tokenizer
-from router.validation import ValidatedRequest
+from router.core.capacity import capacity_for
+from router.core.entry import Output
+from router.core.metrics import Metrics
+from router.core.stopping import StopReason
+from router.core.tokenizer import load_tokenizer
+from router.core.validation import ValidatedRequest
 from tests.engines.conformance import (
     EngineCase,
     LocalShard,

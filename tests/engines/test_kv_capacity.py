@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from router.capacity import KVBlockCapacity, Load, capacity_for
-from router.metrics import Metrics
-from router.tokenizer import load_tokenizer
+from router.core.capacity import KVBlockCapacity, Load, capacity_for
+from router.core.metrics import Metrics
+from router.core.tokenizer import load_tokenizer
 from tests.engines.conformance import LocalShard, alone, through_batcher, validated_request
 from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import CachedBatchRef, GenerationRequest, StepOutput

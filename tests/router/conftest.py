@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tokenizer import TokenizerPool, load_tokenizer
+from router.core.tokenizer import TokenizerPool, load_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def detokenizer(tokenizer_dir: Path):
-    from router.detokenizer import Detokenizer
+    from router.core.detokenizer import Detokenizer
 
     return Detokenizer(load_tokenizer(str(tokenizer_dir)))
 

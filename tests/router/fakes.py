@@ -1,6 +1,6 @@
 """Test doubles for the router: an in-process shard that keeps batches like the real one.
 
-FakeShard implements router.shard_client.ShardClient without torch: a "model" that picks each
+FakeShard implements router.scheduling.shard_client.ShardClient without torch: a "model" that picks each
 request's next token with a script function, batches cached by id, pruning by completed ids,
 merging on NextToken, and a log of every call so tests can assert the protocol the batcher
 speaks. Failures and latency can be injected. With `chunked_prefill`, it computes at most the
@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.shard_client import ShardCallError
+from router.scheduling.shard_client import ShardCallError
 from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,
     CachedBatchRef,

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from router.batch_weights import BatchWeights
-from router.batcher import Batcher
-from router.capacity import WeightCapacity
-from router.detokenizer import Detokenizer
-from router.metrics import Metrics
-from router.request_queue import RequestQueue
-from router.service import ConcurrencyLimiter, GenerationService
-from router.tokenizer import TokenizerPool
-from router.validation import PrefixLengths, Validator
+from router.api.service import ConcurrencyLimiter, GenerationService
+from router.core.batch_weights import BatchWeights
+from router.core.capacity import WeightCapacity
+from router.core.detokenizer import Detokenizer
+from router.core.metrics import Metrics
+from router.core.tokenizer import TokenizerPool
+from router.core.validation import PrefixLengths, Validator
+from router.scheduling.batcher import Batcher
+from router.scheduling.request_queue import RequestQueue
 from tests.router.fakes import EOS, FakeShard
 
 MAX_SEQUENCE_LENGTH = 512

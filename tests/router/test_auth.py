@@ -10,7 +10,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from router.auth import AuthConfig, Authenticator, AuthError, parse_api_keys
+from router.api.auth import AuthConfig, Authenticator, AuthError, parse_api_keys
 
 SECRET = "another-secret-for-tests-0123456789"
 

@@ -14,16 +14,16 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from router.batch_weights import BatchWeights
-from router.batcher import MISSING_ANSWER, Batcher
-from router.capacity import WeightCapacity
-from router.detokenizer import Detokenizer
-from router.entry import Entry, Output
-from router.metrics import Metrics
-from router.request_queue import RequestQueue
-from router.shard_client import ShardCallError
-from router.stopping import StopReason
-from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from router.core.batch_weights import BatchWeights
+from router.core.capacity import WeightCapacity
+from router.core.detokenizer import Detokenizer
+from router.core.entry import Entry, Output
+from router.core.metrics import Metrics
+from router.core.stopping import StopReason
+from router.core.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from router.scheduling.batcher import MISSING_ANSWER, Batcher
+from router.scheduling.request_queue import RequestQueue
+from router.scheduling.shard_client import ShardCallError
 from tests.router.fakes import EOS, FakeShard
 from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,

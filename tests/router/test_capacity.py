@@ -1,11 +1,11 @@
-"""router/capacity.py: the capacity interface the queue and the batcher use, its TGIS-weights
+"""router/core/capacity.py: the capacity interface the queue and the batcher use, its TGIS-weights
 implementation for both kinds, and the choice by the kind the shard reports."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.capacity import Admission, CapacityError, KVBlockCapacity, Load, WeightCapacity, capacity_for
+from router.core.capacity import Admission, CapacityError, KVBlockCapacity, Load, WeightCapacity, capacity_for
 from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import KvCacheState, MemoryScalingModel, ModelInfo, StepOutput
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from router.detokenizer import Detokenizer
-from router.entry import Entry, Output
-from router.stopping import StopReason
-from router.tokenizer import load_tokenizer
-from router.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+from router.core.detokenizer import Detokenizer
+from router.core.entry import Entry, Output
+from router.core.stopping import StopReason
+from router.core.tokenizer import load_tokenizer
+from router.core.validation import ResponseSpec, StoppingSpec, ValidatedRequest
 from text_generation_common.messages import SamplingParams, TokenInfo
 from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
 
@@ -81,11 +81,11 @@ def test_stream_equals_unary_for_random_tokens_and_stop_sequences(detokenizer: D
 def test_decoding_failure_fails_only_its_request(tmp_path) -> None:
     import asyncio
 
-    from router.batch_weights import BatchWeights
-    from router.batcher import Batcher
-    from router.capacity import WeightCapacity
-    from router.metrics import Metrics
-    from router.request_queue import RequestQueue
+    from router.core.batch_weights import BatchWeights
+    from router.core.capacity import WeightCapacity
+    from router.core.metrics import Metrics
+    from router.scheduling.batcher import Batcher
+    from router.scheduling.request_queue import RequestQueue
     from tests.router.fakes import FakeShard
 
     write_tokenizer(tmp_path, ARCHITECTURES["llama"])

@@ -12,18 +12,18 @@ import socket
 import aiohttp
 import pytest
 
-from router import http_server
-from router.auth import AuthConfig, Authenticator
-from router.chat_template import load_chat_template
-from router.http_app import PROBE_PATHS, build_app
-from router.http_server import HealthCheck, HttpServer
-from router.metrics import Metrics
-from router.openai_api import ChatRequest, OpenAIApi
-from router.openai_api import request_params as openai_request_params
-from router.openai_api import unsupported as openai_unsupported
-from router.service import GenerationService
-from router.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
-from router.validation import ValidationError
+from router.http import http_server
+from router.api.auth import AuthConfig, Authenticator
+from router.api.service import GenerationService
+from router.core.metrics import Metrics
+from router.core.validation import ValidationError
+from router.http.chat_template import load_chat_template
+from router.http.http_app import PROBE_PATHS, build_app
+from router.http.http_server import HealthCheck, HttpServer
+from router.http.openai_api import ChatRequest, OpenAIApi
+from router.http.openai_api import request_params as openai_request_params
+from router.http.openai_api import unsupported as openai_unsupported
+from router.http.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
 from text_generation_common.messages import GenerationRequest, Guided, GuidedKind
@@ -678,7 +678,7 @@ async def test_http_doors_need_a_token(stack: Stack, auth: AuthConfig, caplog) -
     forged = token()[:-4] + "AAAA"
     status, answer, _ = await call(stack, "/generate", body, forged)
     assert (status, answer["error"]) == (401, "invalid token: signature verification failed")
-    caplog.set_level("INFO", "router.service")
+    caplog.set_level("INFO", "router.api.service")
     assert (await call(stack, "/generate", body, "key-two"))[0] == 200
     assert (await call(stack, "/generate", body, token()))[0] == 200
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Request generated")]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from router.input_bound import max_token_bytes, min_tokens
-from router.tokenizer import load_tokenizer
+from router.core.input_bound import max_token_bytes, min_tokens
+from router.core.tokenizer import load_tokenizer
 from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
 
 ALPHABET = ["a", "b", "z", " ", "  ", "\n", "\t", "é", "€", "😀", "<s>", "</s>", "hello", "def ", "0", "9"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import METRICS, Metrics, markdown_table
+from router.core.metrics import METRICS, Metrics, markdown_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -87,7 +87,7 @@ def test_readme_metrics_table_matches_the_code() -> None:
     match = re.search(r"<!-- metrics-table -->\n(.*?)<!-- /metrics-table -->", readme, re.S)
     assert match, "README.md lost its metrics table markers"
     assert match.group(1) == markdown_table(), (
-        "README.md's metrics table is out of date: replace it with `python -m router.metrics`"
+        "README.md's metrics table is out of date: replace it with `python -m router.core.metrics`"
     )
 
 

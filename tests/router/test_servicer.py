@@ -10,12 +10,12 @@ import time
 import grpc
 import pytest
 
-from router.auth import AuthConfig, Authenticator
-from router.grpc_server import MAX_TOKENIZE_TEXTS, GenerationServicer
+from router.api.auth import AuthConfig, Authenticator
+from router.api.service import DRAINING
+from router.core.tokenizer import BUSY_MESSAGE, TokenizerPool
+from router.grpc.grpc_server import MAX_TOKENIZE_TEXTS, GenerationServicer
 from router.pb import generation_pb2 as pb
-from router.service import DRAINING
-from router.shard_client import CONNECTION_MESSAGE, OOM_MESSAGE, ShardCallError
-from router.tokenizer import BUSY_MESSAGE, TokenizerPool
+from router.scheduling.shard_client import CONNECTION_MESSAGE, OOM_MESSAGE, ShardCallError
 from tests.router.fakes import FakeShard
 from tests.router.stacks import service_over
 
@@ -63,7 +63,7 @@ def batch(texts: list[str], max_new: int) -> pb.BatchedGenerationRequest:
 
 async def test_a_failing_input_fails_the_call_at_once(servicer, caplog) -> None:
     s, shard = servicer
-    caplog.set_level(logging.INFO, "router.service")
+    caplog.set_level(logging.INFO, "router.api.service")
     # The second input fails at its prefill; the first would need 150 steps (0.3 s or more).
     shard.request_errors[2] = "boom"
     start = time.monotonic()
@@ -159,7 +159,7 @@ async def test_tokenize_limits(servicer, tokenizer_dir) -> None:
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details == f"a Tokenize call may carry at most {MAX_TOKENIZE_TEXTS} texts, got 4097"
     # A lane holding its budget refuses more at once, and frees it when its job ends.
-    from router.tokenizer import load_tokenizer
+    from router.core.tokenizer import load_tokenizer
 
     s.tokenizer = TokenizerPool(load_tokenizer(str(tokenizer_dir)), 1, tokenize_budget_bytes=4096)
     try:

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from router.batch_weights import BatchWeights
-from router.stopping import StopReason, check_stop, find_stop_sequence, held_back
+from router.core.batch_weights import BatchWeights
+from router.core.stopping import StopReason, check_stop, find_stop_sequence, held_back
 from text_generation_common.messages import MemoryScalingModel
 
 

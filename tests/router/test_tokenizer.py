@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.tokenizer import TokenizerPool, _byte_offsets, load_tokenizer
+from router.core.tokenizer import TokenizerPool, _byte_offsets, load_tokenizer
 from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
 
 TEXTS = ["A very long story:\n", "é€😀 <s>x</s> \x00", "", "   ", "def hello(world):\n    return 1"]

@@ -1,4 +1,4 @@
-"""router.tracing: the disabled path imports nothing; the enabled path exports real OTLP/gRPC.
+"""router.api.tracing: the disabled path imports nothing; the enabled path exports real OTLP/gRPC.
 
 The enabled tests run an in-process fake collector (a grpc server implementing the OTLP
 TraceService) and check what the exporter actually sent over the wire.
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from router.tracing import NOOP_SPAN, Tracing, TracingError, correlation_id
+from router.api.tracing import NOOP_SPAN, Tracing, TracingError, correlation_id
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "text-generation-inference.router"
@@ -50,7 +50,7 @@ def test_disabled_setup_gives_shared_noop_span() -> None:
 
 def test_disabled_path_imports_no_opentelemetry() -> None:
     code = (
-        "import sys, router.tracing as t\n"
+        "import sys, router.api.tracing as t\n"
         "s = t.Tracing.setup(None, 'x')\n"
         "with s.request_span('Generate', [('x-correlation-id', 'a')]) as span:\n"
         "    span.set_attribute('k', 'v')\n"
@@ -67,7 +67,7 @@ def test_missing_extra_raises_tracing_error() -> None:
     code = (
         "import sys\n"
         "sys.modules['opentelemetry'] = None\n"
-        "import router.tracing as t\n"
+        "import router.api.tracing as t\n"
         "try:\n"
         "    t.Tracing.setup('http://127.0.0.1:4317', 'x')\n"
         "except t.TracingError as exc:\n"

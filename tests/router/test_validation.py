@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from router.capacity import KVBlockCapacity
-from router.grpc_params import convert_params
-from router.metrics import Metrics
-from router.pb import generation_pb2 as pb
-from router.validation import (
+from router.core.capacity import KVBlockCapacity
+from router.core.metrics import Metrics
+from router.core.validation import (
     EMPTY_INPUT_MESSAGE,
     STOP_SEQUENCES_MESSAGE,
     PrefixLengths,
@@ -20,6 +18,8 @@ from router.validation import (
     check_params,
     shard_input_ids,
 )
+from router.grpc.grpc_params import convert_params
+from router.pb import generation_pb2 as pb
 from text_generation_common.guided import Grammars
 from text_generation_common.messages import GenerationRequest, Guided, GuidedKind
 from text_generation_server.engines.inputs import truncated_input_ids
@@ -319,7 +319,7 @@ def test_shard_input_ids_truncate_like_the_whole_list(length: int, keep: int, bo
 @pytest.fixture
 def no_bos_validator(tmp_path) -> Validator:
     """Validation with a tokenizer that adds no BOS (GPT-2's, BLOOM's): "" has no tokens."""
-    from router.tokenizer import TokenizerPool, load_tokenizer
+    from router.core.tokenizer import TokenizerPool, load_tokenizer
     from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
 
     write_tokenizer(tmp_path, ARCHITECTURES["gpt2"])

@@ -19,7 +19,7 @@ sized by `_num_blocks` (KV_CACHE_BLOCKS, CPU_KV_CACHE_SPACE, or MAX_BATCH_SIZE s
 within free memory; on CUDA the free memory). Every call reports the cache's state (`kv_state`:
 blocks used, blocks the live requests may still take at their longest, reclaimable prefix-cache
 blocks, prefix-cache totals); the router admits a request only when its longest length fits
-beside that (router/capacity.py KVBlockCapacity), so a running request never runs out of blocks.
+beside that (router/core/capacity.py KVBlockCapacity), so a running request never runs out of blocks.
 
 Speculative decoding (SPECULATE, speculation/): while at most SPECULATOR_MAX_BATCH_SIZE rows
 decode, each decoding request may carry k candidate tokens after its last token and becomes

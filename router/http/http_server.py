@@ -41,9 +41,9 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.batcher import Batcher
-from router.shard_client import ShardCallError, ShardClient
-from router.tokenizer import TokenizerPool
+from router.core.tokenizer import TokenizerPool
+from router.scheduling.batcher import Batcher
+from router.scheduling.shard_client import ShardCallError, ShardClient
 from text_generation_common.messages import HEALTH_CHECK_BATCH_ID, GenerationRequest
 
 logger = logging.getLogger(__name__)

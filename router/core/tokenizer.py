@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from tokenizers import Tokenizer
 
-from router.input_bound import max_token_bytes, utf8_length
+from router.core.input_bound import max_token_bytes, utf8_length
 
 TOKENIZER_FILE = "tokenizer.json"
 BULK_JOB_BYTES = 64 * 1024  # a job this large runs in the bulk lane

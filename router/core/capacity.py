@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from router.batch_weights import BatchWeights
+from router.core.batch_weights import BatchWeights
 from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import KvCacheState, ModelInfo, StepOutput
 

@@ -23,11 +23,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from router.auth import Authenticator, AuthError
-from router.http_server import HealthCheck, HttpResponse, error_body
-from router.openai_api import OpenAIApi, error_json
-from router.service import GenerationService
-from router.tgi_rest import TgiRest
+from router.api.auth import Authenticator, AuthError
+from router.api.service import GenerationService
+from router.http.http_server import HealthCheck, HttpResponse, error_body
+from router.http.openai_api import OpenAIApi, error_json
+from router.http.tgi_rest import TgiRest
 from text_generation_common.logs import clip
 
 MAX_ECHOED_PATH = 64

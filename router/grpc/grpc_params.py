@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from router.core.validation import DEFAULT_MAX_NEW_TOKENS, RequestParams, ResponseSpec, StoppingSpec
 from router.pb import generation_pb2 as pb
-from router.validation import DEFAULT_MAX_NEW_TOKENS, RequestParams, ResponseSpec, StoppingSpec
 from text_generation_common.messages import Guided, GuidedKind, LengthPenalty, SamplingParams
 
 

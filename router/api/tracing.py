@@ -3,7 +3,7 @@
 Owns the router's TracerProvider: one SERVER span per external RPC, exported in batches over
 OTLP/gRPC to `--otlp-endpoint`, parented on the W3C trace context (`traceparent`/`tracestate`)
 that the client sent as gRPC metadata. `router/server.py` calls `Tracing.setup()` at startup and
-`shutdown()` at exit; `router/grpc_server.py` wraps each RPC in `request_span()` and reads
+`shutdown()` at exit; `router/grpc/grpc_server.py` wraps each RPC in `request_span()` and reads
 `correlation_id()` for its log line.
 
 Without an endpoint nothing of opentelemetry is imported and `request_span()` costs one attribute

@@ -32,9 +32,9 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from router.capacity import Admission, Capacity, Load
-from router.entry import Entry
-from router.metrics import Metrics
+from router.core.capacity import Admission, Capacity, Load
+from router.core.entry import Entry
+from router.core.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ transformers). The router builds one `Detokenizer` per model from its tokenizers
 shares it across all requests; it decodes whole continuations for unary answers (`decode`) and
 hands out one `IncrementalDecoder` per request for streaming and stop-sequence matching (`push`
 for every generated token except a final EOS, then `flush`). Callers: router/server.py builds it,
-router/batcher.py passes it on, router/entry.py decodes each request's tokens.
+router/scheduling/batcher.py passes it on, router/core/entry.py decodes each request's tokens.
 
 Central invariant, for every id sequence and both modes:
 

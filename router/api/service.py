@@ -23,13 +23,13 @@ from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.entry import Entry, Output
-from router.metrics import Metrics
-from router.request_queue import RequestQueue
-from router.stopping import StopReason
-from router.tokenizer import TokenizerBusy
-from router.tracing import Metadata, Span, Tracing, correlation_id
-from router.validation import RequestParams, ValidatedRequest, ValidationError, Validator
+from router.api.tracing import Metadata, Span, Tracing, correlation_id
+from router.core.entry import Entry, Output
+from router.core.metrics import Metrics
+from router.core.stopping import StopReason
+from router.core.tokenizer import TokenizerBusy
+from router.core.validation import RequestParams, ValidatedRequest, ValidationError, Validator
+from router.scheduling.request_queue import RequestQueue
 from text_generation_common.logs import clip
 
 logger = logging.getLogger(__name__)

@@ -43,11 +43,11 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.detokenizer import Detokenizer
-from router.entry import Entry, Failure
-from router.metrics import Metrics
-from router.request_queue import RequestQueue, entry_load
-from router.shard_client import ShardCallError, ShardClient
+from router.core.detokenizer import Detokenizer
+from router.core.entry import Entry, Failure
+from router.core.metrics import Metrics
+from router.scheduling.request_queue import RequestQueue, entry_load
+from router.scheduling.shard_client import ShardCallError, ShardClient
 from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,
     CachedBatchRef,

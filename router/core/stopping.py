@@ -7,7 +7,7 @@ Checked after every generated token, first match wins (tgis-api §6):
   4. max_new_tokens reached           -> TOKEN_LIMIT if the server capped it, else MAX_TOKENS
   5. a stop sequence ends in the text
      that this token added            -> STOP_SEQUENCE (its earliest such occurrence)
-Callers: router/entry.py.
+Callers: router/core/entry.py.
 """
 
 from __future__ import annotations

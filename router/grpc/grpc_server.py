@@ -20,15 +20,15 @@ from typing import Any, NoReturn
 
 import grpc
 
-from router.auth import Authenticator, AuthError
-from router.entry import Output
-from router.grpc_params import convert_params
-from router.metrics import Metrics
+from router.api.auth import Authenticator, AuthError
+from router.api.service import DRAINING, Call, GenerationService, RequestError
+from router.core.entry import Output
+from router.core.metrics import Metrics
+from router.core.tokenizer import TokenizedText, TokenizerBusy, TokenizerError, TokenizerPool
+from router.core.validation import ValidatedRequest, tokenizer_error_message
+from router.grpc.grpc_params import convert_params
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc
-from router.service import DRAINING, Call, GenerationService, RequestError
-from router.tokenizer import TokenizedText, TokenizerBusy, TokenizerError, TokenizerPool
-from router.validation import ValidatedRequest, tokenizer_error_message
 from text_generation_common.messages import TokenInfo
 
 MAX_TOKENIZE_TEXTS = 4096  # texts in one Tokenize call (bytes are capped by gRPC's 4 MiB)

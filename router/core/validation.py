@@ -19,10 +19,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from router.capacity import Capacity, Load
-from router.input_bound import min_tokens
-from router.metrics import Metrics
-from router.tokenizer import TokenizerError, TokenizerPool
+from router.core.capacity import Capacity, Load
+from router.core.input_bound import min_tokens
+from router.core.metrics import Metrics
+from router.core.tokenizer import TokenizerError, TokenizerPool
 from text_generation_common.guided import UNAVAILABLE, Grammars, GuidedError
 from text_generation_common.logs import clip
 from text_generation_common.messages import (

@@ -18,9 +18,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from router.detokenizer import Detokenizer, IncrementalDecoder
-from router.stopping import StopReason, check_stop, find_stop_sequence, held_back
-from router.validation import ValidatedRequest
+from router.core.detokenizer import Detokenizer, IncrementalDecoder
+from router.core.stopping import StopReason, check_stop, find_stop_sequence, held_back
+from router.core.validation import ValidatedRequest
 from text_generation_common.messages import TokenInfo
 
 REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) valid UTF-8

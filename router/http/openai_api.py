@@ -32,13 +32,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.chat_template import ChatTemplate, ChatTemplateError
-from router.entry import Output
-from router.http_calls import EventStream, sse, tenant_of, until_disconnected
-from router.service import CallInfo, GenerationService, RequestError
-from router.stopping import StopReason
-from router.tokenizer import TokenizerPool
-from router.validation import (
+from router.api.service import CallInfo, GenerationService, RequestError
+from router.core.entry import Output
+from router.core.stopping import StopReason
+from router.core.tokenizer import TokenizerPool
+from router.core.validation import (
     RequestParams,
     ResponseSpec,
     StoppingSpec,
@@ -46,6 +44,8 @@ from router.validation import (
     ValidationError,
     http_sampling,
 )
+from router.http.chat_template import ChatTemplate, ChatTemplateError
+from router.http.http_calls import EventStream, sse, tenant_of, until_disconnected
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind, TokenInfo
 

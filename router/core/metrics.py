@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from router.stopping import StopReason
+from router.core.stopping import StopReason
 from text_generation_common.messages import AdapterCacheState, KvCacheState, Speculation
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -31,12 +31,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.entry import Output
-from router.http_calls import EventStream, sse, tenant_of, until_disconnected
-from router.service import Call, CallInfo, GenerationService, RequestError
-from router.stopping import StopReason
-from router.tokenizer import TokenizerBusy, TokenizerError, TokenizerPool
-from router.validation import (
+from router.api.service import Call, CallInfo, GenerationService, RequestError
+from router.core.entry import Output
+from router.core.stopping import StopReason
+from router.core.tokenizer import TokenizerBusy, TokenizerError, TokenizerPool
+from router.core.validation import (
     MAX_STOP_SEQUENCES,
     RequestParams,
     ResponseSpec,
@@ -45,6 +44,7 @@ from router.validation import (
     http_sampling,
     tokenizer_error_message,
 )
+from router.http.http_calls import EventStream, sse, tenant_of, until_disconnected
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind, TokenInfo
 
