@@ -5,6 +5,15 @@ router                   imports text_generation_common only (and so never torch
 text_generation_server   imports text_generation_common only
 launcher                 imports router (flags, defaults) and text_generation_common; the
                          shard's torch-free hub helpers; never torch
+
+Inside the router, one way (its top-level modules, cli/config/server/client, wire the folders
+together and may import any):
+router/core              a request's life (validation, tokenization, detokenization, stopping,
+                         capacity, metrics): no other folder of the router
+router/scheduling        the batching loop, its queue, the shard client: core
+router/api               what every door shares (the call path, auth, tracing, TLS): core, scheduling
+router/grpc, router/http the doors: api, core (http also scheduling, for its health checks;
+                         grpc also pb); never each other
 """
 
 from __future__ import annotations
@@ -43,6 +52,41 @@ def test_a_package_imports_only_what_it_may(package: str) -> None:
         str(path.relative_to(REPO)): sorted(imported_packages(path) & FORBIDDEN[package])
         for path in sorted((REPO / package).rglob("*.py"))
         if "/pb/" not in str(path)
+    }
+    assert {k: v for k, v in offending.items() if v} == {}
+
+
+ROUTER_FOLDERS = {  # folder -> the router's folders it may import (besides itself)
+    "core": set(),
+    "scheduling": {"core"},
+    "api": {"core", "scheduling"},
+    "grpc": {"api", "core", "pb"},
+    "http": {"api", "core", "scheduling"},
+}
+
+
+def router_folders(path: Path) -> set[str]:
+    """The folders of the router that `path` imports from (router.X.Y -> X)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        modules = []
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module]
+        names.update(m.split(".")[1] for m in modules if m.startswith("router.") and m.count(".") >= 1)
+    return names
+
+
+def test_the_routers_folders_import_one_way() -> None:
+    assert {p.name for p in (REPO / "router").iterdir() if (p / "__init__.py").exists()} == {
+        *ROUTER_FOLDERS,
+        "pb",
+    }
+    offending = {
+        str(path.relative_to(REPO)): sorted(router_folders(path) - ROUTER_FOLDERS[folder] - {folder})
+        for folder in ROUTER_FOLDERS
+        for path in sorted((REPO / "router" / folder).rglob("*.py"))
     }
     assert {k: v for k, v in offending.items() if v} == {}
 
