@@ -189,7 +189,7 @@ def test_int4_weights_unpack_to_their_definition(shape) -> None:
 def test_the_cpp_product_over_unpacked_slices_equals_the_tensor_form(dtype) -> None:
     """csrc/int4_cpu.cpp against Int4Linear.unpacked: widths that do not fill the packed blocks,
     groups smaller than its tiles, and a layer of two slices (2,100 x 2,048 in bf16 > 8 MB)."""
-    from text_generation_server.engines import cpu_kernels
+    from text_generation_server.kernels import cpu_kernels
 
     cpu_kernels.load()
     gen = torch.Generator().manual_seed(4)

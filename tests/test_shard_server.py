@@ -16,10 +16,10 @@ import torch
 from tests.shard_harness import Driver, make_request, running_shard
 from text_generation_common.messages import HEALTH_CHECK_BATCH_ID
 from text_generation_common.pb import generate_pb2 as pb
+from text_generation_server.batches.inputs import UNSEEDED_MESSAGE
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import HFTransformersEngine
-from text_generation_server.engines.inputs import UNSEEDED_MESSAGE
 
 MAX_BATCH = 4
 MAX_SEQ = 64

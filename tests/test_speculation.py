@@ -35,9 +35,9 @@ from text_generation_common.messages import (
 )
 from text_generation_common.speculate import refusal
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.paged_kv import BlockPool, SequenceKV, prefix_keys
 from text_generation_server.engines.step import choose_speculated, choose_tokens
 from text_generation_server.engines.tgis_native import TgisNativeEngine
+from text_generation_server.kv.paged_kv import BlockPool, SequenceKV, prefix_keys
 from text_generation_server.sampling.chooser import TokenChooser
 from text_generation_server.speculation import Lookahead, Speculator, Target
 from text_generation_server.speculation.draft import DraftSpeculator
@@ -675,7 +675,7 @@ def test_the_mlp_speculator_reads_the_hidden_states_of_replayed_decode_graphs(
     """Decode steps replayed from captured graphs (the CPU stand-in of CUDA graphs) give the MLP
     speculator the hidden states eager steps give: the same candidates, the same tokens."""
     from tests.engines.test_runner import Replays
-    from text_generation_server.engines import cpu_kernels
+    from text_generation_server.kernels import cpu_kernels
 
     try:
         cpu_kernels.load()

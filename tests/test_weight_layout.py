@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from text_generation_server.engines.weight_layout import (
+from text_generation_server.kernels.weight_layout import (
     LinearLayout,
     OneDnnLinear,
     choose_linear_layouts,

@@ -22,8 +22,8 @@ import torch
 from text_generation_common.messages import AdapterCacheState, GenerationRequest
 from text_generation_server import distributed
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines import cpu_kernels
 from text_generation_server.errors import PrefixNotFoundError, ShardError
+from text_generation_server.kernels import cpu_kernels
 from text_generation_server.lora import AdapterError, Adapters, LoraWeights
 from text_generation_server.prompts import PromptStore, SoftPrompt, clipped, store_for
 
@@ -35,7 +35,7 @@ PROMPT_TUNING, LORA = "PROMPT_TUNING", "LORA"
 @dataclass(slots=True)
 class Resolved:
     """The adapters of a batch's requests, by request id (requests whose adapter failed to
-    load are in neither: they fail alone, engines/inputs.py)."""
+    load are in neither: they fail alone, batches/inputs.py)."""
 
     prompts: dict[int, SoftPrompt] = field(default_factory=dict)
     loras: dict[int, LoraWeights] = field(default_factory=dict)

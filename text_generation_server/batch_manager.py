@@ -43,7 +43,7 @@ from text_generation_common.messages import (
     RequestError,
     StepOutput,
 )
-from text_generation_server.batch import Batch
+from text_generation_server.batches.batch import Batch
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.errors import BatchNotFoundError, InvalidBatchError
 

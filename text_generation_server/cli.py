@@ -502,7 +502,8 @@ def convert_to_onnx(
 ) -> None:
     """Export MODEL_NAME (local dir or HF cache) to an ONNX decoder in optimum's layout, in TARGET
     (default: the model directory), with the model's config and tokenizer beside it."""
-    from text_generation_server.utils import hub, onnx_export
+    from text_generation_server.onnx import onnx_export
+    from text_generation_server.utils import hub
 
     try:
         model_dir = hub.resolve_model_dir(model_name, revision)

@@ -21,9 +21,9 @@ from text_generation_common.quantize import refusal as quantize_refusal
 from text_generation_common.speculate import DEFAULT_SPECULATOR_MAX_BATCH_SIZE
 from text_generation_common.speculate import refusal as speculate_refusal
 
-LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # engines/weight_layout.py
+LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # kernels/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
-CPU_ATTENTION_MODES = ("auto", "kernel", "sdpa")  # engines/cpu_kernels.py
+CPU_ATTENTION_MODES = ("auto", "kernel", "sdpa")  # kernels/cpu_kernels.py
 CPU_FORWARD_MODES = ("auto", "layers", "modules")  # engines/tgis_native/cpu_decoder.py
 GPU_ATTENTION_MODES = ("auto", "triton", "sdpa")  # attention/__init__.py
 DEFAULT_KV_BLOCK_SIZE = 16

@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from text_generation_common.logs import first_line
-from text_generation_server.engines import cpu_kernels
 from text_generation_server.errors import PrefixNotFoundError, ShardError
+from text_generation_server.kernels import cpu_kernels
 from text_generation_server.lru import LoadedCache
 
 logger = logging.getLogger(__name__)

@@ -37,8 +37,8 @@ from tests.engines.conformance import (
 )
 from text_generation_common.engines import ENGINES
 from text_generation_common.messages import GenerationRequest, LengthPenalty, RequestedDetails, SamplingParams
+from text_generation_server.batches.inputs import truncated_input_ids
 from text_generation_server.engines.base import ModelEngine
-from text_generation_server.engines.inputs import truncated_input_ids
 
 PROMPTS = (
     "def hello(world):\n    return",

@@ -13,10 +13,10 @@ import torch
 
 from tests.engines.test_tgis_native import config_for
 from text_generation_common.messages import GenerationRequest, RequestedDetails
-from text_generation_server.engines import cpu_kernels
 from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.engines.tgis_native.cpu_decoder import CpuDecoder, build, decoder_for
-from text_generation_server.engines.weight_layout import OneDnnLinear
+from text_generation_server.kernels import cpu_kernels
+from text_generation_server.kernels.weight_layout import OneDnnLinear
 
 # float32: summation orders differ (norm statistics, fused multiply-adds); bfloat16: the same
 # roundings as transformers' code, but a norm whose float statistic differs in its last bit can

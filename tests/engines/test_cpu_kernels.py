@@ -1,6 +1,6 @@
-"""Our C++ decode attention (engines/csrc/paged_decode_cpu.cpp) against SDPA over the same keys,
+"""Our C++ decode attention (kernels/csrc/paged_decode_cpu.cpp) against SDPA over the same keys,
 the transposed-key cache layout it reads, and how CPU_ATTENTION behaves where it cannot build;
-the LoRA kernel (engines/csrc/lora_cpu.cpp) against a per-token float reference."""
+the LoRA kernel (kernels/csrc/lora_cpu.cpp) against a per-token float reference."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from text_generation_server.engines import cpu_kernels
-from text_generation_server.engines.paged_kv import BlockPool, PagedKVCache
+from text_generation_server.kernels import cpu_kernels
+from text_generation_server.kv.paged_kv import BlockPool, PagedKVCache
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 LORA_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 2e-3}

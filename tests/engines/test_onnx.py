@@ -169,7 +169,7 @@ def test_a_model_without_export_is_exported_on_first_load_or_refused(
 
 
 def test_encoder_decoders_are_refused(tiny_model, tmp_path: Path) -> None:
-    from text_generation_server.utils.onnx_export import ExportError, export
+    from text_generation_server.onnx.onnx_export import ExportError, export
 
     with pytest.raises(ExportError, match="t5 is an encoder-decoder model: only decoder-only models export"):
         export(tiny_model("t5"), tmp_path / "t5")
@@ -179,7 +179,7 @@ def test_encoder_decoders_are_refused(tiny_model, tmp_path: Path) -> None:
 
 def test_prefill_past_and_logits_shapes(exported: Path) -> None:
     """One session call: an empty past in, presents of past + new positions out."""
-    from text_generation_server.engines.onnx_session import DecoderSession
+    from text_generation_server.onnx.onnx_session import DecoderSession
 
     session = DecoderSession(exported / "model.onnx", torch.device("cpu"))
     ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
@@ -202,7 +202,7 @@ def test_prefill_past_and_logits_shapes(exported: Path) -> None:
 
 
 def test_a_gpu_without_the_cuda_provider_runs_on_the_cpu_with_a_warning(monkeypatch, caplog) -> None:
-    from text_generation_server.engines import onnx_session
+    from text_generation_server.onnx import onnx_session
 
     monkeypatch.setattr(onnx_session, "has_cuda_provider", lambda: False)
     with caplog.at_level("WARNING", logger=onnx_session.__name__):

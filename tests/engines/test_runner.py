@@ -10,11 +10,11 @@ import torch
 from tests.engines.conformance import Runner, transformers_oracle
 from tests.engines.test_tgis_native import config_for, prompt
 from text_generation_common.messages import GenerationRequest, SamplingParams
-from text_generation_server.engines import cpu_kernels
-from text_generation_server.engines.paged_kv import BlockPool, SequenceKV
 from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.engines.tgis_native.graphs import DecodeGraphs, Step, buckets_up_to
 from text_generation_server.engines.tgis_native.runner import DecodeBuffers
+from text_generation_server.kernels import cpu_kernels
+from text_generation_server.kv.paged_kv import BlockPool, SequenceKV
 
 
 def test_buckets_grow_by_powers_of_two_then_by_32_and_end_at_the_maximum() -> None:

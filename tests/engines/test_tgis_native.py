@@ -22,14 +22,14 @@ from text_generation_server.attention.layout import Piece, StepLayout, chunk_mas
 from text_generation_server.attention.sdpa import GatherPlan, SdpaBackend, decode_mask
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.paged_kv import (
+from text_generation_server.engines.tgis_native import TgisNativeEngine, sliding_window
+from text_generation_server.kv.paged_kv import (
     BlockPool,
     KVAllocations,
     PagedKVCache,
     SequenceKV,
     prefix_keys,
 )
-from text_generation_server.engines.tgis_native import TgisNativeEngine, sliding_window
 
 
 def config_for(model_dir, **overrides) -> ServerConfig:

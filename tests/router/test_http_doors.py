@@ -12,11 +12,11 @@ import socket
 import aiohttp
 import pytest
 
-from router.http import http_server
 from router.api.auth import AuthConfig, Authenticator
 from router.api.service import GenerationService
 from router.core.metrics import Metrics
 from router.core.validation import ValidationError
+from router.http import http_server
 from router.http.chat_template import load_chat_template
 from router.http.http_app import PROBE_PATHS, build_app
 from router.http.http_server import HealthCheck, HttpServer

@@ -22,7 +22,7 @@ from router.grpc.grpc_params import convert_params
 from router.pb import generation_pb2 as pb
 from text_generation_common.guided import Grammars
 from text_generation_common.messages import GenerationRequest, Guided, GuidedKind
-from text_generation_server.engines.inputs import truncated_input_ids
+from text_generation_server.batches.inputs import truncated_input_ids
 
 MAX_SEQ = 200
 MAX_NEW = 169

@@ -15,8 +15,7 @@ import torch
 
 from text_generation_server.attention.backend import AttentionBackend
 from text_generation_server.attention.sdpa import SdpaBackend
-from text_generation_server.engines import cpu_kernels
-from text_generation_server.kernels import paged_decode_triton
+from text_generation_server.kernels import cpu_kernels, paged_decode_triton
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from text_generation_server.engines.paged_kv import PagedKVCache
+from text_generation_server.kv.paged_kv import PagedKVCache
 
 
 @dataclass(slots=True)

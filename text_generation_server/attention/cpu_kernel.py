@@ -1,4 +1,4 @@
-"""Decode attention on our C++ CPU kernel (engines/cpu_kernels.py, csrc/paged_decode_cpu.cpp):
+"""Decode attention on our C++ CPU kernel (kernels/cpu_kernels.py, csrc/paged_decode_cpu.cpp):
 each row attends straight from its blocks, no gather, no mask; K blocks stored transposed."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from text_generation_server.attention.backend import AttentionBackend, DecodeRows
-from text_generation_server.engines import cpu_kernels
-from text_generation_server.engines.paged_kv import PagedKVCache
+from text_generation_server.kernels import cpu_kernels
+from text_generation_server.kv.paged_kv import PagedKVCache
 
 
 class CpuKernelBackend(AttentionBackend):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from text_generation_server.attention.backend import AttentionBackend, DecodeRows
-from text_generation_server.engines.paged_kv import PagedKVCache
+from text_generation_server.kv.paged_kv import PagedKVCache
 
 
 @dataclass(frozen=True, slots=True)

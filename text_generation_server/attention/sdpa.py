@@ -17,7 +17,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from text_generation_server.attention.backend import AttentionBackend, DecodeRows
-from text_generation_server.engines.paged_kv import PagedKVCache
+from text_generation_server.kv.paged_kv import PagedKVCache
 
 
 @dataclass(slots=True)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from text_generation_server.attention.backend import AttentionBackend, DecodeRows
-from text_generation_server.engines.paged_kv import PagedKVCache
 from text_generation_server.kernels import paged_decode_triton
+from text_generation_server.kv.paged_kv import PagedKVCache
 
 TARGET_PROGRAMS = 512  # about 4 per streaming multiprocessor of an H100 (132)
 MAX_SPLITS = 16

@@ -10,17 +10,16 @@ worker thread:
 Engines see dataclasses from text_generation_common/messages.py, never protobuf, and nothing
 here assumes torch or transformers: what an engine needs to know about its model (devices,
 special tokens, forward-signature facts) is its own business. What every engine shares is in
-step.py (choosing, token details, failed rows) and inputs.py (request checks, truncation).
+step.py (choosing, token details, failed rows) and batches/inputs.py (request limits and
+checks, truncation).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from text_generation_common.guided import Grammars
 from text_generation_common.messages import (
     GenerationRequest,
     KvCacheState,
@@ -28,24 +27,11 @@ from text_generation_common.messages import (
     RequestError,
     StepOutput,
 )
-from text_generation_server.batch import Batch
+from text_generation_server.batches.batch import Batch
 from text_generation_server.config import ServerConfig
 
 if TYPE_CHECKING:  # torch stays out of this module
     from text_generation_server.adapters import AdapterSet
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """What every engine checks a request against (inputs.py)."""
-
-    vocab_size: int
-    eos_token_id: int
-    bos_token_id: int | None  # set iff the tokenizer prepends BOS (re-inserted on truncation)
-    max_sequence_length: int
-    max_new_tokens: int  # largest max_new_tokens a request may ask for
-    # guided decoding over the model's tokenizer (None: the model has no tokenizer.json)
-    grammars: Grammars | None = field(default=None, kw_only=True)
 
 
 class ModelEngine(ABC):

@@ -2,7 +2,7 @@
 
 Serves a model directory holding an ONNX decoder with past key/values in optimum's layout
 (onnx_session.py), beside its config.json and tokenizer. A directory without one is exported on
-first load into the directory itself (utils/onnx_export.py, as `convert-to-onnx` does), which
+first load into the directory itself (onnx/onnx_export.py, as `convert-to-onnx` does), which
 takes a while and is said in the log; where the directory is read-only the error names the
 command to run instead. Batches are hf_transformers' left-padded ones with joins and prunes
 (padded_causal.py) whose KV cache is a list of exact-size tensors per layer: ONNX Runtime reads
@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from text_generation_server.batches.kv_cache import pad_left
+from text_generation_server.batches.padded_causal import CausalLMBatch
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.hf_transformers import (
     PaddedEngine,
@@ -31,16 +33,14 @@ from text_generation_server.engines.hf_transformers import (
     config_int,
     select_device,
 )
-from text_generation_server.engines.kv_cache import pad_left
-from text_generation_server.engines.onnx_session import (
+from text_generation_server.engines.step import ForwardTimer
+from text_generation_server.memory import MemoryFacts, host_available_bytes
+from text_generation_server.onnx.onnx_session import (
     DecoderSession,
     OnnxModelError,
     find_decoder,
     session_device,
 )
-from text_generation_server.engines.padded_causal import CausalLMBatch
-from text_generation_server.engines.step import ForwardTimer
-from text_generation_server.memory import MemoryFacts, host_available_bytes
 from text_generation_server.utils.hub import resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def decoder_file(model_dir: Path, config: ServerConfig, device: torch.device) ->
     found = find_decoder(model_dir)
     if found is not None:
         return found
-    from text_generation_server.utils import onnx_export
+    from text_generation_server.onnx import onnx_export
 
     if not os.access(model_dir, os.W_OK):
         raise ValueError(

@@ -31,16 +31,16 @@ from text_generation_common.messages import (
 from text_generation_common.model_config import context_length
 from text_generation_server import distributed, quantization
 from text_generation_server.adapters import adapters_for
+from text_generation_server.batches.kv_cache import cache_bytes, new_cache
+from text_generation_server.batches.padded import ModelContext, PaddedBatch
+from text_generation_server.batches.padded_causal import CausalLMBatch
+from text_generation_server.batches.padded_seq2seq import Seq2SeqLMBatch
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import sharded_bigcode
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.cpu_attention import use_decode_packed_sdpa
-from text_generation_server.engines.kv_cache import cache_bytes, new_cache
-from text_generation_server.engines.padded import ModelContext, PaddedBatch
-from text_generation_server.engines.padded_causal import CausalLMBatch
-from text_generation_server.engines.padded_seq2seq import Seq2SeqLMBatch
 from text_generation_server.engines.step import ForwardTimer, choose_tokens, drop_failed
-from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
+from text_generation_server.kernels.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.memory import MemoryFacts, estimate, host_available_bytes
 from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype

@@ -36,7 +36,7 @@ from text_generation_common.messages import (
     Speculation,
     StepOutput,
 )
-from text_generation_server.batch import Batch
+from text_generation_server.batches.batch import Batch
 from text_generation_server.sampling.chooser import TokenChooser
 from text_generation_server.sampling.token_details import generated_token_infos
 

@@ -2,7 +2,7 @@
 in the paged KV cache (split-K flash decoding). Reached only through the attention backend
 (text_generation_server/attention/), which passes one layer of the cache and the step's decode rows.
 
-Layout (engines/paged_kv.py, keys not transposed):
+Layout (kv/paged_kv.py, keys not transposed):
 
     query   [rows, heads, dim]                    the one new token of each row
     cache   [2 (K, V), kv_heads, num_blocks, block_size * dim]

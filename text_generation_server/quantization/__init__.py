@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from text_generation_common.quantize import BITSANDBYTES, CHECKPOINT_METHODS, refusal
-from text_generation_server.engines.weight_layout import cpu_linears
+from text_generation_server.kernels.weight_layout import cpu_linears
 from text_generation_server.quantization import checkpoints
 from text_generation_server.quantization.checkpoints import Plan
 from text_generation_server.quantization.int4 import Int4Linear

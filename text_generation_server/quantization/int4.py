@@ -23,7 +23,7 @@ import functools
 import torch
 from torch import nn
 
-from text_generation_server.engines import cpu_kernels
+from text_generation_server.kernels import cpu_kernels
 
 # the kernel up to this many rows, the product over unpacked weights beyond (module doc); on the
 # 30 M reference model's GPTQ checkpoint a batch-32 decode step took 13.3 ms with 48, 16.5 with 16

@@ -20,7 +20,7 @@ once. Weights take half the bytes of bf16 (plus 4 bytes per output channel).
 Measured on a 2-core Xeon with AMX (bf16 oneDNN linears = 1): distinct 4096-wide weights in turn
 0.41x at 1 token, 0.49x at 32, 0.56x at 512 without the range row; 2048-wide about 0.8x at 1
 token; 512-wide slower than bf16 (per-call overhead). The C++ decoder stack (CPU_FORWARD) runs
-these layers the same way (engines/csrc/decoder_cpu.cpp's int8_linear).
+these layers the same way (kernels/csrc/decoder_cpu.cpp's int8_linear).
 """
 
 from __future__ import annotations

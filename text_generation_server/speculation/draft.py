@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.paged_kv import OutOfBlocks, SequenceKV
 from text_generation_server.engines.tgis_native.runner import StepPiece
+from text_generation_server.kv.paged_kv import OutOfBlocks, SequenceKV
 from text_generation_server.speculation import Speculator, Target
 
 logger = logging.getLogger(__name__)

@@ -4,10 +4,10 @@ The "model" is a fixed random table: the logits of the next token are
 `table[last token] + position[length % POSITIONS]`, so a request's tokens depend only on its
 own ids, whatever batch it runs in, as with a real model. It reads the vocabulary size and the
 special tokens from the model directory's config.json (the tiny test models), validates and
-truncates requests like every engine (engines/inputs.py) and post-processes steps with the
+truncates requests like every engine (batches/inputs.py) and post-processes steps with the
 shared kit (engines/step.py), so sampling, penalties and token details are the real ones.
 
-Batches are ragged (engines/ragged.py, as in the paged engine), with chunked prefill. Used by
+Batches are ragged (batches/ragged.py, as in the paged engine), with chunked prefill. Used by
 the engine conformance suite (tests/engines/) beside the registered engines, with its
 own step-by-step reference as the oracle; it needs no transformers model, so tests of the shard
 server and the router can run a real shard on it in milliseconds.
@@ -32,10 +32,11 @@ from text_generation_common.messages import (
     StepOutput,
     TokenInfo,
 )
-from text_generation_server.batch import Batch
+from text_generation_server.batches.batch import Batch
+from text_generation_server.batches.inputs import RequestLimits
+from text_generation_server.batches.ragged import Prefilling, RaggedBatch
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.base import ModelEngine, RequestLimits
-from text_generation_server.engines.ragged import Prefilling, RaggedBatch
+from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.step import choose_tokens, drop_failed
 from text_generation_server.sampling.token_details import input_token_infos
 

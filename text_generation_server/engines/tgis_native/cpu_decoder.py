@@ -1,4 +1,4 @@
-"""Steps of Llama-family models on CPU in one C++ call (engines/csrc/decoder_cpu.cpp).
+"""Steps of Llama-family models on CPU in one C++ call (kernels/csrc/decoder_cpu.cpp).
 
 At batch 1 a decode step of the 30 M reference model took ~7 ms on a 2-core AMX Xeon, of which
 ~3 ms were its 57 matrix products: the rest was Python and operator dispatch of ~40 small tensor
@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import torch
 
 from text_generation_server.attention.layout import StepLayout
-from text_generation_server.engines.paged_kv import PagedKVCache
-from text_generation_server.engines.weight_layout import OneDnnLinear
+from text_generation_server.kernels.weight_layout import OneDnnLinear
+from text_generation_server.kv.paged_kv import PagedKVCache
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
 from text_generation_server.quantization import Int4Linear, Int8Linear
 from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS

@@ -56,18 +56,11 @@ from text_generation_common.messages import (
 from text_generation_server import distributed
 from text_generation_server.adapters import adapters_for
 from text_generation_server.attention import paged, pick_backend
-from text_generation_server.batch import Batch
+from text_generation_server.batches.batch import Batch
+from text_generation_server.batches.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import load_pretrained, model_context
-from text_generation_server.engines.paged_kv import (
-    BlockPool,
-    KVAllocations,
-    PagedKVCache,
-    SequenceKV,
-    prefix_keys,
-)
-from text_generation_server.engines.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.engines.step import choose_speculated, choose_tokens, drop_failed
 from text_generation_server.engines.tgis_native.cpu_decoder import decoder_for
 from text_generation_server.engines.tgis_native.graphs import (
@@ -78,7 +71,14 @@ from text_generation_server.engines.tgis_native.graphs import (
     cuda_capture,
 )
 from text_generation_server.engines.tgis_native.runner import ModelRunner, StepPiece
-from text_generation_server.engines.weight_layout import LinearLayout, choose_linear_layouts
+from text_generation_server.kernels.weight_layout import LinearLayout, choose_linear_layouts
+from text_generation_server.kv.paged_kv import (
+    BlockPool,
+    KVAllocations,
+    PagedKVCache,
+    SequenceKV,
+    prefix_keys,
+)
 from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
 from text_generation_server.speculation import Lookahead, Speculator, Target, speculator_for

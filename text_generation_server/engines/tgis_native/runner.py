@@ -33,9 +33,9 @@ import torch
 
 from text_generation_server.attention.backend import AttentionBackend, DecodeRows
 from text_generation_server.attention.layout import Piece, StepLayout
-from text_generation_server.engines.paged_kv import PagedKVCache, SequenceKV
 from text_generation_server.engines.step import ForwardTimer
 from text_generation_server.engines.tgis_native.cpu_decoder import NO_LORA, CpuDecoder, LoraArgs
+from text_generation_server.kv.paged_kv import PagedKVCache, SequenceKV
 
 if TYPE_CHECKING:
     from text_generation_server.adapters import AdapterSet

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from text_generation_common.messages import GenerationRequest, RequestError
-from text_generation_server.engines import kv_cache
-from text_generation_server.engines.kv_cache import pad_left
-from text_generation_server.engines.padded import (
+from text_generation_server.batches import kv_cache
+from text_generation_server.batches.kv_cache import pad_left
+from text_generation_server.batches.padded import (
     ModelContext,
     PaddedBatch,
     extend_mask,

@@ -5,7 +5,7 @@ No optimum release runs next to transformers 5, so the export is torch's own
 wrapper whose inputs are optimum's: input_ids, attention_mask, position_ids (models that take
 them) and past_key_values.{i}.key/value; outputs logits and present.{i}.key/value. Batch, query
 and past lengths are dynamic, so the one graph serves prefills (past of length 0) and decode
-steps (engines/onnx_session.py reads it; optimum's own exports load the same way).
+steps (onnx/onnx_session.py reads it; optimum's own exports load the same way).
 
 The target directory gets `model.onnx` (weights over 2 GB in `model.onnx.data`) and every
 non-weight file of the model (config, generation config, tokenizer), so it is a model directory

@@ -12,7 +12,7 @@
 //
 // Blocks and tiles of 64 input channels run in parallel; a tile is built in float in a buffer
 // that stays in L1 and written out row by row. Built with the other CPU kernels by
-// text_generation_server/engines/cpu_kernels.py as torch.ops.tgis_cpu.int4_linear_unpacked.
+// text_generation_server/kernels/cpu_kernels.py as torch.ops.tgis_cpu.int4_linear_unpacked.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -14,7 +14,7 @@
 //           batches, whose rows hold several tokens)
 //   a, bt   one entry per adapter, None where the adapter does not target this module
 //
-// Built with the other CPU kernels by text_generation_server/engines/cpu_kernels.py as
+// Built with the other CPU kernels by text_generation_server/kernels/cpu_kernels.py as
 // torch.ops.tgis_cpu.lora_apply.
 
 #include <ATen/ATen.h>

@@ -18,7 +18,7 @@
 //
 // Blocks of 16k tokens and head dims of 16k take the vector path (GCC vector extensions: AVX-512
 // or two AVX2 halves, whatever -march=native gives); other shapes a scalar path with the same
-// arithmetic. Built at first use by text_generation_server/engines/cpu_kernels.py (torch's
+// arithmetic. Built at first use by text_generation_server/kernels/cpu_kernels.py (torch's
 // extension builder, -O3 -march=native -ffast-math) as torch.ops.tgis_cpu.paged_decode.
 
 #include <ATen/ATen.h>

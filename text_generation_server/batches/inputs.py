@@ -9,10 +9,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from text_generation_common.guided import UNAVAILABLE, GuidedError
+from text_generation_common.guided import UNAVAILABLE, Grammars, GuidedError
 from text_generation_common.messages import GenerationRequest, RequestError
-from text_generation_server.engines.base import RequestLimits
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What every engine checks a request against."""
+
+    vocab_size: int
+    eos_token_id: int
+    bos_token_id: int | None  # set iff the tokenizer prepends BOS (re-inserted on truncation)
+    max_sequence_length: int
+    max_new_tokens: int  # largest max_new_tokens a request may ask for
+    # guided decoding over the model's tokenizer (None: the model has no tokenizer.json)
+    grammars: Grammars | None = field(default=None, kw_only=True)
+
 
 UNSEEDED_MESSAGE = "a sampling request needs a seed (the router sets one for every sampling request)"
 

@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from text_generation_common.messages import GenerationRequest, RequestError
-from text_generation_server.batch import Batch
-from text_generation_server.engines.base import RequestLimits
-from text_generation_server.engines.inputs import split_valid
-from text_generation_server.engines.padded import soft_prompt_rows
+from text_generation_server.batches.batch import Batch
+from text_generation_server.batches.inputs import RequestLimits, split_valid
+from text_generation_server.batches.padded import soft_prompt_rows
 from text_generation_server.sampling.chooser import TokenChooser
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Our C++ CPU kernels (engines/csrc/), built on first use with torch's extension builder.
+"""Our C++ CPU kernels (kernels/csrc/), built on first use with torch's extension builder.
 
 `lora_apply` (csrc/lora_cpu.cpp) adds each token's LoRA adapter to a module's output in one
 call that visits only the tokens with an adapter (lora.py uses it for steps with few of them).
