@@ -14,6 +14,12 @@ router/scheduling        the batching loop, its queue, the shard client: core
 router/api               what every door shares (the call path, auth, tracing, TLS): core, scheduling
 router/grpc, router/http the doors: api, core (http also scheduling, for its health checks;
                          grpc also pb); never each other
+
+Inside the shard's package, folders by layer (SERVER_FOLDERS; its top-level modules, config,
+server, batch manager, adapters, ..., are not folders and are left out): the kernels, KV blocks,
+sampling, ONNX and utilities at the bottom; attention, quantization and batches over them; the
+engines and speculation (which serve each other: a draft model is an engine) on top; testing
+may use anything.
 """
 
 from __future__ import annotations
@@ -65,8 +71,33 @@ ROUTER_FOLDERS = {  # folder -> the router's folders it may import (besides itse
 }
 
 
-def router_folders(path: Path) -> set[str]:
-    """The folders of the router that `path` imports from (router.X.Y -> X)."""
+SERVER_FOLDERS = {  # folder -> the shard package's folders it may import (besides itself)
+    "utils": set(),
+    "kv": set(),
+    "sampling": set(),
+    "onnx": set(),
+    "kernels": {"utils"},
+    "attention": {"kernels", "kv"},
+    "quantization": {"kernels"},
+    "batches": {"sampling"},
+    "engines": {
+        "attention",
+        "batches",
+        "kernels",
+        "kv",
+        "onnx",
+        "quantization",
+        "sampling",
+        "speculation",
+        "utils",
+    },
+    "speculation": {"engines", "kv", "utils"},
+    "testing": {"attention", "batches", "engines", "kernels", "kv", "quantization", "sampling", "utils"},
+}
+
+
+def folders_imported(path: Path, package: str) -> set[str]:
+    """The names right below `package` that `path` imports from (package.X.Y -> X)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         modules = []
@@ -74,19 +105,22 @@ def router_folders(path: Path) -> set[str]:
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules = [node.module]
-        names.update(m.split(".")[1] for m in modules if m.startswith("router.") and m.count(".") >= 1)
+        names.update(m.split(".")[1] for m in modules if m.startswith(f"{package}."))
     return names
 
 
-def test_the_routers_folders_import_one_way() -> None:
-    assert {p.name for p in (REPO / "router").iterdir() if (p / "__init__.py").exists()} == {
-        *ROUTER_FOLDERS,
-        "pb",
-    }
+@pytest.mark.parametrize(
+    ("package", "rules"), [("router", ROUTER_FOLDERS), ("text_generation_server", SERVER_FOLDERS)]
+)
+def test_a_packages_folders_import_one_way(package: str, rules: dict[str, set[str]]) -> None:
+    folders = {p.name for p in (REPO / package).iterdir() if (p / "__init__.py").exists()} - {"pb"}
+    assert folders == set(rules), "a folder without its rule (or a rule without its folder)"
     offending = {
-        str(path.relative_to(REPO)): sorted(router_folders(path) - ROUTER_FOLDERS[folder] - {folder})
-        for folder in ROUTER_FOLDERS
-        for path in sorted((REPO / "router" / folder).rglob("*.py"))
+        str(path.relative_to(REPO)): sorted(
+            (folders_imported(path, package) & folders) - rules[folder] - {folder}
+        )
+        for folder in rules
+        for path in sorted((REPO / package / folder).rglob("*.py"))
     }
     assert {k: v for k, v in offending.items() if v} == {}
 
