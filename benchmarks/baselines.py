@@ -144,7 +144,7 @@ def generate_runner(model_dir: Path, dtype: str | None, quantize: str | None = N
     import transformers
 
     from text_generation_server import quantization
-    from text_generation_server.engines.hf_transformers import select_device, select_dtype
+    from text_generation_server.engines.loading import select_device, select_dtype
 
     device = select_device(0)
     torch_dtype, _ = select_dtype(dtype, device)

@@ -1,8 +1,8 @@
 """Engine-level step timings: `tgis_native` against `hf_transformers`, interleaved in one process.
 
 Both engines load the same model with the same ServerConfig (float32 unless told, max batch 32)
-and run the router's call sequence without a router: `new_batch` -> `generate_token(first=True)`
-(the prefill) -> `generate_token` per decode step. For each batch size the two engines'
+and run the router's call sequence without a router: `new_batch` -> `generate_token` (the
+prefill) -> `generate_token` per decode step. For each batch size the two engines'
 steps alternate (hf, native, hf, native, ...), so a load change on a shared machine hits both;
 medians of the timed steps after a warm-up. Prefill: a fresh batch of B prompts per repeat
 (new random prompts each time: no prefix-cache hit), also alternating.
@@ -38,9 +38,9 @@ def _requests(rng: random.Random, first_id: int, count: int, prompt: int, new: i
     ]
 
 
-def _timed(engine: Any, batch: Any, first: bool) -> tuple[float, Any]:
+def _timed(engine: Any, batch: Any) -> tuple[float, Any]:
     start = time.perf_counter()
-    _, batch = engine.generate_token(batch, first)
+    _, batch = engine.generate_token(batch)
     return (time.perf_counter() - start) * 1e3, batch
 
 
@@ -74,12 +74,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 next_id, _requests(rng, next_id, size, args.prompt, args.warmup + args.steps + 2, vocab)
             )
             assert batch is not None and not errors, errors
-            _, batches[name] = engine.generate_token(batch, True)
+            _, batches[name] = engine.generate_token(batch)
             next_id += size
         times: dict[str, list[float]] = {name: [] for name in engines}
         for step in range(args.warmup + args.steps):
             for name, engine in engines.items():
-                ms, batches[name] = _timed(engine, batches[name], False)
+                ms, batches[name] = _timed(engine, batches[name])
                 if step >= args.warmup:
                     times[name].append(ms)
         result["decode"][size] = {name: statistics.median(t) for name, t in times.items()}
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             requests = _requests(rng, next_id, args.prefill_batch, args.prompt, 1, vocab)
             next_id += args.prefill_batch
             batch, _ = engine.new_batch(next_id, requests)
-            ms, batch = _timed(engine, batch, True)
+            ms, batch = _timed(engine, batch)
             engine.release(r.id for r in requests)
             del batch
             gc.collect()

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def _model(path: Path, dtype: str, quantize: str | None) -> Any:
     from text_generation_server.config import ServerConfig
-    from text_generation_server.engines.hf_transformers import load_pretrained
+    from text_generation_server.engines.loading import load_pretrained
 
     config = ServerConfig(
         model_name=str(path), deployment_framework="tgis_native", dtype=dtype, quantize=quantize

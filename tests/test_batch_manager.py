@@ -43,13 +43,13 @@ class CountingEngine(ModelEngine):
     def release(self, request_ids):
         self.released += sorted(request_ids)
 
-    def generate_token(self, batch, first, token_budget=0):
+    def generate_token(self, batch, token_budget=0):
         self.steps += 1
-        self.stepped.append((first, list(batch.request_ids)))
+        self.stepped.append((batch.unprefilled, list(batch.request_ids)))
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
-        return self.inner.generate_token(batch, first, token_budget)
+        return self.inner.generate_token(batch, token_budget)
 
 
 @pytest.fixture(scope="module")
@@ -245,9 +245,9 @@ def test_every_request_is_released_once_when_it_leaves_and_before_the_step(engin
     seen_at_step: list[list[int]] = []
     inner = engine.generate_token
 
-    def recording(batch, first, token_budget=0):
+    def recording(batch, token_budget=0):
         seen_at_step.append(list(engine.released))
-        return inner(batch, first, token_budget)
+        return inner(batch, token_budget)
 
     engine.generate_token = recording  # type: ignore[method-assign]
     manager.prefill(2, [request(3, 6)], [CachedBatchRef(1, (1,))])  # 1 pruned by the prefill

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from text_generation_server.engines.hf_transformers import select_dtype
+from text_generation_server.engines.loading import select_dtype
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 
 XEON_SPR = "fpu vme sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"

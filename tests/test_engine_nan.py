@@ -25,11 +25,11 @@ def test_nan_row_fails_alone_and_inf_is_not_nan(tiny_model) -> None:
     requests = [GenerationRequest(id=i, input_ids=(1, 5 + i, 9, 11), max_new_tokens=4) for i in range(3)]
     batch, errors = engine.new_batch(1, requests)
     assert batch is not None and not errors
-    out, batch = engine.generate_token(batch, first=True)
+    out, batch = engine.generate_token(batch)
     assert [g.request_id for g in out.generations] == [0, 1, 2] and not out.errors
 
     poisoned.update({0: float("inf"), 1: float("nan")})
-    out, batch = engine.generate_token(batch, first=False)
+    out, batch = engine.generate_token(batch)
     assert [(e.request_id, e.message) for e in out.errors] == [(1, NAN_LOGITS_MESSAGE)]
     assert [g.request_id for g in out.generations] == [0, 2]
     assert batch is not None and batch.request_ids == [0, 2]

@@ -20,7 +20,7 @@ from text_generation_common.messages import GenerationRequest
 from text_generation_server import quantization
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import get_engine_class
-from text_generation_server.engines.hf_transformers import load_pretrained
+from text_generation_server.engines.loading import load_pretrained
 from text_generation_server.quantization import Int4Linear, Int8Linear
 from text_generation_server.quantization.checkpoints import unpack_nibbles
 from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS

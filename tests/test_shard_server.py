@@ -37,10 +37,10 @@ class HookedEngine(ModelEngine):
     def new_batch(self, batch_id, requests):
         return self.inner.new_batch(batch_id, requests)
 
-    def generate_token(self, batch, first, token_budget=0):
+    def generate_token(self, batch, token_budget=0):
         if self.before_step is not None:
             self.before_step()
-        return self.inner.generate_token(batch, first, token_budget)
+        return self.inner.generate_token(batch, token_budget)
 
 
 @pytest.fixture(scope="module")

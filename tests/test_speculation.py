@@ -300,8 +300,8 @@ def recorded(engine: TgisNativeEngine) -> list[Speculation]:
     verified: list[Speculation] = []
     real_step = engine.generate_token
 
-    def recording(batch, first, token_budget=0):  # type: ignore[no-untyped-def]
-        output, kept = real_step(batch, first, token_budget)
+    def recording(batch, token_budget=0):  # type: ignore[no-untyped-def]
+        output, kept = real_step(batch, token_budget)
         verified.extend(output.speculation)
         return output, kept
 
@@ -374,8 +374,8 @@ def test_no_speculation_above_the_batch_limit(tiny_model) -> None:
     outputs: list[StepOutput] = []
     real_step = engine.generate_token
 
-    def recording(batch, first, token_budget=0):  # type: ignore[no-untyped-def]
-        output, kept = real_step(batch, first, token_budget)
+    def recording(batch, token_budget=0):  # type: ignore[no-untyped-def]
+        output, kept = real_step(batch, token_budget)
         outputs.append(output)
         return output, kept
 

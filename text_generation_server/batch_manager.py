@@ -207,9 +207,9 @@ class BatchManager:
                 f"token_budget {token_budget} needs chunked prefill, which this engine does not do"
             )
 
-    def _generate(self, batch: Batch, first: bool) -> tuple[StepOutput, Batch | None]:
+    def _generate(self, batch: Batch) -> tuple[StepOutput, Batch | None]:
         try:
-            return self.engine.generate_token(batch, first, self._token_budget)
+            return self.engine.generate_token(batch, self._token_budget)
         except Exception as exc:
             if self._on_step_failure is not None:
                 self._on_step_failure(exc)
@@ -236,7 +236,7 @@ class BatchManager:
             if batch is None:
                 output = StepOutput(errors=errors)
             else:
-                output, survivor = self._generate(batch, first=True)
+                output, survivor = self._generate(batch)
                 output.errors[:0] = errors
                 self._store(output, survivor)
         finally:
@@ -316,7 +316,7 @@ class BatchManager:
 
     def _step(self, batches: Sequence[Batch]) -> tuple[StepOutput, Batch | None]:
         batch = batches[0] if len(batches) == 1 else self.engine.concatenate(batches)
-        return self._generate(batch, first=False)
+        return self._generate(batch)
 
     def run_ahead(self) -> None:
         """Run the next decode step of the cached batch, when it is the only one whose requests
@@ -333,7 +333,7 @@ class BatchManager:
         batch_id, batch = active[0]
         assert isinstance(batch, Batch)
         try:
-            output, survivor = self._generate(batch, first=False)
+            output, survivor = self._generate(batch)
         except Exception as exc:  # reported by the next call that references the batch
             self._cache[batch_id] = Ahead(StepOutput(), None, exc)
         else:

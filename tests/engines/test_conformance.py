@@ -246,6 +246,6 @@ def test_a_step_reports_its_forward_time(subject: Subject) -> None:
         pytest.skip("the fake engine runs no model")
     batch, errors = subject.engine.new_batch(1, [subject.request(1, 0, 2)])
     assert batch is not None and not errors
-    output, _ = subject.engine.generate_token(batch, True)
+    output, _ = subject.engine.generate_token(batch)
     assert 0 < output.forward_ns < 60 * 10**9
     subject.engine.release([1])

@@ -42,8 +42,8 @@ def started(engine: TgisNativeEngine, prompts: list[int], seed: int = 0):
     ]
     batch, errors = engine.new_batch(1, requests)
     assert batch is not None and not errors
-    for first in (True, False, False):
-        _, batch = engine.generate_token(batch, first)
+    for _ in range(3):
+        _, batch = engine.generate_token(batch)
     return batch
 
 
@@ -110,10 +110,8 @@ def test_greedy_tokens_equal_the_modules(tiny_model) -> None:
         ]
         batch, _ = engine.new_batch(1, requests)
         tokens = []
-        first = True
         while batch is not None and len(tokens) < 24:
-            output, batch = engine.generate_token(batch, first)
-            first = False
+            output, batch = engine.generate_token(batch)
             tokens.append([(g.request_id, g.token.token_id) for g in output.generations])
         outputs[mode] = tokens
     assert outputs["layers"] == outputs["modules"]
@@ -158,7 +156,7 @@ def test_steps_with_prompts_match_the_modules(tiny_model, arch, dtype) -> None:
             if step == 4:
                 joined, _ = engine.new_batch(2, joining)
                 batch = engine.concatenate([batch, joined])
-            output, batch = engine.generate_token(batch, step == 0, token_budget=16)
+            output, batch = engine.generate_token(batch, token_budget=16)
             details_seen += output.input_tokens
             if batch is None:
                 break

@@ -101,6 +101,11 @@ class PaddedBatch(Batch):
         self.prompts = prompts  # truncated prompt ids, until the prefill step only
         self.loras: list[LoraWeights | None] = [None] * len(requests)  # each row's LoRA adapter
 
+    @property
+    def unprefilled(self) -> bool:
+        """No step ran yet: the next one is the prefill (the prompts are known until then)."""
+        return self.prompts is not None
+
     @classmethod
     @abstractmethod
     def from_requests(

@@ -3,7 +3,7 @@
 The shard server (server.py, through batch_manager.py) calls an engine only from its single
 worker thread:
   engine.new_batch(id, requests)      -> (Batch | None, [RequestError])
-  engine.generate_token(batch, first, token_budget) -> (StepOutput, Batch | None)
+  engine.generate_token(batch, token_budget) -> (StepOutput, Batch | None)
   engine.concatenate(batches)         -> Batch
   engine.release(request_ids)         requests gone from every batch (after each call)
   engine.kv_state()                   the paged KV cache after a call (None: no paged cache)
@@ -49,10 +49,8 @@ class ModelEngine(ABC):
         """Build a batch of the valid requests; the invalid ones come back as errors."""
 
     @abstractmethod
-    def generate_token(
-        self, batch: Batch, first: bool, token_budget: int = 0
-    ) -> tuple[StepOutput, Batch | None]:
-        """Run one forward pass (`first`: the prefill of a new batch) and choose one token per
+    def generate_token(self, batch: Batch, token_budget: int = 0) -> tuple[StepOutput, Batch | None]:
+        """Run one forward pass (the batch knows whether it is its prefill) and choose one token per
         request whose prompt is fully computed. Returns the step's output and the batch to
         cache (requests that failed in this step are removed; None when nothing is left).
         Every request of the batch is answered: a generation, an error, or (engines with

@@ -27,12 +27,15 @@ import torch
 from text_generation_server.batches.kv_cache import pad_left
 from text_generation_server.batches.padded_causal import CausalLMBatch
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.hf_transformers import (
-    PaddedEngine,
+from text_generation_server.engines.loading import (
     build_context,
-    config_int,
+    load_generation_config,
+    load_hf_config,
+    load_tokenizer,
+    prefill_bytes_per_token,
     select_device,
 )
+from text_generation_server.engines.padded_engine import PaddedEngine
 from text_generation_server.engines.step import ForwardTimer
 from text_generation_server.memory import MemoryFacts, host_available_bytes
 from text_generation_server.onnx.onnx_session import (
@@ -98,15 +101,11 @@ def decoder_file(model_dir: Path, config: ServerConfig, device: torch.device) ->
 
 class OnnxRuntimeEngine(PaddedEngine):
     def __init__(self, config: ServerConfig) -> None:
-        import transformers
-
         if config.world_size > 1:
             raise ValueError("hf_optimum_ort runs on one shard (NUM_SHARD=1)")
         model_dir = Path(resolve_model_dir(config.model_name, config.revision))
         device = session_device(select_device(config.rank))
-        hf_config = transformers.AutoConfig.from_pretrained(
-            model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
-        )
+        hf_config = load_hf_config(model_dir, config)
         if getattr(hf_config, "is_encoder_decoder", False):
             raise ValueError(
                 "hf_optimum_ort serves decoder-only models: use hf_transformers for encoder-decoders"
@@ -130,15 +129,8 @@ class OnnxRuntimeEngine(PaddedEngine):
             session.io.layers,
             str(dtype).removeprefix("torch."),
         )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            model_dir, trust_remote_code=config.trust_remote_code, local_files_only=True
-        )
-        try:
-            generation_config = transformers.GenerationConfig.from_pretrained(
-                model_dir, local_files_only=True
-            )
-        except OSError:  # no generation_config.json: config.json and the tokenizer say enough
-            generation_config = None
+        tokenizer = load_tokenizer(model_dir, config)
+        generation_config = load_generation_config(model_dir)
         self.model = session
         self.device, self.dtype, self.seq2seq = device, dtype, False
         self.timer = ForwardTimer(device)
@@ -166,13 +158,11 @@ class OnnxRuntimeEngine(PaddedEngine):
         io = session.io
         element = torch.finfo(io.kv_dtype).bits // 8
         kv = 2 * io.layers * io.kv_heads * io.head_dim * element
-        width = config_int(hf_config, ("hidden_size", "n_embd", "d_model"), 1024)
-        inner = config_int(hf_config, ("intermediate_size", "n_inner", "d_ff"), 4 * width)
         logits = session.vocab_size * (torch.finfo(io.logits_dtype).bits // 8)
         return MemoryFacts(
             kv_bytes_per_input_token=kv,
             kv_bytes_per_output_token=kv,
-            prefill_bytes_per_token=(4 * width + 2 * inner) * element + logits,
+            prefill_bytes_per_token=prefill_bytes_per_token(hf_config, element) + logits,
             free_bytes=host_available_bytes(),
         )
 

@@ -93,9 +93,7 @@ class FakeEngine(ModelEngine):
     ) -> tuple[RaggedBatch | None, list[RequestError]]:
         return RaggedBatch.from_requests(batch_id, requests, self.limits, torch.device("cpu"))
 
-    def generate_token(
-        self, batch: Batch, first: bool, token_budget: int = 0
-    ) -> tuple[StepOutput, RaggedBatch | None]:
+    def generate_token(self, batch: Batch, token_budget: int = 0) -> tuple[StepOutput, RaggedBatch | None]:
         assert isinstance(batch, RaggedBatch)
         chunks = batch.plan_prompts(token_budget)
         completed = batch.finish_prompts(chunks)  # the histories are prompt + generated ids

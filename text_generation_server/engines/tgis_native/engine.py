@@ -60,7 +60,7 @@ from text_generation_server.batches.batch import Batch
 from text_generation_server.batches.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
-from text_generation_server.engines.hf_transformers import load_pretrained, model_context
+from text_generation_server.engines.loading import load_pretrained, model_context
 from text_generation_server.engines.step import choose_speculated, choose_tokens, drop_failed
 from text_generation_server.engines.tgis_native.cpu_decoder import decoder_for
 from text_generation_server.engines.tgis_native.graphs import (
@@ -365,9 +365,7 @@ class TgisNativeEngine(ModelEngine):
         salt = item.request.adapter_id or item.request.prefix_id
         return prefix_keys(item.prompt[:-1], self.block_size, salt)
 
-    def generate_token(
-        self, batch: Batch, first: bool, token_budget: int = 0
-    ) -> tuple[StepOutput, RaggedBatch | None]:
+    def generate_token(self, batch: Batch, token_budget: int = 0) -> tuple[StepOutput, RaggedBatch | None]:
         assert isinstance(batch, RaggedBatch)
         with torch.inference_mode():
             return self._step(batch, token_budget)
