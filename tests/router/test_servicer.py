@@ -226,6 +226,62 @@ async def test_every_call_needs_a_token_when_authentication_is_on(servicer) -> N
     assert s.service.limiter.in_use == 0
 
 
+GRPC_REFUSALS = [  # (method, request, status): every way the gRPC door refuses a generate call
+    (
+        "Generate",
+        {"requests": [{"text": "hi"}], "params": {"stopping": {"max_new_tokens": 500}}},
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "Generate",
+        {"requests": [{"text": "hi"}], "params": {"method": "SAMPLE", "sampling": {"top_p": 2.0}}},
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "Generate",
+        {"requests": [{"text": "hi"}], "params": {"decoding": {"repetition_penalty": 3.0e39}}},
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "Generate",
+        {"requests": [{"text": "hi"}], "params": {"stopping": {"stop_sequences": ["a"] * 7}}},
+        "INVALID_ARGUMENT",
+    ),
+    ("Generate", {"requests": [{"text": "hi " * 600}]}, "INVALID_ARGUMENT"),  # longer than the model
+    ("Generate", {"requests": [{"text": "hi"}] * 9}, "RESOURCE_EXHAUSTED"),  # more inputs than permits
+    (
+        "GenerateStream",
+        {"request": {"text": "hi"}, "params": {"method": "SAMPLE", "sampling": {"temperature": 0.01}}},
+        "INVALID_ARGUMENT",
+    ),
+    ("GenerateStream", {}, "INVALID_ARGUMENT"),  # no request
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "fields", "status"), GRPC_REFUSALS, ids=[f"{m} {f}" for m, f, _ in GRPC_REFUSALS]
+)
+async def test_every_refusal_of_the_grpc_door_is_one_counted_call(servicer, method, fields, status) -> None:
+    """One path for every door: a refused call counts once (its kind), its failure once (its
+    cause), and gives its permits back."""
+    s, _ = servicer
+    with pytest.raises(Aborted) as error:
+        if method == "Generate":
+            await s.Generate(pb.BatchedGenerationRequest(**fields), FakeContext())
+        else:
+            async for _ in s.GenerateStream(pb.SingleGenerationRequest(**fields), FakeContext()):
+                pass
+    assert error.value.code == grpc.StatusCode[status]
+    kind = "stream" if method == "GenerateStream" else ("single" if len(fields["requests"]) == 1 else "batch")
+    calls = s.metrics.counters["tgi_request_count"]
+    assert {k: calls.get(kind=k) for k in ("single", "batch", "stream")} == {
+        k: int(k == kind) for k in ("single", "batch", "stream")
+    }
+    cause = "validation" if status == "INVALID_ARGUMENT" else "conc_limit"
+    assert s.metrics.counters["tgi_request_failure"].get(err=cause) == 1
+    assert s.service.limiter.in_use == 0
+
+
 async def test_a_stream_without_its_request_is_refused_and_counted(servicer) -> None:
     s, _ = servicer
     with pytest.raises(Aborted) as error:
