@@ -91,6 +91,8 @@ async def _connect(config: RouterConfig) -> tuple[GrpcShardClient, ModelInfo]:
         return client, await client.model_info()
     except ShardCallError as exc:
         raise StartupError(f"cannot reach the shards at {config.master_shard_uds_path}: {exc}") from exc
+    except ValueError as exc:  # a ModelInfo this router cannot read (convert.capacity_from_pb)
+        raise StartupError(str(exc)) from exc
 
 
 async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:

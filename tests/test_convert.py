@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from router.core.capacity import CapacityError, KVBlockCapacity, capacity_for
+from router.core.capacity import KVBlockCapacity, capacity_for
 from text_generation_common import convert
 from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
     Generation,
     GenerationRequest,
+    KvBlocks,
     MemoryScalingModel,
     ModelInfo,
     NewBatch,
     Speculation,
     StepOutput,
     TokenInfo,
+    WeightBudget,
 )
+from text_generation_common.pb import generate_pb2 as pb
 
 
 @pytest.mark.parametrize(
@@ -28,26 +29,28 @@ from text_generation_common.messages import (
 def test_model_info_round_trips(graphed: bool, capacity: CapacityKind) -> None:
     """A KV-blocks engine reports no batch-weight model (the router admits by blocks)."""
     weights = capacity is not CapacityKind.KV_BLOCKS
+    memory = MemoryScalingModel(1.5, 0.25, 0.125, 1.0, 2.0, 4096)
     info = ModelInfo(
         seq2seq=False,
         eos_token_id=2,
         vocab_size=8192,
         max_sequence_length=2048,
-        memory=MemoryScalingModel(1.5, 0.25, 0.125, 1.0, 2.0, 4096) if weights else None,
-        capacity=capacity,
+        capacity=WeightBudget(memory, capacity is CapacityKind.PADDED_WEIGHTS)
+        if weights
+        else KvBlocks(16, 257),
         dtype="bfloat16",
         dtype_reason="asked for",
         chunked_prefill=True,
-        kv_block_size=16,
-        kv_total_blocks=257,
         graphed_decode=graphed,
     )
-    back = convert.model_info_from_pb(convert.model_info_to_pb(info))
-    assert dataclasses.asdict(back) == dataclasses.asdict(info)
+    reply = convert.model_info_to_pb(info)
+    back = convert.model_info_from_pb(reply)
+    assert back == info and back.capacity.kind is capacity
     if not weights:
         assert isinstance(capacity_for(back, 1.0), KVBlockCapacity)
-        with pytest.raises(CapacityError, match="padded_weights capacity without its memory model"):
-            capacity_for(dataclasses.replace(back, capacity=CapacityKind.PADDED_WEIGHTS), 1.0)
+        reply.capacity_kind = pb.ModelInfoResponse.PADDED_WEIGHTS  # a weights kind needs its memory model
+        with pytest.raises(ValueError, match="padded_weights capacity without its memory model"):
+            convert.model_info_from_pb(reply)
 
 
 def test_a_joining_batch_round_trips() -> None:

@@ -15,11 +15,13 @@ from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
     AdapterCacheState,
     CachedBatchRef,
+    Capacity,
     Generation,
     GenerationRequest,
     Guided,
     GuidedKind,
     InputTokens,
+    KvBlocks,
     KvCacheState,
     LengthPenalty,
     MemoryScalingModel,
@@ -32,6 +34,7 @@ from text_generation_common.messages import (
     StepOutput,
     TokenInfo,
     TopToken,
+    WeightBudget,
 )
 from text_generation_common.pb import generate_pb2 as pb
 
@@ -140,18 +143,19 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
     response = pb.ModelInfoResponse(
         model_type=pb.ModelInfoResponse.SEQ2SEQ_LM if info.seq2seq else pb.ModelInfoResponse.CAUSAL_LM,
         eos_token_id=info.eos_token_id,
-        capacity_kind=CAPACITY_TO_PB[info.capacity],
+        capacity_kind=CAPACITY_TO_PB[info.capacity.kind],
         chunked_prefill=info.chunked_prefill,
-        kv_block_size=info.kv_block_size,
-        kv_total_blocks=info.kv_total_blocks,
         graphed_decode=info.graphed_decode,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
     )
-    if info.memory is not None:
-        memory = {name: getattr(info.memory, name) for name in MEMORY_FIELDS}
+    capacity = info.capacity
+    if isinstance(capacity, KvBlocks):
+        response.kv_block_size, response.kv_total_blocks = capacity.block_size, capacity.total_blocks
+    else:
+        memory = {name: getattr(capacity.memory, name) for name in MEMORY_FIELDS}
         response.memory_scaling_model.CopyFrom(pb.MemoryScalingModel(**memory))
     return response
 
@@ -229,21 +233,29 @@ def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTok
     )
 
 
+def capacity_from_pb(info: pb.ModelInfoResponse) -> Capacity:
+    """The capacity a shard reports; ValueError for a kind this side does not know or a weights
+    kind without its memory model."""
+    kind = {v: k for k, v in CAPACITY_TO_PB.items()}.get(info.capacity_kind)
+    if kind is CapacityKind.KV_BLOCKS:
+        return KvBlocks(info.kv_block_size, info.kv_total_blocks)
+    if kind is None:
+        raise ValueError(f"the shard reports capacity kind {info.capacity_kind}, unknown to this router")
+    if not info.HasField("memory_scaling_model"):
+        raise ValueError(f"the shard reports {kind.value} capacity without its memory model")
+    m = info.memory_scaling_model
+    memory = MemoryScalingModel(**{name: getattr(m, name) for name in MEMORY_FIELDS})
+    return WeightBudget(memory, padded=kind is CapacityKind.PADDED_WEIGHTS)
+
+
 def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
-    memory = None
-    if info.HasField("memory_scaling_model"):
-        m = info.memory_scaling_model
-        memory = MemoryScalingModel(**{name: getattr(m, name) for name in MEMORY_FIELDS})
     return ModelInfo(
         seq2seq=info.model_type == pb.ModelInfoResponse.SEQ2SEQ_LM,
         eos_token_id=info.eos_token_id,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
-        memory=memory,
-        capacity={v: k for k, v in CAPACITY_TO_PB.items()}[info.capacity_kind],
+        capacity=capacity_from_pb(info),
         chunked_prefill=info.chunked_prefill,
-        kv_block_size=info.kv_block_size,
-        kv_total_blocks=info.kv_total_blocks,
         graphed_decode=info.graphed_decode,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,

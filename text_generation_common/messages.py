@@ -257,6 +257,35 @@ class MemoryScalingModel:
 
 
 @dataclass(frozen=True, slots=True)
+class WeightBudget:
+    """Capacity as TGIS's batch weights: each request weighs by its lengths under `memory`, the
+    batch's weight stays under its limit; `padded`: prompts weigh at the longest one's length
+    (left-padded batches: PADDED_WEIGHTS), else each at its own (UNPADDED_WEIGHTS)."""
+
+    memory: MemoryScalingModel
+    padded: bool = True
+
+    @property
+    def kind(self) -> CapacityKind:
+        return CapacityKind.PADDED_WEIGHTS if self.padded else CapacityKind.UNPADDED_WEIGHTS
+
+
+@dataclass(frozen=True, slots=True)
+class KvBlocks:
+    """Capacity as the paged KV cache's blocks: `total_blocks` of `block_size` tokens each."""
+
+    block_size: int
+    total_blocks: int
+
+    @property
+    def kind(self) -> CapacityKind:
+        return CapacityKind.KV_BLOCKS
+
+
+Capacity = WeightBudget | KvBlocks  # what an engine reports of its capacity: one kind, its facts
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """Static facts about the loaded model, reported to the router."""
 
@@ -264,11 +293,8 @@ class ModelInfo:
     eos_token_id: int
     vocab_size: int
     max_sequence_length: int
-    memory: MemoryScalingModel | None  # the batch-weight model of the weights kinds; None for KV_BLOCKS
-    capacity: CapacityKind = CapacityKind.PADDED_WEIGHTS
+    capacity: Capacity  # its kind is the engine's registry entry's (text_generation_common/engines.py)
     dtype: str = ""  # what the weights and activations are in ("bfloat16", ...)
     dtype_reason: str = ""  # why that dtype ("the CPU has AMX-BF16", "asked for ...")
     chunked_prefill: bool = False  # the engine honours a per-step prompt-token budget
-    kv_block_size: int = 0  # KV_BLOCKS: tokens per block
-    kv_total_blocks: int = 0  # KV_BLOCKS: blocks in the cache
     graphed_decode: bool = False  # decode-only steps replay captured graphs (CUDA graphs)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from router.core.batch_weights import BatchWeights
 from text_generation_common.engines import CapacityKind
-from text_generation_common.messages import KvCacheState, ModelInfo, StepOutput
+from text_generation_common.messages import KvBlocks, KvCacheState, ModelInfo, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -212,12 +212,8 @@ class KVBlockCapacity(Capacity):
 
 
 def capacity_for(info: ModelInfo, max_prefill_padding: float) -> Capacity:
-    """The capacity policy of the kind the shard reported."""
-    if info.capacity in (CapacityKind.PADDED_WEIGHTS, CapacityKind.UNPADDED_WEIGHTS):
-        if info.memory is None:
-            raise CapacityError(f"the shard reports {info.capacity.value} capacity without its memory model")
-        padded = info.capacity is CapacityKind.PADDED_WEIGHTS
-        return WeightCapacity(BatchWeights.from_model(info.memory, padded), max_prefill_padding)
-    if info.capacity is CapacityKind.KV_BLOCKS:
-        return KVBlockCapacity(info.kv_block_size, info.kv_total_blocks)
-    raise CapacityError(f"the shard reports capacity kind {info.capacity.value!r}, unknown to this router")
+    """The capacity policy of what the shard reported."""
+    reported = info.capacity
+    if isinstance(reported, KvBlocks):
+        return KVBlockCapacity(reported.block_size, reported.total_blocks)
+    return WeightCapacity(BatchWeights.from_model(reported.memory, reported.padded), max_prefill_padding)

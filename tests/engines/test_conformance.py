@@ -87,7 +87,7 @@ def test_the_engine_reports_what_its_registry_entry_says(subject: Subject) -> No
     if spec is None:
         pytest.skip("not a registered engine")
     info = subject.engine.info
-    assert info.capacity is spec.capabilities.capacity
+    assert info.capacity.kind is spec.capabilities.capacity
     assert info.chunked_prefill == spec.capabilities.chunked_prefill
     assert spec.capabilities.seq2seq or not info.seq2seq
     adapters = subject.engine.adapters

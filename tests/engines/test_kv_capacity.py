@@ -13,8 +13,7 @@ from router.core.capacity import KVBlockCapacity, Load, capacity_for
 from router.core.metrics import Metrics
 from router.core.tokenizer import load_tokenizer
 from tests.engines.conformance import LocalShard, alone, through_batcher, validated_request
-from text_generation_common.engines import CapacityKind
-from text_generation_common.messages import CachedBatchRef, GenerationRequest, StepOutput
+from text_generation_common.messages import CachedBatchRef, GenerationRequest, KvBlocks, StepOutput
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.tgis_native import TgisNativeEngine
@@ -51,8 +50,7 @@ def prompt(seed: int, length: int) -> tuple[int, ...]:
 
 def test_the_engine_reports_its_cache_with_every_step(engine) -> None:
     info = engine.info
-    assert info.capacity is CapacityKind.KV_BLOCKS
-    assert (info.kv_block_size, info.kv_total_blocks) == (BLOCK, 33)
+    assert info.capacity == KvBlocks(BLOCK, 33)
     manager = BatchManager(engine, 8)
     # 10 + 6 tokens at their longest = 4 blocks, 3 of them taken by the prompt (its last block
     # partly filled) and the first token; 21 + 3 = 6 blocks, 6 taken
@@ -122,7 +120,8 @@ async def test_the_router_admits_by_blocks_and_no_request_runs_out(engine, tiny_
     answers = [o[-1] for o in outputs]
     assert [[t.token_id for t in a.tokens] for a in answers] == expected
     assert all(a.error is None for a in answers)
-    assert max(shard.committed) <= info.kv_total_blocks - KVBlockCapacity.HELD_BACK_BLOCKS
+    assert isinstance(info.capacity, KvBlocks)
+    assert max(shard.committed) <= info.capacity.total_blocks - KVBlockCapacity.HELD_BACK_BLOCKS
     assert max(shard.live) == 3  # held back by blocks, not by the batch size of 8
     text = metrics.exposition().decode()
     assert "tgi_kv_cache_blocks_total 33.0" in text

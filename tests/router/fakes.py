@@ -27,6 +27,7 @@ from text_generation_common.messages import (
     RequestError,
     StepOutput,
     TokenInfo,
+    WeightBudget,
 )
 
 EOS = 2
@@ -85,7 +86,7 @@ class FakeShard:
             EOS,
             2000,
             self.max_sequence_length,
-            self.memory,
+            WeightBudget(self.memory, padded=True),
             chunked_prefill=self.chunked_prefill,
         )
 

@@ -7,12 +7,19 @@ import pytest
 
 from router.core.capacity import Admission, CapacityError, KVBlockCapacity, Load, WeightCapacity, capacity_for
 from text_generation_common.engines import CapacityKind
-from text_generation_common.messages import KvCacheState, MemoryScalingModel, ModelInfo, StepOutput
+from text_generation_common.messages import (
+    KvBlocks,
+    KvCacheState,
+    MemoryScalingModel,
+    ModelInfo,
+    StepOutput,
+    WeightBudget,
+)
 
 
 def info(kind: CapacityKind, limit: int = 100, prefill_per_token: float = 1.0) -> ModelInfo:
     memory = MemoryScalingModel(prefill_per_token, 0.0, 0.0, 1.0, 1.0, limit)
-    return ModelInfo(False, 2, 1000, 512, memory, capacity=kind)
+    return ModelInfo(False, 2, 1000, 512, WeightBudget(memory, padded=kind is CapacityKind.PADDED_WEIGHTS))
 
 
 def test_the_kind_the_shard_reports_chooses_the_policy() -> None:
@@ -49,11 +56,7 @@ def test_one_request_of_the_longest_length_must_fit() -> None:
 
 
 def kv_capacity(total_blocks: int = 11, block_size: int = 4) -> KVBlockCapacity:
-    memory = MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 0)
-    model = ModelInfo(
-        False, 2, 1000, 512, memory, capacity=CapacityKind.KV_BLOCKS, kv_block_size=block_size,
-        kv_total_blocks=total_blocks,
-    )  # fmt: skip
+    model = ModelInfo(False, 2, 1000, 512, KvBlocks(block_size, total_blocks))
     capacity = capacity_for(model, 0.2)
     assert isinstance(capacity, KVBlockCapacity)
     return capacity

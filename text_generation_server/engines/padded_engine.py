@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
     GenerationRequest,
     InputTokens,
     ModelInfo,
     RequestError,
     StepOutput,
+    WeightBudget,
 )
 from text_generation_server.batches.padded import ModelContext, PaddedBatch
 from text_generation_server.config import ServerConfig
@@ -53,8 +53,7 @@ class PaddedEngine(ModelEngine):
             eos_token_id=self.context.eos_token_id,
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
-            memory=memory_model,
-            capacity=CapacityKind.PADDED_WEIGHTS,
+            capacity=WeightBudget(memory_model, padded=True),
             chunked_prefill=False,
             dtype=dtype_name,
             dtype_reason=self.dtype_reason,

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
     GenerationRequest,
     InputTokens,
@@ -31,6 +30,7 @@ from text_generation_common.messages import (
     RequestError,
     StepOutput,
     TokenInfo,
+    WeightBudget,
 )
 from text_generation_server.batches.batch import Batch
 from text_generation_server.batches.inputs import RequestLimits
@@ -81,8 +81,7 @@ class FakeEngine(ModelEngine):
             eos_token_id=self.limits.eos_token_id,
             vocab_size=vocab_size,
             max_sequence_length=self.limits.max_sequence_length,
-            memory=MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 2**40),
-            capacity=CapacityKind.UNPADDED_WEIGHTS,
+            capacity=WeightBudget(MemoryScalingModel(1.0, 0.0, 0.0, 1.0, 1.0, 2**40), padded=False),
             chunked_prefill=True,
             dtype="float32",
             dtype_reason="the fake engine's table",

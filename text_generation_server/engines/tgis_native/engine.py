@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from text_generation_common.engines import CapacityKind
 from text_generation_common.logs import first_line
 from text_generation_common.messages import (
     GenerationRequest,
     InputTokens,
+    KvBlocks,
     KvCacheState,
     ModelInfo,
     RequestError,
@@ -186,11 +186,8 @@ class TgisNativeEngine(ModelEngine):
             eos_token_id=self.context.eos_token_id,
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
-            memory=None,  # admitted by KV blocks, which every step reports (kv_state)
-            capacity=CapacityKind.KV_BLOCKS,
+            capacity=KvBlocks(self.block_size, self.kv.pool.num_blocks),  # each step reports their use
             chunked_prefill=True,
-            kv_block_size=self.block_size,
-            kv_total_blocks=self.kv.pool.num_blocks,
             dtype=loaded.dtype_name,
             dtype_reason=loaded.dtype_reason,
         )
