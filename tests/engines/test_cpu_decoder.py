@@ -67,9 +67,10 @@ def both_logits(engine: TgisNativeEngine, batch, ids: list[int]) -> tuple[torch.
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "granite", "gpt2", "gpt_bigcode"])
 def test_logits_match_the_modules(tiny_model, arch, dtype) -> None:
-    # llama: GQA; mistral: sliding window; qwen2: q/k/v biases; granite: its four multipliers
+    # llama: GQA; mistral: sliding window; qwen2: q/k/v biases; granite: its four multipliers;
+    # gpt2: LayerNorm, learned positions, Conv1D, GELU's formula; gpt_bigcode: multi-query
     engine = TgisNativeEngine(config_for(tiny_model(arch), dtype=dtype, cpu_forward="layers"))
     batch = started(engine, [5, 17, 40])
     rng = random.Random(1)
@@ -132,7 +133,7 @@ def recorded_forwards(engine: TgisNativeEngine) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "granite", "gpt2", "gpt_bigcode"])
 def test_steps_with_prompts_match_the_modules(tiny_model, arch, dtype) -> None:
     """Whole prompts, chunks after cached tokens (mistral: past its window) and decode rows in
     one step, a join mid-way, prompt logprobs of one request: the same logits either way."""
@@ -205,9 +206,10 @@ def test_lora_decode_steps_run_in_the_call(tiny_model, tmp_path, monkeypatch) ->
 def test_layers_refused_with_the_reason(tiny_model) -> None:
     with pytest.raises(
         ValueError,
-        match=r"^CPU_FORWARD=layers: .* serves llama, mistral, qwen2, granite models, not gpt2",
+        match=r"^CPU_FORWARD=layers: .* serves llama, mistral, qwen2, granite, gpt2, gpt_bigcode models, "
+        r"not gpt_neox",
     ):
-        TgisNativeEngine(config_for(tiny_model("gpt2"), cpu_forward="layers"))
+        TgisNativeEngine(config_for(tiny_model("gpt_neox"), cpu_forward="layers"))
     with pytest.raises(ValueError, match=r"^CPU_FORWARD=layers: .* decode attention runs on sdpa"):
         TgisNativeEngine(config_for(tiny_model("llama"), cpu_forward="layers", cpu_attention="sdpa"))
 
@@ -234,3 +236,18 @@ def test_unsupported_shapes_of_a_model(tiny_model) -> None:
     with pytest.raises(ValueError, match="split over 2 shards"):
         build(engine.model, engine.kv, "cpu_kernel", 2, None)
     assert decoder_for("auto", engine.model, engine.kv, "cpu_kernel", 1, None) is not None
+
+
+def test_unsupported_shapes_of_a_layer_norm_model(tiny_model) -> None:
+    engine = TgisNativeEngine(config_for(tiny_model("gpt_bigcode"), cpu_forward="modules"))
+    config = engine.model.config
+    config.activation_function = "relu"
+    with pytest.raises(ValueError, match="activation is relu, not GELU with tanh"):
+        build(engine.model, engine.kv, "cpu_kernel", 1, None)
+    config.activation_function = "gelu_pytorch_tanh"
+    config.multi_query = False
+    with pytest.raises(ValueError, match=r"multi-head .* not multi-query"):
+        build(engine.model, engine.kv, "cpu_kernel", 1, None)
+    config.multi_query = True
+    decoder = build(engine.model, engine.kv, "cpu_kernel", 1, None)
+    assert (decoder.family, decoder.kv_heads, decoder.conv1d) == ("layer_norm", 1, False)

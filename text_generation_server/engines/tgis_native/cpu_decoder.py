@@ -10,10 +10,13 @@ chunks, decode rows beside them, soft prompts spliced into the embeddings) from 
 (`forward`).
 
 Which models: `llama`, `mistral`, `qwen2` and `granite` (their multipliers) with SiLU MLPs and
-full-width rotary embeddings; the decode attention must be our CPU kernel (its K layout), one
-shard (no collectives inside). LoRA adapters apply inside the call with our LoRA kernel (one
-call per projection that an adapter of the step targets) where the step has few adapter tokens
-(decode steps: the kernel's limit, lora.KERNEL_MAX_WORK); other LoRA steps run the modules.
+full-width rotary embeddings (`decoder_layers`), and the LayerNorm family, `gpt2` and multi-query
+`gpt_bigcode` with their learned positions, fused q|k|v projections and tanh GELU
+(`decoder_layers_ln`); the decode attention must be our CPU kernel (its K layout), one shard (no
+collectives inside). LoRA adapters apply inside the call with our LoRA kernel (one call per
+projection that an adapter of the step targets) where the step has few adapter tokens (decode
+steps: the kernel's limit, lora.KERNEL_MAX_WORK) on the Llama family; other LoRA steps, and
+every LoRA step of the LayerNorm family, run the modules; so do quantized LayerNorm models.
 
 CPU_FORWARD picks: `layers` (this, or a start-up error saying why not), `modules`
 (transformers' forward) or `auto` (this where the model allows it, else the modules, the reason
@@ -39,7 +42,10 @@ from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "granite")
+LAYER_NORM_TYPES = ("gpt2", "gpt_bigcode")  # decoder_layers_ln
 ACTIVATIONS = ("silu", "swish")
+LAYER_NORM_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+LAYER_NORM_PROJECTIONS = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
 PROJECTIONS = (
     ("self_attn", "q_proj"),
     ("self_attn", "k_proj"),
@@ -100,7 +106,7 @@ def _linear(module: Any) -> Projection:
             base.scale_offset, base.bias_value, False, int4=base.packed, int4_order=base.order,
             out_features=base.out_features,
         )  # fmt: skip
-    if type(base) is torch.nn.Linear:
+    if type(base) is torch.nn.Linear or type(base).__name__ == "Conv1D":  # Conv1D: GPT-2's [in, out]
         return Projection(base.weight, base.bias, False)
     raise Unsupported(f"its projections are {type(base).__name__}, not Linear")
 
@@ -125,6 +131,10 @@ class CpuDecoder:
     logits_scaling: float
     block_size: int
     window: int
+    family: str = "llama"  # or "layer_norm" (decoder_layers_ln)
+    conv1d: bool = False  # layer_norm: GPT-2's Conv1D weights
+    activation: str = ""  # layer_norm: gelu_new or gelu_pytorch_tanh
+    position_embeddings: Any = None  # layer_norm: the learned position table (wpe)
 
     def decode(
         self,
@@ -166,7 +176,7 @@ class CpuDecoder:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of `ids` [T] -> [T, hidden] (before Granite's multiplier)."""
-        embeddings: torch.Tensor = self.model.model.embed_tokens(ids)
+        embeddings: torch.Tensor = self.model.get_input_embeddings()(ids)
         return embeddings
 
     def _layers(
@@ -182,6 +192,14 @@ class CpuDecoder:
         masks: list[torch.Tensor | None],
         lora: LoraArgs,
     ) -> torch.Tensor:
+        if self.family == "layer_norm":  # transformers: inputs_embeds + wpe(position_ids)
+            placed = (embeddings + self.position_embeddings(positions)).contiguous()
+            out: torch.Tensor = torch.ops.tgis_cpu.decoder_layers_ln(
+                placed, self.params, self.onednn, self.conv1d, self.caches, slots, decode, tables, lengths,
+                bounds, blocks, masks, self.block_size, self.heads, self.kv_heads, self.eps, self.scale,
+                self.window, self.activation,
+            )  # fmt: skip
+            return out
         if self.embedding_multiplier != 1.0:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
@@ -203,6 +221,8 @@ class CpuDecoder:
         step = step_of(loras, torch.device("cpu"), False, repeats)
         if step is None:
             return NO_LORA
+        if self.family != "llama":
+            return None
         step.kernel = kernel
         if not step.use_kernel(1):
             return None
@@ -242,8 +262,10 @@ def build(
         raise Unsupported(f"the model is split over {world_size} shards")
     if backend_name != "cpu_kernel":
         raise Unsupported(f"decode attention runs on {backend_name}, not our CPU kernel")
+    if model_type in LAYER_NORM_TYPES:
+        return _build_layer_norm(model, cache, window)
     if model_type not in MODEL_TYPES:
-        raise Unsupported(f"it serves {', '.join(MODEL_TYPES)} models, not {model_type}")
+        raise Unsupported(f"it serves {', '.join(MODEL_TYPES + LAYER_NORM_TYPES)} models, not {model_type}")
     if getattr(config, "hidden_act", None) not in ACTIVATIONS:
         raise Unsupported(f"its MLP activation is {getattr(config, 'hidden_act', None)}, not SiLU")
     if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
@@ -297,6 +319,79 @@ def build(
         logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
         block_size=cache.pool.block_size,
         window=window or 0,
+    )
+
+
+def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> CpuDecoder:
+    """build() for GPT-2 and multi-query GPT-BigCode (decoder_layers_ln)."""
+    config = model.config
+    if config.model_type == "gpt_bigcode" and not config.multi_query:
+        raise Unsupported(
+            "its GPT-BigCode attention is multi-head (q/k/v interleaved per head), not multi-query"
+        )
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(
+        config, "reorder_and_upcast_attn", False
+    ):
+        raise Unsupported("its attention scales by layer or upcasts")
+    if getattr(config, "add_cross_attention", False):
+        raise Unsupported("it has cross-attention")
+    if config.activation_function not in LAYER_NORM_ACTIVATIONS:
+        raise Unsupported(f"its MLP activation is {config.activation_function}, not GELU with tanh")
+    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise Unsupported(f"its dtype is {model.dtype}")
+    blocks = list(model.transformer.h)
+    params: list[torch.Tensor | None] = []
+    onednn: list[bool] = []
+    projections: list[tuple[Any, str]] = []
+    kinds = set()
+    for block in blocks:
+        # ln_1, c_attn, attention c_proj, ln_2, c_fc, MLP c_proj: decoder_layers_ln's order
+        parts = [block.ln_1, *((getattr(block, o), n) for o, n in LAYER_NORM_PROJECTIONS)]
+        parts.insert(3, block.ln_2)
+        for part in parts:
+            if isinstance(part, torch.nn.LayerNorm):
+                params += [part.weight, part.bias]
+                continue
+            holder, name = part
+            base = getattr(holder, name)
+            projection = _linear(base)
+            if projection.int8 is not None or projection.int4 is not None:
+                raise Unsupported("its layers are quantized")
+            kinds.add(type(getattr(base, "base", base)).__name__ == "Conv1D")
+            projections.append((holder, name))
+            params += [projection.weight, projection.bias]
+            onednn.append(projection.onednn)
+    if len(kinds) != 1:
+        raise Unsupported("its projections mix Conv1D and Linear")
+    final = model.transformer.ln_f
+    params += [final.weight, final.bias]
+    caches = [cache.layers[i] for i in range(len(blocks))]
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    attention = blocks[0].attn
+    return CpuDecoder(
+        model=model,
+        projections=projections,
+        params=[p.detach() if p is not None else None for p in params],
+        onednn=onednn,
+        int8=[],
+        int4=[],
+        int4_order=[],
+        int4_out=[],
+        caches=caches,
+        heads=heads,
+        kv_heads=int(caches[0].shape[1]) if caches else heads,
+        eps=float(blocks[0].ln_1.eps),
+        scale=float(getattr(attention, "scaling", head_dim**-0.5)),
+        residual_multiplier=1.0,
+        embedding_multiplier=1.0,
+        logits_scaling=1.0,
+        block_size=cache.pool.block_size,
+        window=window or 0,
+        family="layer_norm",
+        conv1d=kinds.pop(),
+        activation=config.activation_function,
+        position_embeddings=model.transformer.wpe,
     )
 
 

@@ -43,7 +43,19 @@
 //   -> [T, hidden]                  the final norm's output (the LM head is the caller's)
 //
 // Granite's multipliers: the attention scale is `scale`, each residual branch is multiplied by
-// `residual_multiplier` before its add (1 for the other models). Built by cpu_kernels.py.
+// `residual_multiplier` before its add (1 for the other models).
+//
+// decoder_layers_ln: the same for the LayerNorm family (GPT-2, multi-query GPT-BigCode): no rotary
+// (the caller adds the learned position embeddings), per layer LayerNorm -> fused q|k|v
+// projection -> attention -> output projection -> residual add -> LayerNorm -> MLP (fc, GELU with
+// tanh, projection) -> residual add, each step the ATen operation transformers' modules run (so
+// each rounds where theirs does), the KV writes and attention as above:
+//   params     12 per layer, then the final norm's weight and bias: ln_1 (weight, bias), c_attn,
+//              attention c_proj, ln_2, c_fc, MLP c_proj (weight, bias each)
+//   onednn     4 per layer: c_attn, attention c_proj, c_fc, MLP c_proj
+//   conv1d     GPT-2's Conv1D weights ([in, out], addmm) instead of Linear's
+//   activation "gelu_new" (GPT-2's formula, op by op) or "gelu_pytorch_tanh" (one gelu)
+// Built by cpu_kernels.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -345,6 +357,119 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
   return normed;
 }
 
+constexpr int64_t kLnParamsPerLayer = 12;
+constexpr int64_t kLnLinearsPerLayer = 4;
+
+// transformers' NewGELUActivation, op by op (each rounds to the input's dtype), or gelu(tanh).
+at::Tensor gelu_tanh(const at::Tensor& x, bool formula) {
+  if (!formula) return at::gelu(x, "tanh");
+  const at::Tensor inner = at::mul(at::add(x, at::mul(at::pow(x, 3.0), 0.044715)), std::sqrt(2.0 / M_PI));
+  return at::mul(at::mul(x, 0.5), at::add(at::tanh(inner), 1.0));
+}
+
+template <typename T>
+at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at::Tensor>>& params,
+                  const std::vector<bool>& onednn, bool conv1d, bool gelu_formula, const std::vector<at::Tensor>& caches,
+                  const at::Tensor& slots, const Attention& attention, int64_t heads, int64_t kv_heads, double eps) {
+  const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
+  const int64_t dim = size / heads, kv_size = kv_heads * dim, block_size = attention.block_size;
+  auto param = [&](int64_t index) -> at::Tensor { return *params.get(index); };
+  auto norm = [&](const at::Tensor& x, int64_t index) {
+    return at::layer_norm(x, {size}, param(index), param(index + 1), eps);
+  };
+  auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
+    const int64_t first = layer * kLnParamsPerLayer + index;
+    if (conv1d) return at::addmm(param(first + 1), x, param(first));
+    return linear(x, params.get(first), params.get(first + 1), onednn[layer * kLnLinearsPerLayer + which]);
+  };
+  at::Tensor hidden = embeddings;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t base = layer * kLnParamsPerLayer;
+    const at::Tensor qkv = project(norm(hidden, base), layer, 2, 0);
+    const at::Tensor q = qkv.narrow(1, 0, size).contiguous();
+    const at::Tensor k = qkv.narrow(1, size, kv_size).contiguous();
+    const at::Tensor v = qkv.narrow(1, size + kv_size, kv_size).contiguous();
+    const at::Tensor& cache = caches[layer];
+    write_kv<T>(data<T>(cache), data<T>(k), data<T>(v), slots.data_ptr<int64_t>(), rows, kv_heads, cache.size(2),
+                block_size, dim);
+    const at::Tensor attended = attend(q.view({rows, heads, dim}), k.view({rows, kv_heads, dim}),
+                                       v.view({rows, kv_heads, dim}), cache, attention);
+    hidden = at::add(project(attended.view({rows, size}), layer, 4, 1), hidden);  // attn_output + residual
+    const at::Tensor up = project(norm(hidden, base + 6), layer, 8, 2);
+    hidden = at::add(hidden, project(gelu_tanh(up, gelu_formula), layer, 10, 3));  // residual + feed forward
+  }
+  return norm(hidden, layers * kLnParamsPerLayer);
+}
+
+// The checks and the attention plan both ops share.
+Attention attention_of(int64_t rows, at::TensorList caches, int64_t kv_heads, int64_t head_dim,
+                       const at::Tensor& slots, const std::optional<at::Tensor>& decode,
+                       const std::optional<at::Tensor>& tables, const std::optional<at::Tensor>& lengths,
+                       at::IntArrayRef piece_bounds, const c10::List<std::optional<at::Tensor>>& piece_blocks,
+                       const c10::List<std::optional<at::Tensor>>& piece_masks, int64_t block_size, double scale,
+                       int64_t window, at::ScalarType dtype) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "one int64 slot per token");
+  for (const at::Tensor& cache : caches) {
+    TORCH_CHECK(cache.dim() == 4 && cache.size(1) == kv_heads && cache.size(3) == block_size * head_dim &&
+                    cache.is_contiguous() && cache.scalar_type() == dtype,
+                "each cache must be [2, kv_heads, blocks, block_size * head_dim], contiguous, the embeddings' dtype");
+  }
+  const int64_t pieces = static_cast<int64_t>(piece_bounds.size()) / 3;
+  TORCH_CHECK(static_cast<int64_t>(piece_bounds.size()) == 3 * pieces &&
+                  static_cast<int64_t>(piece_blocks.size()) == pieces && static_cast<int64_t>(piece_masks.size()) == pieces,
+              "three bounds, a block table and a mask per piece");
+  for (int64_t p = 0; p < pieces; ++p) {
+    const int64_t start = piece_bounds[3 * p], end = piece_bounds[3 * p + 1];
+    TORCH_CHECK(0 <= start && start < end && end <= rows, "a piece's tokens must lie in the step");
+  }
+  const bool any_decode = decode.has_value() ? decode->numel() > 0 : pieces == 0;
+  TORCH_CHECK(!any_decode || (tables.has_value() && lengths.has_value()), "decode rows need tables and lengths");
+  TORCH_CHECK(decode.has_value() || pieces == 0, "a step with pieces names its decode rows");
+  return Attention{decode, tables, lengths, piece_bounds.vec(), piece_blocks, piece_masks, block_size, window, scale};
+}
+
+template <typename F>
+at::Tensor by_dtype(at::ScalarType dtype, const char* op, const F& typed) {
+  switch (dtype) {
+    case at::kFloat:
+      return typed(static_cast<float*>(nullptr));
+    case at::kBFloat16:
+      return typed(static_cast<c10::BFloat16*>(nullptr));
+    case at::kHalf:
+      return typed(static_cast<c10::Half*>(nullptr));
+    default:
+      TORCH_CHECK(false, op, ": float32, bfloat16 or float16, not ", dtype);
+  }
+}
+
+at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::optional<at::Tensor>>& params,
+                             c10::List<bool> onednn, bool conv1d, at::TensorList caches, const at::Tensor& slots,
+                             const std::optional<at::Tensor>& decode, const std::optional<at::Tensor>& tables,
+                             const std::optional<at::Tensor>& lengths, at::IntArrayRef piece_bounds,
+                             const c10::List<std::optional<at::Tensor>>& piece_blocks,
+                             const c10::List<std::optional<at::Tensor>>& piece_masks, int64_t block_size, int64_t heads,
+                             int64_t kv_heads, double eps, double scale, int64_t window, c10::string_view activation) {
+  const int64_t layers = caches.size();
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kLnParamsPerLayer + 2, "12 parameters per layer + 2");
+  TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLnLinearsPerLayer, "4 layout flags per layer");
+  TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [tokens, hidden], contiguous");
+  TORCH_CHECK(heads > 0 && embeddings.size(1) % heads == 0, "the hidden size must be heads * head_dim");
+  TORCH_CHECK(activation == "gelu_new" || activation == "gelu_pytorch_tanh", "activation: gelu_new or gelu_pytorch_tanh");
+  for (int64_t i = 0; i < static_cast<int64_t>(params.size()); ++i) TORCH_CHECK(params.get(i).has_value(), "every parameter");
+  const int64_t rows = embeddings.size(0);
+  const Attention attention = attention_of(rows, caches, kv_heads, embeddings.size(1) / heads, slots, decode, tables,
+                                           lengths, piece_bounds, piece_blocks, piece_masks, block_size, scale, window,
+                                           embeddings.scalar_type());
+  std::vector<bool> flags(onednn.begin(), onednn.end());
+  std::vector<at::Tensor> layer_caches(caches.begin(), caches.end());
+  const at::Tensor slot_ids = slots.contiguous();
+  const bool formula = activation == "gelu_new";
+  return by_dtype(embeddings.scalar_type(), "decoder_layers_ln", [&](auto* dtype) {
+    using T = std::remove_pointer_t<decltype(dtype)>;
+    return run_ln<T>(embeddings, params, flags, conv1d, formula, layer_caches, slot_ids, attention, heads, kv_heads, eps);
+  });
+}
+
 at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
                           const c10::List<std::optional<Int8Weights>>& int8,
@@ -373,26 +498,11 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= 512, "the head dim must be even, at most 512");
   TORCH_CHECK(cos.scalar_type() == embeddings.scalar_type() && sin.scalar_type() == embeddings.scalar_type(),
               "cos/sin must have the embeddings' dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "one int64 slot per token");
-  for (const at::Tensor& cache : caches) {
-    TORCH_CHECK(cache.dim() == 4 && cache.size(1) == kv_heads && cache.size(3) == block_size * cos.size(1) &&
-                    cache.is_contiguous() && cache.scalar_type() == embeddings.scalar_type(),
-                "each cache must be [2, kv_heads, blocks, block_size * head_dim], contiguous, the embeddings' dtype");
-  }
-  const int64_t pieces = static_cast<int64_t>(piece_bounds.size()) / 3;
-  TORCH_CHECK(static_cast<int64_t>(piece_bounds.size()) == 3 * pieces &&
-                  static_cast<int64_t>(piece_blocks.size()) == pieces && static_cast<int64_t>(piece_masks.size()) == pieces,
-              "three bounds, a block table and a mask per piece");
-  for (int64_t p = 0; p < pieces; ++p) {
-    const int64_t start = piece_bounds[3 * p], end = piece_bounds[3 * p + 1];
-    TORCH_CHECK(0 <= start && start < end && end <= rows, "a piece's tokens must lie in the step");
-  }
-  const bool any_decode = decode.has_value() ? decode->numel() > 0 : pieces == 0;
-  TORCH_CHECK(!any_decode || (tables.has_value() && lengths.has_value()), "decode rows need tables and lengths");
-  TORCH_CHECK(decode.has_value() || pieces == 0, "a step with pieces names its decode rows");
+  const Attention attention = attention_of(rows, caches, kv_heads, cos.size(1), slots, decode, tables, lengths,
+                                           piece_bounds, piece_blocks, piece_masks, block_size, scale, window,
+                                           embeddings.scalar_type());
   std::vector<bool> flags(onednn.begin(), onednn.end());
   std::vector<at::Tensor> layer_caches(caches.begin(), caches.end());
-  Attention attention{decode, tables, lengths, piece_bounds.vec(), piece_blocks, piece_masks, block_size, window, scale};
   Lora lora{lora_slots, lora_a, lora_bt, lora_scales.vec()};
   if (lora_slots.has_value()) {
     const int64_t projections = layers * kLinearsPerLayer;
@@ -403,21 +513,11 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
     lora.adapters = static_cast<int64_t>(lora_a.size()) / projections;
   }
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
-  auto typed = [&](auto* dtype) {
+  return by_dtype(embeddings.scalar_type(), "decoder_layers", [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
     return run<T>(embeddings, c, s, params, flags, int8, Int4{int4, int4_order, int4_out, int4_max_rows}, layer_caches,
                   slot_ids, attention, lora, heads, kv_heads, eps, residual_multiplier);
-  };
-  switch (embeddings.scalar_type()) {
-    case at::kFloat:
-      return typed(static_cast<float*>(nullptr));
-    case at::kBFloat16:
-      return typed(static_cast<c10::BFloat16*>(nullptr));
-    case at::kHalf:
-      return typed(static_cast<c10::Half*>(nullptr));
-    default:
-      TORCH_CHECK(false, "decoder_layers: float32, bfloat16 or float16, not ", embeddings.scalar_type());
-  }
+  });
 }
 
 }  // namespace
@@ -431,8 +531,19 @@ TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
       "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
       "int block_size, int heads, int kv_heads, float eps, float scale, "
       "float residual_multiplier, int window) -> Tensor");
+  m.def(
+      "decoder_layers_ln(Tensor embeddings, Tensor?[] params, bool[] onednn, bool conv1d, Tensor[] caches, "
+      "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
+      "Tensor?[] piece_masks, int block_size, int heads, int kv_heads, float eps, float scale, int window, "
+      "str activation) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
+TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) {
+  m.impl("decoder_layers", &decoder_layers);
+  m.impl("decoder_layers_ln", &decoder_layers_ln);
+}
 // oneDNN packed weights are MkldnnCPU tensors: a call holding one dispatches here
-TORCH_LIBRARY_IMPL(tgis_cpu, MkldnnCPU, m) { m.impl("decoder_layers", &decoder_layers); }
+TORCH_LIBRARY_IMPL(tgis_cpu, MkldnnCPU, m) {
+  m.impl("decoder_layers", &decoder_layers);
+  m.impl("decoder_layers_ln", &decoder_layers_ln);
+}
