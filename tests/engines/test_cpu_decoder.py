@@ -5,8 +5,10 @@ generate, and the modules beside it.)"""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import shutil
 
 import pytest
 import torch
@@ -67,11 +69,36 @@ def both_logits(engine: TgisNativeEngine, batch, ids: list[int]) -> tuple[torch.
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "granite", "gpt2", "gpt_bigcode"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "granite", "gpt2", "gpt_bigcode", "gpt_neox"])
 def test_logits_match_the_modules(tiny_model, arch, dtype) -> None:
     # llama: GQA; mistral: sliding window; qwen2: q/k/v biases; granite: its four multipliers;
-    # gpt2: LayerNorm, learned positions, Conv1D, GELU's formula; gpt_bigcode: multi-query
-    engine = TgisNativeEngine(config_for(tiny_model(arch), dtype=dtype, cpu_forward="layers"))
+    # gpt2: LayerNorm, learned positions, Conv1D, GELU's formula; gpt_bigcode: multi-query;
+    # gpt_neox: q/k/v per head, partial rotary, parallel residual, erf GELU
+    assert_logits_match(
+        TgisNativeEngine(config_for(tiny_model(arch), dtype=dtype, cpu_forward="layers")), dtype
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_multi_head_gpt_bigcode_logits_match_the_modules(tiny_model, tmp_path, dtype) -> None:
+    """GPT-BigCode without multi-query attention: q, k, v interleaved per head, as GPT-NeoX's."""
+    import transformers
+
+    mqa = tiny_model("gpt_bigcode")
+    config = transformers.AutoConfig.from_pretrained(mqa)
+    config.multi_query = False
+    torch.manual_seed(0)
+    transformers.GPTBigCodeForCausalLM(config).save_pretrained(tmp_path)
+    for file in mqa.iterdir():
+        if "token" in file.name:
+            shutil.copy(file, tmp_path / file.name)
+    engine = TgisNativeEngine(config_for(tmp_path, dtype=dtype, cpu_forward="layers"))
+    decoder = engine.runner.decoder
+    assert decoder is not None and decoder.interleaved and decoder.kv_heads == decoder.heads
+    assert_logits_match(engine, dtype)
+
+
+def assert_logits_match(engine: TgisNativeEngine, dtype: str) -> None:
     batch = started(engine, [5, 17, 40])
     rng = random.Random(1)
     for _ in range(6):
@@ -133,7 +160,7 @@ def recorded_forwards(engine: TgisNativeEngine) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "granite", "gpt2", "gpt_bigcode"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "granite", "gpt2", "gpt_bigcode", "gpt_neox"])
 def test_steps_with_prompts_match_the_modules(tiny_model, arch, dtype) -> None:
     """Whole prompts, chunks after cached tokens (mistral: past its window) and decode rows in
     one step, a join mid-way, prompt logprobs of one request: the same logits either way."""
@@ -203,24 +230,29 @@ def test_lora_decode_steps_run_in_the_call(tiny_model, tmp_path, monkeypatch) ->
     assert sum(with_adapters) >= 5  # the decode steps carried the adapters
 
 
-def test_layers_refused_with_the_reason(tiny_model) -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"^CPU_FORWARD=layers: .* serves llama, mistral, qwen2, granite, gpt2, gpt_bigcode models, "
-        r"not gpt_neox",
-    ):
-        TgisNativeEngine(config_for(tiny_model("gpt_neox"), cpu_forward="layers"))
+def layer_scaled_gpt2(tiny_model, tmp_path) -> str:
+    """The tiny GPT-2 with its attention scaled by the inverse layer index (not served by the stack)."""
+    model = tmp_path / "gpt2-layer-scaled"
+    shutil.copytree(tiny_model("gpt2"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "scale_attn_by_inverse_layer_idx": True}))
+    return str(model)
+
+
+def test_layers_refused_with_the_reason(tiny_model, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"^CPU_FORWARD=layers: .* its attention scales by layer or upcasts"):
+        TgisNativeEngine(config_for(layer_scaled_gpt2(tiny_model, tmp_path), cpu_forward="layers"))
     with pytest.raises(ValueError, match=r"^CPU_FORWARD=layers: .* decode attention runs on sdpa"):
         TgisNativeEngine(config_for(tiny_model("llama"), cpu_forward="layers", cpu_attention="sdpa"))
 
 
-def test_auto_says_why_the_modules_serve(tiny_model, caplog) -> None:
+def test_auto_says_why_the_modules_serve(tiny_model, tmp_path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="text_generation_server.engines.tgis_native.cpu_decoder"):
+        engine = TgisNativeEngine(config_for(layer_scaled_gpt2(tiny_model, tmp_path)))
+    assert engine.runner.decoder is None
+    assert "forward: the model's modules, because its attention scales by layer" in caplog.text
     with caplog.at_level(logging.INFO, logger="text_generation_server.engines.tgis_native.cpu_decoder"):
         engine = TgisNativeEngine(config_for(tiny_model("gpt_neox")))
-    assert engine.runner.decoder is None
-    assert "forward: the model's modules, because it serves llama" in caplog.text
-    with caplog.at_level(logging.INFO, logger="text_generation_server.engines.tgis_native.cpu_decoder"):
-        engine = TgisNativeEngine(config_for(tiny_model("llama")))
     assert engine.runner.decoder is not None
     assert "forward: the decoder layers in one C++ call" in caplog.text
 
@@ -242,12 +274,13 @@ def test_unsupported_shapes_of_a_layer_norm_model(tiny_model) -> None:
     engine = TgisNativeEngine(config_for(tiny_model("gpt_bigcode"), cpu_forward="modules"))
     config = engine.model.config
     config.activation_function = "relu"
-    with pytest.raises(ValueError, match="activation is relu, not GELU with tanh"):
+    with pytest.raises(ValueError, match="activation is relu, not GELU"):
         build(engine.model, engine.kv, "cpu_kernel", 1, None)
     config.activation_function = "gelu_pytorch_tanh"
-    config.multi_query = False
-    with pytest.raises(ValueError, match=r"multi-head .* not multi-query"):
-        build(engine.model, engine.kv, "cpu_kernel", 1, None)
-    config.multi_query = True
     decoder = build(engine.model, engine.kv, "cpu_kernel", 1, None)
-    assert (decoder.family, decoder.kv_heads, decoder.conv1d) == ("layer_norm", 1, False)
+    assert (decoder.family, decoder.kv_heads, decoder.conv1d, decoder.interleaved) == (
+        "layer_norm",
+        1,
+        False,
+        False,
+    )

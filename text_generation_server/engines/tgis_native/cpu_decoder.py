@@ -10,13 +10,14 @@ chunks, decode rows beside them, soft prompts spliced into the embeddings) from 
 (`forward`).
 
 Which models: `llama`, `mistral`, `qwen2` and `granite` (their multipliers) with SiLU MLPs and
-full-width rotary embeddings (`decoder_layers`), and the LayerNorm family, `gpt2` and multi-query
-`gpt_bigcode` with their learned positions, fused q|k|v projections and tanh GELU
-(`decoder_layers_ln`); the decode attention must be our CPU kernel (its K layout), one shard (no
-collectives inside). LoRA adapters apply inside the call with our LoRA kernel (one call per
-projection that an adapter of the step targets) where the step has few adapter tokens (decode
-steps: the kernel's limit, lora.KERNEL_MAX_WORK) on the Llama family; other LoRA steps, and
-every LoRA step of the LayerNorm family, run the modules; so do quantized LayerNorm models.
+full-width rotary embeddings (`decoder_layers`), and the LayerNorm family with fused q|k|v
+projections and GELU (`decoder_layers_ln`): `gpt2` and `gpt_bigcode` (learned positions),
+`gpt_neox` (partial rotary embeddings, parallel residual). The decode attention must be our CPU
+kernel (its K layout), one shard (no collectives inside). LoRA adapters apply inside the call
+with our LoRA kernel (one call per projection that an adapter of the step targets) where the
+step has few adapter tokens (decode steps: the kernel's limit, lora.KERNEL_MAX_WORK) on the
+Llama family; other LoRA steps, and every LoRA step of the LayerNorm family, run the modules; so
+do quantized LayerNorm models.
 
 CPU_FORWARD picks: `layers` (this, or a start-up error saying why not), `modules`
 (transformers' forward) or `auto` (this where the model allows it, else the modules, the reason
@@ -42,10 +43,22 @@ from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "granite")
-LAYER_NORM_TYPES = ("gpt2", "gpt_bigcode")  # decoder_layers_ln
+LAYER_NORM_TYPES = ("gpt2", "gpt_bigcode", "gpt_neox")  # decoder_layers_ln
 ACTIVATIONS = ("silu", "swish")
-LAYER_NORM_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
-LAYER_NORM_PROJECTIONS = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
+LAYER_NORM_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu")
+# per model type: (the layers, first norm, fused q|k|v, attention output, second norm, MLP in, MLP
+# out, final norm) as attribute paths, in decoder_layers_ln's order
+LAYER_NORM_NAMES = {
+    "gpt2": (
+        "transformer.h", "ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj",
+        "transformer.ln_f",
+    ),
+    "gpt_neox": (
+        "gpt_neox.layers", "input_layernorm", "attention.query_key_value", "attention.dense",
+        "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h", "gpt_neox.final_layer_norm",
+    ),
+}  # fmt: skip
+LAYER_NORM_NAMES["gpt_bigcode"] = LAYER_NORM_NAMES["gpt2"]
 PROJECTIONS = (
     ("self_attn", "q_proj"),
     ("self_attn", "k_proj"),
@@ -133,8 +146,11 @@ class CpuDecoder:
     window: int
     family: str = "llama"  # or "layer_norm" (decoder_layers_ln)
     conv1d: bool = False  # layer_norm: GPT-2's Conv1D weights
-    activation: str = ""  # layer_norm: gelu_new or gelu_pytorch_tanh
-    position_embeddings: Any = None  # layer_norm: the learned position table (wpe)
+    interleaved: bool = False  # layer_norm: the fused projection's output is [q, k, v] per head
+    parallel_residual: bool = False  # layer_norm: GPT-NeoX's parallel attention and MLP
+    activation: str = ""  # layer_norm: gelu_new, gelu_pytorch_tanh or gelu
+    position_embeddings: Any = None  # layer_norm: the learned position table (wpe), or None
+    rotary: Any = None  # layer_norm: the rotary embedding module (GPT-NeoX), or None
 
     def decode(
         self,
@@ -193,11 +209,16 @@ class CpuDecoder:
         lora: LoraArgs,
     ) -> torch.Tensor:
         if self.family == "layer_norm":  # transformers: inputs_embeds + wpe(position_ids)
-            placed = (embeddings + self.position_embeddings(positions)).contiguous()
+            cos = sin = None
+            if self.rotary is not None:
+                cos, sin = (t[0] for t in self.rotary(embeddings.unsqueeze(0), positions.unsqueeze(0)))
+            if self.position_embeddings is not None:
+                embeddings = embeddings + self.position_embeddings(positions)
             out: torch.Tensor = torch.ops.tgis_cpu.decoder_layers_ln(
-                placed, self.params, self.onednn, self.conv1d, self.caches, slots, decode, tables, lengths,
-                bounds, blocks, masks, self.block_size, self.heads, self.kv_heads, self.eps, self.scale,
-                self.window, self.activation,
+                embeddings.contiguous(), self.params, self.onednn, self.conv1d, self.interleaved,
+                self.parallel_residual, cos, sin, self.caches, slots, decode, tables, lengths, bounds, blocks,
+                masks, self.block_size, self.heads, self.kv_heads, self.eps, self.scale, self.window,
+                self.activation,
             )  # fmt: skip
             return out
         if self.embedding_multiplier != 1.0:
@@ -244,7 +265,7 @@ class CpuDecoder:
         return LoraArgs(step.slots, a, bt, scales)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.model.lm_head(hidden)
+        logits: torch.Tensor = self.model.get_output_embeddings()(hidden)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         return logits
@@ -322,53 +343,58 @@ def build(
     )
 
 
+def _attribute(owner: Any, path: str) -> Any:
+    for name in path.split("."):
+        owner = getattr(owner, name)
+    return owner
+
+
 def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> CpuDecoder:
-    """build() for GPT-2 and multi-query GPT-BigCode (decoder_layers_ln)."""
+    """build() for GPT-2, GPT-BigCode and GPT-NeoX (decoder_layers_ln)."""
     config = model.config
-    if config.model_type == "gpt_bigcode" and not config.multi_query:
-        raise Unsupported(
-            "its GPT-BigCode attention is multi-head (q/k/v interleaved per head), not multi-query"
-        )
+    neox = config.model_type == "gpt_neox"
     if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(
         config, "reorder_and_upcast_attn", False
     ):
         raise Unsupported("its attention scales by layer or upcasts")
     if getattr(config, "add_cross_attention", False):
         raise Unsupported("it has cross-attention")
-    if config.activation_function not in LAYER_NORM_ACTIVATIONS:
-        raise Unsupported(f"its MLP activation is {config.activation_function}, not GELU with tanh")
+    activation = config.hidden_act if neox else config.activation_function
+    if activation not in LAYER_NORM_ACTIVATIONS:
+        raise Unsupported(f"its MLP activation is {activation}, not GELU")
     if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise Unsupported(f"its dtype is {model.dtype}")
-    blocks = list(model.transformer.h)
+    layers_path, *parts, final_path = LAYER_NORM_NAMES[config.model_type]
+    blocks = list(_attribute(model, layers_path))
     params: list[torch.Tensor | None] = []
     onednn: list[bool] = []
     projections: list[tuple[Any, str]] = []
     kinds = set()
     for block in blocks:
-        # ln_1, c_attn, attention c_proj, ln_2, c_fc, MLP c_proj: decoder_layers_ln's order
-        parts = [block.ln_1, *((getattr(block, o), n) for o, n in LAYER_NORM_PROJECTIONS)]
-        parts.insert(3, block.ln_2)
-        for part in parts:
+        for path in parts:
+            part = _attribute(block, path)
             if isinstance(part, torch.nn.LayerNorm):
                 params += [part.weight, part.bias]
                 continue
-            holder, name = part
-            base = getattr(holder, name)
-            projection = _linear(base)
+            holder_path, _, name = path.rpartition(".")
+            projection = _linear(part)
             if projection.int8 is not None or projection.int4 is not None:
                 raise Unsupported("its layers are quantized")
-            kinds.add(type(getattr(base, "base", base)).__name__ == "Conv1D")
-            projections.append((holder, name))
+            kinds.add(type(getattr(part, "base", part)).__name__ == "Conv1D")
+            projections.append((_attribute(block, holder_path), name))
             params += [projection.weight, projection.bias]
             onednn.append(projection.onednn)
     if len(kinds) != 1:
         raise Unsupported("its projections mix Conv1D and Linear")
-    final = model.transformer.ln_f
+    final = _attribute(model, final_path)
     params += [final.weight, final.bias]
     caches = [cache.layers[i] for i in range(len(blocks))]
     heads = config.num_attention_heads
     head_dim = config.hidden_size // heads
-    attention = blocks[0].attn
+    first_norm, attention = (
+        _attribute(blocks[0], parts[0]),
+        _attribute(blocks[0], parts[1].rpartition(".")[0]),
+    )
     return CpuDecoder(
         model=model,
         projections=projections,
@@ -381,7 +407,7 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
         caches=caches,
         heads=heads,
         kv_heads=int(caches[0].shape[1]) if caches else heads,
-        eps=float(blocks[0].ln_1.eps),
+        eps=float(first_norm.eps),
         scale=float(getattr(attention, "scaling", head_dim**-0.5)),
         residual_multiplier=1.0,
         embedding_multiplier=1.0,
@@ -390,8 +416,11 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
         window=window or 0,
         family="layer_norm",
         conv1d=kinds.pop(),
-        activation=config.activation_function,
-        position_embeddings=model.transformer.wpe,
+        interleaved=neox or not getattr(config, "multi_query", True),  # GPT-BigCode without MQA too
+        parallel_residual=neox and bool(config.use_parallel_residual),
+        activation=activation,
+        position_embeddings=None if neox else model.transformer.wpe,
+        rotary=model.gpt_neox.rotary_emb if neox else None,
     )
 
 

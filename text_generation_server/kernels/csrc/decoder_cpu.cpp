@@ -45,16 +45,21 @@
 // Granite's multipliers: the attention scale is `scale`, each residual branch is multiplied by
 // `residual_multiplier` before its add (1 for the other models).
 //
-// decoder_layers_ln: the same for the LayerNorm family (GPT-2, multi-query GPT-BigCode): no rotary
-// (the caller adds the learned position embeddings), per layer LayerNorm -> fused q|k|v
-// projection -> attention -> output projection -> residual add -> LayerNorm -> MLP (fc, GELU with
-// tanh, projection) -> residual add, each step the ATen operation transformers' modules run (so
-// each rounds where theirs does), the KV writes and attention as above:
+// decoder_layers_ln: the same for the LayerNorm family (GPT-2, multi-query GPT-BigCode, GPT-NeoX):
+// per layer LayerNorm -> fused q|k|v projection -> rotary embedding of the first `rotary_dims`
+// of each head (GPT-NeoX; the others have learned positions, which the caller adds) ->
+// attention -> output projection -> residual add -> LayerNorm -> MLP (fc, GELU, projection) ->
+// residual add (GPT-NeoX's parallel residual: both branches from the layer's input, added as
+// mlp + attention + input), each step the ATen operation transformers' modules run (so each
+// rounds where theirs does), the KV writes and attention as above:
 //   params     12 per layer, then the final norm's weight and bias: ln_1 (weight, bias), c_attn,
 //              attention c_proj, ln_2, c_fc, MLP c_proj (weight, bias each)
 //   onednn     4 per layer: c_attn, attention c_proj, c_fc, MLP c_proj
 //   conv1d     GPT-2's Conv1D weights ([in, out], addmm) instead of Linear's
-//   activation "gelu_new" (GPT-2's formula, op by op) or "gelu_pytorch_tanh" (one gelu)
+//   interleaved the fused projection's output per head as [q, k, v] (GPT-NeoX), else [all q | all k
+//              | all v]
+//   cos, sin   [T, rotary_dims] with rotary_dims > 0 (GPT-NeoX), else None
+//   activation "gelu_new" (GPT-2's formula, op by op), "gelu_pytorch_tanh" or "gelu" (one gelu)
 // Built by cpu_kernels.py.
 
 #include <ATen/ATen.h>
@@ -360,17 +365,36 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
 constexpr int64_t kLnParamsPerLayer = 12;
 constexpr int64_t kLnLinearsPerLayer = 4;
 
-// transformers' NewGELUActivation, op by op (each rounds to the input's dtype), or gelu(tanh).
-at::Tensor gelu_tanh(const at::Tensor& x, bool formula) {
-  if (!formula) return at::gelu(x, "tanh");
+// transformers' NewGELUActivation ("gelu_new"), op by op (each rounds to the input's dtype), or
+// one gelu ("gelu_pytorch_tanh": the tanh approximation; "gelu": erf).
+at::Tensor activate(const at::Tensor& x, c10::string_view activation) {
+  if (activation == "gelu") return at::gelu(x);
+  if (activation == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
   const at::Tensor inner = at::mul(at::add(x, at::mul(at::pow(x, 3.0), 0.044715)), std::sqrt(2.0 / M_PI));
   return at::mul(at::mul(x, 0.5), at::add(at::tanh(inner), 1.0));
 }
 
+// GPT-NeoX's apply_rotary_pos_emb on x [rows, heads, dim]: its first cos.size(-1) values rotated
+// (x * cos + rotate_half(x) * sin), the rest passed through.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rotated = cos.size(-1), half = rotated / 2;
+  const at::Tensor part = x.narrow(-1, 0, rotated);
+  const at::Tensor turned = at::cat({at::neg(part.narrow(-1, half, half)), part.narrow(-1, 0, half)}, -1);
+  const at::Tensor embedded = at::add(at::mul(part, cos), at::mul(turned, sin));
+  return at::cat({embedded, x.narrow(-1, rotated, x.size(-1) - rotated)}, -1);
+}
+
+struct LnShape {
+  bool conv1d, interleaved, parallel;
+  c10::string_view activation;
+  std::optional<at::Tensor> cos, sin;  // [rows, 1, rotary_dims]
+};
+
 template <typename T>
 at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at::Tensor>>& params,
-                  const std::vector<bool>& onednn, bool conv1d, bool gelu_formula, const std::vector<at::Tensor>& caches,
+                  const std::vector<bool>& onednn, const LnShape& shape, const std::vector<at::Tensor>& caches,
                   const at::Tensor& slots, const Attention& attention, int64_t heads, int64_t kv_heads, double eps) {
+  const bool conv1d = shape.conv1d;
   const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
   const int64_t dim = size / heads, kv_size = kv_heads * dim, block_size = attention.block_size;
   auto param = [&](int64_t index) -> at::Tensor { return *params.get(index); };
@@ -386,17 +410,33 @@ at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t base = layer * kLnParamsPerLayer;
     const at::Tensor qkv = project(norm(hidden, base), layer, 2, 0);
-    const at::Tensor q = qkv.narrow(1, 0, size).contiguous();
-    const at::Tensor k = qkv.narrow(1, size, kv_size).contiguous();
-    const at::Tensor v = qkv.narrow(1, size + kv_size, kv_size).contiguous();
+    at::Tensor q, k, v;
+    if (shape.interleaved) {  // [rows, heads, 3 * dim]: each head's q, k, v
+      const at::Tensor per_head = qkv.view({rows, heads, 3 * dim});
+      q = per_head.narrow(2, 0, dim), k = per_head.narrow(2, dim, dim), v = per_head.narrow(2, 2 * dim, dim);
+    } else {
+      q = qkv.narrow(1, 0, size).view({rows, heads, dim});
+      k = qkv.narrow(1, size, kv_size).view({rows, kv_heads, dim});
+      v = qkv.narrow(1, size + kv_size, kv_size).view({rows, kv_heads, dim});
+    }
+    if (shape.cos.has_value()) {
+      q = rotary(q, *shape.cos, *shape.sin);
+      k = rotary(k, *shape.cos, *shape.sin);
+    }
+    q = q.contiguous(), k = k.contiguous(), v = v.contiguous();
     const at::Tensor& cache = caches[layer];
     write_kv<T>(data<T>(cache), data<T>(k), data<T>(v), slots.data_ptr<int64_t>(), rows, kv_heads, cache.size(2),
                 block_size, dim);
-    const at::Tensor attended = attend(q.view({rows, heads, dim}), k.view({rows, kv_heads, dim}),
-                                       v.view({rows, kv_heads, dim}), cache, attention);
-    hidden = at::add(project(attended.view({rows, size}), layer, 4, 1), hidden);  // attn_output + residual
+    const at::Tensor attended = attend(q, k, v, cache, attention);
+    const at::Tensor branch = project(attended.view({rows, size}), layer, 4, 1);
+    if (shape.parallel) {  // GPT-NeoX: mlp_output + attn_output + hidden_states
+      const at::Tensor mlp = project(activate(project(norm(hidden, base + 6), layer, 8, 2), shape.activation), layer, 10, 3);
+      hidden = at::add(at::add(mlp, branch), hidden);
+      continue;
+    }
+    hidden = at::add(branch, hidden);  // attn_output + residual
     const at::Tensor up = project(norm(hidden, base + 6), layer, 8, 2);
-    hidden = at::add(hidden, project(gelu_tanh(up, gelu_formula), layer, 10, 3));  // residual + feed forward
+    hidden = at::add(hidden, project(activate(up, shape.activation), layer, 10, 3));  // residual + feed forward
   }
   return norm(hidden, layers * kLnParamsPerLayer);
 }
@@ -443,7 +483,9 @@ at::Tensor by_dtype(at::ScalarType dtype, const char* op, const F& typed) {
 }
 
 at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::optional<at::Tensor>>& params,
-                             c10::List<bool> onednn, bool conv1d, at::TensorList caches, const at::Tensor& slots,
+                             c10::List<bool> onednn, bool conv1d, bool interleaved, bool parallel_residual,
+                             const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                             at::TensorList caches, const at::Tensor& slots,
                              const std::optional<at::Tensor>& decode, const std::optional<at::Tensor>& tables,
                              const std::optional<at::Tensor>& lengths, at::IntArrayRef piece_bounds,
                              const c10::List<std::optional<at::Tensor>>& piece_blocks,
@@ -454,7 +496,8 @@ at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::
   TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLnLinearsPerLayer, "4 layout flags per layer");
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [tokens, hidden], contiguous");
   TORCH_CHECK(heads > 0 && embeddings.size(1) % heads == 0, "the hidden size must be heads * head_dim");
-  TORCH_CHECK(activation == "gelu_new" || activation == "gelu_pytorch_tanh", "activation: gelu_new or gelu_pytorch_tanh");
+  TORCH_CHECK(activation == "gelu_new" || activation == "gelu_pytorch_tanh" || activation == "gelu",
+              "activation: gelu_new, gelu_pytorch_tanh or gelu");
   for (int64_t i = 0; i < static_cast<int64_t>(params.size()); ++i) TORCH_CHECK(params.get(i).has_value(), "every parameter");
   const int64_t rows = embeddings.size(0);
   const Attention attention = attention_of(rows, caches, kv_heads, embeddings.size(1) / heads, slots, decode, tables,
@@ -463,10 +506,21 @@ at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::
   std::vector<bool> flags(onednn.begin(), onednn.end());
   std::vector<at::Tensor> layer_caches(caches.begin(), caches.end());
   const at::Tensor slot_ids = slots.contiguous();
-  const bool formula = activation == "gelu_new";
+  LnShape shape{conv1d, interleaved, parallel_residual, activation, std::nullopt, std::nullopt};
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin together");
+  if (cos.has_value()) {
+    const int64_t dim = embeddings.size(1) / heads;
+    TORCH_CHECK(cos->dim() == 2 && cos->size(0) == rows && sin->sizes() == cos->sizes() && cos->size(1) % 2 == 0 &&
+                    cos->size(1) <= dim && cos->scalar_type() == embeddings.scalar_type() &&
+                    sin->scalar_type() == embeddings.scalar_type(),
+                "cos/sin must be [tokens, even rotary dims <= head_dim], the embeddings' dtype");
+    shape.cos = cos->unsqueeze(1);
+    shape.sin = sin->unsqueeze(1);
+  }
+  TORCH_CHECK(!interleaved || kv_heads == heads, "q/k/v interleaved per head needs as many KV heads as heads");
   return by_dtype(embeddings.scalar_type(), "decoder_layers_ln", [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
-    return run_ln<T>(embeddings, params, flags, conv1d, formula, layer_caches, slot_ids, attention, heads, kv_heads, eps);
+    return run_ln<T>(embeddings, params, flags, shape, layer_caches, slot_ids, attention, heads, kv_heads, eps);
   });
 }
 
@@ -532,7 +586,8 @@ TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
       "int block_size, int heads, int kv_heads, float eps, float scale, "
       "float residual_multiplier, int window) -> Tensor");
   m.def(
-      "decoder_layers_ln(Tensor embeddings, Tensor?[] params, bool[] onednn, bool conv1d, Tensor[] caches, "
+      "decoder_layers_ln(Tensor embeddings, Tensor?[] params, bool[] onednn, bool conv1d, bool interleaved, "
+      "bool parallel_residual, Tensor? cos, Tensor? sin, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
       "Tensor?[] piece_masks, int block_size, int heads, int kv_heads, float eps, float scale, int window, "
       "str activation) -> Tensor");
