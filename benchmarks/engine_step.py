@@ -1,14 +1,17 @@
-"""Engine-level step timings: `tgis_native` against `hf_transformers`, interleaved in one process.
+"""Engine-level step timings of two configurations interleaved in one process: `tgis_native`
+against `hf_transformers` (`--compare engines`, the default), or tgis_native's C++ decoder stack
+against the model's modules (`--compare cpu-forward`: CPU_FORWARD=layers / modules).
 
-Both engines load the same model with the same ServerConfig (float32 unless told, max batch 32)
-and run the router's call sequence without a router: `new_batch` -> `generate_token` (the
-prefill) -> `generate_token` per decode step. For each batch size the two engines'
-steps alternate (hf, native, hf, native, ...), so a load change on a shared machine hits both;
-medians of the timed steps after a warm-up. Prefill: a fresh batch of B prompts per repeat
-(new random prompts each time: no prefix-cache hit), also alternating.
+Both load the same model with the same ServerConfig (float32 unless told, max batch 32) and
+run the router's call sequence without a router: `new_batch` -> `generate_token` (the prefill)
+-> `generate_token` per decode step. For each batch size the two configurations' steps
+alternate (A, B, A, B, ...), so a load change on a shared machine hits both; medians of the
+timed steps after a warm-up. Prefill: a fresh batch of B prompts per repeat (new random prompts
+each time: no prefix-cache hit), also alternating.
 
     .venv/bin/python -m benchmarks.engine_step                 # the reference model, fp32
     .venv/bin/python -m benchmarks.engine_step --batch 1,16 --steps 50 --json out.json
+    .venv/bin/python -m benchmarks.engine_step --compare cpu-forward --reference tiny-gpt-neox-512x8
 """
 
 from __future__ import annotations
@@ -25,8 +28,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.reference_model import NAME as REFERENCE_NAME
+from benchmarks.reference_model import SHAPES
+
 logger = logging.getLogger(__name__)
-ENGINES = ("hf_transformers", "tgis_native")
+# --compare -> the two configurations, A then B: (name, engine, ServerConfig overrides)
+COMPARISONS: dict[str, tuple[tuple[str, str, dict[str, str]], ...]] = {
+    "engines": (("hf_transformers", "hf_transformers", {}), ("tgis_native", "tgis_native", {})),
+    "cpu-forward": (
+        ("modules", "tgis_native", {"cpu_forward": "modules"}),
+        ("layers", "tgis_native", {"cpu_forward": "layers"}),
+    ),
+}
 
 
 def _requests(rng: random.Random, first_id: int, count: int, prompt: int, new: int, vocab: int) -> list[Any]:
@@ -54,16 +67,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model) if args.model else ensure_reference_model(name=args.reference)
     torch.set_num_threads(args.threads)
     engines = {}
-    for name in ENGINES:
+    for name, engine_name, overrides in COMPARISONS[args.compare]:
         config = ServerConfig(
             model_name=str(model),
-            deployment_framework=name,
+            deployment_framework=engine_name,
             dtype=args.dtype,
             max_batch_size=max(32, *args.batch, args.prefill_batch),
             max_new_tokens=args.warmup + args.steps + 2,
+            **overrides,  # type: ignore[arg-type]
         )
-        engines[name] = get_engine_class(name)(config)
-    vocab = engines["tgis_native"].info.vocab_size
+        engines[name] = get_engine_class(engine_name)(config)
+    vocab = next(iter(engines.values())).info.vocab_size
     rng = random.Random(0)
     next_id = 1
     result: dict[str, Any] = {"decode": {}, "prefill": {}}
@@ -111,14 +125,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _line(medians: dict[str, float]) -> str:
-    hf, native = medians["hf_transformers"], medians["tgis_native"]
-    return f"hf {hf:.2f} ms, native {native:.2f} ms, native/hf {native / hf:.3f}"
+    (a_name, a), (b_name, b) = medians.items()
+    return f"{a_name} {a:.2f} ms, {b_name} {b:.2f} ms, {b_name}/{a_name} {b / a:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", default="", help="model directory (default: the reference model)")
-    parser.add_argument("--reference", default="tiny-llama-512x8", help="the reference model without --model")
+    parser.add_argument(
+        "--reference",
+        default=REFERENCE_NAME,
+        choices=sorted(SHAPES),
+        help="the reference model without --model",
+    )
+    parser.add_argument("--compare", default="engines", choices=sorted(COMPARISONS), help="what A and B are")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])
@@ -133,17 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result = run(args)
-    rows = ["| step | hf_transformers ms | tgis_native ms | native/hf |", "|---|---|---|---|"]
+    (a, _, _), (b, _, _) = COMPARISONS[args.compare]
+    rows = [f"| step | {a} ms | {b} ms | {b}/{a} |", "|---|---|---|---|"]
     for size, m in result["decode"].items():
-        rows.append(
-            f"| decode bs {size} | {m['hf_transformers']:.2f} | {m['tgis_native']:.2f} | "
-            f"{m['tgis_native'] / m['hf_transformers']:.3f} |"
-        )
+        rows.append(f"| decode bs {size} | {m[a]:.2f} | {m[b]:.2f} | {m[b] / m[a]:.3f} |")
     for shape, m in result["prefill"].items():
-        rows.append(
-            f"| prefill {shape} | {m['hf_transformers']:.1f} | {m['tgis_native']:.1f} | "
-            f"{m['tgis_native'] / m['hf_transformers']:.3f} |"
-        )
+        rows.append(f"| prefill {shape} | {m[a]:.1f} | {m[b]:.1f} | {m[b] / m[a]:.3f} |")
     sys.stdout.write("\n".join(rows) + "\n")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -4,7 +4,10 @@ tiny-llama-512x8 (the default): a Llama with hidden 512, 8 layers, 8 heads / 2 K
 dim 64), FFN 1376, vocabulary 8192, untied embeddings, about 30.5 M parameters.
 llama-1b (`--reference llama-1b`, for GPUs): hidden 2048, 16 layers, 32 heads / 8 KV heads (head
 dim 64), FFN 8192, vocabulary 8192, untied, about 1.0 B parameters (2 GB in bfloat16).
-Both have random weights drawn from a fixed seed and saved in bfloat16 (exact in float32 too),
+tiny-gpt2-512x8, tiny-gpt-bigcode-512x8 (multi-query), tiny-gpt-neox-512x8: the same widths (hidden
+512, 8 layers, 8 heads, FFN 1376, vocabulary 8192) in the LayerNorm architectures, for the C++
+decoder stack's other op (`python -m benchmarks.engine_step --compare cpu-forward --reference ...`).
+All have random weights drawn from a fixed seed and saved in bfloat16 (exact in float32 too),
 and a byte-level BPE tokenizer trained on this Python's standard-library sources, with the
 training recipe of the tiny test models (text_generation_server/testing/tiny_models.py) at
 vocabulary 8192.
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "tiny-llama-512x8"  # the default
 RECIPE_VERSION = 1  # bump when the recipe changes: cached builds are then rebuilt
+# the config.json fields of each reference model; "architecture" is its model_type (llama if absent)
 SHAPES: dict[str, dict[str, Any]] = {
     NAME: {
         "hidden_size": 512,
@@ -49,6 +53,34 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "head_dim": 64,
         "intermediate_size": 8192,
+        "vocab_size": 8192,
+        "max_position_embeddings": 2048,
+    },
+    "tiny-gpt2-512x8": {
+        "architecture": "gpt2",
+        "n_embd": 512,
+        "n_layer": 8,
+        "n_head": 8,
+        "n_inner": 1376,
+        "vocab_size": 8192,
+        "n_positions": 2048,
+    },
+    "tiny-gpt-bigcode-512x8": {
+        "architecture": "gpt_bigcode",
+        "n_embd": 512,
+        "n_layer": 8,
+        "n_head": 8,
+        "n_inner": 1376,
+        "multi_query": True,
+        "vocab_size": 8192,
+        "n_positions": 2048,
+    },
+    "tiny-gpt-neox-512x8": {
+        "architecture": "gpt_neox",
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "intermediate_size": 1376,
         "vocab_size": 8192,
         "max_position_embeddings": 2048,
     },
@@ -72,16 +104,18 @@ def build(out: Path, name: str = NAME) -> dict[str, Any]:
     from text_generation_server.testing import tiny_models
 
     hf_logging.disable_progress_bar()
-    shape = SHAPES[name]
+    shape = dict(SHAPES[name])
+    architecture = shape.pop("architecture", "llama")
     out.mkdir(parents=True, exist_ok=True)
     tiny_models.write_tokenizer(out, tiny_models.ARCHITECTURES["llama"], vocab_size=shape["vocab_size"])
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-    tokenizer_config["model_max_length"] = shape["max_position_embeddings"]
+    tokenizer_config["model_max_length"] = shape.get("max_position_embeddings") or shape["n_positions"]
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
 
-    config = transformers.LlamaConfig(
+    config = transformers.AutoConfig.for_model(
+        architecture,
         **shape,
-        rms_norm_eps=1e-5,
+        **({"rms_norm_eps": 1e-5} if architecture == "llama" else {}),
         tie_word_embeddings=False,
         bos_token_id=tiny_models.BOS_ID,
         eos_token_id=tiny_models.EOS_ID,
@@ -94,7 +128,7 @@ def build(out: Path, name: str = NAME) -> dict[str, Any]:
             if param.ndim >= 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
             elif param_name.endswith("weight"):
-                param.fill_(1.0)  # RMSNorm scales
+                param.fill_(1.0)  # norm scales
             else:
                 param.zero_()
     params = sum(p.numel() for p in model.parameters())
@@ -103,7 +137,7 @@ def build(out: Path, name: str = NAME) -> dict[str, Any]:
     stamp = {
         "name": name,
         "recipe_version": RECIPE_VERSION,
-        "architecture": "llama",
+        "architecture": architecture,
         **shape,
         "parameters": params,
         "saved_dtype": SAVED_DTYPE,
