@@ -13,7 +13,7 @@ linears replaced by quantized ones.
 
 The names TGIS and HF TGI give QUANTIZE and the engines each serves on are in
 text_generation_common/quantize.py (the launcher checks them too). The loader
-(engines/hf_transformers.py) calls `check` before loading, `checkpoint_plan` on the model's
+(engines/loading.py) calls `check` before loading, `checkpoint_plan` on the model's
 config (then checkpoints.load_model builds the model), `load_kwargs` into transformers'
 from_pretrained otherwise, then `quantize_model` and `check_loaded` on the loaded model.
 """
