@@ -198,7 +198,15 @@ def test_steps_with_prompts_match_the_modules(tiny_model, arch, dtype) -> None:
     assert len(ours_details.tokens) == 23
 
 
-def test_lora_decode_steps_run_in_the_call(tiny_model, tmp_path, monkeypatch) -> None:
+LORA_TARGETS = {  # what the adapters of the test below adapt, per architecture
+    "llama": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],  # Conv1D bases
+    "gpt_neox": ["query_key_value", "dense_h_to_4h"],
+}
+
+
+@pytest.mark.parametrize("arch", sorted(LORA_TARGETS))
+def test_lora_decode_steps_run_in_the_call(tiny_model, tmp_path, monkeypatch, arch) -> None:
     """Decode steps of requests with LoRA adapters (two, and the base model, in one batch) run
     in the C++ call with our LoRA kernel and give the modules' tokens (tests/test_lora.py checks
     both ways against PEFT)."""
@@ -206,8 +214,8 @@ def test_lora_decode_steps_run_in_the_call(tiny_model, tmp_path, monkeypatch) ->
     from tests.engines.conformance import Runner
     from text_generation_server.testing.tiny_prompts import build_lora
 
-    base = tiny_model("llama")
-    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    base = tiny_model(arch)
+    targets = LORA_TARGETS[arch]
     for seed, name in ((1, "a"), (2, "b")):
         build_lora(base, tmp_path / name, seed, 4 + seed, targets)
     requests = [

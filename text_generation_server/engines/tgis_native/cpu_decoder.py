@@ -15,9 +15,8 @@ projections and GELU (`decoder_layers_ln`): `gpt2` and `gpt_bigcode` (learned po
 `gpt_neox` (partial rotary embeddings, parallel residual). The decode attention must be our CPU
 kernel (its K layout), one shard (no collectives inside). LoRA adapters apply inside the call
 with our LoRA kernel (one call per projection that an adapter of the step targets) where the
-step has few adapter tokens (decode steps: the kernel's limit, lora.KERNEL_MAX_WORK) on the
-Llama family; other LoRA steps, and every LoRA step of the LayerNorm family, run the modules; so
-do quantized LayerNorm models.
+step has few adapter tokens (decode steps: the kernel's limit, lora.KERNEL_MAX_WORK); other LoRA
+steps run the modules, and so do quantized LayerNorm models.
 
 CPU_FORWARD picks: `layers` (this, or a start-up error saying why not), `modules`
 (transformers' forward) or `auto` (this where the model allows it, else the modules, the reason
@@ -217,8 +216,8 @@ class CpuDecoder:
             out: torch.Tensor = torch.ops.tgis_cpu.decoder_layers_ln(
                 embeddings.contiguous(), self.params, self.onednn, self.conv1d, self.interleaved,
                 self.parallel_residual, cos, sin, self.caches, slots, decode, tables, lengths, bounds, blocks,
-                masks, self.block_size, self.heads, self.kv_heads, self.eps, self.scale, self.window,
-                self.activation,
+                masks, lora.slots, lora.a, lora.bt, lora.scales, self.block_size, self.heads, self.kv_heads,
+                self.eps, self.scale, self.window, self.activation,
             )  # fmt: skip
             return out
         if self.embedding_multiplier != 1.0:
@@ -242,8 +241,6 @@ class CpuDecoder:
         step = step_of(loras, torch.device("cpu"), False, repeats)
         if step is None:
             return NO_LORA
-        if self.family != "llama":
-            return None
         step.kernel = kernel
         if not step.use_kernel(1):
             return None

@@ -60,6 +60,7 @@
 //              | all v]
 //   cos, sin   [T, rotary_dims] with rotary_dims > 0 (GPT-NeoX), else None
 //   activation "gelu_new" (GPT-2's formula, op by op), "gelu_pytorch_tanh" or "gelu" (one gelu)
+//   lora       as above, with 4 projections per layer in the order of `onednn`
 // Built by cpu_kernels.py.
 
 #include <ATen/ATen.h>
@@ -393,7 +394,8 @@ struct LnShape {
 template <typename T>
 at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at::Tensor>>& params,
                   const std::vector<bool>& onednn, const LnShape& shape, const std::vector<at::Tensor>& caches,
-                  const at::Tensor& slots, const Attention& attention, int64_t heads, int64_t kv_heads, double eps) {
+                  const at::Tensor& slots, const Attention& attention, const Lora& lora, int64_t heads,
+                  int64_t kv_heads, double eps) {
   const bool conv1d = shape.conv1d;
   const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
   const int64_t dim = size / heads, kv_size = kv_heads * dim, block_size = attention.block_size;
@@ -402,9 +404,12 @@ at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at
     return at::layer_norm(x, {size}, param(index), param(index + 1), eps);
   };
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
-    const int64_t first = layer * kLnParamsPerLayer + index;
-    if (conv1d) return at::addmm(param(first + 1), x, param(first));
-    return linear(x, params.get(first), params.get(first + 1), onednn[layer * kLnLinearsPerLayer + which]);
+    const int64_t first = layer * kLnParamsPerLayer + index, projection = layer * kLnLinearsPerLayer + which;
+    at::Tensor y = (conv1d ? at::addmm(param(first + 1), x, param(first))
+                           : linear(x, params.get(first), params.get(first + 1), onednn[projection]))
+                       .contiguous();
+    lora.apply(y, x, projection);
+    return y;
   };
   at::Tensor hidden = embeddings;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -439,6 +444,21 @@ at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at
     hidden = at::add(hidden, project(activate(up, shape.activation), layer, 10, 3));  // residual + feed forward
   }
   return norm(hidden, layers * kLnParamsPerLayer);
+}
+
+// The step's LoRA adapters, checked (both ops).
+Lora lora_of(int64_t rows, int64_t projections, const std::optional<at::Tensor>& slots,
+             const c10::List<std::optional<at::Tensor>>& a, const c10::List<std::optional<at::Tensor>>& bt,
+             at::ArrayRef<double> scales) {
+  Lora lora{slots, a, bt, scales.vec()};
+  if (slots.has_value()) {
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->numel() == rows, "one int64 LoRA slot per token");
+    TORCH_CHECK(projections > 0 && static_cast<int64_t>(a.size()) % projections == 0 && bt.size() == a.size() &&
+                    scales.size() == a.size(),
+                "one LoRA A, Bt and scale per projection and adapter");
+    lora.adapters = static_cast<int64_t>(a.size()) / projections;
+  }
+  return lora;
 }
 
 // The checks and the attention plan both ops share.
@@ -489,8 +509,12 @@ at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::
                              const std::optional<at::Tensor>& decode, const std::optional<at::Tensor>& tables,
                              const std::optional<at::Tensor>& lengths, at::IntArrayRef piece_bounds,
                              const c10::List<std::optional<at::Tensor>>& piece_blocks,
-                             const c10::List<std::optional<at::Tensor>>& piece_masks, int64_t block_size, int64_t heads,
-                             int64_t kv_heads, double eps, double scale, int64_t window, c10::string_view activation) {
+                             const c10::List<std::optional<at::Tensor>>& piece_masks,
+                             const std::optional<at::Tensor>& lora_slots,
+                             const c10::List<std::optional<at::Tensor>>& lora_a,
+                             const c10::List<std::optional<at::Tensor>>& lora_bt, at::ArrayRef<double> lora_scales,
+                             int64_t block_size, int64_t heads, int64_t kv_heads, double eps, double scale,
+                             int64_t window, c10::string_view activation) {
   const int64_t layers = caches.size();
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kLnParamsPerLayer + 2, "12 parameters per layer + 2");
   TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLnLinearsPerLayer, "4 layout flags per layer");
@@ -518,9 +542,10 @@ at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::
     shape.sin = sin->unsqueeze(1);
   }
   TORCH_CHECK(!interleaved || kv_heads == heads, "q/k/v interleaved per head needs as many KV heads as heads");
+  const Lora lora = lora_of(rows, layers * kLnLinearsPerLayer, lora_slots, lora_a, lora_bt, lora_scales);
   return by_dtype(embeddings.scalar_type(), "decoder_layers_ln", [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
-    return run_ln<T>(embeddings, params, flags, shape, layer_caches, slot_ids, attention, heads, kv_heads, eps);
+    return run_ln<T>(embeddings, params, flags, shape, layer_caches, slot_ids, attention, lora, heads, kv_heads, eps);
   });
 }
 
@@ -557,15 +582,7 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
                                            embeddings.scalar_type());
   std::vector<bool> flags(onednn.begin(), onednn.end());
   std::vector<at::Tensor> layer_caches(caches.begin(), caches.end());
-  Lora lora{lora_slots, lora_a, lora_bt, lora_scales.vec()};
-  if (lora_slots.has_value()) {
-    const int64_t projections = layers * kLinearsPerLayer;
-    TORCH_CHECK(lora_slots->scalar_type() == at::kLong && lora_slots->numel() == rows, "one int64 LoRA slot per token");
-    TORCH_CHECK(projections > 0 && static_cast<int64_t>(lora_a.size()) % projections == 0 &&
-                    lora_bt.size() == lora_a.size() && lora_scales.size() == lora_a.size(),
-                "one LoRA A, Bt and scale per projection and adapter");
-    lora.adapters = static_cast<int64_t>(lora_a.size()) / projections;
-  }
+  const Lora lora = lora_of(rows, layers * kLinearsPerLayer, lora_slots, lora_a, lora_bt, lora_scales);
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   return by_dtype(embeddings.scalar_type(), "decoder_layers", [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
@@ -589,8 +606,8 @@ TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
       "decoder_layers_ln(Tensor embeddings, Tensor?[] params, bool[] onednn, bool conv1d, bool interleaved, "
       "bool parallel_residual, Tensor? cos, Tensor? sin, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
-      "Tensor?[] piece_masks, int block_size, int heads, int kv_heads, float eps, float scale, int window, "
-      "str activation) -> Tensor");
+      "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
+      "int block_size, int heads, int kv_heads, float eps, float scale, int window, str activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) {
