@@ -43,13 +43,15 @@ QUEUE_DEADLINE_POLL_S = 0.01  # how often an expired but still queued entry chec
 class RequestError(Exception):
     """A refused or failed request. `code` names the gRPC status code (INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED, UNAVAILABLE, INTERNAL, ...); `cause` says which step refused it
-    (validation, overloaded, tokenizer_busy, draining, generation), for HTTP error types."""
+    (validation, overloaded, tokenizer_busy, draining, generation), for HTTP error types; `param`
+    the request field at fault, where a door's error shape names it (OpenAI's)."""
 
-    def __init__(self, code: str, message: str, cause: str) -> None:
+    def __init__(self, code: str, message: str, cause: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.cause = cause
+        self.param = param
 
 
 class ConcurrencyLimiter:
@@ -160,11 +162,11 @@ class GenerationService:
         the correlation id."""
         return Call(self, kind, name, headers, inputs, tenant)
 
-    def refuse(self, message: str, code: str = "INVALID_ARGUMENT") -> RequestError:
+    def refuse(self, message: str, code: str = "INVALID_ARGUMENT", param: str | None = None) -> RequestError:
         """A door's own refusal of a request (its wire format's rules, checked before the shared
         validation): counted as a validation failure like the shared validation's refusals."""
         self.metrics.inc("tgi_request_failure", err="validation")
-        return RequestError(code, message, "validation")
+        return RequestError(code, message, "validation", param)
 
     @contextlib.contextmanager
     def admission(self, count: int, tenant: str | None = None) -> Iterator[None]:

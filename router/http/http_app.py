@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from router.api.auth import Authenticator, AuthError
 from router.api.service import GenerationService
+from router.http.http_calls import tenant_of
 from router.http.http_server import HealthCheck, HttpResponse, error_body
 from router.http.openai_api import OpenAIApi, error_json
 from router.http.tgi_rest import TgiRest
@@ -32,6 +33,15 @@ from text_generation_common.logs import clip
 
 MAX_ECHOED_PATH = 64
 ERROR_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+# the generate routes: path -> (the call's kind, its span's name); a body asking to stream makes
+# the kind its _stream twin
+GENERATE_ROUTES = {
+    "/generate": ("rest", "generate"),
+    "/generate_stream": ("rest_stream", "generate_stream"),
+    "/": ("rest", "generate"),
+    "/v1/completions": ("openai", "v1/completion"),
+    "/v1/chat/completions": ("openai", "v1/chat"),
+}
 
 
 def build_app(
@@ -177,14 +187,19 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def _validation_error(service: GenerationService) -> Callable[[Request, Exception], Awaitable[Response]]:
-    """A body the routes' models refuse: 400 (OpenAI) or 422 (TGI); a generate request's counts as
-    a validation failure, as every door's refusals do (Tokenize's do not)."""
+    """A body the routes' models refuse: 400 (OpenAI) or 422 (TGI); a generate request's is a call
+    of its route's kind refused at validation, as every door's refusals are (Tokenize's are not)."""
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         message = describe_validation(exc)
-        if not request.url.path.endswith("/tokenize"):
-            service.refuse(message)
+        route = GENERATE_ROUTES.get(request.url.path)
+        if route is not None:
+            kind, name = route
+            if isinstance(exc.body, dict) and exc.body.get("stream") is True and not kind.endswith("_stream"):
+                kind += "_stream"
+            with service.open_call(kind, name, list(request.headers.items()), 1, tenant_of(request)):
+                service.refuse(message)
         if _openai(request):  # OpenAI answers a bad body with 400
             return JSONResponse(error_json(400, message), 400)
         return Response(error_body(message, "validation"), 422, media_type="application/json")

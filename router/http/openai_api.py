@@ -72,7 +72,7 @@ def error_json(status: int, message: str, param: str | None = None) -> dict[str,
 
 def error_response(exc: RequestError) -> JSONResponse:
     status = 500 if exc.cause == "generation" else STATUS.get(exc.code, 500)
-    return JSONResponse(error_json(status, exc.message), status)
+    return JSONResponse(error_json(status, exc.message, exc.param), status)
 
 
 class StreamOptions(BaseModel):
@@ -311,26 +311,28 @@ class OpenAIApi:
         )
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
-        """The assistant's reply to the messages, rendered with the model's chat template."""
+        """The assistant's reply to the messages, rendered with the model's chat template (inside
+        the call: a refusal of the messages is the call's)."""
+        top_n = (body.top_logprobs or 0) if body.logprobs else 0
+        return await self._serve(body, request, "chat", None, top_n, body.logprobs, False)
+
+    def _chat_prompt(self, body: ChatRequest) -> str:
+        """The messages rendered with the model's chat template; RequestError when they cannot be."""
         if self.chat_template is None:
             message = (
                 "this model has no chat template (its tokenizer_config.json has no chat_template): "
                 "use /v1/completions"
             )
-            self.service.refuse(message)
-            return JSONResponse(error_json(400, message, "messages"), 400)
+            raise self.service.refuse(message, param="messages")
         try:
             messages = [
                 {**m.model_dump(exclude_none=True), "content": _text_content(m)} for m in body.messages
             ]
-            prompt = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+            return self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
         except ValidationError as exc:
-            return error_response(self.service.refuse(str(exc)))
+            raise self.service.refuse(str(exc)) from exc
         except ChatTemplateError as exc:
-            self.service.refuse(str(exc))
-            return JSONResponse(error_json(400, str(exc), "messages"), 400)
-        top_n = (body.top_logprobs or 0) if body.logprobs else 0
-        return await self._serve(body, request, "chat", [prompt], top_n, body.logprobs, False)
+            raise self.service.refuse(str(exc), param="messages") from exc
 
     # ---- the call -------------------------------------------------------------------------
 
@@ -339,13 +341,13 @@ class OpenAIApi:
         body: _Common,
         request: Request,
         kind: str,
-        prompts: list[str],
+        prompts: list[str] | None,  # None: the chat's one prompt, rendered inside the call
         top_n: int,
         logprobs: bool,
         echo: bool,
     ) -> Response:
         door = "openai_stream" if body.stream else "openai"
-        count = len(prompts) * body.n
+        count = (1 if prompts is None else len(prompts)) * body.n
         headers = list(request.headers.items())
         call = self.service.open_call(door, f"v1/{kind}", headers, count, tenant_of(request))
         try:
@@ -361,6 +363,9 @@ class OpenAIApi:
                 )
             except ValidationError as exc:
                 raise self.service.refuse(str(exc)) from exc
+            if prompts is None:
+                assert isinstance(body, ChatRequest)
+                prompts = [self._chat_prompt(body)]
             texts = [p for p in prompts for _ in range(body.n)]
             validated = await call.validate(texts, params)
         except RequestError as exc:

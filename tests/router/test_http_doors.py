@@ -205,8 +205,9 @@ def test_tgi_grammar_and_openai_guided_parameters_become_constraints() -> None:
 
 
 REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a generate request;
-    # kind: the call's tgi_request_count label, None where the body's model refuses it before any door
-    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422, None),
+    # kind: the call's tgi_request_count label (the body's model refuses some before any door)
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422, "rest"),
+    ("/", {"inputs": "hi", "stream": True, "parameters": {"max_new_tokens": 0}}, 422, "rest_stream"),
     ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "rest"),  # not served here
     ("/generate", {"inputs": "hi", "parameters": {"repetition_penalty": 1e308}}, 422, "rest"),  # inf as held
     ("/generate", {"inputs": "hi", "parameters": {"temperature": 1e39, "do_sample": True}}, 422, "rest"),
@@ -216,15 +217,27 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
     ("/", {"inputs": "hi", "parameters": {"top_p": 2.0}}, 422, "rest"),
     ("/", {"inputs": "hi", "stream": True, "parameters": {"top_p": 2.0}}, 422, "rest_stream"),
     ("/v1/completions", {"prompt": "hi", "model": "other"}, 404, "openai"),
-    ("/v1/completions", {"prompt": "hi", "n": 100}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "n": 100}, 400, "openai"),
+    ("/v1/completions", {"prompt": "hi", "n": 100, "stream": True}, 400, "openai_stream"),
     ("/v1/completions", {"prompt": ["hi"] * 9, "n": 2}, 400, "openai"),  # n x prompts over 16
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 2}}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e308}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 2.0}, 400, "openai_stream"),
-    ("/v1/completions", {"prompt": 7}, 400, None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+    ("/v1/completions", {"prompt": 7}, 400, "openai"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "openai",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "x"}], "stream": True},
+        400,
+        "openai_stream",
+    ),
 ]
 
 
@@ -232,10 +245,10 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
     ("path", "body", "status", "kind"), REFUSALS, ids=[f"{p} {b}" for p, b, _, _ in REFUSALS]
 )
 async def test_every_refusal_of_the_http_doors_counts_as_a_validation_failure(
-    stack: Stack, path: str, body: dict, status: int, kind: str | None
+    stack: Stack, path: str, body: dict, status: int, kind: str
 ) -> None:
-    """Every refusal is one validation failure; one a door makes is also one call of its kind
-    (one path for every door: counted, refused, its permits given back)."""
+    """Every refusal is one validation failure and one call of its kind (one path for every door,
+    a body its route's model refuses included: counted, refused, its permits given back)."""
     failures = stack.metrics.counters["tgi_request_failure"]
     calls = stack.metrics.counters["tgi_request_count"]
     kinds = ("rest", "rest_stream", "openai", "openai_stream")
@@ -578,6 +591,7 @@ async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
         stack, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}
     )
     assert status == 400 and answer["error"]["message"] == "roles must be system, user or assistant"
+    assert answer["error"]["param"] == "messages"
     await stack.settled()
 
 
