@@ -33,7 +33,7 @@ from benchmarks.reference_model import SHAPES
 
 logger = logging.getLogger(__name__)
 # --compare -> the two configurations, A then B: (name, engine, ServerConfig overrides)
-COMPARISONS: dict[str, tuple[tuple[str, str, dict[str, str]], ...]] = {
+COMPARISONS: dict[str, tuple[tuple[str, str, dict[str, Any]], ...]] = {
     "engines": (("hf_transformers", "hf_transformers", {}), ("tgis_native", "tgis_native", {})),
     "cpu-forward": (
         ("modules", "tgis_native", {"cpu_forward": "modules"}),
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             dtype=args.dtype,
             max_batch_size=max(32, *args.batch, args.prefill_batch),
             max_new_tokens=args.warmup + args.steps + 2,
-            **overrides,  # type: ignore[arg-type]
+            **overrides,
         )
         engines[name] = get_engine_class(engine_name)(config)
     vocab = next(iter(engines.values())).info.vocab_size

@@ -63,9 +63,8 @@ class RouterConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: time in-flight requests get to finish
     otlp_endpoint: str | None = None  # OpenTelemetry collector (OTLP/gRPC); None = no tracing
     otlp_service_name: str = DEFAULT_OTLP_SERVICE_NAME
-    auth: AuthConfig = field(
-        default_factory=AuthConfig
-    )  # API keys / JWT (router/api/auth.py); off by default
+    # API keys / JWT (router/api/auth.py); off by default
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         if not self.tokenizer_path:

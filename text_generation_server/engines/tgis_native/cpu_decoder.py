@@ -100,6 +100,7 @@ class Projection(NamedTuple):
     int4: torch.Tensor | None = None  # packed 4-bit weights (quantization/int4.py), else None
     int4_order: torch.Tensor | None = None  # a 4-bit layer's input channel order (act-order)
     out_features: int = 0
+    conv1d: bool = False  # GPT-2's Conv1D: weight [in, out] (addmm), else Linear's [out, in]
 
 
 def _linear(module: Any) -> Projection:
@@ -118,8 +119,10 @@ def _linear(module: Any) -> Projection:
             base.scale_offset, base.bias_value, False, int4=base.packed, int4_order=base.order,
             out_features=base.out_features,
         )  # fmt: skip
-    if type(base) is torch.nn.Linear or type(base).__name__ == "Conv1D":  # Conv1D: GPT-2's [in, out]
+    if type(base) is torch.nn.Linear:
         return Projection(base.weight, base.bias, False)
+    if type(base).__name__ == "Conv1D":
+        return Projection(base.weight, base.bias, False, conv1d=True)
     raise Unsupported(f"its projections are {type(base).__name__}, not Linear")
 
 
@@ -280,6 +283,8 @@ def build(
         raise Unsupported(f"the model is split over {world_size} shards")
     if backend_name != "cpu_kernel":
         raise Unsupported(f"decode attention runs on {backend_name}, not our CPU kernel")
+    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise Unsupported(f"its dtype is {model.dtype}")
     if model_type in LAYER_NORM_TYPES:
         return _build_layer_norm(model, cache, window)
     if model_type not in MODEL_TYPES:
@@ -288,8 +293,6 @@ def build(
         raise Unsupported(f"its MLP activation is {getattr(config, 'hidden_act', None)}, not SiLU")
     if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
         raise Unsupported("its rotary embedding covers part of each head")
-    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise Unsupported(f"its dtype is {model.dtype}")
     layers = list(model.model.layers)
     params: list[torch.Tensor | None] = []
     onednn: list[bool] = []
@@ -359,8 +362,6 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
     activation = config.hidden_act if neox else config.activation_function
     if activation not in LAYER_NORM_ACTIVATIONS:
         raise Unsupported(f"its MLP activation is {activation}, not GELU")
-    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise Unsupported(f"its dtype is {model.dtype}")
     layers_path, *parts, final_path = LAYER_NORM_NAMES[config.model_type]
     blocks = list(_attribute(model, layers_path))
     params: list[torch.Tensor | None] = []
@@ -377,7 +378,7 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
             projection = _linear(part)
             if projection.int8 is not None or projection.int4 is not None:
                 raise Unsupported("its layers are quantized")
-            kinds.add(type(getattr(part, "base", part)).__name__ == "Conv1D")
+            kinds.add(projection.conv1d)
             projections.append((_attribute(block, holder_path), name))
             params += [projection.weight, projection.bias]
             onednn.append(projection.onednn)

@@ -45,7 +45,7 @@
 // Granite's multipliers: the attention scale is `scale`, each residual branch is multiplied by
 // `residual_multiplier` before its add (1 for the other models).
 //
-// decoder_layers_ln: the same for the LayerNorm family (GPT-2, multi-query GPT-BigCode, GPT-NeoX):
+// decoder_layers_ln: the same for the LayerNorm family (GPT-2, GPT-BigCode, GPT-NeoX):
 // per layer LayerNorm -> fused q|k|v projection -> rotary embedding of the first `rotary_dims`
 // of each head (GPT-NeoX; the others have learned positions, which the caller adds) ->
 // attention -> output projection -> residual add -> LayerNorm -> MLP (fc, GELU, projection) ->
@@ -56,8 +56,8 @@
 //              attention c_proj, ln_2, c_fc, MLP c_proj (weight, bias each)
 //   onednn     4 per layer: c_attn, attention c_proj, c_fc, MLP c_proj
 //   conv1d     GPT-2's Conv1D weights ([in, out], addmm) instead of Linear's
-//   interleaved the fused projection's output per head as [q, k, v] (GPT-NeoX), else [all q | all k
-//              | all v]
+//   interleaved the fused projection's output per head as [q, k, v] (GPT-NeoX, multi-head
+//              GPT-BigCode), else [all q | all k | all v]
 //   cos, sin   [T, rotary_dims] with rotary_dims > 0 (GPT-NeoX), else None
 //   activation "gelu_new" (GPT-2's formula, op by op), "gelu_pytorch_tanh" or "gelu" (one gelu)
 //   lora       as above, with 4 projections per layer in the order of `onednn`
@@ -396,7 +396,6 @@ at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at
                   const std::vector<bool>& onednn, const LnShape& shape, const std::vector<at::Tensor>& caches,
                   const at::Tensor& slots, const Attention& attention, const Lora& lora, int64_t heads,
                   int64_t kv_heads, double eps) {
-  const bool conv1d = shape.conv1d;
   const int64_t rows = embeddings.size(0), size = embeddings.size(1), layers = caches.size();
   const int64_t dim = size / heads, kv_size = kv_heads * dim, block_size = attention.block_size;
   auto param = [&](int64_t index) -> at::Tensor { return *params.get(index); };
@@ -405,11 +404,15 @@ at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at
   };
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
     const int64_t first = layer * kLnParamsPerLayer + index, projection = layer * kLnLinearsPerLayer + which;
-    at::Tensor y = (conv1d ? at::addmm(param(first + 1), x, param(first))
+    at::Tensor y = (shape.conv1d ? at::addmm(param(first + 1), x, param(first))
                            : linear(x, params.get(first), params.get(first + 1), onednn[projection]))
                        .contiguous();
     lora.apply(y, x, projection);
     return y;
+  };
+  auto mlp = [&](const at::Tensor& x, int64_t layer) {  // LayerNorm -> fc -> GELU -> projection
+    const at::Tensor up = project(norm(x, layer * kLnParamsPerLayer + 6), layer, 8, 2);
+    return project(activate(up, shape.activation), layer, 10, 3);
   };
   at::Tensor hidden = embeddings;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -435,13 +438,11 @@ at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at
     const at::Tensor attended = attend(q, k, v, cache, attention);
     const at::Tensor branch = project(attended.view({rows, size}), layer, 4, 1);
     if (shape.parallel) {  // GPT-NeoX: mlp_output + attn_output + hidden_states
-      const at::Tensor mlp = project(activate(project(norm(hidden, base + 6), layer, 8, 2), shape.activation), layer, 10, 3);
-      hidden = at::add(at::add(mlp, branch), hidden);
-      continue;
+      hidden = at::add(at::add(mlp(hidden, layer), branch), hidden);
+    } else {
+      hidden = at::add(branch, hidden);  // attn_output + residual
+      hidden = at::add(hidden, mlp(hidden, layer));  // residual + feed_forward_hidden_states
     }
-    hidden = at::add(branch, hidden);  // attn_output + residual
-    const at::Tensor up = project(norm(hidden, base + 6), layer, 8, 2);
-    hidden = at::add(hidden, project(activate(up, shape.activation), layer, 10, 3));  // residual + feed forward
   }
   return norm(hidden, layers * kLnParamsPerLayer);
 }
