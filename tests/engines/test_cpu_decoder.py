@@ -27,6 +27,15 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
 
 
 @pytest.fixture(scope="module", autouse=True)
+def on_the_cpu():
+    """The C++ decoder stack is the CPU's forward: on a GPU host too, these engines load on the
+    CPU (the loader takes a visible GPU)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
     try:
         cpu_kernels.check_toolchain()
