@@ -489,6 +489,8 @@ def shard_command(config: LaunchConfig) -> list[str]:
         str(config.max_new_tokens),
         "--max-batch-size",
         str(config.max_batch_size),
+        "--max-batch-prefill-tokens",
+        str(config.max_batch_prefill_tokens),
     ]
     if config.dtype:
         argv += ["--dtype", config.dtype]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from router.api.auth import AuthConfig
 from text_generation_common.defaults import (
+    DEFAULT_MAX_BATCH_PREFILL_TOKENS,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_SEQUENCE_LENGTH,
@@ -20,7 +21,6 @@ from text_generation_common.defaults import (
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 DEFAULT_MAX_PREFILL_PADDING = 0.2
-DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048
 DEFAULT_MAX_WAITING_TOKENS = 24
 DEFAULT_PORT = 3000
 DEFAULT_GRPC_PORT = 8033

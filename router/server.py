@@ -183,7 +183,7 @@ async def build(config: RouterConfig) -> Router:
         eos_token_id=info.eos_token_id,
         max_waiting_tokens=config.max_waiting_tokens,
         join_in_step=info.chunked_prefill,
-        graphed_decode=info.graphed_decode,
+        eager_joins=info.eager_joins,
     )
     client.on_adapter_state = metrics.adapter_cache
     validator = Validator(

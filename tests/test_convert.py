@@ -23,10 +23,10 @@ from text_generation_common.pb import generate_pb2 as pb
 
 
 @pytest.mark.parametrize(
-    ("graphed", "capacity"),
+    ("eager_joins", "capacity"),
     [(False, CapacityKind.KV_BLOCKS), (True, CapacityKind.KV_BLOCKS), (False, CapacityKind.PADDED_WEIGHTS)],
 )
-def test_model_info_round_trips(graphed: bool, capacity: CapacityKind) -> None:
+def test_model_info_round_trips(eager_joins: bool, capacity: CapacityKind) -> None:
     """A KV-blocks engine reports no batch-weight model (the router admits by blocks)."""
     weights = capacity is not CapacityKind.KV_BLOCKS
     memory = MemoryScalingModel(1.5, 0.25, 0.125, 1.0, 2.0, 4096)
@@ -41,7 +41,7 @@ def test_model_info_round_trips(graphed: bool, capacity: CapacityKind) -> None:
         dtype="bfloat16",
         dtype_reason="asked for",
         chunked_prefill=True,
-        graphed_decode=graphed,
+        eager_joins=eager_joins,
     )
     reply = convert.model_info_to_pb(info)
     back = convert.model_info_from_pb(reply)

@@ -145,7 +145,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         eos_token_id=info.eos_token_id,
         capacity_kind=CAPACITY_TO_PB[info.capacity.kind],
         chunked_prefill=info.chunked_prefill,
-        graphed_decode=info.graphed_decode,
+        eager_joins=info.eager_joins,
         vocab_size=info.vocab_size,
         max_sequence_length=info.max_sequence_length,
         dtype=info.dtype,
@@ -256,7 +256,7 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         max_sequence_length=info.max_sequence_length,
         capacity=capacity_from_pb(info),
         chunked_prefill=info.chunked_prefill,
-        graphed_decode=info.graphed_decode,
+        eager_joins=info.eager_joins,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
     )

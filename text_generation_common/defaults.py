@@ -10,6 +10,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 DEFAULT_MAX_SEQUENCE_LENGTH = 2048  # when neither the flag nor the model's config.json sets one
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEFAULT_MAX_BATCH_SIZE = 12
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048  # prompt tokens per step; the shard sizes its graphs by it
 DEFAULT_BATCH_SAFETY_MARGIN = 20
 DEFAULT_DEPLOYMENT_FRAMEWORK = "hf_transformers"
 SHARD_SOCKET_NAME = "text-generation-server"

@@ -297,4 +297,4 @@ class ModelInfo:
     dtype: str = ""  # what the weights and activations are in ("bfloat16", ...)
     dtype_reason: str = ""  # why that dtype ("the CPU has AMX-BF16", "asked for ...")
     chunked_prefill: bool = False  # the engine honours a per-step prompt-token budget
-    graphed_decode: bool = False  # decode-only steps replay captured graphs (CUDA graphs)
+    eager_joins: bool = False  # decode-only steps replay CUDA graphs, steps with prompt chunks do not

@@ -33,6 +33,7 @@ from text_generation_server.config import (
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
     DEFAULT_KV_BLOCK_SIZE,
+    DEFAULT_MAX_BATCH_PREFILL_TOKENS,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DTYPES,
@@ -286,8 +287,17 @@ def pin_to(cpu_list: str) -> None:
     "--cuda-graphs/--no-cuda-graphs",
     envvar="CUDA_GRAPHS",
     default=True,
-    help="tgis_native on a GPU: capture the decode-only step as CUDA graphs at start-up (one per "
-    "batch-size bucket) and replay them [env CUDA_GRAPHS].",
+    help="tgis_native on a GPU: capture the step as CUDA graphs at start-up (one per token-count "
+    "bucket, up to MAX_BATCH_SIZE + MAX_BATCH_PREFILL_TOKENS) and replay them [env CUDA_GRAPHS].",
+)
+@click.option(
+    "--max-batch-prefill-tokens",
+    envvar="MAX_BATCH_PREFILL_TOKENS",
+    type=click.IntRange(min=0),
+    default=DEFAULT_MAX_BATCH_PREFILL_TOKENS,
+    help="The router's prompt tokens per step (passed by the launcher): tgis_native's largest CUDA "
+    f"graph holds MAX_BATCH_SIZE + this many tokens (0: the default, {DEFAULT_MAX_BATCH_PREFILL_TOKENS}) "
+    "[env MAX_BATCH_PREFILL_TOKENS].",
 )
 @click.option(
     "--estimate-memory",
@@ -347,6 +357,7 @@ def serve(
     kv_cache_blocks: int,
     gpu_attention: str,
     cuda_graphs: bool,
+    max_batch_prefill_tokens: int,
     run_ahead: bool,
     estimate_memory: str,
     batch_safety_margin: int,
@@ -394,6 +405,7 @@ def serve(
             kv_cache_blocks=kv_cache_blocks,
             gpu_attention=gpu_attention,
             cuda_graphs=cuda_graphs,
+            max_batch_prefill_tokens=max_batch_prefill_tokens,
             cpu_affinity=cpu_affinity,
             estimate_memory=estimate_memory,
             batch_safety_margin=batch_safety_margin,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from text_generation_common.defaults import (
     DEFAULT_BATCH_SAFETY_MARGIN,
     DEFAULT_DEPLOYMENT_FRAMEWORK,
+    DEFAULT_MAX_BATCH_PREFILL_TOKENS,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DTYPES,
@@ -56,7 +57,8 @@ class ServerConfig:
     cpu_kv_cache_space: float = 0.0  # GiB of host memory for the paged KV cache; 0 = sized by the batch
     kv_cache_blocks: int = 0  # blocks of the paged KV cache on any device; 0 = sized by memory
     run_ahead: bool = True  # step cached batches while the router handles the last answer
-    cuda_graphs: bool = True  # tgis_native on CUDA: decode-only steps replay captured graphs
+    cuda_graphs: bool = True  # tgis_native on CUDA: steps replay captured graphs
+    max_batch_prefill_tokens: int = DEFAULT_MAX_BATCH_PREFILL_TOKENS  # the router's; 0 = no limit
     cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned
     prefix_store_path: str | None = None  # soft prompts (prefix_id / adapter_id); None = none stored
     prompt_cache_size_mb: int = 512  # loaded soft prompts kept (LRU by bytes)

@@ -5,8 +5,8 @@ requests that fit join the running batch in one of two ways, by what the engine 
   - engines with chunked prefill (`join_in_step`): as NextToken's `join`, no forward of their
     own, their prompt chunks ride with the decode rows under the step's token budget; at every
     step where requests wait and fit (vLLM's rule), or, where decode-only steps replay captured
-    graphs (`graphed_decode`: a step that carries prompt chunks runs eagerly, several times
-    slower), when as many wait as TGIS's rule below asks;
+    graphs but a step that carries prompt chunks runs eagerly, several times slower
+    (`eager_joins`), when as many wait as TGIS's rule below asks;
   - the others: with a prefill of the new requests (every running request waits for it), at
     most every other prefill's duration, and only when enough wait: the number a join needs
     shrinks as decode steps pass, down to one after MAX_WAITING_TOKENS steps (TGIS's policy);
@@ -110,10 +110,11 @@ class Batcher:
         eos_token_id: int,
         max_waiting_tokens: int,
         join_in_step: bool = False,
-        graphed_decode: bool = False,
+        eager_joins: bool = False,
     ) -> None:
         """`join_in_step`: new requests join in decode steps (the engine chunks prompts);
-        `graphed_decode`: the shard's decode-only steps are captured graphs."""
+        `eager_joins`: the shard's decode-only steps replay captured graphs, its steps with
+        prompt chunks do not."""
         self.client = client
         self.queue = queue
         self.detokenizer = detokenizer
@@ -121,7 +122,7 @@ class Batcher:
         self.eos_token_id = eos_token_id
         self.max_waiting_tokens = max_waiting_tokens
         self.join_in_step = join_in_step
-        self.graphed_decode = graphed_decode
+        self.eager_joins = eager_joins
         self.generation_healthy: bool | None = None  # None until a first step ran
         self.running = False  # the loop is alive (liveness)
         self.last_shard_answer = 0.0  # time.monotonic() of the last successful shard call (readiness)
@@ -202,7 +203,7 @@ class Batcher:
             group = [current]
             now = time.monotonic()
             if self.join_in_step:
-                need = self._join_size(len(live), steps_since_join) if self.graphed_decode else 1
+                need = self._join_size(len(live), steps_since_join) if self.eager_joins else 1
                 join = self.queue.next_batch(live, need) if live else None
                 steps_since_join = 1 if join else steps_since_join
                 current, unprocessed = await self._decode(group, unprocessed, join)

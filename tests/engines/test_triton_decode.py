@@ -46,6 +46,9 @@ def device(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child process")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU is here: the same cases run compiled on it ([cuda])"
+)
 def test_interpreted_on_the_cpu() -> None:
     """Every case of this file on the CPU, in a child process that imports triton interpreted."""
     pytest.importorskip("triton")
@@ -271,9 +274,11 @@ def test_cuda_graph_replays_new_tables_and_lengths() -> None:
 
 
 def test_the_engine_on_this_kernel_gives_the_tokens_of_generate(device: str, tiny_model) -> None:
-    """tgis_native with decode attention on this kernel, decode steps through replayed graphs
-    (on the CPU: closures captured once per batch size, test_runner.Replays), batches joining
-    mid-way with chunked prompts and a sliding-window model: greedy equals generate alone."""
+    """tgis_native with decode attention on this kernel, steps through replayed graphs (on a GPU
+    every step, prompt tokens as rows of this kernel too; on the CPU decode steps only, closures
+    captured once per batch size, test_runner.Replays: interpreting the kernel over every
+    prompt token takes minutes), batches joining mid-way with chunked prompts and a
+    sliding-window model: greedy equals generate alone."""
     from tests.engines.conformance import Runner, transformers_oracle
     from tests.engines.test_runner import Replays
     from tests.engines.test_tgis_native import config_for, prompt

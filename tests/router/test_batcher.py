@@ -113,7 +113,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
         max_waiting_tokens: int = 2,
         padding=1.0,
         max_prefill_tokens: int = 0,
-        graphed_decode: bool = False,
+        eager_joins: bool = False,
     ):
         shard = shard or FakeShard()
         capacity = WeightCapacity(BatchWeights.from_model(shard.memory, padded=True), padding)
@@ -133,7 +133,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
             eos_token_id=EOS,
             max_waiting_tokens=max_waiting_tokens,
             join_in_step=shard.chunked_prefill,  # as the router does for engines that chunk prompts
-            graphed_decode=graphed_decode,
+            eager_joins=eager_joins,
         )
         tasks.append(asyncio.create_task(batcher.run()))
         return Harness(shard, queue, batcher)
@@ -523,15 +523,17 @@ async def test_a_deadline_that_passes_while_the_prompt_is_computed_ends_the_requ
     assert (await h.final(running)).generated_tokens == 40
 
 
-@pytest.mark.parametrize("graphed", [False, True])
-async def test_over_graphed_decode_steps_joins_wait_for_tgis_rule(make_harness, graphed: bool) -> None:
-    """A step that carries prompt chunks cannot replay a captured graph: where the shard's decode
-    steps are graphs, in-step joins wait until as many requests wait as TGIS's rule asks."""
+@pytest.mark.parametrize("eager", [False, True])
+async def test_where_joins_run_eagerly_between_graphed_steps_they_wait_for_tgis_rule(
+    make_harness, eager: bool
+) -> None:
+    """Where a step that carries prompt chunks runs eagerly while the shard's decode steps replay
+    graphs, in-step joins wait until as many requests wait as TGIS's rule asks."""
     h = make_harness(
         FakeShard(chunked_prefill=True, latency_s=0.001),
         max_prefill_tokens=64,
         max_waiting_tokens=50,
-        graphed_decode=graphed,
+        eager_joins=eager,
     )
     running = [h.submit(make_request(max_new=60)) for _ in range(4)]
     await h.calls(2)
@@ -543,4 +545,4 @@ async def test_over_graphed_decode_steps_joins_wait_for_tgis_rule(make_harness, 
     (join,) = [c for c in h.shard.calls if c.method == "next_token" and c.request_ids]
     waited = h.shard.calls.index(join) - submitted_at
     # 4 running: one waiting request is enough once 4 * (50 - steps) // 50 <= 1, after 26 steps
-    assert waited >= 20 if graphed else waited <= 1
+    assert waited >= 20 if eager else waited <= 1

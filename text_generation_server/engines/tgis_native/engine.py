@@ -6,7 +6,8 @@ dense mask, on one packed batch per step, through the model runner (runner.py):
     input_ids / position_ids [1, T]: one token per decoding request (its last chosen token, at
     its next position), then each prompt chunk of this step (ragged.py plans them under the
     call's token budget); a step without prompt chunks is a decode-only step (persistent
-    buffers, CUDA graphs on a GPU: runner.decode)
+    buffers: runner.decode); on a GPU either kind replays a CUDA graph of its token count
+    (graphs.py) where its rows allow
     -> logits of the last token of every decoding request and of every prompt completed this
        step, in the chooser's row order -> the shared step post-processing (step.py)
 
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from text_generation_common.defaults import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from text_generation_common.logs import first_line
 from text_generation_common.messages import (
     GenerationRequest,
@@ -65,12 +67,12 @@ from text_generation_server.engines.step import choose_speculated, choose_tokens
 from text_generation_server.engines.tgis_native.cpu_decoder import decoder_for
 from text_generation_server.engines.tgis_native.graphs import (
     Capture,
-    DecodeGraphs,
     Step,
+    StepGraphs,
     buckets_up_to,
     cuda_capture,
 )
-from text_generation_server.engines.tgis_native.runner import ModelRunner, StepPiece
+from text_generation_server.engines.tgis_native.runner import DecodeBuffers, ModelRunner, StepPiece
 from text_generation_server.kernels.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.kv.paged_kv import (
     BlockPool,
@@ -197,7 +199,10 @@ class TgisNativeEngine(ModelEngine):
                     "CUDA graphs are off: %d shards run their decode steps eagerly", config.world_size
                 )
             else:
-                self.capture_graphs(config.max_batch_size, cuda_capture(self.device))
+                budget = config.max_batch_prefill_tokens or DEFAULT_MAX_BATCH_PREFILL_TOKENS
+                self.capture_graphs(
+                    config.max_batch_size, cuda_capture(self.device), config.max_batch_size + budget
+                )
 
     def _runner(self, cache: PagedKVCache, max_rows: int) -> ModelRunner:
         return ModelRunner(
@@ -210,21 +215,26 @@ class TgisNativeEngine(ModelEngine):
             self.context.max_sequence_length,
         )
 
-    def capture_graphs(self, max_rows: int, capture: Capture) -> None:
-        """Graphs of the decode-only step for up to `max_rows` rows (graphs.py), where the
-        backend allows them; `capture` records one (CUDA, or a stand-in in tests)."""
+    def capture_graphs(self, max_rows: int, capture: Capture, max_tokens: int | None = None) -> None:
+        """Graphs of the steps of up to `max_tokens` tokens (default `max_rows`) of which up to
+        `max_rows` sequences choose tokens (graphs.py), where the backend allows them; `capture`
+        records one (CUDA, or a stand-in in tests)."""
         if not self.backend.graphable:
             logger.warning(
                 "CUDA graphs are off: the %s attention backend cannot be captured", self.backend.name
             )
             return
-        graphs = DecodeGraphs(buckets_up_to(max_rows))
+        graphs = StepGraphs(buckets_up_to(max_rows, max_tokens), max_rows * (1 + self.speculate))
         runner = self.runner
+        if runner.buffers.max_rows < graphs.buckets[-1]:
+            runner.buffers = DecodeBuffers(
+                graphs.buckets[-1], runner.width, self.device, self.kv.scratch_slot
+            )
 
         def make_step(bucket: int) -> Step:
             runner.buffers.pad(0, bucket)
             runner.buffers.upload(bucket)
-            return runner.decode_step(bucket, 0, 0)
+            return runner.decode_step(bucket, 0, 0, kept=graphs.kept(bucket))
 
         try:
             with torch.inference_mode():
@@ -235,7 +245,8 @@ class TgisNativeEngine(ModelEngine):
                 "CUDA_GRAPHS=false runs them eagerly"
             ) from exc
         runner.graphs = graphs
-        self.info = dataclasses.replace(self.info, graphed_decode=True)
+        # a speculator that reads hidden states keeps steps with prompt chunks eager (runner.py)
+        self.info = dataclasses.replace(self.info, eager_joins=runner.capturing)
 
     # ---- the KV cache --------------------------------------------------------------------------
 

@@ -7,12 +7,15 @@ Two ways in:
                           positions, soft-prompt embeddings and LoRA adapters; the step layout
                           built from Python lists (attention/layout.py StepLayout.build)
   decode(rows, ids)       a decode-only step, one token per row, through persistent buffers of
-                          the largest batch (DecodeBuffers): filled on the host, copied to the
+                          the largest step (DecodeBuffers): filled on the host, copied to the
                           device in one non-blocking copy, read in place by the model and the
-                          attention backend. With CUDA graphs (graphs.py) a step whose rows use
-                          no LoRA adapter replays the graph of its bucket (rows padded up to it:
-                          padding rows write their K/V to the scratch slot and have 0 keys);
-                          otherwise it runs eagerly over the same buffers.
+                          attention backend.
+With CUDA graphs (graphs.py) either kind of step, when no row uses a LoRA adapter or soft-prompt
+embeddings and no prompt token's logits are asked for, goes through the same buffers with one
+row per token (a prompt token at position p: a decode row of p + 1 keys) padded up to its
+bucket, and replays that bucket's graph (padding rows write their K/V to the scratch slot and
+have 0 keys); otherwise it runs eagerly (forward: over Python-built layouts; decode: over the
+buffers).
 
 On CPU, a step of either kind runs the decoder stack in one C++ call where the model allows it
 (cpu_decoder.py), instead of the model's modules; LoRA adapters ride in the call where the step
@@ -32,14 +35,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from text_generation_server.attention.backend import AttentionBackend, DecodeRows
-from text_generation_server.attention.layout import Piece, StepLayout
+from text_generation_server.attention.layout import Piece, StepLayout, piece_slots
 from text_generation_server.engines.step import ForwardTimer
 from text_generation_server.engines.tgis_native.cpu_decoder import NO_LORA, CpuDecoder, LoraArgs
 from text_generation_server.kv.paged_kv import PagedKVCache, SequenceKV
 
 if TYPE_CHECKING:
     from text_generation_server.adapters import AdapterSet
-    from text_generation_server.engines.tgis_native.graphs import DecodeGraphs
+    from text_generation_server.engines.tgis_native.graphs import StepGraphs
     from text_generation_server.lora import LoraWeights
 
 
@@ -53,26 +56,30 @@ class StepPiece:
     lora: LoraWeights | None = None
 
 
+FIELDS = 5  # ids | positions | slots | lengths | kept
+
+
 class DecodeBuffers:
-    """The inputs of a decode-only step of up to `max_rows` rows, at fixed addresses.
+    """The inputs of a step of up to `max_rows` rows (one token each), at fixed addresses.
 
-        int64 [4 * max_rows + max_rows * width]:  ids | positions | slots | lengths | tables
+        int64 [5 * max_rows + max_rows * width]:  ids | positions | slots | lengths | kept | tables
 
-    The host copy (pinned on CUDA) is filled by `fill`; `upload` copies the used prefix to the
-    device copy in one non-blocking copy (on CPU they are the same tensor). Padding rows (up to
-    a graph's bucket): id 0, position 0, the scratch slot, 0 keys.
+    `kept` lists the rows whose logits a graph returns (the rows the step chooses from). The
+    host copy (pinned on CUDA) is filled by `fill` / `fill_pieces`; `upload` copies the used
+    prefix to the device copy in one non-blocking copy (on CPU they are the same tensor).
+    Padding rows (up to a graph's bucket): id 0, position 0, the scratch slot, 0 keys.
     """
 
     def __init__(self, max_rows: int, width: int, device: torch.device, scratch_slot: int) -> None:
         self.max_rows, self.width, self.scratch_slot = max_rows, width, scratch_slot
-        size = 4 * max_rows + max_rows * width
+        size = FIELDS * max_rows + max_rows * width
         pinned = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
         self.device_copy = (
             self.host if device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=device)
         )
         self._np = self.host.numpy()
-        self._np_tables = self._np[4 * max_rows :].reshape(max_rows, width)
+        self._np_tables = self._np[FIELDS * max_rows :].reshape(max_rows, width)
 
     def _field(self, index: int, rows: int) -> torch.Tensor:
         start = index * self.max_rows
@@ -90,8 +97,11 @@ class DecodeBuffers:
     def lengths(self, rows: int) -> torch.Tensor:
         return self._field(3, rows)
 
+    def kept(self, rows: int) -> torch.Tensor:
+        return self._field(4, rows)
+
     def tables(self, rows: int) -> torch.Tensor:
-        start = 4 * self.max_rows
+        start = FIELDS * self.max_rows
         return self.device_copy[start : start + rows * self.width].view(rows, self.width)
 
     def fill(self, sequences: Sequence[SequenceKV], ids: Sequence[int], rows: int) -> tuple[int, int]:
@@ -111,8 +121,30 @@ class DecodeBuffers:
         host[2 * m : 2 * m + count] = slots
         host[3 * m : 3 * m + count] = positions
         host[3 * m : 3 * m + count] += 1
+        host[4 * m : 4 * m + count] = range(count)
         self.pad(count, rows)
         return max(positions) + 1, min(positions) + 1
+
+    def fill_pieces(self, pieces: Sequence[StepPiece], kept: Sequence[int], rows: int) -> None:
+        """Write every piece's new tokens as rows (in order: a row per token, its sequence's
+        table, position p with p + 1 keys; the sequences' lengths advance) and `kept`, the
+        rows whose logits are wanted; rows past the tokens, up to `rows`, are padding."""
+        host, m, start = self._np, self.max_rows, 0
+        for piece in pieces:
+            sequence, count = piece.kv, len(piece.tokens)
+            begin = sequence.append(count)
+            end = start + count
+            host[start:end] = piece.tokens
+            host[m + start : m + end] = range(begin, begin + count)
+            host[2 * m + start : 2 * m + end] = piece_slots(
+                sequence.blocks, begin, begin + count, sequence.pool.block_size
+            )
+            host[3 * m + start : 3 * m + end] = range(begin + 1, begin + count + 1)
+            self._np_tables[start:end, : len(sequence.blocks)] = sequence.blocks
+            start = end
+        self.pad(start, rows)
+        host[4 * m : 4 * m + rows] = 0  # a graph returns kept(bucket) rows: the rest read row 0
+        host[4 * m : 4 * m + len(kept)] = kept
 
     def pad(self, start: int, end: int) -> None:
         """Rows [start, end) become padding rows."""
@@ -123,6 +155,7 @@ class DecodeBuffers:
         host[m + start : m + end] = 0
         host[2 * m + start : 2 * m + end] = self.scratch_slot
         host[3 * m + start : 3 * m + end] = 0
+        host[4 * m + start : 4 * m + end] = 0  # a graph returns kept(bucket) rows: the rest read row 0
 
     def upload(self, rows: int) -> None:
         # NOTE: the next `fill` rewrites the host copy while nothing waits for this copy: safe
@@ -131,7 +164,7 @@ class DecodeBuffers:
         # back would need two host buffers taken in turn.
         if self.device_copy is self.host:
             return
-        used = 4 * self.max_rows + rows * self.width
+        used = FIELDS * self.max_rows + rows * self.width
         self.device_copy[:used].copy_(self.host[:used], non_blocking=True)
 
 
@@ -154,7 +187,7 @@ class ModelRunner:
         self.dtype: torch.dtype = model.dtype
         self.accepts_logits_to_keep = accepts_logits_to_keep
         self.adapters: AdapterSet | None = None  # set by the engine once loaded (not in the probe step)
-        self.graphs: DecodeGraphs | None = None  # set by the engine where graphs are captured
+        self.graphs: StepGraphs | None = None  # set by the engine where graphs are captured
         self.decoder: CpuDecoder | None = None  # set by the engine where the C++ CPU step serves
         self.width = -(-max_length // cache.pool.block_size) + 1
         self.buffers = DecodeBuffers(max_rows, self.width, self.device, cache.scratch_slot)
@@ -183,6 +216,10 @@ class ModelRunner:
     def forward(self, pieces: Sequence[StepPiece], keep: list[int] | None) -> torch.Tensor:
         """Write and attend `pieces`; logits [len(keep), vocab] (every packed token when keep is
         None). The sequences' lengths advance by their new tokens."""
+        if self.graphs is not None and keep is not None:
+            bucket = self._piece_bucket(self.graphs, pieces, len(keep))
+            if bucket is not None:
+                return self._replay_pieces(bucket, pieces, keep)
         ids: list[int] = []
         positions: list[int] = []
         parts: list[Piece] = []
@@ -233,6 +270,24 @@ class ModelRunner:
         self.timer.stop()
         return logits
 
+    def _piece_bucket(self, graphs: StepGraphs, pieces: Sequence[StepPiece], kept: int) -> int | None:
+        """The graph that can take this step (None: run it eagerly): no LoRA rows or soft-prompt
+        embeddings, no hidden states kept for a speculator (a graph keeps those of decode
+        steps only), and a bucket holding its tokens."""
+        if self.capturing or any(p.lora is not None or p.embeddings is not None for p in pieces):
+            return None
+        return graphs.bucket_for(sum(len(p.tokens) for p in pieces), kept)
+
+    def _replay_pieces(self, bucket: int, pieces: Sequence[StepPiece], keep: list[int]) -> torch.Tensor:
+        assert self.graphs is not None
+        buffers = self.buffers
+        buffers.fill_pieces(pieces, keep, bucket)
+        buffers.upload(bucket)
+        self.timer.start()
+        logits = self.graphs.replay(bucket)[: len(keep)]
+        self.timer.stop()
+        return logits
+
     def _forward_layers(
         self,
         decoder: CpuDecoder,
@@ -278,7 +333,7 @@ class ModelRunner:
         """One token per row (`ids` [D], each at its sequence's next position) -> logits [D, vocab]."""
         count = len(sequences)
         graphs = self.graphs
-        bucket = graphs.bucket_for(count) if graphs is not None and not any(loras) else None
+        bucket = graphs.bucket_for(count, count) if graphs is not None and not any(loras) else None
         rows = bucket or count
         buffers = self._buffers_for(rows)
         longest, shortest = buffers.fill(sequences, ids, rows)
@@ -310,23 +365,35 @@ class ModelRunner:
         return self._overflow
 
     def decode_step(
-        self, rows: int, longest: int, shortest: int, buffers: DecodeBuffers | None = None
+        self,
+        rows: int,
+        longest: int,
+        shortest: int,
+        buffers: DecodeBuffers | None = None,
+        kept: int | None = None,
     ) -> Callable[[], torch.Tensor]:
-        """The forward of `rows` decode rows over the buffers as they will be when it is called:
-        a closure over fixed views and a fixed layout (what a CUDA graph captures). `longest` /
-        `shortest` key counts matter only to backends that are not graphable."""
+        """The forward of `rows` rows of one token each over the buffers as they will be when it
+        is called: a closure over fixed views and a fixed layout (what a CUDA graph captures).
+        With `kept`, the logits of the first `kept` rows the buffers' kept field names (else of
+        every row). `longest` / `shortest` key counts matter only to backends that are not
+        graphable."""
         b = buffers or self.buffers
         rows_view = DecodeRows(
             slice(0, rows), b.tables(rows), b.lengths(rows), longest, shortest, self.window
         )
         layout = StepLayout.decode_only(self.cache, self.backend, rows_view, b.slots(rows), self.dtype)
         input_ids, position_ids = b.ids(rows).unsqueeze(0), b.positions(rows).unsqueeze(0)
+        chosen = b.kept(kept) if kept is not None else None
+        selected = chosen is not None and self.accepts_logits_to_keep
+        extra = {"logits_to_keep": chosen} if selected else {}
 
         def step() -> torch.Tensor:
             out = self.model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, tgis_step=layout
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, tgis_step=layout, **extra
             )
             logits: torch.Tensor = out.logits[0]
+            if chosen is not None and not selected:
+                logits = logits.index_select(0, chosen)
             if self.capturing and self.hidden is not None:
                 self._step_hidden[rows] = self.hidden  # captured: the graph's own tensor
             return logits
