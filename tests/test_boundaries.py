@@ -74,7 +74,7 @@ ROUTER_FOLDERS = {  # folder -> the router's folders it may import (besides itse
 SERVER_FOLDERS = {  # folder -> the shard package's folders it may import (besides itself)
     "utils": set(),
     "kv": set(),
-    "sampling": set(),
+    "sampling": {"utils"},
     "onnx": set(),
     "kernels": {"utils"},
     "attention": {"kernels", "kv"},

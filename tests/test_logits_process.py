@@ -189,6 +189,49 @@ def test_the_chooser_keeps_matching_over_steps_and_copies_nothing_to_the_device(
     assert chooser.generated_t is not None and chooser.generated_t.tolist() == chooser.generated
 
 
+def test_choosers_reach_the_device_without_waiting(monkeypatch) -> None:
+    """Building, selecting, concatenating, expanding and advancing choosers copies their host
+    values through to_device (pinned memory, a non-blocking copy on a GPU), never with
+    torch.tensor(..., device=...): a chooser built while a forward runs (a prompt that completes
+    in the step) would wait for the forward there."""
+    direct: list[object] = []
+    real_tensor = torch.tensor
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        if "device" in kwargs:
+            direct.append(args[0] if args else kwargs)
+        return real_tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", counting)
+    chooser = TokenChooser.create(PIPELINE_PARAMS, PIPELINE_PROMPTS, EOS, VOCAB, torch.device("cpu"))
+    both = TokenChooser.concatenate([chooser, chooser.select([3, 1, 0])])
+    rows = len(both)
+    both.advance([7] * rows)
+    both.advance_many([[8, 9]] * rows)
+    expanded = both.expand([[10]] * rows)
+    monkeypatch.setattr(torch, "tensor", real_tensor)
+    assert direct == []
+    assert len(expanded) == 2 * rows and both.generated == [3] * rows
+    assert both.seen is not None and both.seen[:, [7, 8, 9]].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_to_device_copies_without_a_sync_on_a_gpu() -> None:
+    from text_generation_server.utils.transfer import to_device
+
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        values = to_device([[1, 2], [3, 4]], device, torch.float64)
+        flags = to_device([True, False], device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert values.device.type == "cuda" and values.dtype == torch.float64
+    assert values.tolist() == [[1.0, 2.0], [3.0, 4.0]] and flags.tolist() == [True, False]
+
+
 def test_sampling_uses_each_rows_generator() -> None:
     """A row's draws depend only on its own seed and scores, not on its neighbours."""
     row_scores = random_scores(1, seed=7)[0]

@@ -39,6 +39,7 @@ from text_generation_common.messages import (
 from text_generation_server.batches.batch import Batch
 from text_generation_server.sampling.chooser import TokenChooser
 from text_generation_server.sampling.token_details import generated_token_infos
+from text_generation_server.utils.transfer import to_device
 
 NAN_LOGITS_MESSAGE = "Token decoding error: the model produced NaN logits"
 
@@ -111,7 +112,7 @@ def choose_speculated(
     chooser.rewind(speculating, states, [len(taken[row]) for row in speculating])
     details = [requests[row].details for row, tokens in enumerate(taken) for _ in tokens]
     wanted = any(d.any_token_detail for d in details)
-    rows = scores.index_select(0, torch.tensor(kept, device=scores.device)) if wanted else scores
+    rows = scores.index_select(0, to_device(kept, scores.device)) if wanted else scores
     infos = iter(generated_token_infos(rows, [chosen[v] for v in kept], details))
     chooser.guided_ns = 0
     chooser.advance_many(taken)

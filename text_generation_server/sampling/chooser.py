@@ -41,6 +41,7 @@ from text_generation_common.guided import Grammars
 from text_generation_common.messages import SamplingParams
 from text_generation_server.sampling import guided
 from text_generation_server.sampling import logits_process as lp
+from text_generation_server.utils.transfer import to_device
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -113,27 +114,23 @@ class TokenChooser:
         sampling = [p if not p.greedy else None for p in self.params]
         temperatures = [p.temperature if p else 1.0 for p in sampling]
         self.temperature = (
-            torch.tensor(temperatures, dtype=torch.float32, device=device)
-            if any(t != 1.0 for t in temperatures)
-            else None
+            to_device(temperatures, device, torch.float32) if any(t != 1.0 for t in temperatures) else None
         )
         self.top_k = lp.TopKPlan.of([p.top_k if p else 0 for p in sampling], vocab_size, device)
         self.top_p = lp.RowsPlan.of([p.top_p if p else 1.0 for p in sampling], device, transform=1.0)
         self.typical_p = lp.RowsPlan.of([p.typical_p if p else 1.0 for p in sampling], device)
-        self.sample_rows_t = torch.tensor(self.sample_rows, device=device) if self.sample_rows else None
+        self.sample_rows_t = to_device(self.sample_rows, device) if self.sample_rows else None
         self.penalty = (
-            torch.tensor([p.repetition_penalty for p in self.params], dtype=torch.float32, device=device)
+            to_device([p.repetition_penalty for p in self.params], device, torch.float32)
             if self.any_repetition_penalty
             else None
         )
         # tokens generated per row, on the device too, where min_new_tokens or a length penalty reads it
         self.generated_t = (
-            torch.tensor(self.generated, device=device)
-            if self.any_min_new or self.any_length_penalty
-            else None
+            to_device(self.generated, device) if self.any_min_new or self.any_length_penalty else None
         )
         self.min_new_t = (
-            torch.tensor([p.min_new_tokens for p in self.params], device=device) if self.any_min_new else None
+            to_device([p.min_new_tokens for p in self.params], device) if self.any_min_new else None
         )
         self.length_start_t: torch.Tensor | None = None
         self.length_decay_t: torch.Tensor | None = None
@@ -142,8 +139,8 @@ class TokenChooser:
             # rows without one: start past any length, decay 1.0 (factor 1)
             starts = [lp_.start_index if lp_ is not None else 2**62 for lp_ in penalties]
             decays = [float(lp_.decay_factor) if lp_ is not None else 1.0 for lp_ in penalties]
-            self.length_start_t = torch.tensor(starts, device=device)
-            self.length_decay_t = torch.tensor(decays, dtype=torch.float64, device=device)
+            self.length_start_t = to_device(starts, device)
+            self.length_decay_t = to_device(decays, device, torch.float64)
         # [batch, vocab] bool: tokens each row has seen; kept only while some row penalises repeats.
         self.seen = seen if self.any_repetition_penalty else None
         if self.any_repetition_penalty and self.seen is None:
@@ -184,7 +181,7 @@ class TokenChooser:
         seen = torch.zeros((len(histories), self.vocab_size), dtype=torch.bool, device=self.device)
         for row, ids in enumerate(histories):
             if ids:
-                seen[row, torch.tensor(ids, device=self.device)] = True
+                seen[row, to_device(ids, self.device)] = True
         return seen
 
     def process(self, scores: torch.Tensor) -> torch.Tensor:
@@ -258,7 +255,7 @@ class TokenChooser:
         if self.generated_t is not None:
             self.generated_t += 1
         if self.seen is not None:
-            ids = next_ids_t if next_ids_t is not None else torch.tensor(next_ids, device=self.device)
+            ids = next_ids_t if next_ids_t is not None else to_device(next_ids, self.device)
             self.seen.scatter_(1, ids.view(-1, 1), True)
         self._advance_matchers([[token] for token in next_ids])
 
@@ -269,14 +266,12 @@ class TokenChooser:
             self.histories[row].extend(ids)
             self.generated[row] += len(ids)
         if self.generated_t is not None:
-            self.generated_t += torch.tensor([len(ids) for ids in tokens], device=self.device)
+            self.generated_t += to_device([len(ids) for ids in tokens], self.device)
         if self.seen is not None:
             rows = [row for row, ids in enumerate(tokens) for _ in ids]
             if rows:
                 flat = [t for ids in tokens for t in ids]
-                self.seen[torch.tensor(rows, device=self.device), torch.tensor(flat, device=self.device)] = (
-                    True
-                )
+                self.seen[to_device(rows, self.device), to_device(flat, self.device)] = True
         self._advance_matchers(tokens)
 
     def _advance_matchers(self, tokens: Sequence[Sequence[int]]) -> None:
@@ -309,11 +304,11 @@ class TokenChooser:
         taken = [draft[:j] for draft in drafts for j in range(len(draft) + 1)]
         seen = None
         if self.seen is not None:
-            seen = self.seen.index_select(0, torch.tensor(rows, device=self.device))
+            seen = self.seen.index_select(0, to_device(rows, self.device))
             marks = [(v, t) for v, ids in enumerate(taken) for t in ids]
             if marks:
                 at, ids = zip(*marks, strict=True)
-                seen[torch.tensor(at, device=self.device), torch.tensor(ids, device=self.device)] = True
+                seen[to_device(at, self.device), to_device(ids, self.device)] = True
         matchers: list[Any | None] = []
         for row, draft in enumerate(drafts):
             matchers += guided.positions(self.matchers[row], draft)
@@ -350,7 +345,7 @@ class TokenChooser:
         """A chooser for the given rows (in that order), carrying their state."""
         seen = None
         if self.seen is not None:
-            seen = self.seen[torch.tensor(rows, device=self.device)]
+            seen = self.seen[to_device(rows, self.device)]
         return TokenChooser(
             [self.params[i] for i in rows],
             [self.histories[i] for i in rows],

@@ -30,6 +30,8 @@ from typing import Self
 
 import torch
 
+from text_generation_server.utils.transfer import to_device
+
 NEG_INF = float("-inf")
 
 
@@ -79,8 +81,8 @@ class TopKPlan:
         ks = [min(k, vocab) for k in top_k]
         if max(ks, default=0) == 0:
             return None
-        kth_index = torch.tensor([max(k, 1) - 1 for k in ks], device=device).unsqueeze(1)
-        off = torch.tensor([k == 0 for k in ks], device=device).unsqueeze(1)
+        kth_index = to_device([max(k, 1) - 1 for k in ks], device).unsqueeze(1)
+        off = to_device([k == 0 for k in ks], device).unsqueeze(1)
         return cls(max(ks), kth_index, off)
 
 
@@ -111,9 +113,7 @@ class RowsPlan:
         if not rows:
             return None
         picked = [transform - values[i] if transform else values[i] for i in rows]
-        return cls(
-            torch.tensor(rows, device=device), torch.tensor(picked, dtype=torch.float32, device=device)
-        )
+        return cls(to_device(rows, device), to_device(picked, device, torch.float32))
 
 
 def top_p_with(scores: torch.Tensor, plan: RowsPlan) -> torch.Tensor:

@@ -85,6 +85,7 @@ from text_generation_server.memory import host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
 from text_generation_server.speculation import Lookahead, Speculator, Target, speculator_for
 from text_generation_server.utils.hub import resolve_model_dir
+from text_generation_server.utils.transfer import to_device
 
 if TYPE_CHECKING:
     from text_generation_server.lora import LoraWeights
@@ -455,7 +456,7 @@ class TgisNativeEngine(ModelEngine):
             index.append(start + max(count, 1) - 1)
             start += 1 + len(draft)
         rows = [wanted[i] for i in index] if wanted is not None else index
-        kept = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        kept = hidden.index_select(0, to_device(rows, hidden.device))
         for request, row in zip(batch.requests, kept, strict=True):
             batch.states[request.id].hidden = row
 

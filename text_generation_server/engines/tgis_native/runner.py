@@ -39,6 +39,7 @@ from text_generation_server.attention.layout import Piece, StepLayout, piece_slo
 from text_generation_server.engines.step import ForwardTimer
 from text_generation_server.engines.tgis_native.cpu_decoder import NO_LORA, CpuDecoder, LoraArgs
 from text_generation_server.kv.paged_kv import PagedKVCache, SequenceKV
+from text_generation_server.utils.transfer import to_device
 
 if TYPE_CHECKING:
     from text_generation_server.adapters import AdapterSet
@@ -244,8 +245,8 @@ class ModelRunner:
         kwargs: dict[str, Any] = {}
         selected = keep is not None and self.accepts_logits_to_keep
         if selected:
-            kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
-        packed = torch.tensor([ids], device=device)
+            kwargs["logits_to_keep"] = to_device(keep, device, torch.long)
+        packed = to_device([ids], device)
         if virtual:
             embeds = self.model.get_input_embeddings()(packed)
             for at, embeddings in virtual:
@@ -257,7 +258,7 @@ class ModelRunner:
         self.timer.start()
         with applied:
             out = self.model(
-                position_ids=torch.tensor([positions], device=device),
+                position_ids=to_device([positions], device),
                 use_cache=False,
                 tgis_step=layout,
                 **kwargs,
