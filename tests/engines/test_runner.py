@@ -39,6 +39,8 @@ def test_buckets_grow_by_powers_of_two_then_by_32_then_coarser_and_end_at_the_ma
     ]
     assert [graphs.kept(b) for b in (4, 40, 100)] == [4, 40, 40]
     assert graphs.bucket_for(90, kept=40) == 100 and graphs.bucket_for(90, kept=41) is None
+    assert graphs.bucket_for(90, 1, prompt_keys=graphs.max_prompt_keys) == 100
+    assert graphs.bucket_for(90, 1, prompt_keys=graphs.max_prompt_keys + 1) is None
 
 
 def test_the_buffers_hold_each_row_and_pad_the_rest() -> None:
@@ -134,6 +136,24 @@ def test_prompt_steps_replay_the_graph_of_their_token_count(graphed, tiny_model,
     assert replays.count >= before + 9
     for request in (first, second):
         assert got[request.id] == oracle(request.input_ids, request.max_new_tokens), request.id
+
+
+def test_prompt_rows_that_read_too_many_keys_run_eagerly(
+    graphed, tiny_model, eager_layouts, monkeypatch
+) -> None:
+    """A prompt token's row reads its keys on its own: a chunk of n tokens after c cached ones
+    reads n * c + n (n + 1) / 2; past the graphs' bound the step runs eagerly (8 tokens read 36,
+    9 read 45; the bound here 40)."""
+    engine, _ = graphed
+    assert engine.runner.graphs is not None
+    monkeypatch.setattr(engine.runner.graphs, "max_prompt_keys", 40)
+    oracle = transformers_oracle(tiny_model("llama"))
+    for length, eager in ((8, 0), (9, 1)):
+        request = GenerationRequest(length, prompt(length, length), 2)  # no prefix shared
+        eager_layouts.clear()
+        got = Runner(engine).run({0: [request]})
+        assert len(eager_layouts) == eager, length
+        assert got[request.id] == oracle(request.input_ids, request.max_new_tokens), length
 
 
 def test_steps_a_graph_cannot_take_run_eagerly(graphed, tiny_model, eager_layouts) -> None:

@@ -13,6 +13,13 @@ prompts or prompt-token details, runs eagerly (runner.forward / runner.decode).
              then every 64 to 512, every 128 to 1024, every 256 beyond, up to MAX_BATCH_SIZE +
              MAX_BATCH_PREFILL_TOKENS (steps with prompt tokens); the last one is the maximum
 
+A prompt token's row reads all of its keys on its own, where a prefill kernel would read a
+block of keys once for many queries: a chunk of n tokens after c cached ones reads
+n * c + n * (n + 1) / 2 keys. Steps whose prompt rows read more than MAX_GRAPHED_PROMPT_KEYS
+run eagerly (SDPA over the chunk; long prompts and long contexts), where the graph would cost
+more than the eager step's launches (about 12 ms for the 1 B model on an H200). The bound is
+an estimate from that, not yet measured on a GPU.
+
 `capture` is injectable: on CUDA it records a torch.cuda.CUDAGraph; tests on CPU pass one that
 keeps the captured closure and calls it again on replay, which checks the same discipline (the
 closure is built once per bucket and must read every per-step input from the buffers).
@@ -28,6 +35,8 @@ from collections.abc import Callable
 import torch
 
 logger = logging.getLogger(__name__)
+
+MAX_GRAPHED_PROMPT_KEYS = 1 << 20  # e.g. a 1,400-token chunk from position 0, 8 prompts of 500
 
 Step = Callable[[], torch.Tensor]
 Capture = Callable[[Step], Step]  # captures a step's work; the result replays it
@@ -76,9 +85,12 @@ class StepGraphs:
     rows the step chooses tokens from, listed in the buffers): at most `max_kept`, the most
     rows a step can choose from (each sequence's row and its speculative candidates)."""
 
-    def __init__(self, buckets: list[int], max_kept: int) -> None:
+    def __init__(
+        self, buckets: list[int], max_kept: int, max_prompt_keys: int = MAX_GRAPHED_PROMPT_KEYS
+    ) -> None:
         self.buckets = sorted(buckets)
         self.max_kept = max_kept
+        self.max_prompt_keys = max_prompt_keys
         self._replays: dict[int, Step] = {}
 
     def kept(self, bucket: int) -> int:
@@ -102,10 +114,11 @@ class StepGraphs:
             ((torch.cuda.memory_reserved() if cuda else 0) - before) / 2**20,
         )
 
-    def bucket_for(self, tokens: int, kept: int = 0) -> int | None:
-        """The smallest bucket that holds `tokens` rows of which `kept` give logits (None: more
-        than the largest, or more kept rows than a graph returns)."""
-        if kept > self.max_kept:
+    def bucket_for(self, tokens: int, kept: int = 0, prompt_keys: int = 0) -> int | None:
+        """The smallest bucket that holds `tokens` rows of which `kept` give logits and whose
+        prompt rows read `prompt_keys` keys (None: more than the largest, more kept rows than a
+        graph returns, or prompt rows better attended eagerly)."""
+        if kept > self.max_kept or prompt_keys > self.max_prompt_keys:
             return None
         index = bisect.bisect_left(self.buckets, tokens)
         return self.buckets[index] if index < len(self.buckets) else None

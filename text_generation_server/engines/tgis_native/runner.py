@@ -274,10 +274,15 @@ class ModelRunner:
     def _piece_bucket(self, graphs: StepGraphs, pieces: Sequence[StepPiece], kept: int) -> int | None:
         """The graph that can take this step (None: run it eagerly): no LoRA rows or soft-prompt
         embeddings, no hidden states kept for a speculator (a graph keeps those of decode
-        steps only), and a bucket holding its tokens."""
+        steps only), prompt rows that read few enough keys (graphs.py), and a bucket holding
+        its tokens."""
         if self.capturing or any(p.lora is not None or p.embeddings is not None for p in pieces):
             return None
-        return graphs.bucket_for(sum(len(p.tokens) for p in pieces), kept)
+        keys = 0
+        for piece in pieces:
+            if (count := len(piece.tokens)) > 1:  # rows p = c + 1 .. c + n read p keys each
+                keys += count * piece.kv.length + count * (count + 1) // 2
+        return graphs.bucket_for(sum(len(p.tokens) for p in pieces), kept, keys)
 
     def _replay_pieces(self, bucket: int, pieces: Sequence[StepPiece], keep: list[int]) -> torch.Tensor:
         assert self.graphs is not None
