@@ -72,7 +72,7 @@ from text_generation_server.engines.tgis_native.graphs import (
     buckets_up_to,
     cuda_capture,
 )
-from text_generation_server.engines.tgis_native.runner import DecodeBuffers, ModelRunner, StepPiece
+from text_generation_server.engines.tgis_native.runner import ModelRunner, StepPiece
 from text_generation_server.kernels.weight_layout import LinearLayout, choose_linear_layouts
 from text_generation_server.kv.paged_kv import (
     BlockPool,
@@ -227,10 +227,7 @@ class TgisNativeEngine(ModelEngine):
             return
         graphs = StepGraphs(buckets_up_to(max_rows, max_tokens), max_rows * (1 + self.speculate))
         runner = self.runner
-        if runner.buffers.max_rows < graphs.buckets[-1]:
-            runner.buffers = DecodeBuffers(
-                graphs.buckets[-1], runner.width, self.device, self.kv.scratch_slot
-            )
+        runner.hold(graphs.buckets[-1])
 
         def make_step(bucket: int) -> Step:
             runner.buffers.pad(0, bucket)

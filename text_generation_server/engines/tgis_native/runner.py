@@ -191,7 +191,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None  # set by the engine where graphs are captured
         self.decoder: CpuDecoder | None = None  # set by the engine where the C++ CPU step serves
         self.width = -(-max_length // cache.pool.block_size) + 1
-        self.buffers = DecodeBuffers(max_rows, self.width, self.device, cache.scratch_slot)
+        self.buffers = self._new_buffers(max_rows)
         self._overflow: DecodeBuffers | None = None  # steps larger than MAX_BATCH_SIZE (tests)
         self.timer = ForwardTimer(self.device)
         self.capturing = False  # keep the LM head's input of every forward (capture_hidden)
@@ -361,13 +361,21 @@ class ModelRunner:
         self.timer.stop()
         return logits
 
+    def _new_buffers(self, rows: int) -> DecodeBuffers:
+        return DecodeBuffers(rows, self.width, self.device, self.cache.scratch_slot)
+
+    def hold(self, rows: int) -> None:
+        """Make the persistent buffers hold steps of `rows` rows (the largest graph's)."""
+        if self.buffers.max_rows < rows:
+            self.buffers = self._new_buffers(rows)
+
     def _buffers_for(self, rows: int) -> DecodeBuffers:
         """The persistent buffers (graphs read them), or for a step of more rows than they hold
         (a BatchManager allowing more than this engine's MAX_BATCH_SIZE) buffers of its own."""
         if rows <= self.buffers.max_rows:
             return self.buffers
         if self._overflow is None or self._overflow.max_rows < rows:
-            self._overflow = DecodeBuffers(rows, self.width, self.device, self.cache.scratch_slot)
+            self._overflow = self._new_buffers(rows)
         return self._overflow
 
     def decode_step(
