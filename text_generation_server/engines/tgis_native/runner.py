@@ -244,7 +244,7 @@ class ModelRunner:
             return self._forward_layers(self.decoder, ids, positions, virtual, layout, keep, lora)
         kwargs: dict[str, Any] = {}
         selected = keep is not None and self.accepts_logits_to_keep
-        if selected:
+        if selected and keep is not None:
             kwargs["logits_to_keep"] = to_device(keep, device, torch.long)
         packed = to_device([ids], device)
         if virtual:
