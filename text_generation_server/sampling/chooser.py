@@ -179,9 +179,10 @@ class TokenChooser:
 
     def _build_seen(self, histories: Sequence[list[int]]) -> torch.Tensor:
         seen = torch.zeros((len(histories), self.vocab_size), dtype=torch.bool, device=self.device)
-        for row, ids in enumerate(histories):
-            if ids:
-                seen[row, to_device(ids, self.device)] = True
+        rows = [row for row, ids in enumerate(histories) for _ in ids]
+        if rows:  # one copy of every row's ids, not one per row
+            flat = [t for ids in histories for t in ids]
+            seen[to_device(rows, self.device), to_device(flat, self.device)] = True
         return seen
 
     def process(self, scores: torch.Tensor) -> torch.Tensor:
