@@ -22,6 +22,7 @@ from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.hf_transformers import HFTransformersEngine
+from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.errors import InvalidBatchError
 from text_generation_server.testing.fake_engine import FakeEngine
 
@@ -320,3 +321,113 @@ def test_a_join_is_refused_where_the_engine_does_not_chunk_or_the_batch_is_inval
     # nothing changed: the batch runs on
     output = manager.next_token([CachedBatchRef(1)], 0, NewBatch(2, (request(2, 4),)))
     assert output is not None and [g.request_id for g in output.generations] == [1, 2]
+
+
+# ---- pipelined steps: launched before the step before them is read back -------------------------
+
+
+class Pipelined(ModelEngine):
+    """tgis_native with PIPELINE_STEPS on the CPU, recording its launches: how many steps were in
+    flight at once, and any sequence that grew past the blocks its request reserved."""
+
+    def __init__(self, inner: TgisNativeEngine, pipelined: bool = True) -> None:
+        self.inner = inner
+        self.info = inner.info
+        self.pipelined = pipelined
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.launches = 0
+        self.fail_finish: Exception | None = None
+
+    def new_batch(self, batch_id, requests):
+        return self.inner.new_batch(batch_id, requests)
+
+    def release(self, request_ids):
+        self.inner.release(request_ids)
+
+    def kv_state(self):
+        return self.inner.kv_state()
+
+    def generate_token(self, batch, token_budget=0):
+        return self.inner.generate_token(batch, token_budget)
+
+    def launch(self, batch, token_budget=0):
+        self.inner.pipelined = self.pipelined
+        launched = self.inner.launch(batch, token_budget)
+        if launched is not None:
+            self.launches += 1
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            for state in launched.batch.states.values():
+                assert len(state.kv.blocks) <= state.kv.max_blocks, "a step wrote past the reserved blocks"
+        return launched
+
+    def finish(self, launched):
+        self.in_flight -= 1
+        if self.fail_finish is not None:
+            exc, self.fail_finish = self.fail_finish, None
+            raise exc
+        return self.inner.finish(launched)
+
+
+@pytest.fixture(scope="module")
+def native_engine(tiny_model) -> TgisNativeEngine:
+    config = ServerConfig(
+        model_name=str(tiny_model("llama")), max_batch_size=8, max_new_tokens=32, dtype="float32"
+    )
+    return TgisNativeEngine(config)
+
+
+@pytest.mark.parametrize("ahead", ["always", "not after the join"])
+def test_pipelined_steps_give_the_tokens_of_the_calls(native_engine, ahead) -> None:
+    """Greedy, seeded and penalised rows, requests ending at different steps (pruned while the
+    step after theirs is in flight), batches merging beside a step in flight."""
+    expected = drive(BatchManager(Pipelined(native_engine, pipelined=False), 8), "always")
+    engine = Pipelined(native_engine)
+    assert drive(BatchManager(engine, 8), ahead) == expected
+    assert engine.launches >= 8 and engine.most_in_flight == 2 and engine.in_flight == 0
+    assert native_engine.kv.pool.used == 0  # every request's blocks went back
+
+
+def test_requests_that_join_beside_a_step_in_flight_wait_for_a_step_that_covers_them(native_engine) -> None:
+    def run(pipelined: bool) -> tuple[dict[int, list[int]], list[list[int]]]:
+        manager = BatchManager(Pipelined(native_engine, pipelined), 8)
+        first, joining = request(1, 7, repetition_penalty=1.2), request(2, 5, temperature=0.8, seed=11)
+        got: dict[int, list[int]] = {}
+        pending: list[list[int]] = []
+        tokens_of(manager.prefill(1, [first], []), got)
+        manager.run_ahead()
+        output = manager.next_token([CachedBatchRef(1)], 3, NewBatch(2, (joining,)))
+        while output is not None:
+            tokens_of(output, got)
+            pending.append(list(output.pending))
+            if output.batch_id is None:
+                break
+            manager.run_ahead()
+            done = tuple(r for r, t in got.items() if len(t) == {1: 7, 2: 5}[r])
+            output = manager.next_token([CachedBatchRef(1, done)], 3)
+        assert len(manager) == 0
+        return got, pending
+
+    expected, pending_then = run(False)
+    got, pending = run(True)
+    assert got == expected
+    # running ahead, the join waits one step; with a step in flight too, one more
+    assert pending_then[:2] == [[2], [2]] and pending[:3] == [[2], [2], [2]]
+
+
+def test_a_step_that_fails_in_flight_fails_the_next_call(native_engine) -> None:
+    seen: list[Exception] = []
+    engine = Pipelined(native_engine)
+    manager = BatchManager(engine, 8, on_step_failure=seen.append)
+    manager.prefill(1, [request(1, 6), request(2, 6)], [])
+    manager.run_ahead()  # steps 2 (read) and 3 (in flight)
+    manager.next_token([CachedBatchRef(1)])
+    failure = RuntimeError("device fault")
+    engine.fail_finish = failure
+    manager.run_ahead()
+    assert seen == [failure]
+    with pytest.raises(RuntimeError) as info:
+        manager.next_token([CachedBatchRef(1)])
+    assert info.value is failure and len(manager) == 0
+    assert native_engine.kv.pool.used == 0

@@ -21,6 +21,14 @@ Requests that joined beside a batch already stepped ahead (a Prefill's new batch
 merged batch's next step, run ahead, computes their tokens (or prompt chunks) with everyone
 else's, instead of a forward of the new rows alone.
 
+Pipelined steps (engines whose `launch` queues a step without waiting for it: tgis_native on a
+GPU, PIPELINE_STEPS): running ahead launches the next step on the batch *before* reading back
+the one to deliver, so the device computes step N + 1 while the host reads step N, answers the
+router and takes its next call; a cached batch may then carry a step in flight (`InFlight`),
+read by the next run ahead (after launching the one after it) or by the call that needs it.
+What a call prunes is dropped from the step in flight when it is read; requests that join
+beside a step in flight are answered as pending until a step covers them.
+
 After every call (and ClearCache) the manager tells the engine which requests left its batches
 (`engine.release`): finished and cancelled ones pruned, rows that failed, batches dropped as
 stale or lost with a failed step, the health check's request. What an engine keeps for a
@@ -33,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,
@@ -44,20 +52,48 @@ from text_generation_common.messages import (
     StepOutput,
 )
 from text_generation_server.batches.batch import Batch
-from text_generation_server.engines.base import ModelEngine
+from text_generation_server.engines.base import Launched, ModelEngine
 from text_generation_server.errors import BatchNotFoundError, InvalidBatchError
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class InFlight:
+    """Steps launched on the device and not read back yet (ModelEngine.launch), over `batch` (as
+    they leave it, pruned since): their tokens for `dropped` (pruned since they were launched)
+    are dropped when read, and the batch's requests that no launched step covers (`waiting`:
+    they joined after) are answered as pending."""
+
+    launched: list[Launched]
+    batch: Batch
+    dropped: set[int] = field(default_factory=set)
+    waiting: list[int] = field(default_factory=list)
+
+    @property
+    def request_ids(self) -> list[int]:
+        return self.batch.request_ids
+
+    def prune(self, completed_ids: set[int]) -> InFlight | None:
+        """Drop the given requests; None when none of the batch is left (the steps' tokens are
+        then not wanted either)."""
+        batch = self.batch.prune(completed_ids)
+        if batch is None:
+            return None
+        waiting = [r for r in self.waiting if r not in completed_ids]
+        return InFlight(self.launched, batch, self.dropped | completed_ids, waiting)
+
+
+@dataclass(slots=True)
 class Ahead:
     """A decode step run before the router asked for it: the output still to deliver and the
-    batch after the step (None when no request is left in it), or the error the step raised."""
+    batch after the step (None when no request is left in it), or the error the step raised;
+    `next`: the step launched after it on that batch, in flight (pipelined steps)."""
 
     output: StepOutput
     batch: Batch | None
     error: Exception | None = None
+    next: InFlight | None = None
 
     @property
     def request_ids(self) -> list[int]:
@@ -73,11 +109,22 @@ class Ahead:
         output = self.output.without(completed_ids)
         if not output.request_ids:
             return None
+        following = self.next.prune(completed_ids) if self.next is not None else None
+        if following is not None:
+            return Ahead(output, following.batch, next=following)
         batch = self.batch.prune(completed_ids) if self.batch is not None else None
         return Ahead(output, batch)
 
+    def carried(self) -> Batch | InFlight | None:
+        """What stays cached once the output is delivered."""
+        return self.next if self.next is not None else self.batch
 
-Cached = Batch | Ahead
+
+Cached = Batch | Ahead | InFlight
+
+
+def _batch_of(cached: Cached) -> Batch | None:
+    return cached.batch if isinstance(cached, Ahead | InFlight) else cached
 
 
 class BatchManager:
@@ -105,7 +152,7 @@ class BatchManager:
 
     @staticmethod
     def _live_ids(cached: Cached) -> list[int]:
-        batch = cached.batch if isinstance(cached, Ahead) else cached
+        batch = _batch_of(cached)
         return batch.request_ids if batch is not None else []
 
     def _settle(self, arrived: Sequence[GenerationRequest] = (), keep: set[int] | None = None) -> None:
@@ -185,9 +232,10 @@ class BatchManager:
             output.kv_cache = state
         return output
 
-    def _store(self, output: StepOutput, batch: Batch | None) -> StepOutput:
-        if batch is not None and batch.batch_id != HEALTH_CHECK_BATCH_ID:
-            self._cache[batch.batch_id] = batch
+    def _store(self, output: StepOutput, cached: Batch | InFlight | None) -> StepOutput:
+        batch = _batch_of(cached) if cached is not None else None
+        if cached is not None and batch is not None and batch.batch_id != HEALTH_CHECK_BATCH_ID:
+            self._cache[batch.batch_id] = cached
             output.batch_id = batch.batch_id
         return output
 
@@ -288,6 +336,7 @@ class BatchManager:
         self._drop_stale()
         live = {rid for cached in taken for rid in self._live_ids(cached)}
         self._settle(keep=live)  # the pruned and stale requests' blocks are free for this step
+        taken = [self._read(c) if isinstance(c, InFlight) else c for c in taken]  # the step asked for
         for cached in taken:
             if isinstance(cached, Ahead) and cached.error is not None:
                 raise cached.error  # the referenced batches are lost, as when the step fails now
@@ -298,44 +347,107 @@ class BatchManager:
                 taken.append(joined)
         if not taken:
             return StepOutput(errors=errors) if errors else None
-        parts: list[tuple[StepOutput, Batch | None]]
-        if any(isinstance(c, Ahead) for c in taken):  # this step ran ahead: fresh rows wait for the next
-            parts = [
-                (c.output, c.batch) if isinstance(c, Ahead) else (StepOutput(pending=c.request_ids), c)
-                for c in taken  # in the order of the refs: the merged batch keeps the first id
-            ]
-        else:
-            parts = [self._step([c for c in taken if isinstance(c, Batch)])]
-        survivors = [b for _, b in parts if b is not None]
-        merged = None
-        if survivors:
-            merged = survivors[0] if len(survivors) == 1 else self.engine.concatenate(survivors)
-        output = StepOutput.merged([o for o, _ in parts])
+        if not any(isinstance(c, Ahead) for c in taken):
+            output, survivor = self._step([c for c in taken if isinstance(c, Batch)])
+            output.errors[:0] = errors
+            return self._store(output, survivor)
+        # this step ran ahead: fresh rows wait for the next
+        outputs = [c.output if isinstance(c, Ahead) else StepOutput(pending=c.request_ids) for c in taken]
+        carried = [c.carried() if isinstance(c, Ahead) else c for c in taken]
+        output = StepOutput.merged(outputs)
         output.errors[:0] = errors
-        return self._store(output, merged)
+        return self._store(output, self._merge([c for c in carried if c is not None]))
+
+    def _merge(self, parts: Sequence[Batch | InFlight]) -> Batch | InFlight | None:
+        """One cached entry of `parts` in order (the merged batch keeps the first one's id):
+        steps in flight over some of them go on over the merged batch, its other requests
+        waiting for the step after them."""
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        batches = [p.batch if isinstance(p, InFlight) else p for p in parts]
+        merged = self.engine.concatenate(batches)
+        flights = [p for p in parts if isinstance(p, InFlight)]
+        if not flights:
+            return merged
+        covered = {rid for f in flights for launched in f.launched for rid in launched.request_ids}
+        return InFlight(
+            [launched for f in flights for launched in f.launched],
+            merged,
+            set().union(*(f.dropped for f in flights)),
+            [rid for rid in merged.request_ids if rid not in covered],
+        )
 
     def _step(self, batches: Sequence[Batch]) -> tuple[StepOutput, Batch | None]:
         batch = batches[0] if len(batches) == 1 else self.engine.concatenate(batches)
         return self._generate(batch)
 
+    def _read(self, flight: InFlight, launch_next: bool = False) -> Ahead:
+        """Read back the steps in flight: their output to deliver, as an Ahead. `launch_next`:
+        first launch the step after them on the batch (when it may still generate), so that
+        the device runs it while this host reads and answers. A failure in either loses the
+        batch (reported by the next call that references it)."""
+        following = None
+        try:
+            if launch_next and flight.batch.remaining() > 0:
+                launched = self.engine.launch(flight.batch, self._token_budget)
+                if launched is not None:
+                    following = InFlight([launched], launched.batch)
+            outputs = [self.engine.finish(launched) for launched in flight.launched]
+        except Exception as exc:
+            return self._failed_ahead(exc)
+        output = StepOutput.merged(outputs)
+        if flight.dropped:
+            output = output.without(flight.dropped)
+        output.pending += [r for r in flight.waiting if r not in output.pending]
+        failed = {e.request_id for e in output.errors}
+        if following is not None:
+            following = following.prune(failed) if failed else following
+            return Ahead(output, following.batch if following else None, next=following)
+        batch = flight.batch.prune(failed) if failed else flight.batch
+        return Ahead(output, batch)
+
+    def _failed_ahead(self, exc: Exception) -> Ahead:
+        """A step that failed ahead: reported by the next call that references its batch."""
+        if self._on_step_failure is not None:
+            self._on_step_failure(exc)
+        return Ahead(StepOutput(), None, exc)
+
     def run_ahead(self) -> None:
         """Run the next decode step of the cached batch, when it is the only one whose requests
         may still generate and it was not stepped ahead yet. With more than one, the router's
         next call merges them: one step over the merged batch is one forward, where stepping
-        each now would be one forward each."""
-        active = [
-            (batch_id, cached)
-            for batch_id, cached in self._cache.items()
-            if (cached.may_generate() if isinstance(cached, Ahead) else cached.remaining() > 0)
-        ]
+        each now would be one forward each. Where the engine pipelines steps, the step after
+        it is launched before it is read back (module docstring)."""
+        active = [(batch_id, cached) for batch_id, cached in self._cache.items() if self._may_step(cached)]
         if len(active) != 1 or isinstance(active[0][1], Ahead):
             return
-        batch_id, batch = active[0]
-        assert isinstance(batch, Batch)
+        batch_id, cached = active[0]
+        assert not isinstance(cached, Ahead)
+        if isinstance(cached, InFlight):
+            self._cache[batch_id] = self._read(cached, launch_next=True)
+        else:
+            self._cache[batch_id] = self._step_ahead(cached)
+        self._settle()  # rows that failed ahead, and the requests of a batch whose step failed
+
+    def _step_ahead(self, batch: Batch) -> Ahead:
+        try:
+            launched = self.engine.launch(batch, self._token_budget)
+        except Exception as exc:
+            return self._failed_ahead(exc)
+        if launched is not None:
+            return self._read(InFlight([launched], launched.batch), launch_next=True)
         try:
             output, survivor = self._generate(batch)
         except Exception as exc:  # reported by the next call that references the batch
-            self._cache[batch_id] = Ahead(StepOutput(), None, exc)
-        else:
-            self._cache[batch_id] = Ahead(output, survivor)
-        self._settle()  # rows that failed ahead, and the requests of a batch whose step failed
+            return Ahead(StepOutput(), None, exc)
+        return Ahead(output, survivor)
+
+    @staticmethod
+    def _may_step(cached: Cached) -> bool:
+        if isinstance(cached, InFlight):
+            return True  # its step is still to read
+        if isinstance(cached, Ahead):
+            return cached.may_generate()
+        return cached.remaining() > 0

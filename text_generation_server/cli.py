@@ -284,6 +284,15 @@ def pin_to(cpu_list: str) -> None:
     "answer, so that the round trip is not between two forwards [env RUN_AHEAD].",
 )
 @click.option(
+    "--pipeline-steps/--no-pipeline-steps",
+    envvar="PIPELINE_STEPS",
+    default=None,
+    help="tgis_native, running ahead: queue the next step on the device before the last one is "
+    "read back, so that the host's work per step (reading the ids, the answer, the next inputs) "
+    "overlaps the forward instead of following it. Default: on for a single CUDA shard, off on "
+    "CPU (where the forward itself holds the host) [env PIPELINE_STEPS].",
+)
+@click.option(
     "--cuda-graphs/--no-cuda-graphs",
     envvar="CUDA_GRAPHS",
     default=True,
@@ -359,6 +368,7 @@ def serve(
     cuda_graphs: bool,
     max_batch_prefill_tokens: int,
     run_ahead: bool,
+    pipeline_steps: bool | None,
     estimate_memory: str,
     batch_safety_margin: int,
     cuda_process_memory_fraction: float,
@@ -392,6 +402,7 @@ def serve(
             attn_implementation=attn_implementation,
             linear_layout=linear_layout,
             run_ahead=run_ahead,
+            pipeline_steps=pipeline_steps,
             kv_block_size=kv_block_size,
             cpu_attention=cpu_attention,
             quantize=quantize,

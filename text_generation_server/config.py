@@ -57,6 +57,9 @@ class ServerConfig:
     cpu_kv_cache_space: float = 0.0  # GiB of host memory for the paged KV cache; 0 = sized by the batch
     kv_cache_blocks: int = 0  # blocks of the paged KV cache on any device; 0 = sized by memory
     run_ahead: bool = True  # step cached batches while the router handles the last answer
+    # tgis_native, running ahead: queue the next step before reading the last back (None: on a
+    # single CUDA shard, off on CPU where the forward holds the host)
+    pipeline_steps: bool | None = None
     cuda_graphs: bool = True  # tgis_native on CUDA: steps replay captured graphs
     max_batch_prefill_tokens: int = DEFAULT_MAX_BATCH_PREFILL_TOKENS  # the router's; 0 = no limit
     cpu_affinity: str | None = None  # CPU list ("0-7") the process pins itself to; None = not pinned

@@ -63,6 +63,8 @@ ENGINE_VARIANTS: dict[str, tuple[tuple[str, dict[str, Any], tuple[str, ...]], ..
     "tgis_native": (
         ("sdpa", {"cpu_attention": "sdpa"}, ("llama", "mistral", "gpt_bigcode")),
         ("modules", {"cpu_forward": "modules"}, ("llama", "granite")),
+        # steps launched before the one before is read back (a GPU's default), here on the CPU
+        ("pipelined", {"pipeline_steps": True}, ("llama", "gpt2")),
     ),
 }
 TEST_ENGINES: dict[str, Callable[[ServerConfig], ModelEngine]] = {"fake": FakeEngine}
@@ -213,7 +215,7 @@ class Runner:
     next call, batches merge; optionally the shard runs ahead after every call."""
 
     engine: ModelEngine
-    run_ahead: bool = False
+    run_ahead: bool | None = None  # None: where the engine pipelines steps (they need it), as the server does
     token_budget: int = 0  # prompt tokens per call (engines with chunked prefill)
     pending_steps: int = 0  # answers that were "pending"
     tokens: dict[int, list[TokenInfo]] = field(default_factory=dict)
@@ -221,6 +223,8 @@ class Runner:
     errors: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.run_ahead is None:
+            self.run_ahead = pipelined(self.engine)
         self.manager = BatchManager(self.engine, MAX_BATCH)
         self.limits: dict[int, int] = {}
         self.cached: dict[int, list[int]] = {}  # batch id -> live request ids
@@ -284,12 +288,24 @@ def alone(engine: ModelEngine, request: GenerationRequest) -> list[int]:
     return Runner(engine).run({0: [request]})[request.id]
 
 
+def pipelined(engine: ModelEngine) -> bool:
+    """Whether `engine` launches steps ahead (PIPELINE_STEPS), which it does when running ahead."""
+    return bool(getattr(engine, "pipelined", False))
+
+
 class LocalShard:
-    """router.scheduling.shard_client.ShardClient over a BatchManager in this process (no gRPC)."""
+    """router.scheduling.shard_client.ShardClient over a BatchManager in this process (no gRPC);
+    it runs ahead after each call where the engine pipelines steps, as the server does."""
 
     def __init__(self, engine: ModelEngine) -> None:
         self.manager = BatchManager(engine, MAX_BATCH)
         self.info = engine.info
+        self.run_ahead = pipelined(engine)
+
+    def _answered(self, output: Any) -> Any:
+        if self.run_ahead:
+            self.manager.run_ahead()
+        return output
 
     async def model_info(self) -> ModelInfo:
         return self.info
@@ -301,13 +317,13 @@ class LocalShard:
         to_prune: Sequence[CachedBatchRef],
         token_budget: int = 0,
     ) -> StepOutput:
-        return self.manager.prefill(batch_id, requests, to_prune, token_budget)
+        return self._answered(self.manager.prefill(batch_id, requests, to_prune, token_budget))
 
     def next_token(
         self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
     ) -> Awaitable[StepOutput | None]:
         future = asyncio.get_running_loop().create_future()
-        future.set_result(self.manager.next_token(batches, token_budget, join))
+        future.set_result(self._answered(self.manager.next_token(batches, token_budget, join)))
         return future
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:

@@ -128,7 +128,7 @@ def test_chunked_prefill_gives_the_same_tokens(subject: Subject, run_ahead: bool
         0: [subject.request(1, 2, 6, details=details), subject.request(2, 0, 4, params=sampled(5))],
         3: [subject.request(3, 3, 5), subject.request(4, 1, 3, details=details)],
     }
-    whole = Runner(subject.engine)
+    whole = Runner(subject.engine, run_ahead=False)  # no step ahead: no answer is pending
     chunked = Runner(subject.engine, run_ahead=run_ahead, token_budget=7)
     assert chunked.run(schedule) == whole.run(schedule)
     assert chunked.pending_steps > 0 and whole.pending_steps == 0

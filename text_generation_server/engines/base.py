@@ -7,6 +7,8 @@ worker thread:
   engine.concatenate(batches)         -> Batch
   engine.release(request_ids)         requests gone from every batch (after each call)
   engine.kv_state()                   the paged KV cache after a call (None: no paged cache)
+  engine.launch(batch, token_budget)  -> Launched | None   (engines that pipeline steps)
+  engine.finish(launched)             -> StepOutput
 Engines see dataclasses from text_generation_common/messages.py, never protobuf, and nothing
 here assumes torch or transformers: what an engine needs to know about its model (devices,
 special tokens, forward-signature facts) is its own business. What every engine shares is in
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from text_generation_common.messages import (
@@ -32,6 +35,17 @@ from text_generation_server.config import ServerConfig
 
 if TYPE_CHECKING:  # torch stays out of this module
     from text_generation_server.adapters import AdapterSet
+
+
+@dataclass(eq=False)
+class Launched:
+    """A step queued on the device and not read back yet (`ModelEngine.launch`): `batch` is the
+    batch as the step leaves it (the next step may be launched on it before this one is read),
+    `request_ids` the requests the step answers (`finish`). Engines subclass it with what
+    they need to read the step back."""
+
+    batch: Batch
+    request_ids: list[int]
 
 
 class ModelEngine(ABC):
@@ -71,3 +85,18 @@ class ModelEngine(ABC):
         """The paged KV cache over every live request, reported with each call (engines whose
         capacity kind is KV_BLOCKS); None for the others."""
         return None
+
+    def launch(self, batch: Batch, token_budget: int = 0) -> Launched | None:
+        """Pipelined steps: queue `batch`'s next step on the device without waiting for it, so
+        that the step after it can be queued before this one is read back (`finish`) and the
+        device never waits for the host between them. The batch moves on as if the step were
+        done (its requests' counts, sampling state and KV); requests that have had every token
+        they may take launched leave it (their last token is the previous step's). None: this
+        engine or this batch does not pipeline (the caller steps it with `generate_token`);
+        then nothing changed."""
+        return None
+
+    def finish(self, launched: Launched) -> StepOutput:
+        """Wait for a launched step and answer its requests (`launched.request_ids`), as
+        `generate_token` would have; failed rows are errors (the caller prunes them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not launch steps")

@@ -24,7 +24,8 @@ output are the same with or without speculation, and sampling keeps the model's 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -54,21 +55,65 @@ def choose_tokens(
     Returns the next ids [B] (every row, failed ones included, so that the batch's tensors keep
     their shape until `drop_failed`) and the step's output.
     """
+    chosen = start_choice(logits, chooser)
+    output = end_choice(chosen, requests)
+    output.forward_ns = forward_ns
+    return chosen.next_ids, output
+
+
+@dataclass(slots=True, eq=False)
+class Chosen:
+    """A step's choice, queued on the device and not yet read back: the next ids [B], the final
+    scores [B, vocab], the ids and NaN flags on their way to the host (`host`, complete once
+    `ready` has passed; on CPU the tensor itself), and the rows' token histories (to record the
+    ids in once read)."""
+
+    next_ids: torch.Tensor
+    scores: torch.Tensor
+    host: torch.Tensor
+    ready: Any  # torch.cuda.Event | None
+    histories: list[list[int]]
+    matchers: list[Any]
+    guided_ns: int
+
+
+def start_choice(logits: torch.Tensor, chooser: TokenChooser) -> Chosen:
+    """Choose every row's next token on the device and queue the step's one device-to-host copy
+    (the ids and the NaN rows) without waiting for it. The chooser moves on at once on the
+    device (generated counts, seen tokens: `advance_on_device`), so a next step can be chosen
+    before this one is read back; `end_choice` records the ids on the host."""
     nan = torch.isnan(logits.amax(dim=-1))  # amax propagates NaN; 15x cheaper than any()
     next_ids, scores = chooser.choose(logits)
-    # NOTE: the step's one device-to-host copy (a sync on a GPU): the chosen ids and the NaN rows
-    host = torch.cat((next_ids, nan.to(next_ids.dtype))).tolist()
+    both = torch.cat((next_ids, nan.to(next_ids.dtype)))
+    ready = None
+    if both.device.type == "cuda":
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        both = host
+    chooser.advance_on_device(next_ids)
+    return Chosen(next_ids, scores, both, ready, chooser.histories, chooser.matchers, chooser.guided_ns)
+
+
+def end_choice(chosen: Chosen, requests: Sequence[GenerationRequest]) -> StepOutput:
+    """Wait for `chosen`'s ids (`requests` in its row order), record them in the rows' histories
+    and grammars, and make the step's output (forward_ns left to the caller)."""
+    if chosen.ready is not None:
+        chosen.ready.synchronize()
+    # NOTE: the step's one device-to-host copy, read: the chosen ids and the NaN rows
+    host = chosen.host.tolist()
     count = len(requests)
     next_list, nan_rows = host[:count], host[count:]
-    infos = generated_token_infos(scores, next_list, [r.details for r in requests])
-    chooser.advance(next_list, next_ids)
-    output = StepOutput(forward_ns=forward_ns, guided_mask_ns=chooser.guided_ns)
+    infos = generated_token_infos(chosen.scores, next_list, [r.details for r in requests])
+    guided_ns = chosen.guided_ns + TokenChooser.record(chosen.histories, chosen.matchers, next_list)
+    output = StepOutput(guided_mask_ns=guided_ns)
     for request, info, nan in zip(requests, infos, nan_rows, strict=True):
         if nan:
             output.errors.append(RequestError(request.id, NAN_LOGITS_MESSAGE))
         else:
             output.generations.append(Generation(request.id, info))
-    return next_ids, output
+    return output
 
 
 def choose_speculated(
@@ -157,8 +202,18 @@ class ForwardTimer:
 
     def elapsed_ns(self) -> int:
         """The last forward's time (on CUDA: call after a sync, e.g. the ids' copy to the host)."""
+        return self.lap()()
+
+    def lap(self) -> Callable[[], int]:
+        """The last forward's time, to be read later (on CUDA once its step is read back: a
+        forward may start before the one before it is read)."""
         if self._events is not None:
             start, end = self._events
-            end.synchronize()
-            return int(start.elapsed_time(end) * 1e6)
-        return self._elapsed_ns
+
+            def elapsed() -> int:
+                end.synchronize()
+                return int(start.elapsed_time(end) * 1e6)
+
+            return elapsed
+        elapsed_ns = self._elapsed_ns
+        return lambda: elapsed_ns

@@ -250,15 +250,35 @@ class TokenChooser:
     def advance(self, next_ids: Sequence[int], next_ids_t: torch.Tensor | None = None) -> None:
         """Record the tokens just chosen: host-side ids in batch row order, and the same ids as
         the device tensor `choose` returned (None: made from the host ids)."""
-        for row, token in enumerate(next_ids):
-            self.histories[row].append(token)
+        self.advance_on_device(next_ids_t if next_ids_t is not None else to_device(next_ids, self.device))
+        self.guided_ns += self.record(self.histories, self.matchers, next_ids)
+
+    def advance_on_device(self, next_ids_t: torch.Tensor) -> None:
+        """What the next `choose` reads of the tokens just chosen (`next_ids_t` [batch], on the
+        device, not read back): one more token generated per row (the host counts too: every
+        row takes one) and the tokens seen. `record` adds the ids to the histories once they
+        are on the host; a step may be chosen in between (engines/step.py)."""
+        for row in range(len(self.generated)):
             self.generated[row] += 1
         if self.generated_t is not None:
             self.generated_t += 1
         if self.seen is not None:
-            ids = next_ids_t if next_ids_t is not None else to_device(next_ids, self.device)
-            self.seen.scatter_(1, ids.view(-1, 1), True)
-        self._advance_matchers([[token] for token in next_ids])
+            self.seen.scatter_(1, next_ids_t.view(-1, 1), True)
+
+    @staticmethod
+    def record(
+        histories: Sequence[list[int]], matchers: Sequence[Any | None], next_ids: Sequence[int]
+    ) -> int:
+        """Append each row's chosen id to its history and feed it to its grammar (the lists and
+        matchers of the rows the ids were chosen for: a row's history list is the same object in
+        every chooser made from it by `select` and `concatenate`). Returns the grammars' time (ns)."""
+        for history, token in zip(histories, next_ids, strict=True):
+            history.append(token)
+        if not any(m is not None for m in matchers):
+            return 0
+        started = time.perf_counter_ns()
+        guided.advance(list(matchers), [[token] for token in next_ids])
+        return time.perf_counter_ns() - started
 
     def advance_many(self, tokens: Sequence[Sequence[int]]) -> None:
         """Record several tokens per row (speculative decoding), in order; `tokens` in batch row

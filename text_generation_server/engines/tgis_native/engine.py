@@ -30,6 +30,13 @@ the model would have chosen plus the token after them (step.py `choose_speculate
 sequence's block table is cut back to the tokens taken (the rejected candidates' K/V are never
 read: lengths bound the attention; their blocks go back to the pool).
 
+A step is launched (`_launch`: forward and choice queued on the device, the chooser's device
+state moved on) then finished (`_finish`: the ids read back, recorded, answered);
+`generate_token` does both. With PIPELINE_STEPS (`launch` / `finish`, driven by the
+BatchManager when running ahead) the next step is launched before the last one is finished:
+a decoding row whose last token is not read back yet takes it on the device
+(RequestState.pending), so no host work stands between two forwards.
+
 Decoder-only models of the families in SUPPORTED_MODEL_TYPES; others are refused at load with
 one line naming the engine that serves them.
 """
@@ -38,8 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,9 +68,15 @@ from text_generation_server.attention import paged, pick_backend
 from text_generation_server.batches.batch import Batch
 from text_generation_server.batches.ragged import Chunk, Prefilling, RaggedBatch
 from text_generation_server.config import ServerConfig
-from text_generation_server.engines.base import ModelEngine
+from text_generation_server.engines.base import Launched, ModelEngine
 from text_generation_server.engines.loading import load_pretrained, model_context
-from text_generation_server.engines.step import choose_speculated, choose_tokens, drop_failed
+from text_generation_server.engines.step import (
+    Chosen,
+    choose_speculated,
+    drop_failed,
+    end_choice,
+    start_choice,
+)
 from text_generation_server.engines.tgis_native.cpu_decoder import decoder_for
 from text_generation_server.engines.tgis_native.graphs import (
     Capture,
@@ -121,6 +134,21 @@ class RequestState:
     lora: LoraWeights | None = None  # its LoRA adapter, if it has one
     lookahead: Lookahead | None = None  # candidates it asks for (speculative decoding)
     hidden: torch.Tensor | None = None  # the model's last hidden state, for a speculator that reads it
+    # its last token, where a step launched ahead chose it and it is not read back yet: (the
+    # step's next ids on the device, its row there)
+    pending: tuple[torch.Tensor, int] | None = None
+
+
+@dataclass(eq=False)
+class LaunchedStep(Launched):
+    """A tgis_native step queued on the device: what `finish` needs to answer it."""
+
+    batch: RaggedBatch
+    forward_ns: Callable[[], int]  # its forward's time, read once the ids are back
+    pending: list[int]  # requests still prefilling after it
+    completed: list[Prefilling]  # prompts it completed (their input-token details)
+    requests: list[GenerationRequest] = field(default_factory=list)  # the chooser's rows
+    chosen: Chosen | None = None  # None: no row chose a token (every prompt still partial)
 
 
 class TgisNativeEngine(ModelEngine):
@@ -184,6 +212,12 @@ class TgisNativeEngine(ModelEngine):
                 self.speculate,
                 config.speculator_max_batch_size,
             )
+        # PIPELINE_STEPS: by default where the forward runs on its own (a CUDA device) and one shard steps
+        self.pipelined = (
+            config.pipeline_steps
+            if config.pipeline_steps is not None
+            else self.device.type == "cuda" and config.world_size == 1
+        )
         self.info = ModelInfo(
             seq2seq=False,
             eos_token_id=self.context.eos_token_id,
@@ -374,63 +408,152 @@ class TgisNativeEngine(ModelEngine):
     def generate_token(self, batch: Batch, token_budget: int = 0) -> tuple[StepOutput, RaggedBatch | None]:
         assert isinstance(batch, RaggedBatch)
         with torch.inference_mode():
-            return self._step(batch, token_budget)
+            drafts = self._drafts(batch, [batch.states[r.id] for r in batch.requests])
+            if drafts is not None:
+                return self._speculative_step(batch, token_budget, drafts)
+            launched = self._launch(batch, token_budget, ahead=False)
+            output = self._finish(launched)
+            return output, drop_failed(launched.batch, output)
 
-    def _step(self, batch: RaggedBatch, token_budget: int) -> tuple[StepOutput, RaggedBatch | None]:
+    def launch(self, batch: Batch, token_budget: int = 0) -> LaunchedStep | None:
+        """A step queued without waiting for it (PIPELINE_STEPS): not with speculative decoding
+        (candidates are read from the host ids) nor guided rows (a grammar takes each id on the
+        host before the next mask). Rows that have had max_new_tokens launched leave the batch
+        first: a step past them would write K/V beyond the blocks their request reserved."""
+        assert isinstance(batch, RaggedBatch)
+        if not self.pipelined or self.speculator is not None or self._guided(batch):
+            return None
+        chooser = batch.chooser
+        if chooser is not None:
+            done = {
+                r.id for r, g in zip(batch.requests, chooser.generated, strict=True) if g >= r.max_new_tokens
+            }
+            if done:
+                pruned = batch.prune(done)
+                assert pruned is not None, "launch needs a batch with tokens still to generate"
+                batch = pruned
+        with torch.inference_mode():
+            return self._launch(batch, token_budget, ahead=True)
+
+    def finish(self, launched: Launched) -> StepOutput:
+        assert isinstance(launched, LaunchedStep)
+        with torch.inference_mode():
+            return self._finish(launched)
+
+    @staticmethod
+    def _guided(batch: RaggedBatch) -> bool:
+        return (batch.chooser is not None and batch.chooser.any_guided) or any(
+            p.request.params.guided is not None for p in batch.prefilling
+        )
+
+    def _launch(self, batch: RaggedBatch, token_budget: int, ahead: bool) -> LaunchedStep:
+        """Run the step's forward and choice on the device (nothing read back). A decoding row's
+        last token is read on the device where a step launched before this one chose it and
+        is not read back yet (RequestState.pending). `ahead`: the next step may replay the
+        same graph before this one is read, so the scores are copied out of its output."""
         chunks = batch.plan_prompts(token_budget)
         decoding: list[RequestState] = [batch.states[r.id] for r in batch.requests]
-        drafts = self._drafts(batch, decoding)
-        begins = [s.kv.length for s in decoding]
-        # one row per token to decode: a row's last token, then its candidates (each a decode row
-        # of the same sequence, one position further: the numbers of a step without speculation)
-        sequences, ids, loras = [], [], []
-        candidates = drafts or [[] for _ in decoding]
-        for state, history, draft in zip(decoding, batch.histories, candidates, strict=True):
-            sequences += [state.kv] * (1 + len(draft))
-            ids += [history[-1], *draft]
-            loras += [state.lora] * (1 + len(draft))
-        details = [c for c in chunks if c.item.request.details.input_tokens]
-        wanted: list[int] = []
-        if not chunks:
-            rows = self.runner.decode(sequences, ids, loras)
+        ids = [history[-1] for history in batch.histories]
+        rows, wanted = self._forward(batch, chunks, decoding, ids, [[] for _ in decoding])
+        completed = batch.finish_prompts(chunks)
+        forward_ns = self.runner.timer.lap()
+        step = LaunchedStep(batch, list(batch.request_ids), forward_ns, batch.pending_ids, completed)
+        if batch.chooser is None:
+            return step
+        scores = rows.float()
+        if ahead and scores.data_ptr() == rows.data_ptr():  # a graph's output, rewritten by its next replay
+            scores = scores.clone()
+        step.requests = list(batch.requests)
+        step.chosen = start_choice(scores, batch.chooser)
+        if self.runner.capturing:  # an MLP speculator reads each row's hidden state next step
+            self._keep_hidden(batch, [[] for _ in batch.requests], [1] * len(batch.requests), wanted)
+        for row, request in enumerate(batch.requests):
+            batch.states[request.id].pending = (step.chosen.next_ids, row)
+        return step
+
+    def _finish(self, step: LaunchedStep) -> StepOutput:
+        if step.chosen is None:
+            output = StepOutput()
         else:
-            pieces = [
-                StepPiece(kv, [i], None, lora) for kv, i, lora in zip(sequences, ids, loras, strict=True)
-            ]
-            prompts = [batch.states[c.item.request.id] for c in chunks]
-            pieces += [
-                StepPiece(s.kv, c.tokens, c.virtual, s.lora) for s, c in zip(prompts, chunks, strict=True)
-            ]
-            ends: list[int] = []  # the packed index of each piece's last token
-            for piece in pieces:
-                ends.append((ends[-1] if ends else -1) + len(piece.tokens))
-            wanted = self._wanted(len(ids), chunks, ends)
-            logits = self.runner.forward(pieces, None if details else wanted)
-            for state in prompts:
-                state.kv.register_written()
-            rows = logits if not details else logits[wanted]
-            if details:
-                self._keep_prompt_logits(len(ids), chunks, logits, ends)
+            output = end_choice(step.chosen, step.requests)
+            for request in step.requests:
+                state = step.batch.states.get(request.id)
+                if (
+                    state is not None
+                    and state.pending is not None
+                    and state.pending[0] is step.chosen.next_ids
+                ):
+                    state.pending = None
+        output.forward_ns = step.forward_ns()  # after the ids' copy: no sync of its own
+        output.input_tokens = [
+            self._input_tokens(p) for p in step.completed if p.request.details.input_tokens
+        ]
+        output.pending = step.pending
+        return output
+
+    def _forward(
+        self,
+        batch: RaggedBatch,
+        chunks: Sequence[Chunk],
+        decoding: Sequence[RequestState],
+        ids: Sequence[int],
+        candidates: Sequence[Sequence[int]],
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """The step's forward: one row per decoding request (its last token `ids[i]`, then its
+        candidates: each a decode row of the same sequence, one position further), then the
+        prompt chunks. Returns the logits of every decode row then of each completed prompt
+        (the chooser's rows after finish_prompts), and, where the forward computed every
+        token's logits (prompt-token details), the packed index of each of those rows."""
+        sequences: list[SequenceKV] = []
+        row_ids: list[int] = []
+        loras: list[LoraWeights | None] = []
+        from_device: list[tuple[int, torch.Tensor, int]] = []
+        for state, token, draft in zip(decoding, ids, candidates, strict=True):
+            if state.pending is not None:
+                from_device.append((len(row_ids), *state.pending))
+            sequences += [state.kv] * (1 + len(draft))
+            row_ids += [token, *draft]
+            loras += [state.lora] * (1 + len(draft))
+        if not chunks:
+            return self.runner.decode(sequences, row_ids, loras, from_device), None
+        details = any(c.item.request.details.input_tokens for c in chunks)
+        pieces = [
+            StepPiece(kv, [i], None, lora) for kv, i, lora in zip(sequences, row_ids, loras, strict=True)
+        ]
+        prompts = [batch.states[c.item.request.id] for c in chunks]
+        pieces += [StepPiece(s.kv, c.tokens, c.virtual, s.lora) for s, c in zip(prompts, chunks, strict=True)]
+        ends: list[int] = []  # the packed index of each piece's last token
+        for piece in pieces:
+            ends.append((ends[-1] if ends else -1) + len(piece.tokens))
+        wanted = self._wanted(len(row_ids), chunks, ends)
+        logits = self.runner.forward(pieces, None if details else wanted, from_device)
+        for state in prompts:
+            state.kv.register_written()
+        if not details:
+            return logits, None
+        self._keep_prompt_logits(len(row_ids), chunks, logits, ends)
+        return logits[wanted], wanted
+
+    def _speculative_step(
+        self, batch: RaggedBatch, token_budget: int, drafts: list[list[int]]
+    ) -> tuple[StepOutput, RaggedBatch | None]:
+        chunks = batch.plan_prompts(token_budget)
+        decoding: list[RequestState] = [batch.states[r.id] for r in batch.requests]
+        begins = [s.kv.length for s in decoding]
+        ids = [history[-1] for history in batch.histories]
+        rows, wanted = self._forward(batch, chunks, decoding, ids, drafts)
         completed = batch.finish_prompts(chunks)
         input_tokens = [self._input_tokens(p) for p in completed if p.request.details.input_tokens]
-        if batch.chooser is None:
-            return StepOutput(pending=batch.pending_ids, forward_ns=self.runner.timer.elapsed_ns()), batch
-        rows_drafts = [*candidates, *([] for _ in completed)]  # the chooser's rows: decoding, completed
-        if drafts is None:
-            _, output = choose_tokens(rows.float(), batch.requests, batch.chooser)
-            counts = [1] * len(rows_drafts)
-        else:
-            taken, accepted, output = choose_speculated(
-                rows.float(), batch.requests, batch.chooser, rows_drafts
-            )
-            for row, (state, draft) in enumerate(zip(decoding, drafts, strict=True)):
-                if draft and taken[row]:
-                    state.kv.truncate(begins[row] + len(taken[row]))  # rejected candidates forgotten
-                    assert state.lookahead is not None
-                    state.lookahead.taken(len(draft), accepted[row])
-            counts = [len(t) for t in taken]
+        assert batch.chooser is not None  # drafts come from decoding rows
+        rows_drafts = [*drafts, *([] for _ in completed)]  # the chooser's rows: decoding, completed
+        taken, accepted, output = choose_speculated(rows.float(), batch.requests, batch.chooser, rows_drafts)
+        for row, (state, draft) in enumerate(zip(decoding, drafts, strict=True)):
+            if draft and taken[row]:
+                state.kv.truncate(begins[row] + len(taken[row]))  # rejected candidates forgotten
+                assert state.lookahead is not None
+                state.lookahead.taken(len(draft), accepted[row])
         if self.runner.capturing:
-            self._keep_hidden(batch, rows_drafts, counts, wanted if details else None)
+            self._keep_hidden(batch, rows_drafts, [len(t) for t in taken], wanted)
         output.forward_ns = self.runner.timer.elapsed_ns()  # after the ids' copy: no sync of its own
         output.input_tokens = input_tokens
         output.pending = batch.pending_ids

@@ -65,22 +65,39 @@ class DecodeBuffers:
 
         int64 [5 * max_rows + max_rows * width]:  ids | positions | slots | lengths | kept | tables
 
-    `kept` lists the rows whose logits a graph returns (the rows the step chooses from). The
-    host copy (pinned on CUDA) is filled by `fill` / `fill_pieces`; `upload` copies the used
-    prefix to the device copy in one non-blocking copy (on CPU they are the same tensor).
+    `kept` lists the rows whose logits a graph returns (the rows the step chooses from). A
+    host copy is filled by `fill` / `fill_pieces`; `upload` copies the used prefix to the
+    device copy in one non-blocking copy. On CUDA two pinned host copies are taken in turn
+    (a step may be filled while the upload of the one before still waits in the stream behind
+    the forward before it: PIPELINE_STEPS); on CPU the one copy is the device copy.
     Padding rows (up to a graph's bucket): id 0, position 0, the scratch slot, 0 keys.
     """
 
     def __init__(self, max_rows: int, width: int, device: torch.device, scratch_slot: int) -> None:
         self.max_rows, self.width, self.scratch_slot = max_rows, width, scratch_slot
         size = FIELDS * max_rows + max_rows * width
-        pinned = device.type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
-        self.device_copy = (
-            self.host if device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=device)
-        )
-        self._np = self.host.numpy()
-        self._np_tables = self._np[FIELDS * max_rows :].reshape(max_rows, width)
+        if device.type == "cpu":
+            self.device_copy = torch.zeros(size, dtype=torch.long)
+            hosts = [self.device_copy]
+        else:  # two, taken in turn: a step is filled while the copy of the one before may be queued
+            self.device_copy = torch.zeros(size, dtype=torch.long, device=device)
+            hosts = [torch.zeros(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._hosts = [(host, host.numpy()) for host in hosts]
+        self._copied: list[Any] = [None] * len(hosts)  # per host copy: its last upload's event
+        self._turn = 0
+        self._take(0)
+
+    def _take(self, turn: int) -> None:
+        """Write the next step into host copy `turn`, once its last upload has run."""
+        self._turn = turn
+        if (copied := self._copied[turn]) is not None:
+            copied.synchronize()
+        self.host, self._np = self._hosts[turn]
+        self._np_tables = self._np[FIELDS * self.max_rows :].reshape(self.max_rows, self.width)
+
+    def _next_host(self) -> None:
+        if len(self._hosts) > 1:
+            self._take(1 - self._turn)
 
     def _field(self, index: int, rows: int) -> torch.Tensor:
         start = index * self.max_rows
@@ -109,6 +126,7 @@ class DecodeBuffers:
         """Write one new token per sequence (`ids`, at its next position), its blocks reserved
         and its length advanced; rows past len(sequences), up to `rows`, are padding.
         Returns the longest and shortest key counts of the real rows."""
+        self._next_host()
         count, m = len(sequences), self.max_rows
         positions, slots = [], []
         for row, sequence in enumerate(sequences):
@@ -130,6 +148,7 @@ class DecodeBuffers:
         """Write every piece's new tokens as rows (in order: a row per token, its sequence's
         table, position p with p + 1 keys; the sequences' lengths advance) and `kept`, the
         rows whose logits are wanted; rows past the tokens, up to `rows`, are padding."""
+        self._next_host()
         host, m, start = self._np, self.max_rows, 0
         for piece in pieces:
             sequence, count = piece.kv, len(piece.tokens)
@@ -158,15 +177,39 @@ class DecodeBuffers:
         host[3 * m + start : 3 * m + end] = 0
         host[4 * m + start : 4 * m + end] = 0  # a graph returns kept(bucket) rows: the rest read row 0
 
-    def upload(self, rows: int) -> None:
-        # NOTE: the next `fill` rewrites the host copy while nothing waits for this copy: safe
-        # because every step ends with the chosen ids' copy to the host, which waits for the
-        # stream (this copy included). Scheduling a step before the last one's ids are read
-        # back would need two host buffers taken in turn.
-        if self.device_copy is self.host:
-            return
-        used = FIELDS * self.max_rows + rows * self.width
-        self.device_copy[:used].copy_(self.host[:used], non_blocking=True)
+    def upload(self, rows: int, from_device: Sequence[FromDevice] = ()) -> None:
+        """Copy the filled rows to the device; then rows whose id a step launched before this
+        one chose on the device and is not read back (`from_device`: (row, that step's ids,
+        its row there)) take it from there."""
+        if self.device_copy is not self.host:
+            used = FIELDS * self.max_rows + rows * self.width
+            self.device_copy[:used].copy_(self.host[:used], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._copied[self._turn] = copied
+        place_ids(self.ids(rows), from_device)
+
+
+FromDevice = tuple[int, torch.Tensor, int]  # (row, ids on the device, index there)
+
+
+def place_ids(target: torch.Tensor, from_device: Sequence[FromDevice]) -> None:
+    """target[row] = ids[index] for each (row, ids, index), one copy per source tensor: a
+    contiguous run (the common case: the same batch, stepped again) without index tensors."""
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for row, ids, index in from_device:
+        group = groups.setdefault(id(ids), (ids, [], []))
+        group[1].append(row)
+        group[2].append(index)
+    for ids, rows, indices in groups.values():
+        count = len(rows)
+        if rows == list(range(rows[0], rows[0] + count)) and indices == list(
+            range(indices[0], indices[0] + count)
+        ):
+            target[rows[0] : rows[0] + count].copy_(ids[indices[0] : indices[0] + count])
+        else:
+            device = target.device
+            target.index_copy_(0, to_device(rows, device), ids.index_select(0, to_device(indices, device)))
 
 
 class ModelRunner:
@@ -214,13 +257,16 @@ class ModelRunner:
 
     # ---- any step -------------------------------------------------------------------------------
 
-    def forward(self, pieces: Sequence[StepPiece], keep: list[int] | None) -> torch.Tensor:
+    def forward(
+        self, pieces: Sequence[StepPiece], keep: list[int] | None, from_device: Sequence[FromDevice] = ()
+    ) -> torch.Tensor:
         """Write and attend `pieces`; logits [len(keep), vocab] (every packed token when keep is
-        None). The sequences' lengths advance by their new tokens."""
+        None). The sequences' lengths advance by their new tokens. `from_device`: packed
+        tokens whose id is still on the device (DecodeBuffers.upload)."""
         if self.graphs is not None and keep is not None:
             bucket = self._piece_bucket(self.graphs, pieces, len(keep))
             if bucket is not None:
-                return self._replay_pieces(bucket, pieces, keep)
+                return self._replay_pieces(bucket, pieces, keep, from_device)
         ids: list[int] = []
         positions: list[int] = []
         parts: list[Piece] = []
@@ -241,12 +287,15 @@ class ModelRunner:
         lengths = [len(p.tokens) for p in pieces]
         lora = self._layers_lora(loras, lengths)
         if self.decoder is not None and lora is not None:
-            return self._forward_layers(self.decoder, ids, positions, virtual, layout, keep, lora)
+            return self._forward_layers(
+                self.decoder, ids, positions, virtual, layout, keep, lora, from_device
+            )
         kwargs: dict[str, Any] = {}
         selected = keep is not None and self.accepts_logits_to_keep
         if selected and keep is not None:
             kwargs["logits_to_keep"] = to_device(keep, device, torch.long)
         packed = to_device([ids], device)
+        place_ids(packed[0], from_device)
         if virtual:
             embeds = self.model.get_input_embeddings()(packed)
             for at, embeddings in virtual:
@@ -284,11 +333,13 @@ class ModelRunner:
                 keys += count * piece.kv.length + count * (count + 1) // 2
         return graphs.bucket_for(sum(len(p.tokens) for p in pieces), kept, keys)
 
-    def _replay_pieces(self, bucket: int, pieces: Sequence[StepPiece], keep: list[int]) -> torch.Tensor:
+    def _replay_pieces(
+        self, bucket: int, pieces: Sequence[StepPiece], keep: list[int], from_device: Sequence[FromDevice]
+    ) -> torch.Tensor:
         assert self.graphs is not None
         buffers = self.buffers
         buffers.fill_pieces(pieces, keep, bucket)
-        buffers.upload(bucket)
+        buffers.upload(bucket, from_device)
         self.timer.start()
         logits = self.graphs.replay(bucket)[: len(keep)]
         self.timer.stop()
@@ -303,9 +354,12 @@ class ModelRunner:
         layout: StepLayout,
         keep: list[int] | None,
         lora: LoraArgs,
+        from_device: Sequence[FromDevice],
     ) -> torch.Tensor:
         """`forward` through the C++ decoder stack (cpu_decoder.py)."""
-        embeddings = decoder.embed(torch.tensor(ids))
+        packed = torch.tensor(ids)
+        place_ids(packed, from_device)
+        embeddings = decoder.embed(packed)
         for at, rows in virtual:
             embeddings[at : at + rows.shape[0]] = rows
         kept = None if keep is None else torch.tensor(keep, dtype=torch.long)
@@ -334,16 +388,21 @@ class ModelRunner:
     # ---- decode-only steps ------------------------------------------------------------------------
 
     def decode(
-        self, sequences: Sequence[SequenceKV], ids: Sequence[int], loras: Sequence[LoraWeights | None]
+        self,
+        sequences: Sequence[SequenceKV],
+        ids: Sequence[int],
+        loras: Sequence[LoraWeights | None],
+        from_device: Sequence[FromDevice] = (),
     ) -> torch.Tensor:
-        """One token per row (`ids` [D], each at its sequence's next position) -> logits [D, vocab]."""
+        """One token per row (`ids` [D], each at its sequence's next position; `from_device`:
+        rows whose id is still on the device) -> logits [D, vocab]."""
         count = len(sequences)
         graphs = self.graphs
         bucket = graphs.bucket_for(count, count) if graphs is not None and not any(loras) else None
         rows = bucket or count
         buffers = self._buffers_for(rows)
         longest, shortest = buffers.fill(sequences, ids, rows)
-        buffers.upload(rows)
+        buffers.upload(rows, from_device)
         self.timer.start()
         if bucket is not None:
             assert graphs is not None
