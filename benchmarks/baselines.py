@@ -68,7 +68,9 @@ def engine_runner(
 ) -> tuple[Runner, str]:
     """The engine `engine_name` from the registry, driven through the shard's BatchManager as
     the router drives it: prefill, then next_token with the finished requests pruned, each call
-    with the token budget when the engine chunks prefills (None: the router's default)."""
+    with the token budget when the engine chunks prefills (None: the router's default). Where
+    the engine pipelines steps (tgis_native on a GPU) the loop runs ahead after every call as
+    the shard does, so that each step is launched before the one before it is read back."""
     from text_generation_common.messages import CachedBatchRef, GenerationRequest, SamplingParams
     from text_generation_server.batch_manager import BatchManager
     from text_generation_server.config import ServerConfig
@@ -85,6 +87,7 @@ def engine_runner(
     )
     engine = get_engine_class(engine_name)(config)
     manager = BatchManager(engine, max_batch)
+    ahead = bool(getattr(engine, "pipelined", False))
     budget = 0
     if engine.info.chunked_prefill:
         budget = DEFAULT_PREFILL_BUDGET if token_budget is None else token_budget
@@ -104,6 +107,8 @@ def engine_runner(
         counts = dict.fromkeys((r.id for r in requests), 0)
         start = time.perf_counter()
         output = manager.prefill(next(batch_ids), requests, [], budget)
+        if ahead:
+            manager.run_ahead()
         if output.errors:
             raise RuntimeError(f"the engine refused requests: {output.errors}")
         prefilled: float | None = None
@@ -122,6 +127,8 @@ def engine_runner(
             if output.batch_id is None or len(done) == len(counts):
                 break
             next_output = manager.next_token([CachedBatchRef(output.batch_id, done)], budget)
+            if ahead:
+                manager.run_ahead()
             if next_output is None:
                 break
             output = next_output
@@ -134,6 +141,7 @@ def engine_runner(
             "steps": steps,
             "decode_steps": decode_steps,
             "token_budget": budget,
+            "pipelined": ahead,
         }
 
     return run, engine.info.dtype or str(getattr(engine, "dtype", "")).removeprefix("torch.")
@@ -238,6 +246,7 @@ def measure(
             "decode_step_ms": 1000.0 * decode,
             "steps": best.get("steps", output_len),
             **({"token_budget": best["token_budget"]} if "token_budget" in best else {}),
+            **({"pipelined": True} if best.get("pipelined") else {}),
             "durations": [r["duration"] for r in runs],
             "duration_spread": (runs[-1]["duration"] / runs[0]["duration"] - 1.0) if len(runs) > 1 else 0.0,
             "host_cpu": best["host_cpu"],

@@ -316,10 +316,15 @@ def _baseline_lines(results: dict[str, Any]) -> list[str]:
     note = (
         f"static batches of {first['points'][0]['input_len']} in / {first['points'][0]['output_len']} out, "
         f"no server; dtype {first.get('dtype')}, torch threads {first.get('torch_threads')}"
+        + ("; steps pipelined (launched before the one before is read back)" if _pipelined(first) else "")
         if first.get("points")
         else ""
     )
     return ["", "## Baselines", "", note, "", *table(header, rows)]
+
+
+def _pipelined(baseline: dict[str, Any]) -> bool:
+    return any(p.get("pipelined") for p in baseline.get("points", []))
 
 
 def _breakdown_lines(results: dict[str, Any]) -> list[str]:
