@@ -115,6 +115,11 @@ def test_every_kind_holds_alone_and_mixed_greedy_and_sampled(name: str, tiny_mod
     assert Runner(e).run({0: mixed[:6], 2: mixed[6:]}) == out
     if name == "tgis_native":  # prompts computed over several steps
         assert Runner(e, token_budget=5).run({0: mixed}) == out
+        # pipelined steps (a GPU's default): free rows run launched ahead until constrained rows
+        # join beside a step in flight; from then on the batch steps without (launch refuses it)
+        e.pipelined = True
+        assert Runner(e, token_budget=5).run({0: free, 2: requests}) == out
+        e.pipelined = False
 
 
 def test_a_hundred_seeded_samples_of_a_nested_schema_validate(tiny_model) -> None:

@@ -93,6 +93,9 @@ def test_lora_equals_peft_alone_and_in_mixed_batches(
     if name == "tgis_native":  # chunked prompts; prefix-cache keys apart per adapter
         assert Runner(e, token_budget=5).run({0: requests}) == expected
         assert Runner(e).run({0: requests}) == expected
+        e.pipelined = True  # steps launched before the one before is read back (a GPU's default)
+        assert Runner(e, token_budget=5).run({0: requests[:4], 3: requests[4:]}) == expected
+        e.pipelined = False
         # speculative decoding: each row's candidates verified through its own adapter
         e = engine_with_store(name, base, store / arch, speculate=3)
         e.speculator = Replay([[*PROMPTS[p], *want[(a, p)]] for a, p in want], wrong_every=4)

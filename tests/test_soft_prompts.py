@@ -86,6 +86,9 @@ def test_soft_prompts_equal_peft_alone_and_mixed(name: str, tiny_model, store: P
     if name == "tgis_native":  # chunked prefill across the virtual tokens; prefix-cache hits
         assert Runner(e, token_budget=4).run({0: requests}) == expected
         assert Runner(e).run({0: requests}) == expected
+        e.pipelined = True  # steps launched before the one before is read back (a GPU's default)
+        assert Runner(e, token_budget=4).run({0: requests[:3], 2: requests[3:]}) == expected
+        e.pipelined = False
         # speculative decoding: candidates verified behind each request's soft prompt
         e = engine_with_store(name, base, store, speculate=3)
         e.speculator = Replay([[*r.input_ids, *expected[r.id]] for r in requests], wrong_every=4)
