@@ -323,6 +323,16 @@ def _baseline_lines(results: dict[str, Any]) -> list[str]:
     return ["", "## Baselines", "", note, "", *table(header, rows)]
 
 
+def _router_cpu(breakdown: dict[str, Any], point: dict[str, Any]) -> str:
+    """The router process's CPU over the point: its share of one core, and per output token."""
+    seconds = breakdown.get("router_cpu_s")
+    tokens = point.get("total_output_tokens")
+    if seconds is None:
+        return "–"
+    per_token = f"{1e6 * seconds / tokens:.0f}" if tokens else "–"
+    return f"{100 * breakdown.get('router_cpu_share', 0.0):.0f}% / {per_token}"
+
+
 def _pipelined(baseline: dict[str, Any]) -> bool:
     return any(p.get("pipelined") for p in baseline.get("points", []))
 
@@ -355,6 +365,7 @@ def _breakdown_lines(results: dict[str, Any]) -> list[str]:
                 ),
                 f"{100 * b.get('idle_share', 0.0):.0f}%",
                 fmt(b.get("mean_queue_ms")),
+                _router_cpu(b, p),
             ]
         )
     if not rows:
@@ -363,7 +374,7 @@ def _breakdown_lines(results: dict[str, Any]) -> list[str]:
         "c", "prefill calls / mean batch / ms", "decode calls / mean batch",
         "decode ms: shard call / forward / guided mask / router tokproc",
         "wall share: forward / shard calls / tokproc",
-        "batcher idle", "queue ms",
+        "batcher idle", "queue ms", "router CPU: share / µs per out token",
     ]  # fmt: skip
     return [
         "",

@@ -205,13 +205,19 @@ QUEUE_HISTOGRAM = "tgi_request_queue_duration"
 Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
+ROUTER_CPU = "process_cpu_seconds_total"  # the router process's (prometheus_client's process_*)
+
+
 def parse_metrics(text: str) -> Scrape:
-    """Prometheus text -> {(sample name, sorted labels): value} for the histograms we read."""
+    """Prometheus text -> {(sample name, sorted labels): value} for the histograms we read, and
+    the router's CPU seconds."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {*BREAKDOWN_HISTOGRAMS.values(), QUEUE_HISTOGRAM}
     samples: Scrape = {}
     for family in text_string_to_metric_families(text):
+        if family.name == ROUTER_CPU.removesuffix("_total"):
+            samples.update({(s.name, ()): s.value for s in family.samples if s.name == ROUTER_CPU})
         if family.name not in wanted:
             continue
         for sample in family.samples:
@@ -246,4 +252,7 @@ def server_breakdown(before: Scrape, after: Scrape, duration: float) -> dict[str
         out[m].get("call_share", 0.0) + out[m].get("tokproc_share", 0.0) for m in ("prefill", "next_token")
     )
     out["idle_share"] = max(0.0, 1.0 - busy)
+    if (ROUTER_CPU, ()) in after:  # the router process's CPU seconds (its process_* metrics)
+        out["router_cpu_s"] = delta(ROUTER_CPU)
+        out["router_cpu_share"] = out["router_cpu_s"] / duration if duration > 0 else 0.0
     return out

@@ -17,7 +17,14 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from router.core.stopping import StopReason
 from text_generation_common.messages import AdapterCacheState, KvCacheState, Speculation
@@ -176,6 +183,8 @@ class Metrics:
     ) -> None:
         disable_created_metrics()  # no *_created samples: TGIS has none
         self.registry = CollectorRegistry()
+        # the router process's own CPU seconds, memory and file descriptors (process_*; Linux)
+        ProcessCollector(registry=self.registry)
         self.counters: dict[str, TwinCounter] = {}
         self.histograms: dict[str, Histogram] = {}
         self.gauges: dict[str, Gauge] = {}

@@ -32,6 +32,7 @@ def test_every_metric_is_exported_with_its_kind() -> None:
             assert f"# TYPE {spec.name} counter" in text and f"# TYPE {spec.name}_total counter" in text
             assert len(parsed[spec.name]) == 2
     assert "_created" not in text
+    assert "process_cpu_seconds_total" in text  # the router process's own (bench: CPU per token)
 
 
 def test_every_label_combination_starts_at_zero() -> None:
