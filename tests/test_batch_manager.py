@@ -431,3 +431,23 @@ def test_a_step_that_fails_in_flight_fails_the_next_call(native_engine) -> None:
         manager.next_token([CachedBatchRef(1)])
     assert info.value is failure and len(manager) == 0
     assert native_engine.kv.pool.used == 0
+
+
+def test_a_step_in_flight_is_dropped_with_its_batch_and_its_blocks_return(native_engine, caplog) -> None:
+    engine = Pipelined(native_engine)
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 9), request(2, 9)], [])
+    manager.run_ahead()  # a step read ahead and the one after it in flight
+    assert engine.in_flight == 1 and native_engine.kv.pool.used > 0
+    manager.clear()  # ClearCache
+    assert len(manager) == 0 and native_engine.kv.pool.used == 0
+    manager.prefill(2, [request(3, 9)], [])
+    manager.run_ahead()
+    manager.next_token([CachedBatchRef(2)])  # delivers; the next step stays in flight
+    manager.prefill(3, [request(4, 9)], [])
+    with caplog.at_level(logging.WARNING):
+        output = manager.next_token([CachedBatchRef(3)])  # batch 2 is no longer referenced
+    assert "dropping stale cached batches [2]" in caplog.text
+    assert output is not None and [g.request_id for g in output.generations] == [4]
+    manager.clear()
+    assert native_engine.kv.pool.used == 0
