@@ -10,13 +10,16 @@ from text_generation_common.engines import CapacityKind
 from text_generation_common.messages import (
     Generation,
     GenerationRequest,
+    InputTokens,
     KvBlocks,
     MemoryScalingModel,
     ModelInfo,
     NewBatch,
+    RequestError,
     Speculation,
     StepOutput,
     TokenInfo,
+    TopToken,
     WeightBudget,
 )
 from text_generation_common.pb import generate_pb2 as pb
@@ -70,3 +73,22 @@ def test_a_step_with_several_tokens_per_request_round_trips() -> None:
     assert back == output
     assert back.request_ids == [7, 9, 4]  # once each
     assert back.running_ids == {4, 7, 9}
+
+
+def test_a_step_with_every_token_detail_and_input_tokens_round_trips() -> None:
+    top = (TopToken(5, -0.25), TopToken(9, -1.5))
+    output = StepOutput(
+        generations=[Generation(1, TokenInfo(5, -0.25, 1, top)), Generation(2, TokenInfo(0, 0.0, 0))],
+        errors=[RequestError(3, "boom")],
+        input_tokens=[InputTokens(1, (TokenInfo(4, float("nan")), TokenInfo(5, -2.0, 3, top[:1])))],
+        batch_id=0,
+        forward_ns=12,
+        guided_mask_ns=3,
+    )
+    result = convert.result_to_pb(output)
+    back = convert.result_from_pb(result, convert.input_tokens_to_pb(output.input_tokens))
+    assert back.generations == output.generations and back.errors == output.errors
+    assert back.batch_id == 0 and (back.forward_ns, back.guided_mask_ns) == (12, 3)
+    (item,) = back.input_tokens
+    assert item.request_id == 1 and item.tokens[1] == output.input_tokens[0].tokens[1]
+    assert item.tokens[0].token_id == 4 and item.tokens[0].logprob != item.tokens[0].logprob  # NaN kept

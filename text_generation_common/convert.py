@@ -105,24 +105,32 @@ def cached_batches_from_pb(batches: Iterable[pb.CachedBatch]) -> list[CachedBatc
 
 
 def token_to_pb(info: TokenInfo, request_id: int = 0) -> pb.Token:
-    return pb.Token(
-        request_id=request_id,
-        token_id=info.token_id,
-        logprob=info.logprob,
-        rank=info.rank,
-        top_tokens=[pb.TopToken(token_id=t.token_id, logprob=t.logprob) for t in info.top_tokens],
-    )
+    token = pb.Token()
+    _fill_token(token, info, request_id)
+    return token
+
+
+def _fill_token(token: pb.Token, info: TokenInfo, request_id: int) -> None:
+    """Set `token` (a new message, e.g. from a repeated field's add()) to `info`."""
+    token.request_id = request_id
+    token.token_id = info.token_id
+    token.logprob = info.logprob
+    token.rank = info.rank
+    if info.top_tokens:
+        token.top_tokens.extend(pb.TopToken(token_id=t.token_id, logprob=t.logprob) for t in info.top_tokens)
 
 
 def result_to_pb(out: StepOutput) -> pb.GenerateResult:
     result = pb.GenerateResult(
-        tokens=[token_to_pb(g.token, g.request_id) for g in out.generations],
         errors=[pb.RequestError(request_id=e.request_id, message=e.message) for e in out.errors],
         forward_ns=out.forward_ns,
         pending_ids=out.pending,
         guided_mask_ns=out.guided_mask_ns,
         speculation=[pb.Speculation(proposed=x.proposed, accepted=x.accepted) for x in out.speculation],
     )
+    add = result.tokens.add  # one step's tokens, filled in place (a third of building each message)
+    for g in out.generations:
+        _fill_token(add(), g.token, g.request_id)
     if out.batch_id is not None:
         result.batch_id = out.batch_id
     if out.kv_cache is not None:
@@ -205,11 +213,9 @@ def cached_batches_to_pb(refs: Iterable[CachedBatchRef]) -> list[pb.CachedBatch]
 
 
 def token_from_pb(t: pb.Token) -> TokenInfo:
+    top = t.top_tokens
     return TokenInfo(
-        token_id=t.token_id,
-        logprob=t.logprob,
-        rank=t.rank,
-        top_tokens=tuple(TopToken(tt.token_id, tt.logprob) for tt in t.top_tokens),
+        t.token_id, t.logprob, t.rank, tuple(TopToken(x.token_id, x.logprob) for x in top) if top else ()
     )
 
 
