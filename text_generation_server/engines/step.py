@@ -3,14 +3,19 @@ each row to the step's output.
 
     logits [B, vocab] fp32 --NaN check--> failed rows (RequestError, TGIS's message)
                            --chooser.choose--> next ids [B], final scores
+                           --chooser.advance_on_device--> sampling state moves on (every row)
+       (start_choice: all on the device; the ids' copy to the host queued)
                            --token details--> TokenInfo per row (what each request asked for)
-                           --chooser.advance--> sampling state moves on (every row)
+                           --TokenChooser.record--> ids into the histories and grammars
+       (end_choice: once the copy is done)
     -> (next ids, StepOutput with a Generation per finite row and an error per NaN row)
 
 An engine times its forward pass (`ForwardTimer`: no host sync of its own), calls
-`choose_tokens`, feeds the next ids back into its batch (`append_tokens` or its own
-equivalent), then `drop_failed` removes the rows that failed. Rows are in batch order; the
-chooser and `requests` must be in that order too.
+`choose_tokens` (both halves at once), feeds the next ids back into its batch (`append_tokens`
+or its own equivalent), then `drop_failed` removes the rows that failed. An engine that
+pipelines steps calls `start_choice` when it launches a step and `end_choice` when it reads it
+back, launching the next step in between. Rows are in batch order; the chooser and `requests`
+must be in that order too.
 
 Speculative decoding (`choose_speculated`): a row with candidate tokens d1..dk has the logits of
 k + 1 positions (after its last token, after d1, ...). The chooser picks a token at every
