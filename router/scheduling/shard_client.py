@@ -125,8 +125,11 @@ class GrpcShardClient:
 
     @staticmethod
     async def _first_reply(calls: list[Any]) -> object:
-        """Shard 0's reply (the first error if any call fails)."""
+        """Shard 0's reply (the first error if any call fails). One shard's call is awaited as it
+        is: gathering it would wrap it in a task of its own every step."""
         try:
+            if len(calls) == 1:
+                return await calls[0]
             replies = await asyncio.gather(*calls)
         except grpc.aio.AioRpcError as exc:
             raise _call_error(exc) from exc
