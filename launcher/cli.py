@@ -243,6 +243,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     help="Percent of free memory the shards hold back [env BATCH_SAFETY_MARGIN].",
 )
 @options.max_waiting_tokens
+@options.stream_interval
 @options.port
 @options.grpc_port
 @click.option(

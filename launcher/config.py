@@ -86,6 +86,7 @@ class LaunchFlags:
     max_batch_prefill_tokens: int = router_defaults.DEFAULT_MAX_BATCH_PREFILL_TOKENS
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN
     max_waiting_tokens: int = router_defaults.DEFAULT_MAX_WAITING_TOKENS
+    stream_interval: int = 1
     port: int = router_defaults.DEFAULT_PORT
     grpc_port: int = router_defaults.DEFAULT_GRPC_PORT
     shard_uds_path: str | None = None
@@ -135,6 +136,7 @@ class LaunchConfig:
     max_batch_prefill_tokens: int  # 0 = no limit
     batch_safety_margin: int  # percent of free memory the shards hold back
     max_waiting_tokens: int
+    stream_interval: int  # the router's STREAM_INTERVAL
     port: int  # HTTP /health and /metrics
     grpc_port: int  # external gRPC API
     shard_uds_path: str  # shard i listens on f"{shard_uds_path}-{i}"
@@ -432,6 +434,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         max_batch_prefill_tokens=flags.max_batch_prefill_tokens,
         batch_safety_margin=flags.batch_safety_margin,
         max_waiting_tokens=flags.max_waiting_tokens,
+        stream_interval=flags.stream_interval,
         port=flags.port,
         grpc_port=flags.grpc_port,
         shard_uds_path=flags.shard_uds_path or default_uds_path(),
@@ -571,6 +574,8 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         str(config.max_batch_prefill_tokens),
         "--max-waiting-tokens",
         str(config.max_waiting_tokens),
+        "--stream-interval",
+        str(config.stream_interval),
         "--port",
         str(config.port),
         "--grpc-port",

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 @options.max_prefill_padding
 @options.max_batch_prefill_tokens
 @options.max_waiting_tokens
+@options.stream_interval
 @options.port
 @options.grpc_port
 @click.option(
@@ -104,6 +105,7 @@ def main(
     max_prefill_padding: float,
     max_batch_prefill_tokens: int,
     max_waiting_tokens: int,
+    stream_interval: int,
     port: int,
     grpc_port: int,
     tokenization_workers: int,
@@ -141,6 +143,7 @@ def main(
             max_prefill_padding=max_prefill_padding,
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_waiting_tokens=max_waiting_tokens,
+            stream_interval=stream_interval,
             port=port,
             grpc_port=grpc_port,
             tokenization_workers=tokenization_workers,

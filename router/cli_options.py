@@ -62,6 +62,16 @@ max_waiting_tokens = click.option(
     default=defaults.DEFAULT_MAX_WAITING_TOKENS,
     help="Decode steps after which waiting requests always get to join [env MAX_WAITING_TOKENS].",
 )
+stream_interval = click.option(
+    "--stream-interval",
+    envvar="STREAM_INTERVAL",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Streamed requests of the gRPC and OpenAI doors get their first token at once, then one "
+    "message per this many tokens (their text and token details together), so that fewer "
+    "messages carry the same tokens at high concurrency; 1 = one message per token (TGIS) "
+    "[env STREAM_INTERVAL].",
+)
 port = click.option(
     "--port",
     "-p",

@@ -50,6 +50,8 @@ class RouterConfig:
     max_prefill_padding: float = DEFAULT_MAX_PREFILL_PADDING
     max_batch_prefill_tokens: int = DEFAULT_MAX_BATCH_PREFILL_TOKENS  # 0 = no limit
     max_waiting_tokens: int = DEFAULT_MAX_WAITING_TOKENS
+    # a streamed request's messages after its first: one per this many tokens (gRPC, OpenAI doors)
+    stream_interval: int = 1
     port: int = DEFAULT_PORT  # HTTP: /health (and /metrics)
     grpc_port: int = DEFAULT_GRPC_PORT
     host: str = "0.0.0.0"  # a server in a container listens on every interface
@@ -88,6 +90,8 @@ class RouterConfig:
             raise ValueError(f"max_batch_prefill_tokens must be >= 0, got {self.max_batch_prefill_tokens}")
         if self.max_waiting_tokens < 1:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if bool(self.tls_cert_path) != bool(self.tls_key_path):
             raise ValueError("tls: must provide both cert and key")
         if self.tls_client_ca_cert_path and not self.tls_cert_path:

@@ -197,7 +197,13 @@ async def build(config: RouterConfig) -> Router:
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
     service = GenerationService(
-        validator, queue, limiter, metrics, config.auth.tenant_max_concurrent_requests, tracing
+        validator,
+        queue,
+        limiter,
+        metrics,
+        config.auth.tenant_max_concurrent_requests,
+        tracing,
+        config.stream_interval,
     )
     servicer = GenerationServicer(
         service,

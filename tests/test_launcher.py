@@ -321,13 +321,18 @@ def test_router_command_is_accepted_by_the_router_cli(tiny_model: Callable[..., 
     from router.cli import main as router_main
 
     config = config_for(
-        tiny_model("llama"), max_waiting_tokens=7, max_batch_prefill_tokens=99, port=1234, grpc_port=4321
+        tiny_model("llama"),
+        max_waiting_tokens=7,
+        max_batch_prefill_tokens=99,
+        port=1234,
+        grpc_port=4321,
+        stream_interval=3,
     )
     argv = lc.router_command(config, "/tok")
     params = router_main.make_context("router", argv[argv.index("--tokenizer-path") :]).params
     assert params["tokenizer_path"] == "/tok" and params["master_shard_uds_path"] == config.socket_path(0)
     assert (params["max_waiting_tokens"], params["port"], params["grpc_port"]) == (7, 1234, 4321)
-    assert params["max_batch_prefill_tokens"] == 99
+    assert params["max_batch_prefill_tokens"] == 99 and params["stream_interval"] == 3
     assert (params["max_sequence_length"], params["max_new_tokens"]) == (512, 511)
     assert params["default_include_stop_seqs"] is True and params["output_special_tokens"] is False
 

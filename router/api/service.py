@@ -34,6 +34,9 @@ from text_generation_common.logs import clip
 
 logger = logging.getLogger(__name__)
 
+# call kinds whose stream messages may carry several tokens (STREAM_INTERVAL)
+MULTI_TOKEN_STREAMS = frozenset({"stream", "openai_stream"})
+
 OVERLOADED = "Model is overloaded"
 DRAINING = "The server is shutting down"
 LOGGED_TEXT_CHARS = 32
@@ -142,6 +145,7 @@ class GenerationService:
         metrics: Metrics,
         tenant_limit: int = 0,
         tracing: Tracing | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.validator = validator
         self.queue = queue
@@ -149,6 +153,9 @@ class GenerationService:
         self.metrics = metrics
         self.tracing = tracing or Tracing()  # disabled unless given
         self.tenant_limit = tenant_limit  # inputs in flight per tenant; 0 = no limit
+        # STREAM_INTERVAL, for the streams whose messages carry several tokens (the TGI door's
+        # events carry one token each)
+        self.stream_interval = stream_interval
         self.tenant_in_flight: dict[str, int] = {}
         self.draining = False  # set on SIGTERM: new requests are refused
 
@@ -242,7 +249,8 @@ class GenerationService:
         """The request's outputs as they come (input-token details first when asked for, then
         one per token delta, the last one final); RequestError when it fails. Close it (doors
         use contextlib.aclosing) when the client goes away: the request is then abandoned."""
-        entry = Entry(request, stream=True)
+        interval = self.stream_interval if call.kind in MULTI_TOKEN_STREAMS else 1
+        entry = Entry(request, stream=True, interval=interval)
         self.queue.append([entry])
         text_bytes, head = 0, ""
         try:

@@ -42,7 +42,7 @@ class Output:
 
     generated_tokens: int = 0
     text: str = ""  # stream: the new delta; unary: the whole generated text
-    tokens: list[TokenInfo] = field(default_factory=list)  # stream: this token; unary: all
+    tokens: list[TokenInfo] = field(default_factory=list)  # stream: since the last message; unary: all
     input_tokens: list[TokenInfo] | None = None
     stop_reason: StopReason = StopReason.NOT_FINISHED
     stop_sequence: str = ""
@@ -58,6 +58,8 @@ class Output:
 class Entry:
     request: ValidatedRequest
     stream: bool
+    # streams: after the first token, one message per `interval` tokens (STREAM_INTERVAL)
+    interval: int = 1
     queued_at: float = field(default_factory=time.monotonic)
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
     # Set by the servicer when its client went away; the batcher drops the entry.
@@ -75,6 +77,8 @@ class Entry:
     _text: str = ""  # incrementally decoded output so far
     _sent: int = 0  # characters of _text already streamed
     _hold_bytes: int = 0
+    _due: int = 0  # streams: the generated count from which the next message may go
+    _held_tokens: list[TokenInfo] = field(default_factory=list)  # streams: token details not sent yet
 
     @property
     def finished(self) -> bool:
@@ -138,17 +142,21 @@ class Entry:
             if match is not None:
                 reason = StopReason.STOP_SEQUENCE
                 self._text = self._text[: match.end if st.include_stop_sequence else match.start]
-        token_list = [token] if want_details and self.stream else []
+        if want_details and self.stream:
+            self._held_tokens.append(token)
         if reason.finished:
-            self._finish(reason, match.sequence if match else "", token_list, detokenizer)
-        elif self.stream:
+            tokens, self._held_tokens = self._held_tokens, []
+            self._finish(reason, match.sequence if match else "", tokens, detokenizer)
+        elif self.stream and self.generated >= self._due:
             end = len(self._text) - held_back(self._text, self._hold_bytes)
             while end > self._sent and self._text[end - 1] == REPLACEMENT:
                 end -= 1  # a trailing run of U+FFFD is trimmed if the text ends there: keep it back
             delta = self._text[self._sent : end] if end > self._sent else ""
             self._sent = max(self._sent, end)
-            if delta or token_list:
-                self.outputs.put_nowait(Output(self.generated, delta, token_list))
+            if delta or self._held_tokens:
+                tokens, self._held_tokens = self._held_tokens, []
+                self.outputs.put_nowait(Output(self.generated, delta, tokens))
+                self._due = self.generated + self.interval
         return reason.finished
 
     def _finish(

@@ -3,6 +3,8 @@ tokens, stop sequences and tokenizer; decoding failures stay with their request.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 import time
 
@@ -151,3 +153,29 @@ def test_a_token_with_overlapping_stop_matches_cuts_at_the_first(detokenizer: De
         streamed = feed(Entry(request([char * 2], include, 5), stream=True), [token], detokenizer)
         assert unary.stop_reason is StopReason.STOP_SEQUENCE and unary.text == expected, (text, include)
         assert "".join(o.text for o in streamed) == expected
+
+
+@pytest.mark.parametrize("interval", [2, 3])
+def test_a_stream_interval_sends_the_first_token_then_one_message_per_interval(
+    detokenizer: Detokenizer, interval: int
+) -> None:
+    """STREAM_INTERVAL: the same text, stop reason and token details as one message per token,
+    in fewer messages: the first token at once, then at most one message per `interval` tokens."""
+    rng = random.Random(interval)
+    for _ in range(300):
+        ids = [rng.randrange(3, 2000) for _ in range(rng.randint(1, 24))]
+        stops = [rng.choice(["zz", "é", " "])] if rng.random() < 0.4 else []
+        spec = request(stops, rng.random() < 0.5, len(ids))
+        spec = dataclasses.replace(spec, response=ResponseSpec(generated_tokens=True))
+        each = feed(Entry(spec, stream=True), ids, detokenizer)
+        fewer = feed(Entry(spec, stream=True, interval=interval), ids, detokenizer)
+        context = (ids, stops)
+        assert "".join(o.text for o in fewer) == "".join(o.text for o in each), context
+        assert [t for o in fewer for t in o.tokens] == [t for o in each for t in o.tokens], context
+        assert fewer[-1].stop_reason == each[-1].stop_reason and fewer[-1].final, context
+        counts = [o.generated_tokens for o in fewer]
+        assert counts[0] == 1 and counts == sorted(set(counts)), context
+        assert all(b - a >= interval for a, b in itertools.pairwise(counts[:-1])), (
+            context
+        )  # the last may be sooner
+        assert len(fewer) <= 2 + (len(ids) - 1) // interval, context

@@ -282,7 +282,10 @@ async def test_generate_with_details(stack: Stack) -> None:
     await stack.settled()
 
 
-async def test_stream_layout_and_parity_with_unary(stack: Stack) -> None:
+@pytest.mark.parametrize("interval", [1, 3])
+async def test_stream_layout_and_parity_with_unary(stack: Stack, interval: int) -> None:
+    """One event per token, whatever STREAM_INTERVAL says (TGI's events carry one token each)."""
+    stack.service.stream_interval = interval
     body = {"inputs": "hello", "parameters": {"max_new_tokens": 6, "return_full_text": True}}
     events = await sse_events(stack, body)
     assert [e["index"] for e in events] == [1, 2, 3, 4, 5, 6]
@@ -379,6 +382,23 @@ async def test_a_failure_mid_stream_ends_an_openai_stream_with_an_error_event(st
     )
     error = {"message": "Request failed during generation: boom", "type": "server_error", "param": None}
     assert events[-2:] == [{"error": {**error, "code": 500}}, "[DONE]"]
+    await stack.settled()
+
+
+async def test_an_openai_stream_carries_several_tokens_per_chunk_with_a_stream_interval(stack: Stack) -> None:
+    body = {"prompt": "hi", "max_tokens": 9, "stream": True, "logprobs": 1}
+
+    def texts_and_logprobs(events: list) -> tuple[str, list]:
+        chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e.get("choices")]
+        text = "".join(c["text"] for c in chunks)
+        return text, [lp for c in chunks if c.get("logprobs") for lp in c["logprobs"]["token_logprobs"]]
+
+    each = await sse_events(stack, body, path="/v1/completions")
+    stack.service.stream_interval = 4
+    fewer = await sse_events(stack, body, path="/v1/completions")
+    assert texts_and_logprobs(fewer) == texts_and_logprobs(each)
+    assert len(texts_and_logprobs(each)[1]) == 9
+    assert len(fewer) < len(each)
     await stack.settled()
 
 

@@ -107,6 +107,24 @@ async def _stream(s: GenerationServicer, text: str, max_new: int) -> list[pb.Gen
     return [m async for m in s.GenerateStream(request, FakeContext())]
 
 
+async def test_a_stream_interval_sends_the_tokens_in_fewer_messages(servicer) -> None:
+    """STREAM_INTERVAL 3 on the gRPC door: the first token at once, then one message per three
+    tokens carrying their details; the text is the one of a message per token."""
+    s, _ = servicer
+    request = pb.SingleGenerationRequest(
+        request={"text": "hello"},
+        params={"stopping": {"max_new_tokens": 10}, "response": {"generated_tokens": True}},
+    )
+    each = [m async for m in s.GenerateStream(request, FakeContext())]
+    s.service.stream_interval = 3
+    fewer = [m async for m in s.GenerateStream(request, FakeContext())]
+    assert [m.generated_token_count for m in fewer[1:]] == [1, 4, 7, 10]
+    assert [len(m.tokens) for m in fewer[1:]] == [1, 3, 3, 3]
+    assert "".join(m.text for m in fewer[1:]) == "".join(m.text for m in each[1:])
+    assert [t.text for m in fewer for t in m.tokens] == [t.text for m in each for t in m.tokens]
+    assert fewer[-1].stop_reason == each[-1].stop_reason == pb.StopReason.MAX_TOKENS
+
+
 CALL_FAILURES = [
     (ShardCallError("connection", f"{CONNECTION_MESSAGE}: Socket closed"), grpc.StatusCode.UNAVAILABLE),
     (ShardCallError("oom", OOM_MESSAGE), grpc.StatusCode.RESOURCE_EXHAUSTED),
