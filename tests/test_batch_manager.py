@@ -451,3 +451,54 @@ def test_a_step_in_flight_is_dropped_with_its_batch_and_its_blocks_return(native
     assert output is not None and [g.request_id for g in output.generations] == [4]
     manager.clear()
     assert native_engine.kv.pool.used == 0
+
+
+def test_a_row_that_fails_while_the_next_step_is_in_flight_fails_alone(tiny_model) -> None:
+    """NaN logits for one request at step 3: it fails with TGIS's message when step 3 is read
+    back, its token of step 4 (already in flight) is dropped, and the others go on unchanged."""
+    import torch
+
+    from text_generation_server.engines.step import NAN_LOGITS_MESSAGE
+
+    config = ServerConfig(
+        model_name=str(tiny_model("llama")),
+        max_batch_size=8,
+        max_new_tokens=32,
+        dtype="float32",
+        cpu_forward="modules",  # the LM head's module runs (its hook poisons a row)
+    )
+    native = TgisNativeEngine(config)
+    forwards = {"count": 0, "poison_at": -1}
+
+    def poison(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        forwards["count"] += 1
+        if forwards["count"] == forwards["poison_at"]:
+            output = output.clone()
+            output.view(-1, output.shape[-1])[0, 7] = float("nan")  # the first row: request 1
+        return output
+
+    native.model.get_output_embeddings().register_forward_hook(poison)
+
+    def run(pipelined: bool, poison_at: int) -> tuple[dict[int, list[int]], dict[int, str]]:
+        forwards.update(count=0, poison_at=poison_at)
+        manager = BatchManager(Pipelined(native, pipelined), 8)
+        got: dict[int, list[int]] = {}
+        errors: dict[int, str] = {}
+        output = manager.prefill(1, [request(1, 8), request(2, 8), request(3, 8)], [])
+        while output is not None:
+            errors.update({e.request_id: e.message for e in output.errors})
+            for g in output.generations:
+                got.setdefault(g.request_id, []).append(g.token.token_id)
+            if output.batch_id is None:
+                break
+            manager.run_ahead()
+            done = tuple(r for r, t in got.items() if len(t) == 8 and r not in errors)
+            output = manager.next_token([CachedBatchRef(1, done)])
+        assert len(manager) == 0 and native.kv.pool.used == 0
+        return got, errors
+
+    clean, _ = run(False, -1)
+    got, errors = run(True, 3)
+    assert errors == {1: NAN_LOGITS_MESSAGE}
+    assert got[1] == clean[1][:2]  # two tokens, then the failure; the token in flight dropped
+    assert got[2] == clean[2] and got[3] == clean[3]
