@@ -87,7 +87,7 @@ def engine_runner(
     )
     engine = get_engine_class(engine_name)(config)
     manager = BatchManager(engine, max_batch)
-    ahead = bool(getattr(engine, "pipelined", False))
+    ahead = engine.pipelined
     budget = 0
     if engine.info.chunked_prefill:
         budget = DEFAULT_PREFILL_BUDGET if token_budget is None else token_budget

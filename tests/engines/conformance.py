@@ -224,7 +224,7 @@ class Runner:
 
     def __post_init__(self) -> None:
         if self.run_ahead is None:
-            self.run_ahead = pipelined(self.engine)
+            self.run_ahead = self.engine.pipelined
         self.manager = BatchManager(self.engine, MAX_BATCH)
         self.limits: dict[int, int] = {}
         self.cached: dict[int, list[int]] = {}  # batch id -> live request ids
@@ -288,11 +288,6 @@ def alone(engine: ModelEngine, request: GenerationRequest) -> list[int]:
     return Runner(engine).run({0: [request]})[request.id]
 
 
-def pipelined(engine: ModelEngine) -> bool:
-    """Whether `engine` launches steps ahead (PIPELINE_STEPS), which it does when running ahead."""
-    return bool(getattr(engine, "pipelined", False))
-
-
 class LocalShard:
     """router.scheduling.shard_client.ShardClient over a BatchManager in this process (no gRPC);
     it runs ahead after each call where the engine pipelines steps, as the server does."""
@@ -300,7 +295,7 @@ class LocalShard:
     def __init__(self, engine: ModelEngine) -> None:
         self.manager = BatchManager(engine, MAX_BATCH)
         self.info = engine.info
-        self.run_ahead = pipelined(engine)
+        self.run_ahead = engine.pipelined
 
     def _answered(self, output: Any) -> Any:
         if self.run_ahead:

@@ -50,6 +50,7 @@ class Launched:
 
 class ModelEngine(ABC):
     info: ModelInfo  # reported to the router; its capacity kind matches the engine's registry entry
+    pipelined: bool = False  # `launch` queues steps (PIPELINE_STEPS): run ahead to use it
     adapters: AdapterSet | None = None  # soft prompts and LoRA, in engines that take them
 
     @abstractmethod

@@ -274,10 +274,16 @@ class TokenChooser:
         every chooser made from it by `select` and `concatenate`). Returns the grammars' time (ns)."""
         for history, token in zip(histories, next_ids, strict=True):
             history.append(token)
+        return TokenChooser._feed_matchers(matchers, [[token] for token in next_ids])
+
+    @staticmethod
+    def _feed_matchers(matchers: Sequence[Any | None], tokens: Sequence[Sequence[int]]) -> int:
+        """Feed each constrained row its tokens (guided.advance); the time it took (ns), 0 when
+        no row is constrained."""
         if not any(m is not None for m in matchers):
             return 0
         started = time.perf_counter_ns()
-        guided.advance(list(matchers), [[token] for token in next_ids])
+        guided.advance(matchers, tokens)
         return time.perf_counter_ns() - started
 
     def advance_many(self, tokens: Sequence[Sequence[int]]) -> None:
@@ -293,13 +299,7 @@ class TokenChooser:
             if rows:
                 flat = [t for ids in tokens for t in ids]
                 self.seen[to_device(rows, self.device), to_device(flat, self.device)] = True
-        self._advance_matchers(tokens)
-
-    def _advance_matchers(self, tokens: Sequence[Sequence[int]]) -> None:
-        if self.any_guided:
-            started = time.perf_counter_ns()
-            guided.advance(self.matchers, tokens)
-            self.guided_ns += time.perf_counter_ns() - started
+        self.guided_ns += self._feed_matchers(self.matchers, tokens)
 
     # ---- speculative decoding ---------------------------------------------------------------------
 
