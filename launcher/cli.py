@@ -49,8 +49,10 @@ from text_generation_common.logs import setup_logging
 from text_generation_common.speculate import (
     speculate_option,
     speculator_max_batch_size_option,
+    speculator_n_candidates_option,
     speculator_name_option,
     speculator_revision_option,
+    speculator_top_k_tokens_per_head_option,
 )
 
 # What the router gets beyond its drain timeout to close its servers and exit.
@@ -214,6 +216,8 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
 @speculator_name_option
 @speculator_revision_option
 @speculator_max_batch_size_option
+@speculator_n_candidates_option
+@speculator_top_k_tokens_per_head_option
 @click.option(
     "--num-shard",
     envvar="NUM_SHARD",

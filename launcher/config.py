@@ -77,6 +77,8 @@ class LaunchFlags:
     speculator_name: str | None = None
     speculator_revision: str | None = None
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
+    speculator_n_candidates: int | None = None
+    speculator_top_k_tokens_per_head: tuple[int, ...] | None = None
     num_shard: int | None = None
     max_concurrent_requests: int = router_defaults.DEFAULT_MAX_CONCURRENT_REQUESTS
     max_sequence_length: int | None = None
@@ -159,6 +161,8 @@ class LaunchConfig:
     speculate: int = 0  # SPECULATE, SPECULATOR_NAME and SPECULATOR_MAX_BATCH_SIZE, passed to the shards
     speculator_dir: Path | None = None  # SPECULATOR_NAME resolved (a directory with config.json)
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
+    speculator_n_candidates: int | None = None  # an MLP speculator's candidate tree (None: its config's)
+    speculator_top_k_tokens_per_head: tuple[int, ...] | None = None
     auth: AuthConfig = field(default_factory=AuthConfig)  # the router's; secrets go in its environment
 
     def socket_path(self, rank: int) -> str:
@@ -292,9 +296,14 @@ def check_quantize(quantize: str | None, engine: str, num_shard: int) -> None:
 
 
 def check_speculate(
-    speculate: int, max_batch_size: int, engine: str, speculator_name: str | None = None, num_shard: int = 1
+    speculate: int,
+    max_batch_size: int,
+    engine: str,
+    speculator_name: str | None = None,
+    num_shard: int = 1,
+    tree: bool = False,
 ) -> None:
-    refuse(speculate_refusal(speculate, max_batch_size, engine, speculator_name, num_shard))
+    refuse(speculate_refusal(speculate, max_batch_size, engine, speculator_name, num_shard, tree))
 
 
 def refuse(reason: str | None) -> None:
@@ -392,8 +401,9 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
     num_shard = resolve_num_shard(flags.num_shard, env)
     check_num_shard(num_shard, engine)
     check_quantize(flags.quantize, engine, num_shard)
+    tree = flags.speculator_n_candidates is not None or flags.speculator_top_k_tokens_per_head is not None
     check_speculate(
-        flags.speculate, flags.speculator_max_batch_size, engine, flags.speculator_name, num_shard
+        flags.speculate, flags.speculator_max_batch_size, engine, flags.speculator_name, num_shard, tree
     )
     check_engine_installed(engine)
     check_tls_files(flags.tls_cert_path, flags.tls_key_path, flags.tls_client_ca_cert_path)
@@ -457,6 +467,8 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         speculate=flags.speculate,
         speculator_dir=speculator_dir,
         speculator_max_batch_size=flags.speculator_max_batch_size,
+        speculator_n_candidates=flags.speculator_n_candidates,
+        speculator_top_k_tokens_per_head=flags.speculator_top_k_tokens_per_head,
         auth=auth,
     )
 
@@ -505,6 +517,11 @@ def shard_command(config: LaunchConfig) -> list[str]:
         argv += ["--speculator-name", str(config.speculator_dir)]
     if config.speculate or config.speculator_dir is not None:
         argv += ["--speculator-max-batch-size", str(config.speculator_max_batch_size)]
+    if config.speculator_n_candidates is not None:
+        argv += ["--speculator-n-candidates", str(config.speculator_n_candidates)]
+    if config.speculator_top_k_tokens_per_head is not None:
+        per_head = ",".join(map(str, config.speculator_top_k_tokens_per_head))
+        argv += ["--speculator-top-k-tokens-per-head", per_head]
     if config.revision:
         argv += ["--revision", config.revision]
     return argv

@@ -317,6 +317,31 @@ def test_shard_command_and_env_are_accepted_by_the_shard_cli(tiny_model: Callabl
     assert lc.shard_env(config, 0, {})["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
+def test_the_candidate_tree_flags_reach_the_shard_and_need_a_speculator(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    from text_generation_server.cli import serve
+
+    speculator = model_with_config(tmp_path / "spec", model_type="mlp_speculator")
+    native = {"deployment_framework": "tgis_native"}
+    config = config_for(
+        tiny_model("llama"),
+        **native,
+        speculator_name=str(speculator),
+        speculator_n_candidates=3,
+        speculator_top_k_tokens_per_head=(3, 2, 1),
+    )
+    argv = lc.shard_command(config)
+    params = serve.make_context("serve", argv[argv.index("serve") + 1 :]).params
+    assert params["speculator_n_candidates"] == 3 and params["speculator_top_k_tokens_per_head"] == (3, 2, 1)
+    plain = lc.shard_command(config_for(tiny_model("llama"), **native, speculator_name=str(speculator)))
+    assert "--speculator-n-candidates" not in plain and "--speculator-top-k-tokens-per-head" not in plain
+    with pytest.raises(LaunchError, match=r"shape an MLP speculator's candidates: set SPECULATOR_NAME$"):
+        config_for(tiny_model("llama"), **native, speculate=2, speculator_top_k_tokens_per_head=(2, 2))
+    with pytest.raises(Exception, match="comma-separated list of integers"):
+        serve.make_context("serve", ["m", "--speculator-top-k-tokens-per-head", "3;2"])
+
+
 def test_router_command_is_accepted_by_the_router_cli(tiny_model: Callable[..., Path]) -> None:
     from router.cli import main as router_main
 

@@ -32,12 +32,13 @@ from text_generation_common.messages import (
     SamplingParams,
     Speculation,
     StepOutput,
+    TokenInfo,
 )
 from text_generation_common.speculate import refusal
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.step import choose_speculated, choose_tokens
 from text_generation_server.engines.tgis_native import TgisNativeEngine
-from text_generation_server.kv.paged_kv import BlockPool, SequenceKV, prefix_keys
+from text_generation_server.kv.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
 from text_generation_server.sampling.chooser import TokenChooser
 from text_generation_server.speculation import Lookahead, Speculator, Target
 from text_generation_server.speculation.draft import DraftSpeculator
@@ -46,6 +47,7 @@ from text_generation_server.speculation.mlp import (
     MlpSpeculatorModel,
     load_speculator,
     save_speculator,
+    tree_shape,
 )
 from text_generation_server.speculation.ngram import NgramSpeculator
 from text_generation_server.speculation.train import main as train_main
@@ -136,6 +138,39 @@ def test_a_sequence_cut_back_gives_its_later_blocks_to_the_pool() -> None:
         sequence.truncate(3)
 
 
+def test_a_fork_shares_the_full_blocks_copies_the_partial_one_and_gives_everything_back() -> None:
+    pool = BlockPool(8, 4)
+    sequence = SequenceKV(pool, max_tokens=40)
+    sequence.append(6)  # blocks: one full, one partial
+    fork, copy = sequence.fork()
+    assert copy == (sequence.blocks[1], fork.blocks[1]) and fork.blocks[0] == sequence.blocks[0]
+    assert fork.length == 6 and pool.free == 5 and sequence.fork_blocks(3) == 2
+    fork.append(3)  # 9 tokens: a block more
+    sequence.append(3)
+    assert pool.free == 3 and fork.slot(5) != sequence.slot(5) and fork.slot(1) == sequence.slot(1)
+    sequence.adopt(fork)  # the fork's chain won: its blocks become the sequence's
+    assert sequence.length == 9 and fork.blocks == [] and pool.free == 5
+    sequence.truncate(8)
+    aligned, copy = sequence.fork()
+    assert copy is None and pool.free == 6 and aligned.blocks == sequence.blocks  # 2 full blocks, shared
+    aligned.free()
+    sequence.free()
+    assert pool.free == pool.num_blocks
+
+
+def test_copied_blocks_carry_every_layer_head_key_and_value() -> None:
+    pool = BlockPool(4, 2)
+    cache = PagedKVCache(pool, CPU)
+    cache.layers = {layer: torch.randn(2, 3, pool.num_blocks + 1, 2 * 5) for layer in range(2)}
+    before = {layer: kv.clone() for layer, kv in cache.layers.items()}
+    cache.copy_blocks([(1, 3), (0, 2)])
+    for layer, kv in cache.layers.items():
+        assert torch.equal(kv[:, :, 3], before[layer][:, :, 1]) and torch.equal(
+            kv[:, :, 2], before[layer][:, :, 0]
+        )
+        assert torch.equal(kv[:, :, :2], before[layer][:, :, :2])
+
+
 # ---- the chooser's verification against stepping one token at a time --------------------------
 
 PARAMS = [
@@ -212,7 +247,8 @@ def test_verified_tokens_are_those_steps_one_at_a_time_would_choose(seed: int) -
         expected = stepwise(expected_chooser, logits, drafts)
         flat = torch.cat([logits[row, : len(d) + 1] for row, d in enumerate(drafts)])
         requests = [GenerationRequest(i, (1,), 64, details=DETAILS) for i in range(rows)]
-        taken, accepted, output = choose_speculated(flat.clone(), requests, chooser, drafts)
+        verified = choose_speculated(flat.clone(), requests, chooser, [[d] for d in drafts])
+        taken, accepted, output = verified.taken, verified.accepted, verified.output
         got = {i: [g.token for g in output.generations if g.request_id == i] for i in range(rows)}
         for row in range(rows):
             assert [t.token_id for t in got[row]] == taken[row] == [t.token_id for t in expected[row]]
@@ -227,6 +263,74 @@ def test_verified_tokens_are_those_steps_one_at_a_time_would_choose(seed: int) -
             assert (mine is None) == (theirs is None)
             if mine is not None:  # one draw per token taken: the same stream as without speculation
                 assert torch.equal(mine.get_state(), theirs.get_state())
+
+
+def context_logits(row: int, prefix: Sequence[int]) -> torch.Tensor:
+    """Logits that depend on the row and the tokens it took in the step only, as a model's do:
+    chains that share a prefix see the same logits there."""
+    gen = torch.Generator().manual_seed(hash((row, *prefix)) % 2**31)
+    logits = torch.randn(VOCAB, generator=gen) * 2.5
+    logits[EOS] -= 3.0
+    return logits
+
+
+def greedy_walk(chooser: TokenChooser, row: int, chains: Sequence[Sequence[int]]) -> list[TokenInfo]:
+    """The reference for a greedy row with several chains: one token at a time (the row's own
+    state, every processor), going on while some chain continues with the token chosen."""
+    request = GenerationRequest(row, (1,), 64, details=DETAILS)
+    sub = chooser.select([row])
+    taken: list[TokenInfo] = []
+    while True:
+        ids = [t.token_id for t in taken]
+        _, output = choose_tokens(context_logits(row, ids)[None].clone(), [request], sub)
+        taken.append(output.generations[0].token)
+        ids.append(taken[-1].token_id)
+        if not any(len(c) >= len(ids) and list(c[: len(ids)]) == ids for c in chains):
+            return taken
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_greedy_row_follows_the_chain_that_takes_the_most(seed: int) -> None:
+    """Several candidate chains per greedy row (shared prefixes, the right one anywhere or
+    missing): the tokens and details are those steps one at a time would choose, the chain
+    named is one they follow, and the row's state carries on as after those steps."""
+    rng = random.Random(seed)
+    params = PARAMS[:4]  # the greedy ones: every processor that is not a warper
+    prompts = [[EOS + 3 + i, 7, 8, 9][: 2 + i % 3] for i in range(len(params))]
+    chooser = TokenChooser.create(params, prompts, EOS, VOCAB, CPU)
+    reference = TokenChooser.create(params, prompts, EOS, VOCAB, CPU)
+    chains: list[list[list[int]]] = []
+    for row in range(len(params)):
+        right: list[int] = []  # what the row would take, from its own reference walk
+        for _ in range(4):
+            right.append(int(context_logits(row, right).argmax()))
+        row_chains = []
+        for _ in range(rng.randint(1, 4)):
+            chain = list(right[: rng.randint(1, 4)])
+            if rng.random() < 0.6:
+                chain[rng.randrange(len(chain))] = rng.randrange(3, VOCAB)
+            if chain not in row_chains:
+                row_chains.append(chain)
+        chains.append(chooser.trim_drafts(row_chains, [row] * len(row_chains)))
+    expected = [greedy_walk(reference, row, c) for row, c in enumerate(chains)]
+    logits = torch.stack(
+        [context_logits(row, c[:j]) for row, cs in enumerate(chains) for c in cs for j in range(len(c) + 1)]
+    )
+    requests = [GenerationRequest(i, (1,), 64, details=DETAILS) for i in range(len(params))]
+    verified = choose_speculated(logits, requests, chooser, chains)
+    for row, infos in enumerate(expected):
+        mine = [g.token for g in verified.output.generations if g.request_id == row]
+        assert [t.token_id for t in mine] == verified.taken[row] == [t.token_id for t in infos]
+        for a, b in zip(mine, infos, strict=True):
+            assert a.rank == b.rank and a.top_tokens == b.top_tokens and math.isclose(a.logprob, b.logprob)
+        followed = chains[row][verified.chain[row]]
+        assert verified.taken[row][:-1] == followed[: len(verified.taken[row]) - 1]
+        assert verified.accepted[row] == len(verified.taken[row]) - 1
+    for row, tokens in enumerate(verified.taken):
+        assert chooser.histories[row] == prompts[row] + tokens and chooser.generated[row] == len(tokens)
+    if chooser.seen is not None:
+        for row, tokens in enumerate(verified.taken):
+            assert all(bool(chooser.seen[row, t]) for t in tokens)
 
 
 def test_candidates_past_eos_are_cut() -> None:
@@ -246,7 +350,7 @@ def test_speculative_sampling_keeps_the_models_distribution() -> None:
     chooser = TokenChooser.create(params, [[1]] * rows, 5, vocab, CPU)
     logits = torch.stack([first, second]).repeat(rows, 1)
     requests = [GenerationRequest(i, (1,), 4) for i in range(rows)]
-    taken, _, _ = choose_speculated(logits, requests, chooser, [[candidate]] * rows)
+    taken = choose_speculated(logits, requests, chooser, [[[candidate]]] * rows).taken
     counts = torch.bincount(torch.tensor([t[0] for t in taken]), minlength=vocab)
     assert p_value(counts, first.softmax(-1)) > 0.01
     seconds = [t[1] for t in taken if t[0] == candidate]
@@ -361,6 +465,110 @@ def test_the_engine_takes_the_same_tokens_with_and_without_speculation(
     accepted = sum(v.accepted for v in verified)
     assert 0 < accepted < proposed, (accepted, proposed)
     assert any(v.accepted == v.proposed for v in verified) and any(v.accepted == 0 for v in verified)
+
+
+class ReplayTree(Replay):
+    """Several chains per greedy row: wrong ones around the replayed one (itself wrong at every
+    `wrong_every`-th position), which comes at a varying place, so that forks win too."""
+
+    name = "replay tree"
+
+    def __init__(self, sequences: Sequence[Sequence[int]], wrong_every: int) -> None:
+        super().__init__(sequences, wrong_every)
+        self.several_asked: list[bool] = []
+
+    def propose_chains(self, requests, histories, limits, hidden, several):  # type: ignore[no-untyped-def]
+        self.several_asked += several
+        out = []
+        for row, guess in enumerate(self.propose(requests, histories, limits, hidden)):
+            if not guess or not several[row]:
+                out.append([guess] if guess else [])
+                continue
+            wrong = [(t + 7) % 100 + 5 for t in guess]
+            half = guess[: len(guess) // 2] + wrong[len(guess) // 2 :]
+            chains = [wrong, half, guess]
+            turn = len(histories[row]) % 3
+            out.append([c for c in chains[turn:] + chains[:turn] if c])
+        return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_candidate_chains_in_forks_take_the_same_tokens_and_give_their_blocks_back(
+    tiny_model, dtype: str, monkeypatch
+) -> None:
+    """Greedy rows verify three chains (two of them in forks of their sequence, the partial
+    block copied): the same tokens as without speculation, busy batches with joins, chunked
+    prefill, sampling rows (one chain each) beside them, every block back in the pool."""
+    model_dir = tiny_model("llama")
+    base = TgisNativeEngine(config_for(model_dir, dtype=dtype))
+    spec = TgisNativeEngine(
+        config_for(model_dir, dtype=dtype, speculate=4, deployment_framework="tgis_native")
+    )
+    adopted = []
+    real_adopt = SequenceKV.adopt
+    monkeypatch.setattr(SequenceKV, "adopt", lambda self, fork: (adopted.append(1), real_adopt(self, fork)))
+    verified = recorded(spec)
+    for seed, budget in ((0, 0), (1, 6)):
+        schedule = workload(seed)
+        requests = {r.id: r for group in schedule.values() for r in group}
+        expected = Runner(base, token_budget=budget).run(schedule)
+        sequences = [list(requests[i].input_ids) + ids for i, ids in expected.items()]
+        tree = ReplayTree(sequences, wrong_every=4 + seed)
+        spec.speculator = tree
+        assert Runner(spec, token_budget=budget).run(schedule) == expected
+        assert spec.kv.pool.free == spec.kv.pool.num_blocks
+        assert True in tree.several_asked and False in tree.several_asked  # sampling rows: one chain
+    assert adopted and sum(v.accepted for v in verified) > 0
+
+
+def test_forks_that_the_free_blocks_cannot_hold_are_not_tried(tiny_model) -> None:
+    """With the pool all but spent by the requests' reserves, rows verify their first chain
+    only (no fork takes a reserved block), and the output is unchanged."""
+    model_dir = tiny_model("llama")
+    request = GenerationRequest(1, tuple(range(20, 33)), 12)
+    base = TgisNativeEngine(config_for(model_dir))
+    expected = Runner(base).run({0: [request]})
+    sequence = [*request.input_ids, *expected[1]]
+    spec = TgisNativeEngine(
+        config_for(model_dir, speculate=3, deployment_framework="tgis_native", kv_cache_blocks=7)
+    )
+    spec.speculator = ReplayTree([sequence], wrong_every=1000)
+    verified = recorded(spec)
+    forked = []
+    real_fork = SequenceKV.fork
+    SequenceKV.fork = lambda self: (forked.append(1), real_fork(self))[1]  # type: ignore[method-assign]
+    try:
+        assert Runner(spec).run({0: [request]}) == expected
+    finally:
+        SequenceKV.fork = real_fork  # type: ignore[method-assign]
+    assert not forked and spec.kv.pool.free == spec.kv.pool.num_blocks
+    assert sum(v.accepted for v in verified) > 0  # the first chains were verified
+
+
+def test_a_step_that_fails_with_forks_gives_their_blocks_back(tiny_model) -> None:
+    model_dir = tiny_model("llama")
+    requests = [GenerationRequest(i, tuple(range(20 + i, 33 + i)), 12) for i in (1, 2)]
+    expected = Runner(TgisNativeEngine(config_for(model_dir))).run({0: requests})
+    spec = TgisNativeEngine(config_for(model_dir, speculate=3, deployment_framework="tgis_native"))
+    spec.speculator = ReplayTree([[*r.input_ids, *expected[r.id]] for r in requests], wrong_every=1000)
+    batch, _ = spec.new_batch(1, requests)
+    assert batch is not None
+    _, batch = spec.generate_token(batch)  # the prompts: no candidates yet
+    forked = spec.kv.pool.used
+    real_decode = spec.runner.decode
+
+    def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal forked
+        forked = spec.kv.pool.used - forked  # blocks the forks took before the forward
+        raise RuntimeError("the forward failed")
+
+    spec.runner.decode = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        spec.generate_token(batch)
+    spec.runner.decode = real_decode  # type: ignore[method-assign]
+    assert forked > 0
+    spec.release([r.id for r in requests])
+    assert spec.kv.pool.free == spec.kv.pool.num_blocks
 
 
 def test_no_speculation_above_the_batch_limit(tiny_model) -> None:
@@ -492,6 +700,55 @@ def test_the_speculator_heads_follow_the_fms_extras_formulas(tie: bool, scale_in
         assert chained[b].tolist() == guesses[1:]
 
 
+def test_the_candidate_tree_keeps_the_chains_of_highest_summed_log_probability() -> None:
+    """Every chain of the tree (top 3, 2, 2 tokens per head) scored one by one with the
+    formulas' heads: the speculator's n best, in order; top-1 everywhere is the chain of each
+    head's top token."""
+    model = random_speculator(seed=4)
+    state, last = torch.randn(3, 24), torch.randint(0, 50, (3,))
+    top_k = (3, 2, 2)
+    with torch.no_grad():
+        found = model.candidates(state, last, top_k, 5)
+    assert found.shape == (3, 5, 3)
+    for r in range(3):
+        frontier: list[tuple[float, list[int]]] = [(0.0, [])]
+        for head, k in enumerate(top_k):  # every chain of the tree, scored head by head
+            grown = []
+            for score, chain in frontier:
+                with torch.no_grad():
+                    logits = reference_heads(model, state[r], [int(last[r]), *chain])[head]
+                logprobs = logits.log_softmax(-1)
+                for token in logprobs.topk(k).indices.tolist():
+                    grown.append((score + float(logprobs[token]), [*chain, token]))
+            frontier = grown
+        scored = frontier
+        assert len(scored) == 12
+        best = [chain for _, chain in sorted(scored, key=lambda x: -x[0])[:5]]
+        assert found[r].tolist() == best
+    assert torch.equal(model.candidates(state, last, (1, 1, 1), 4)[:, 0], model.chain(state, last, 3))
+
+
+def test_the_tree_settings_are_checked_against_the_speculators_heads() -> None:
+    config = MlpSpeculatorConfig(
+        vocab_size=50, emb_dim=24, n_predict=3, top_k_tokens_per_head=(4, 3, 2), n_candidates=5
+    )
+    assert tree_shape(config, None, None) == ((4, 3, 2), 5)
+    assert tree_shape(config, 2, (2, 2, 1)) == ((2, 2, 1), 2)
+    assert tree_shape(MlpSpeculatorConfig(vocab_size=50, emb_dim=24, n_predict=2), None, None) == ((1, 1), 1)
+    with pytest.raises(
+        ValueError, match=r"^SPECULATOR_TOP_K_TOKENS_PER_HEAD 3,2 names 2 heads, the speculator has 3$"
+    ):
+        tree_shape(config, None, (3, 2))
+    message = refusal(0, 16, "tgis_native", None, tree=True)
+    assert message is not None and message.endswith(
+        "shape an MLP speculator's candidates: set SPECULATOR_NAME"
+    )
+    with pytest.raises(ValueError, match="set SPECULATOR_NAME"):
+        ServerConfig(
+            model_name="m", deployment_framework="tgis_native", speculate=2, speculator_n_candidates=3
+        )
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_a_saved_speculator_loads_back_in_ibm_layout(tmp_path, tie: bool) -> None:
     model = random_speculator(tie)
@@ -565,15 +822,26 @@ def test_the_training_command_writes_a_speculator_and_its_report(
         TgisNativeEngine(config)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_mlp_speculator_leaves_the_output_unchanged(tiny_model, trained: Path, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "tree"),
+    [("float32", None), ("bfloat16", None), ("float32", (3, (2, 2, 2))), ("bfloat16", (4, (3, 2, 1)))],
+)
+def test_the_mlp_speculator_leaves_the_output_unchanged(
+    tiny_model, trained: Path, dtype: str, tree: tuple[int, tuple[int, ...]] | None
+) -> None:
     model_dir = tiny_model("llama")
     base = TgisNativeEngine(config_for(model_dir, dtype=dtype))
     config = config_for(
-        model_dir, dtype=dtype, speculator_name=str(trained), deployment_framework="tgis_native"
+        model_dir,
+        dtype=dtype,
+        speculator_name=str(trained),
+        deployment_framework="tgis_native",
+        speculator_n_candidates=tree[0] if tree else None,
+        speculator_top_k_tokens_per_head=tree[1] if tree else None,
     )
     spec = TgisNativeEngine(config)
     assert spec.speculate == 3 and spec.runner.capturing
+    assert spec.speculator.n_candidates == (tree[0] if tree else 1)
     verified = recorded(spec)
     for seed, budget in ((0, 0), (1, 6)):
         schedule = workload(seed)
@@ -686,7 +954,7 @@ def test_the_mlp_speculator_reads_the_hidden_states_of_replayed_decode_graphs(
     torch.manual_seed(3)
     heads = MlpSpeculatorModel(MlpSpeculatorConfig(vocab_size=vocab, emb_dim=64, n_predict=2))
     save_speculator(heads, tmp_path / "heads")
-    proposals: dict[str, list[list[list[int]]]] = {}
+    proposals: dict[str, list[list[list[list[int]]]]] = {}
     outputs = {}
     for mode in ("eager", "graphed"):
         config = config_for(
@@ -699,7 +967,7 @@ def test_the_mlp_speculator_reads_the_hidden_states_of_replayed_decode_graphs(
         replays = Replays()
         if mode == "graphed":
             engine.capture_graphs(8, replays)
-        real = engine.speculator.propose
+        real = engine.speculator.propose_chains
         seen = proposals[mode] = []
 
         def propose(*args, real=real, seen=seen):  # type: ignore[no-untyped-def]
@@ -707,7 +975,7 @@ def test_the_mlp_speculator_reads_the_hidden_states_of_replayed_decode_graphs(
             seen.append(out)
             return out
 
-        engine.speculator.propose = propose  # type: ignore[method-assign]
+        engine.speculator.propose_chains = propose  # type: ignore[method-assign]
         requests = [GenerationRequest(i, tuple(range(20 + i, 32 + 2 * i)), 10) for i in range(3)]
         outputs[mode] = Runner(engine).run({0: requests[:2], 2: requests[2:]})
         if mode == "graphed":

@@ -1,4 +1,4 @@
-"""SPECULATE / SPECULATOR_MAX_BATCH_SIZE: the flags (the launcher's and the shard's, defined once)
+"""SPECULATE / SPECULATOR_* : the flags (the launcher's and the shard's, defined once)
 and their check against the engine; torch-free, so that the launcher refuses before any process
 starts (text_generation_server/speculation/ serves them)."""
 
@@ -32,6 +32,37 @@ speculator_revision_option = click.option(
     default=None,
     help="Revision of SPECULATOR_NAME in the hub cache [env SPECULATOR_REVISION].",
 )
+
+
+def _per_head(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if value is None or not value.strip():
+        return None
+    try:
+        counts = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if min(counts) < 1:
+        raise click.BadParameter(f"every head keeps at least 1 token, got {value!r}")
+    return counts
+
+
+speculator_n_candidates_option = click.option(
+    "--speculator-n-candidates",
+    envvar="SPECULATOR_N_CANDIDATES",
+    type=click.IntRange(min=1),
+    default=None,
+    help="MLP speculator: candidate chains tried per greedy row and step, the likeliest of its "
+    "candidate tree; default: its config's n_candidates [env SPECULATOR_N_CANDIDATES].",
+)
+speculator_top_k_tokens_per_head_option = click.option(
+    "--speculator-top-k-tokens-per-head",
+    envvar="SPECULATOR_TOP_K_TOKENS_PER_HEAD",
+    callback=_per_head,
+    default=None,
+    help="MLP speculator: top tokens each head adds to every chain of the candidate tree, comma-"
+    "separated, one per head (e.g. 4,3,2); default: its config's top_k_tokens_per_head "
+    "[env SPECULATOR_TOP_K_TOKENS_PER_HEAD].",
+)
 speculator_max_batch_size_option = click.option(
     "--speculator-max-batch-size",
     envvar="SPECULATOR_MAX_BATCH_SIZE",
@@ -47,13 +78,20 @@ def refusal(
     engine: str,
     speculator_name: str | None = None,
     world_size: int = 1,
+    tree: bool = False,
 ) -> str | None:
     """Why SPECULATE=`speculate` / SPECULATOR_NAME cannot serve on `engine` with `world_size`
-    shards (None: they can, or speculation is off)."""
+    shards (None: they can, or speculation is off). `tree`: SPECULATOR_N_CANDIDATES or
+    SPECULATOR_TOP_K_TOKENS_PER_HEAD is set (they shape an MLP speculator's candidates)."""
     if speculate < 0:
         return f"SPECULATE must be >= 0, got {speculate}"
     if max_batch_size < 1:
         return f"SPECULATOR_MAX_BATCH_SIZE must be >= 1, got {max_batch_size}"
+    if tree and not speculator_name:
+        return (
+            "SPECULATOR_N_CANDIDATES / SPECULATOR_TOP_K_TOKENS_PER_HEAD shape an MLP speculator's "
+            "candidates: set SPECULATOR_NAME"
+        )
     if not speculate and not speculator_name:
         return None
     asked = f"SPECULATOR_NAME={speculator_name}" if speculator_name else f"SPECULATE={speculate}"

@@ -24,8 +24,10 @@ from text_generation_common.logs import setup_logging
 from text_generation_common.speculate import (
     speculate_option,
     speculator_max_batch_size_option,
+    speculator_n_candidates_option,
     speculator_name_option,
     speculator_revision_option,
+    speculator_top_k_tokens_per_head_option,
 )
 from text_generation_server.config import (
     CPU_ATTENTION_MODES,
@@ -259,6 +261,8 @@ def pin_to(cpu_list: str) -> None:
 @speculator_name_option
 @speculator_revision_option
 @speculator_max_batch_size_option
+@speculator_n_candidates_option
+@speculator_top_k_tokens_per_head_option
 @click.option(
     "--cpu-kv-cache-space",
     envvar="CPU_KV_CACHE_SPACE",
@@ -362,6 +366,8 @@ def serve(
     speculator_name: str | None,
     speculator_revision: str | None,
     speculator_max_batch_size: int,
+    speculator_n_candidates: int | None,
+    speculator_top_k_tokens_per_head: tuple[int, ...] | None,
     cpu_kv_cache_space: float,
     kv_cache_blocks: int,
     gpu_attention: str,
@@ -412,6 +418,8 @@ def serve(
             speculator_name=speculator_name,
             speculator_revision=speculator_revision,
             speculator_max_batch_size=speculator_max_batch_size,
+            speculator_n_candidates=speculator_n_candidates,
+            speculator_top_k_tokens_per_head=speculator_top_k_tokens_per_head,
             cpu_kv_cache_space=cpu_kv_cache_space,
             kv_cache_blocks=kv_cache_blocks,
             gpu_attention=gpu_attention,

@@ -75,6 +75,9 @@ class ServerConfig:
     speculator_name: str | None = None  # SPECULATOR_NAME: an MLP speculator (directory or cached hub id)
     speculator_revision: str | None = None
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE  # no speculation above this many rows
+    # an MLP speculator's candidate tree (None: its config's)
+    speculator_n_candidates: int | None = None
+    speculator_top_k_tokens_per_head: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -110,6 +113,7 @@ class ServerConfig:
             self.deployment_framework,
             self.speculator_name,
             self.world_size,
+            self.speculator_n_candidates is not None or self.speculator_top_k_tokens_per_head is not None,
         )
         if refused is not None:
             raise ValueError(refused)

@@ -121,22 +121,36 @@ def end_choice(chosen: Chosen, requests: Sequence[GenerationRequest]) -> StepOut
     return output
 
 
+@dataclass(slots=True)
+class Verified:
+    """What a speculative step took, in batch row order."""
+
+    taken: list[list[int]]  # the tokens each row took (one at least, unless its logits are NaN)
+    accepted: list[int]  # how many of its candidates they include
+    chain: list[int]  # which of its candidate chains they follow (0 for a row without any)
+    output: StepOutput  # each request's generations in order; a Speculation per row that had candidates
+
+
 def choose_speculated(
     logits: torch.Tensor,
     requests: Sequence[GenerationRequest],
     chooser: TokenChooser,
-    drafts: Sequence[Sequence[int]],
-) -> tuple[list[list[int]], list[int], StepOutput]:
-    """Verify each row's candidate tokens `drafts` (trimmed: TokenChooser.trim_drafts) against
-    `logits` [sum(len(d) + 1), vocab] float32 (a row's positions in order, modified in place).
+    chains: Sequence[Sequence[Sequence[int]]],
+) -> Verified:
+    """Verify each row's candidate chains `chains[row]` (one at least, an empty one for a row
+    without candidates; several only for greedy rows; each trimmed: TokenChooser.trim_drafts)
+    against `logits` [sum(len(c) + 1), vocab] float32: every chain's positions in order, the
+    rows' chains in order (modified in place).
 
-    Returns, in batch row order, the tokens each row took (one at least, unless its logits are
-    NaN at its first position: an error then) and how many of its candidates they include; and
-    the step's output: each request's generations in order, a Speculation per row that had
-    candidates and took tokens.
+    Each chain takes its first token and each next while the one before equals its candidate;
+    a row follows the chain that took the most (the first of those: chains share their root, so
+    equal prefixes choose equal tokens). A row whose logits are NaN at its first position takes
+    nothing (an error in the output); NaN later keeps the tokens before it.
     """
-    expanded = chooser.expand(drafts)
-    speculating = [row for row, draft in enumerate(drafts) if draft]
+    flat = [chain for row_chains in chains for chain in row_chains]
+    owners = [row for row, row_chains in enumerate(chains) for _ in row_chains]
+    expanded = chooser.expand(flat, owners)
+    speculating = [row for row, row_chains in enumerate(chains) if any(row_chains)]
     states = chooser.generator_states(speculating)
     nan = torch.isnan(logits.amax(dim=-1))
     chosen_t, scores = expanded.choose(logits)
@@ -144,21 +158,30 @@ def choose_speculated(
     count = len(host) // 2
     chosen, nan_rows = host[:count], host[count:]
     taken: list[list[int]] = []
-    accepted: list[int] = []  # per row, its candidates taken
+    accepted: list[int] = []
+    winners: list[int] = []
     kept: list[int] = []  # the expanded rows whose tokens are taken
     start = 0
-    for draft in drafts:
-        tokens: list[int] = []
-        for j in range(len(draft) + 1):
-            if nan_rows[start + j]:  # the tokens before it stand; the row fails at its next step
-                break
-            tokens.append(chosen[start + j])
-            kept.append(start + j)
-            if j == len(draft) or chosen[start + j] != draft[j]:
-                break
-        taken.append(tokens)
-        accepted.append(sum(1 for t, d in zip(tokens, draft, strict=False) if t == d))
-        start += len(draft) + 1
+    for row_chains in chains:
+        best: tuple[list[int], list[int]] = ([], [])  # tokens, their expanded rows
+        winner = 0
+        for index, chain in enumerate(row_chains):
+            tokens, positions = [], []
+            for j in range(len(chain) + 1):
+                if nan_rows[start + j]:  # the tokens before it stand; the row fails at its next step
+                    break
+                tokens.append(chosen[start + j])
+                positions.append(start + j)
+                if j == len(chain) or chosen[start + j] != chain[j]:
+                    break
+            if len(tokens) > len(best[0]):
+                best, winner = (tokens, positions), index
+            start += len(chain) + 1
+        taken.append(best[0])
+        kept += best[1]
+        winners.append(winner)
+        chain = row_chains[winner]
+        accepted.append(sum(1 for t, d in zip(best[0], chain, strict=False) if t == d))
     chooser.rewind(speculating, states, [len(taken[row]) for row in speculating])
     details = [requests[row].details for row, tokens in enumerate(taken) for _ in tokens]
     wanted = any(d.any_token_detail for d in details)
@@ -171,8 +194,10 @@ def choose_speculated(
         if not tokens:
             output.errors.append(RequestError(request.id, NAN_LOGITS_MESSAGE))
         output.generations += [Generation(request.id, next(infos)) for _ in tokens]
-    output.speculation = [Speculation(len(drafts[row]), accepted[row]) for row in speculating if taken[row]]
-    return taken, accepted, output
+    output.speculation = [
+        Speculation(len(chains[row][winners[row]]), accepted[row]) for row in speculating if taken[row]
+    ]
+    return Verified(taken, accepted, winners, output)
 
 
 def drop_failed(batch: B, output: StepOutput) -> B | None:

@@ -96,6 +96,11 @@ class BlockPool:
             else:
                 self._free.append(block)
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more holder of each of `blocks` (in use): a fork of a sequence reads them too."""
+        for block in blocks:
+            self._refs[block] += 1
+
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The cached blocks of the longest run of `keys` from the first, now referenced."""
         hits = []
@@ -179,6 +184,38 @@ class SequenceKV:
         if keep < len(self.blocks):
             self.blocks, dropped = self.blocks[:keep], self.blocks[keep:]
             self.pool.release(dropped)
+
+    def fork(self) -> tuple[SequenceKV, tuple[int, int] | None]:
+        """A sequence with the same tokens that grows on its own: a second candidate chain of
+        speculative decoding. It shares the full blocks (read-only, one reference more each) and
+        takes a fresh block for the partial last one, returned as (source, copy) for the caller
+        to copy on the device before anything is written (None: no partial block). Give it back
+        with `free`, or make it this sequence's with `adopt`."""
+        size = self.pool.block_size
+        full = self.length // size
+        shared = self.blocks[:full]
+        copy: tuple[int, int] | None = None
+        blocks = list(shared)
+        if self.length % size:
+            blocks += self.pool.allocate(1)
+            copy = (self.blocks[full], blocks[-1])
+        self.pool.share(shared)
+        child = SequenceKV(self.pool)
+        child.blocks, child.length = blocks, self.length
+        child.registered, child.max_blocks = min(self.registered, full), self.max_blocks
+        return child, copy
+
+    def fork_blocks(self, tokens: int) -> int:
+        """Blocks a fork takes to grow by `tokens` (its partial block's copy included)."""
+        size = self.pool.block_size
+        return -(-(self.length + tokens) // size) - self.length // size
+
+    def adopt(self, fork: SequenceKV) -> None:
+        """Take `fork`'s tokens and blocks as this sequence's (the candidate chain that won);
+        this sequence's own blocks past the shared ones go back to the pool."""
+        old, self.blocks, self.length = self.blocks, fork.blocks, fork.length
+        fork.blocks = []
+        self.pool.release(old)
 
     def slot(self, position: int) -> int:
         size = self.pool.block_size
@@ -278,6 +315,15 @@ class PagedKVCache:
         size = self.pool.block_size
         keys = kv[0].view(kv_heads, self.num_blocks, dim, size).permute(1, 3, 0, 2)  # [blocks, size, h, d]
         keys.index_put_((slots // size, slots % size), key.transpose(0, 1))
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination) in every layer: K and V of every head."""
+        if not pairs:
+            return
+        source = torch.tensor([s for s, _ in pairs], device=self.device)
+        target = torch.tensor([d for _, d in pairs], device=self.device)
+        for kv in self.layers.values():
+            kv.index_copy_(2, target, kv.index_select(2, source))
 
     def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `blocks` [n], in order: [kv_heads, n * block_size, head_dim] each."""

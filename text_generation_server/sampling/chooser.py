@@ -303,12 +303,16 @@ class TokenChooser:
 
     # ---- speculative decoding ---------------------------------------------------------------------
 
-    def trim_drafts(self, drafts: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Each row's candidate tokens up to the first it could never take: those after an EOS
-        (the request ends there) and those its grammar refuses."""
+    def trim_drafts(
+        self, drafts: Sequence[Sequence[int]], owners: Sequence[int] | None = None
+    ) -> list[list[int]]:
+        """Each draft's candidate tokens (of row owners[i], default row i) up to the first its
+        row could never take: those after an EOS (the request ends there) and those its grammar
+        refuses."""
         eos = self.eos_token_id
         trimmed = []
-        for row, draft in enumerate(drafts):
+        for i, draft in enumerate(drafts):
+            row = owners[i] if owners is not None else i
             cut = list(draft[: draft.index(eos) + 1] if eos in draft else draft)
             matcher = self.matchers[row]
             if matcher is not None and cut:
@@ -316,12 +320,14 @@ class TokenChooser:
             trimmed.append(cut)
         return trimmed
 
-    def expand(self, drafts: Sequence[Sequence[int]]) -> TokenChooser:
-        """A chooser with len(drafts[i]) + 1 rows for row i: its j-th is row i after it took
-        drafts[i][:j] (history, generated count, seen tokens, grammar state; the row's own
-        parameters and generator, so position j draws the row's j-th number). Drafts must be
-        trimmed (`trim_drafts`)."""
-        rows = [row for row, draft in enumerate(drafts) for _ in range(len(draft) + 1)]
+    def expand(self, drafts: Sequence[Sequence[int]], owners: Sequence[int] | None = None) -> TokenChooser:
+        """A chooser with len(drafts[i]) + 1 rows for draft i, of row owners[i] (default: row i):
+        its j-th is that row after it took drafts[i][:j] (history, generated count, seen tokens,
+        grammar state; the row's own parameters and generator, so position j draws the row's
+        j-th number). A row may own several drafts (candidate chains) only where it is greedy.
+        Drafts must be trimmed (`trim_drafts`)."""
+        owners = list(owners) if owners is not None else list(range(len(drafts)))
+        rows = [owner for owner, draft in zip(owners, drafts, strict=True) for _ in range(len(draft) + 1)]
         taken = [draft[:j] for draft in drafts for j in range(len(draft) + 1)]
         seen = None
         if self.seen is not None:
@@ -331,8 +337,13 @@ class TokenChooser:
                 at, ids = zip(*marks, strict=True)
                 seen[to_device(at, self.device), to_device(ids, self.device)] = True
         matchers: list[Any | None] = []
-        for row, draft in enumerate(drafts):
-            matchers += guided.positions(self.matchers[row], draft)
+        started: set[int] = set()
+        for owner, draft in zip(owners, drafts, strict=True):
+            matcher = self.matchers[owner]
+            if owner in started and matcher is not None:  # a matcher is read by one row at a time
+                matcher = matcher.deep_copy()
+            started.add(owner)
+            matchers += guided.positions(matcher, draft)
         return TokenChooser(
             [self.params[i] for i in rows],
             [[*self.histories[i], *ids] for i, ids in zip(rows, taken, strict=True)],

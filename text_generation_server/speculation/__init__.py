@@ -5,6 +5,10 @@ tokens of a row.
     Speculator.propose(requests, histories, limits[, hidden])
                                             -> candidates per row (each at most its limit; any
                                                row may get none and steps normally)
+    Speculator.propose_chains(..., several)  -> candidate chains per row, best first: several
+                                               where `several[i]` allows and the speculator has
+                                               them (the MLP speculator's candidate trees), else
+                                               its one chain
     Speculator.release(request ids)         what it keeps for finished requests is dropped
     Lookahead                               per request: how many candidates to ask for next,
                                             after how many of the last ones were taken (and a
@@ -68,6 +72,20 @@ class Speculator(ABC):
         [rows, hidden size] (speculators that need it): the target's final hidden state at each
         row's last position, the one whose logits chose the row's last token."""
 
+    def propose_chains(
+        self,
+        requests: Sequence[int],
+        histories: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        hidden: torch.Tensor | None,
+        several: Sequence[bool],
+    ) -> list[list[list[int]]]:
+        """Each row's candidate chains, the likeliest first, each at most limits[i] tokens and
+        none repeated; more than one only where `several[i]` (rows whose verification can try
+        several: greedy ones). A speculator with one guess per row proposes that one."""
+        proposed = self.propose(requests, histories, limits, hidden)
+        return [[chain] if chain else [] for chain in proposed]
+
     def release(self, request_ids: Iterable[int]) -> None:
         """These requests are gone: drop what is kept for them (a draft model's KV blocks)."""
         return None
@@ -120,9 +138,16 @@ def speculator_for(config: ServerConfig, target: Target) -> tuple[Speculator, in
 
         path = resolve_model_dir(config.speculator_name, config.speculator_revision)
         if mlp.is_mlp_speculator(path):
-            speculator = mlp.MlpSpeculator(mlp.load_speculator(path, target), path)
+            model = mlp.load_speculator(path, target)
+            n_candidates, top_k = config.speculator_n_candidates, config.speculator_top_k_tokens_per_head
+            speculator = mlp.MlpSpeculator(model, path, n_candidates, top_k)
             heads = speculator.model.config.n_predict
             return speculator, min(config.speculate or heads, heads)
+        if config.speculator_n_candidates is not None or config.speculator_top_k_tokens_per_head is not None:
+            raise ValueError(
+                f"SPECULATOR_N_CANDIDATES / SPECULATOR_TOP_K_TOKENS_PER_HEAD shape an MLP speculator's "
+                f"candidates; {path} is a draft model"
+            )
         from text_generation_server.speculation.draft import DraftSpeculator
 
         return DraftSpeculator.load(path, config, target), config.speculate or DEFAULT_DRAFT_TOKENS

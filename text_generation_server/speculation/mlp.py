@@ -18,8 +18,10 @@ scale_input) and the token t before the one it predicts (the target's own last t
     w_state = 0.5 ** (0.5 / n_predict),  w_emb = sqrt(1 - w_state ** 2)
 
 ln_i normalises by the root mean square (eps 1e-6), then scales and shifts. Candidates are the
-most likely chain (each head's top token fed to the next), the best candidate per row; the
-candidate trees of top_k_tokens_per_head / n_candidates are not built.
+most likely chains of a candidate tree: head i keeps its top_k_tokens_per_head[i] tokens after
+each chain so far, and the n_candidates chains of the highest summed log-probability are tried
+(SPECULATOR_TOP_K_TOKENS_PER_HEAD / SPECULATOR_N_CANDIDATES override the config's, as in TGIS);
+with top-1 per head and one candidate, the chain of each head's top token.
 
 `train.py` makes one for a model by self-distillation, saved in this layout.
 """
@@ -158,14 +160,33 @@ class MlpSpeculatorModel(nn.Module):
     def chain(self, state: torch.Tensor, last: torch.Tensor, steps: int) -> torch.Tensor:
         """The most likely continuation: `state` [R, emb], `last` [R] the token after it ->
         [R, steps] (steps <= n_predict), each head's top token fed to the next."""
-        state = self._input(state)
+        return self.candidates(state, last, [1] * steps, 1)[:, 0]
+
+    @torch.inference_mode()
+    def candidates(
+        self, state: torch.Tensor, last: torch.Tensor, top_k: Sequence[int], count: int
+    ) -> torch.Tensor:
+        """The candidate tree: `state` [R, emb], `last` [R] -> [R, n, len(top_k)] token chains,
+        the likeliest first (n = min(count, prod(top_k))). Head i extends every chain so far by
+        its top_k[i] tokens (its state fed with each); chains are ranked by their summed
+        log-probabilities."""
+        rows = state.shape[0]
+        state = self._input(state)  # [R * width, ...] as chains multiply: width chains per row
         tokens = last
-        out = []
-        for i in range(steps):
+        scores = torch.zeros(rows, 1, device=state.device)
+        chains = torch.empty(rows, 1, 0, dtype=torch.long, device=state.device)
+        for i, k in enumerate(top_k):
+            width = chains.shape[1]
             state = self._step(i, state, tokens)
-            tokens = self.head[i](state).argmax(dim=-1)
-            out.append(tokens)
-        return torch.stack(out, dim=1)
+            logits = self.head[i](state).float()
+            best, ids = logits.log_softmax(dim=-1).topk(k, dim=-1)  # [R * width, k]
+            scores = (scores.unsqueeze(-1) + best.view(rows, width, k)).view(rows, width * k)
+            grown = chains.unsqueeze(2).expand(rows, width, k, i)
+            chains = torch.cat((grown, ids.view(rows, width, k, 1)), dim=-1).view(rows, width * k, i + 1)
+            state = state.repeat_interleave(k, dim=0)
+            tokens = ids.view(-1)
+        order = scores.topk(min(count, chains.shape[1]), dim=-1).indices
+        return chains.gather(1, order.unsqueeze(-1).expand(-1, -1, chains.shape[2]))
 
 
 def weight_names(config: MlpSpeculatorConfig) -> dict[str, str]:
@@ -248,14 +269,43 @@ def save_speculator(model: MlpSpeculatorModel, path: Path) -> None:
     )
 
 
+def tree_shape(
+    config: MlpSpeculatorConfig, n_candidates: int | None, top_k: Sequence[int] | None
+) -> tuple[tuple[int, ...], int]:
+    """The candidate tree to try: top tokens per head and chains, from SPECULATOR_TOP_K_TOKENS_PER_HEAD
+    / SPECULATOR_N_CANDIDATES where set, else the speculator's config (top-1 per head where it
+    names none); ValueError (one line) when they do not fit its heads."""
+    heads = config.n_predict
+    per_head = tuple(top_k) if top_k else config.top_k_tokens_per_head or (1,) * heads
+    if len(per_head) != heads:
+        raise ValueError(
+            f"SPECULATOR_TOP_K_TOKENS_PER_HEAD {','.join(map(str, per_head))} names {len(per_head)} "
+            f"heads, the speculator has {heads}"
+        )
+    if min(per_head) < 1:
+        raise ValueError(f"SPECULATOR_TOP_K_TOKENS_PER_HEAD must be >= 1 per head, got {per_head}")
+    count = n_candidates or config.n_candidates
+    if count < 1:
+        raise ValueError(f"SPECULATOR_N_CANDIDATES must be >= 1, got {count}")
+    return per_head, count
+
+
 class MlpSpeculator(Speculator):
     needs_hidden = True
 
-    def __init__(self, model: MlpSpeculatorModel, path: Path) -> None:
+    def __init__(
+        self,
+        model: MlpSpeculatorModel,
+        path: Path,
+        n_candidates: int | None = None,
+        top_k: Sequence[int] | None = None,
+    ) -> None:
         self.model = self.network = model
         self.heads = model.config.n_predict
+        self.top_k, self.n_candidates = tree_shape(model.config, n_candidates, top_k)
         self.dtype = next(model.parameters()).dtype
-        self.name = f"MLP speculator {path} ({model.config.n_predict} heads)"
+        tree = f"top {','.join(map(str, self.top_k))} tokens per head, {self.n_candidates} candidates"
+        self.name = f"MLP speculator {path} ({model.config.n_predict} heads; {tree})"
 
     def propose(
         self,
@@ -268,11 +318,34 @@ class MlpSpeculator(Speculator):
         out: list[list[int]] = [[] for _ in limits]
         if not rows or hidden is None:
             return out
+        chains = self.propose_chains(requests, histories, limits, hidden, [False] * len(limits))
+        return [found[0] if found else [] for found in chains]
+
+    def propose_chains(
+        self,
+        requests: Sequence[int],
+        histories: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        hidden: torch.Tensor | None,
+        several: Sequence[bool],
+    ) -> list[list[list[int]]]:
+        rows = [row for row, k in enumerate(limits) if k > 0]
+        out: list[list[list[int]]] = [[] for _ in limits]
+        if not rows or hidden is None:
+            return out
         device = hidden.device
         index = torch.tensor(rows, device=device)
         last = torch.tensor([histories[row][-1] for row in rows], device=device)
         steps = min(self.heads, max(limits[row] for row in rows))
-        guesses = self.model.chain(hidden.index_select(0, index).to(self.dtype), last, steps).tolist()
-        for row, guess in zip(rows, guesses, strict=True):
-            out[row] = guess[: limits[row]]
+        trees = any(several[row] for row in rows)
+        top_k = self.top_k[:steps] if trees else (1,) * steps
+        state = hidden.index_select(0, index).to(self.dtype)
+        found = self.model.candidates(state, last, top_k, self.n_candidates if trees else 1).tolist()
+        for row, chains in zip(rows, found, strict=True):
+            kept: list[list[int]] = []
+            for chain in chains if several[row] else chains[:1]:
+                cut = chain[: limits[row]]
+                if cut not in kept:  # chains that differ only past the row's limit are one
+                    kept.append(cut)
+            out[row] = kept
         return out

@@ -28,7 +28,10 @@ decode, each decoding request may carry k candidate tokens after its last token 
 as a step without speculation: C++ decoder stack, CUDA graphs); the chooser takes the candidates
 the model would have chosen plus the token after them (step.py `choose_speculated`), and the
 sequence's block table is cut back to the tokens taken (the rejected candidates' K/V are never
-read: lengths bound the attention; their blocks go back to the pool).
+read: lengths bound the attention; their blocks go back to the pool). A greedy request with
+several candidate chains (an MLP speculator's candidate tree) verifies the others in forks of its
+sequence (shared full blocks, a copy of the partial one); it follows the chain that took the most,
+whose fork, when it is not the first, the sequence adopts.
 
 A step is launched (`_launch`: forward and choice queued on the device, the chooser's device
 state moved on) then finished (`_finish`: the ids read back, recorded, answered);
@@ -72,6 +75,7 @@ from text_generation_server.engines.base import Launched, ModelEngine
 from text_generation_server.engines.loading import load_pretrained, model_context
 from text_generation_server.engines.step import (
     Chosen,
+    Verified,
     choose_speculated,
     drop_failed,
     end_choice,
@@ -408,9 +412,9 @@ class TgisNativeEngine(ModelEngine):
     def generate_token(self, batch: Batch, token_budget: int = 0) -> tuple[StepOutput, RaggedBatch | None]:
         assert isinstance(batch, RaggedBatch)
         with torch.inference_mode():
-            drafts = self._drafts(batch, [batch.states[r.id] for r in batch.requests])
-            if drafts is not None:
-                return self._speculative_step(batch, token_budget, drafts)
+            chains = self._candidates(batch, [batch.states[r.id] for r in batch.requests])
+            if chains is not None:
+                return self._speculative_step(batch, token_budget, chains)
             launched = self._launch(batch, token_budget, ahead=False)
             output = self._finish(launched)
             return output, drop_failed(launched.batch, output)
@@ -454,7 +458,8 @@ class TgisNativeEngine(ModelEngine):
         chunks = batch.plan_prompts(token_budget)
         decoding: list[RequestState] = [batch.states[r.id] for r in batch.requests]
         ids = [history[-1] for history in batch.histories]
-        rows, wanted = self._forward(batch, chunks, decoding, ids, [[] for _ in decoding])
+        plain: list[list[list[int]]] = [[[]] for _ in decoding]
+        rows, wanted = self._forward(batch, chunks, ids, plain, [[s.kv] for s in decoding])
         completed = batch.finish_prompts(chunks)
         forward_ns = self.runner.timer.lap()
         step = LaunchedStep(batch, list(batch.request_ids), forward_ns, batch.pending_ids, completed)
@@ -466,7 +471,7 @@ class TgisNativeEngine(ModelEngine):
         step.requests = list(batch.requests)
         step.chosen = start_choice(scores, batch.chooser)
         if self.runner.capturing:  # an MLP speculator reads each row's hidden state next step
-            self._keep_hidden(batch, [[] for _ in batch.requests], [1] * len(batch.requests), wanted)
+            self._keep_hidden(batch, list(range(len(batch.requests))), wanted)
         for row, request in enumerate(batch.requests):
             batch.states[request.id].pending = (step.chosen.next_ids, row)
         return step
@@ -495,31 +500,33 @@ class TgisNativeEngine(ModelEngine):
         self,
         batch: RaggedBatch,
         chunks: Sequence[Chunk],
-        decoding: Sequence[RequestState],
         ids: Sequence[int],
-        candidates: Sequence[Sequence[int]],
+        chains: Sequence[Sequence[Sequence[int]]],
+        sequences: Sequence[Sequence[SequenceKV]],
     ) -> tuple[torch.Tensor, list[int] | None]:
-        """The step's forward: one row per decoding request (its last token `ids[i]`, then its
-        candidates: each a decode row of the same sequence, one position further), then the
-        prompt chunks. Returns the logits of every decode row then of each completed prompt
-        (the chooser's rows after finish_prompts), and, where the forward computed every
-        token's logits (prompt-token details), the packed index of each of those rows."""
-        sequences: list[SequenceKV] = []
+        """The step's forward: for each decoding request and each of its candidate chains
+        `chains[i]` (one empty chain without speculation), a row with its last token `ids[i]`,
+        then a row per candidate, each one position further, written to the chain's sequence
+        `sequences[i][c]` (the request's own, or a fork of it); then the prompt chunks. Returns
+        the logits of every decode row then of each completed prompt (the chooser's rows after
+        finish_prompts), and, where the forward computed every token's logits (prompt-token
+        details), the packed index of each of those rows."""
+        kvs: list[SequenceKV] = []
         row_ids: list[int] = []
         loras: list[LoraWeights | None] = []
         from_device: list[tuple[int, torch.Tensor, int]] = []
-        for state, token, draft in zip(decoding, ids, candidates, strict=True):
-            if state.pending is not None:
-                from_device.append((len(row_ids), *state.pending))
-            sequences += [state.kv] * (1 + len(draft))
-            row_ids += [token, *draft]
-            loras += [state.lora] * (1 + len(draft))
+        decoding = [batch.states[r.id] for r in batch.requests]
+        for state, token, row_chains, row_kvs in zip(decoding, ids, chains, sequences, strict=True):
+            for chain, kv in zip(row_chains, row_kvs, strict=True):
+                if state.pending is not None:
+                    from_device.append((len(row_ids), *state.pending))
+                kvs += [kv] * (1 + len(chain))
+                row_ids += [token, *chain]
+                loras += [state.lora] * (1 + len(chain))
         if not chunks:
-            return self.runner.decode(sequences, row_ids, loras, from_device), None
+            return self.runner.decode(kvs, row_ids, loras, from_device), None
         details = any(c.item.request.details.input_tokens for c in chunks)
-        pieces = [
-            StepPiece(kv, [i], None, lora) for kv, i, lora in zip(sequences, row_ids, loras, strict=True)
-        ]
+        pieces = [StepPiece(kv, [i], None, lora) for kv, i, lora in zip(kvs, row_ids, loras, strict=True)]
         prompts = [batch.states[c.item.request.id] for c in chunks]
         pieces += [StepPiece(s.kv, c.tokens, c.virtual, s.lora) for s, c in zip(prompts, chunks, strict=True)]
         ends: list[int] = []  # the packed index of each piece's last token
@@ -535,55 +542,98 @@ class TgisNativeEngine(ModelEngine):
         return logits[wanted], wanted
 
     def _speculative_step(
-        self, batch: RaggedBatch, token_budget: int, drafts: list[list[int]]
+        self, batch: RaggedBatch, token_budget: int, chains: list[list[list[int]]]
     ) -> tuple[StepOutput, RaggedBatch | None]:
         chunks = batch.plan_prompts(token_budget)
         decoding: list[RequestState] = [batch.states[r.id] for r in batch.requests]
         begins = [s.kv.length for s in decoding]
         ids = [history[-1] for history in batch.histories]
-        rows, wanted = self._forward(batch, chunks, decoding, ids, drafts)
-        completed = batch.finish_prompts(chunks)
-        input_tokens = [self._input_tokens(p) for p in completed if p.request.details.input_tokens]
-        assert batch.chooser is not None  # drafts come from decoding rows
-        rows_drafts = [*drafts, *([] for _ in completed)]  # the chooser's rows: decoding, completed
-        taken, accepted, output = choose_speculated(rows.float(), batch.requests, batch.chooser, rows_drafts)
-        for row, (state, draft) in enumerate(zip(decoding, drafts, strict=True)):
-            if draft and taken[row]:
-                state.kv.truncate(begins[row] + len(taken[row]))  # rejected candidates forgotten
+        sequences = self._fork(decoding, chains)
+        try:
+            rows, wanted = self._forward(batch, chunks, ids, chains, sequences)
+            completed = batch.finish_prompts(chunks)
+            input_tokens = [self._input_tokens(p) for p in completed if p.request.details.input_tokens]
+            assert batch.chooser is not None  # candidates come from decoding rows
+            no_chains: list[list[list[int]]] = [[[]] for _ in completed]
+            rows_chains = [*chains, *no_chains]  # the chooser's rows: decoding, completed
+            verified = choose_speculated(rows.float(), batch.requests, batch.chooser, rows_chains)
+            for row, state in enumerate(decoding):
+                if verified.chain[row] and verified.taken[row]:  # the chain that won was written to its fork
+                    state.kv.adopt(sequences[row][verified.chain[row]])
+        finally:  # the forks that lost (or all, when the step failed) go back to the pool
+            for row_kvs in sequences:
+                for fork in row_kvs[1:]:
+                    fork.free()
+        for row, (state, row_chains) in enumerate(zip(decoding, chains, strict=True)):
+            if any(row_chains) and verified.taken[row]:
+                state.kv.truncate(begins[row] + len(verified.taken[row]))  # rejected candidates forgotten
                 assert state.lookahead is not None
-                state.lookahead.taken(len(draft), accepted[row])
+                state.lookahead.taken(len(row_chains[verified.chain[row]]), verified.accepted[row])
         if self.runner.capturing:
-            self._keep_hidden(batch, rows_drafts, [len(t) for t in taken], wanted)
+            self._keep_hidden(batch, self._chosen_rows(rows_chains, verified), wanted)
+        output = verified.output
         output.forward_ns = self.runner.timer.elapsed_ns()  # after the ids' copy: no sync of its own
         output.input_tokens = input_tokens
         output.pending = batch.pending_ids
         return output, drop_failed(batch, output)
 
-    def _keep_hidden(
-        self,
-        batch: RaggedBatch,
-        drafts: Sequence[Sequence[int]],
-        counts: Sequence[int],
-        wanted: list[int] | None,
-    ) -> None:
-        """Each chooser row's final hidden state at the position that chose its last token (the
-        runner kept the LM head's input: one row per logits row, `wanted` of them where the step
-        computed every token's logits)."""
+    def _fork(
+        self, decoding: Sequence[RequestState], chains: list[list[list[int]]]
+    ) -> list[list[SequenceKV]]:
+        """Each row's sequence per candidate chain: its own for the first, a fork for each other
+        (blocks past the shared ones taken now, the partial block copied on the device). Chains
+        that the free blocks cannot hold beside every request's reserve are dropped (in
+        `chains` too)."""
+        room = self.kv.pool.free - self.allocations.reserved_blocks
+        sequences: list[list[SequenceKV]] = []
+        copies: list[tuple[int, int]] = []
+        for state, row_chains in zip(decoding, chains, strict=True):
+            kvs = [state.kv]
+            for chain in row_chains[1:]:
+                need = state.kv.fork_blocks(1 + len(chain))
+                if need > room:
+                    break
+                room -= need
+                fork, copy = state.kv.fork()
+                kvs.append(fork)
+                if copy is not None:
+                    copies.append(copy)
+            del row_chains[len(kvs) :]
+            sequences.append(kvs)
+        self.kv.copy_blocks(copies)
+        return sequences
+
+    @staticmethod
+    def _chosen_rows(chains: Sequence[Sequence[Sequence[int]]], verified: Verified) -> list[int]:
+        """Each chooser row's logits row whose position chose its last token taken: in the
+        chain it followed (the first row for a row that took none)."""
+        rows, start = [], 0
+        for row, row_chains in enumerate(chains):
+            winner = verified.chain[row]
+            first = start + sum(len(c) + 1 for c in row_chains[:winner])
+            rows.append(first + max(len(verified.taken[row]), 1) - 1)
+            start += sum(len(c) + 1 for c in row_chains)
+        return rows
+
+    def _keep_hidden(self, batch: RaggedBatch, rows: list[int], wanted: list[int] | None) -> None:
+        """Keep each chooser row's final hidden state at logits row `rows[i]` (the runner kept
+        the LM head's input: one row per logits row, `wanted` of them where the step computed
+        every token's logits)."""
         hidden = self.runner.hidden
         assert hidden is not None
-        index, start = [], 0
-        for draft, count in zip(drafts, counts, strict=True):  # the row of each one's last token taken
-            index.append(start + max(count, 1) - 1)
-            start += 1 + len(draft)
-        rows = [wanted[i] for i in index] if wanted is not None else index
-        kept = hidden.index_select(0, to_device(rows, hidden.device))
+        packed = [wanted[i] for i in rows] if wanted is not None else rows
+        kept = hidden.index_select(0, to_device(packed, hidden.device))
         for request, row in zip(batch.requests, kept, strict=True):
             batch.states[request.id].hidden = row
 
-    def _drafts(self, batch: RaggedBatch, decoding: Sequence[RequestState]) -> list[list[int]] | None:
-        """Each decoding row's candidate tokens for this step (None: no row has any, or
-        speculation is off or the batch too large for it). A row is offered at most its
-        lookahead and never more than would take it past max_new_tokens."""
+    def _candidates(
+        self, batch: RaggedBatch, decoding: Sequence[RequestState]
+    ) -> list[list[list[int]]] | None:
+        """Each decoding row's candidate chains for this step, the likeliest first (None: no
+        row has any, or speculation is off or the batch too large for it); a row without
+        candidates has one empty chain. A row is offered at most its lookahead and never more
+        than would take it past max_new_tokens; several chains only to greedy rows (a sampling
+        row's draws follow one chain)."""
         if self.speculator is None or not decoding or len(decoding) > self.speculator_max_rows:
             return None
         chooser = batch.chooser
@@ -602,9 +652,18 @@ class TgisNativeEngine(ModelEngine):
                 [s.hidden if s.hidden is not None else torch.zeros_like(like) for s in decoding]
             )
         requests = [r.id for r in batch.requests]
-        proposed = self.speculator.propose(requests, chooser.histories, limits, hidden)
-        drafts = chooser.trim_drafts([p[:k] for p, k in zip(proposed, limits, strict=True)])
-        return drafts if any(drafts) else None
+        greedy = [g is None for g in chooser.generators]
+        proposed = self.speculator.propose_chains(requests, chooser.histories, limits, hidden, greedy)
+        chains: list[list[list[int]]] = []
+        for row, (row_chains, limit) in enumerate(zip(proposed, limits, strict=True)):
+            cut = [c[:limit] for c in (row_chains if greedy[row] else row_chains[:1])]
+            trimmed = chooser.trim_drafts(cut, [row] * len(cut))
+            kept: list[list[int]] = []
+            for chain in trimmed:
+                if chain and chain not in kept:
+                    kept.append(chain)
+            chains.append(kept or [[]])
+        return chains if any(any(c) for c in chains) else None
 
     @staticmethod
     def _wanted(decoding: int, chunks: Sequence[Chunk], ends: list[int]) -> list[int]:
