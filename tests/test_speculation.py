@@ -937,11 +937,13 @@ def test_a_draft_model_without_room_proposes_nothing_and_changes_nothing(tiny_mo
     assert pool.free == pool.num_blocks
 
 
+@pytest.mark.parametrize("tree", [None, (3, (2, 2))])
 def test_the_mlp_speculator_reads_the_hidden_states_of_replayed_decode_graphs(
-    tiny_model, tmp_path: Path
+    tiny_model, tmp_path: Path, tree: tuple[int, tuple[int, ...]] | None
 ) -> None:
     """Decode steps replayed from captured graphs (the CPU stand-in of CUDA graphs) give the MLP
-    speculator the hidden states eager steps give: the same candidates, the same tokens."""
+    speculator the hidden states eager steps give: the same candidates, the same tokens; steps
+    verifying candidate trees are replayed too (the graphs keep the logits of every chain)."""
     from tests.engines.test_runner import Replays
     from text_generation_server.kernels import cpu_kernels
 
@@ -962,11 +964,13 @@ def test_the_mlp_speculator_reads_the_hidden_states_of_replayed_decode_graphs(
             cpu_attention="kernel",
             speculator_name=str(tmp_path / "heads"),
             deployment_framework="tgis_native",
+            speculator_n_candidates=tree[0] if tree else None,
+            speculator_top_k_tokens_per_head=tree[1] if tree else None,
         )
         engine = TgisNativeEngine(config)
         replays = Replays()
         if mode == "graphed":
-            engine.capture_graphs(8, replays)
+            engine.capture_graphs(3, replays, 64)
         real = engine.speculator.propose_chains
         seen = proposals[mode] = []
 
@@ -976,9 +980,22 @@ def test_the_mlp_speculator_reads_the_hidden_states_of_replayed_decode_graphs(
             return out
 
         engine.speculator.propose_chains = propose  # type: ignore[method-assign]
+        tree_steps = []  # graphed: whether each step with several chains of a row replayed
+        real_step = engine._speculative_step
+
+        def step(batch, budget, chains, real_step=real_step, tree_steps=tree_steps, replays=replays):  # type: ignore[no-untyped-def]
+            before = replays.count
+            several = any(len(c) > 1 for c in chains)
+            out = real_step(batch, budget, chains)
+            if several:
+                tree_steps.append(replays.count > before)
+            return out
+
+        engine._speculative_step = step  # type: ignore[method-assign]
         requests = [GenerationRequest(i, tuple(range(20 + i, 32 + 2 * i)), 10) for i in range(3)]
         outputs[mode] = Runner(engine).run({0: requests[:2], 2: requests[2:]})
         if mode == "graphed":
             assert replays.count > 0
+            assert all(tree_steps) and bool(tree_steps) == (tree is not None)
     assert outputs["graphed"] == outputs["eager"]
     assert proposals["graphed"] == proposals["eager"] and any(any(p) for p in proposals["eager"])

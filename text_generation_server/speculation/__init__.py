@@ -57,6 +57,7 @@ class Target:
 class Speculator(ABC):
     name: str  # how the start-up log names it
     needs_hidden = False  # propose reads the target's last hidden state of each row
+    chains = 1  # most candidate chains it proposes per row (propose_chains)
     network: torch.nn.Module | None = None  # its own model, whose linears the engine lays out on CPU
 
     @abstractmethod

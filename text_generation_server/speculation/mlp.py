@@ -303,6 +303,7 @@ class MlpSpeculator(Speculator):
         self.model = self.network = model
         self.heads = model.config.n_predict
         self.top_k, self.n_candidates = tree_shape(model.config, n_candidates, top_k)
+        self.chains = min(self.n_candidates, math.prod(self.top_k))
         self.dtype = next(model.parameters()).dtype
         tree = f"top {','.join(map(str, self.top_k))} tokens per head, {self.n_candidates} candidates"
         self.name = f"MLP speculator {path} ({model.config.n_predict} heads; {tree})"

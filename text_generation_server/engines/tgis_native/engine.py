@@ -263,7 +263,7 @@ class TgisNativeEngine(ModelEngine):
                 "CUDA graphs are off: the %s attention backend cannot be captured", self.backend.name
             )
             return
-        graphs = StepGraphs(buckets_up_to(max_rows, max_tokens), max_rows * (1 + self.speculate))
+        graphs = StepGraphs(buckets_up_to(max_rows, max_tokens), self._most_kept_rows(max_rows))
         runner = self.runner
         runner.hold(graphs.buckets[-1])
 
@@ -283,6 +283,15 @@ class TgisNativeEngine(ModelEngine):
         runner.graphs = graphs
         # a speculator that reads hidden states keeps steps with prompt chunks eager (runner.py)
         self.info = dataclasses.replace(self.info, eager_joins=runner.capturing)
+
+    def _most_kept_rows(self, max_rows: int) -> int:
+        """The most rows a step takes logits from: one per decoding or completed request, and
+        with speculation (at most SPECULATOR_MAX_BATCH_SIZE decoding rows) each chain's
+        candidates too."""
+        if self.speculator is None:
+            return max_rows
+        speculating = min(max_rows, self.speculator_max_rows)
+        return max_rows + speculating * ((1 + self.speculate) * self.speculator.chains - 1)
 
     # ---- the KV cache --------------------------------------------------------------------------
 
