@@ -20,10 +20,15 @@ from router.core.tokenizer import load_tokenizer
 from router.core.validation import ValidatedRequest
 from router.scheduling.batcher import Batcher
 from router.scheduling.request_queue import RequestQueue
-from router.scheduling.shard_client import GrpcShardClient
+from router.scheduling.shard_client import GrpcShardClient, ShardCallError
 from tests.engines.conformance import validated_request
 from tests.shard_harness import running_shard
-from text_generation_common.messages import HEALTH_CHECK_BATCH_ID, GenerationRequest, SamplingParams
+from text_generation_common.messages import (
+    HEALTH_CHECK_BATCH_ID,
+    CachedBatchRef,
+    GenerationRequest,
+    SamplingParams,
+)
 from text_generation_server.config import ServerConfig
 from text_generation_server.testing.fake_engine import FakeEngine
 
@@ -86,3 +91,30 @@ async def test_chunked_prompts_answer_pending_then_give_the_same_tokens(shard) -
             t.token_id for t in a.input_tokens or ()
         ]
     assert [len(o.tokens) for o in chunked] == [6, 8, 4]
+
+
+async def test_decode_steps_share_one_stream_and_a_failed_step_ends_only_its_own(shard) -> None:
+    """Steps are messages of one NextTokens stream; a step the shard refuses (a batch it does
+    not hold) fails with the shard's message and ends that stream; the next step opens a new
+    one and the batch goes on."""
+    config, _ = shard
+    client = await GrpcShardClient.connect(config.socket_path)
+    try:
+        await client.clear_cache()
+        requests = [GenerationRequest(1, (20, 21, 22), max_new_tokens=8)]
+        first = await client.prefill(5, requests, [])
+        assert first.batch_id == 5 and len(first.generations) == 1
+        stream = client._steps[0]
+        ref = CachedBatchRef(5)
+        assert (await client.next_token([ref])).batch_id == 5
+        call = stream._call
+        assert call is not None and (await client.next_token([ref])).batch_id == 5
+        assert stream._call is call  # the same stream
+        with pytest.raises(ShardCallError, match=r"^Batch ID 99 not found in cache\.$") as failed:
+            await client.next_token([CachedBatchRef(99)])
+        assert failed.value.reason == "error" and stream._call is None
+        output = await client.next_token([ref])
+        assert output is not None and output.batch_id == 5 and len(output.generations) == 1
+        assert stream._call is not None and stream._call is not call
+    finally:
+        await client.close()

@@ -20,7 +20,7 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
@@ -181,6 +181,14 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
             result=convert.result_to_pb(output),
             input_tokens=convert.input_tokens_to_pb(output.input_tokens),
         )
+
+    async def NextTokens(
+        self, requests: AsyncIterator[pb.NextTokenRequest], context: Any
+    ) -> AsyncIterator[pb.NextTokenResponse]:
+        """The router's decode steps over one stream: each answered as NextToken answers it; a
+        failure ends the stream with its status."""
+        async for request in requests:
+            yield await self.NextToken(request, context)
 
     async def PrefixLookup(self, request: pb.PrefixLookupRequest, context: Any) -> pb.PrefixLookupResponse:
         """Load the soft prompt (or adapter) into the engine's cache and answer its length.
