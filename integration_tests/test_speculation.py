@@ -77,19 +77,23 @@ def expected(root) -> list[tuple[str, int, int]]:
         plain.stop()
 
 
-@pytest.mark.parametrize("speculator", ["n-gram", "mlp", "draft"])
+@pytest.mark.parametrize("speculator", ["n-gram", "mlp", "mlp-tree", "draft"])
 def test_speculation_gives_the_same_text_and_counts_what_it_verified(root, expected, speculator: str) -> None:
     flags: tuple[str, ...]
     if speculator == "draft":  # the model as its own draft
         model = root / "models" / "reference"
         flags = ("--speculator-name", str(model), "--speculate", "3")
         logged = f"speculative decoding: draft model {model} (llama, 30.5 M parameters), up to 3 candidate"
-    elif speculator == "mlp":
+    elif speculator.startswith("mlp"):
         out = root / "models" / "reference-accelerator"
         if not (out / "config.json").exists():  # the training command, seconds at this size
             train_main(["--model", str(root / "models" / "reference"), "--out", str(out), *TRAIN_SMALL])
         flags = ("--speculator-name", str(out))
-        logged = f"speculative decoding: MLP speculator {out} (3 heads), up to 3 candidate tokens per row"
+        shape = "3 heads"
+        if speculator == "mlp-tree":  # TGIS's names for the candidate tree, as the launcher's env
+            flags += ("--speculator-n-candidates", "3", "--speculator-top-k-tokens-per-head", "2,2,1")
+            shape = "3 heads; candidate tree: top 2,2,1 tokens per head, 3 chains"
+        logged = f"speculative decoding: MLP speculator {out} ({shape}), up to 3 candidate tokens per row"
     else:
         flags = ("--speculate", "4")
         logged = "speculative decoding: n-gram (prompt lookup), up to 4 candidate tokens per row"

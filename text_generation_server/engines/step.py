@@ -147,6 +147,9 @@ def choose_speculated(
     equal prefixes choose equal tokens). A row whose logits are NaN at its first position takes
     nothing (an error in the output); NaN later keeps the tokens before it.
     """
+    assert all(len(c) == 1 or chooser.generators[row] is None for row, c in enumerate(chains)), (
+        "a sampling row draws along one chain"
+    )
     flat = [chain for row_chains in chains for chain in row_chains]
     owners = [row for row, row_chains in enumerate(chains) for _ in row_chains]
     expanded = chooser.expand(flat, owners)

@@ -305,8 +305,11 @@ class MlpSpeculator(Speculator):
         self.top_k, self.n_candidates = tree_shape(model.config, n_candidates, top_k)
         self.chains = min(self.n_candidates, math.prod(self.top_k))
         self.dtype = next(model.parameters()).dtype
-        tree = f"top {','.join(map(str, self.top_k))} tokens per head, {self.n_candidates} candidates"
-        self.name = f"MLP speculator {path} ({model.config.n_predict} heads; {tree})"
+        shape = f"{self.heads} heads"
+        if self.chains > 1:
+            top = ",".join(map(str, self.top_k))
+            shape += f"; candidate tree: top {top} tokens per head, {self.chains} chains"
+        self.name = f"MLP speculator {path} ({shape})"
 
     def propose(
         self,
@@ -315,10 +318,6 @@ class MlpSpeculator(Speculator):
         limits: Sequence[int],
         hidden: torch.Tensor | None = None,
     ) -> list[list[int]]:
-        rows = [row for row, k in enumerate(limits) if k > 0]
-        out: list[list[int]] = [[] for _ in limits]
-        if not rows or hidden is None:
-            return out
         chains = self.propose_chains(requests, histories, limits, hidden, [False] * len(limits))
         return [found[0] if found else [] for found in chains]
 
