@@ -26,11 +26,13 @@ FP32_LAYOUTS = [LinearLayout.COLUMN_MAJOR, LinearLayout.ONEDNN, LinearLayout.AUT
 
 
 @pytest.mark.parametrize("layout", FP32_LAYOUTS, ids=lambda layout: layout.value)
-@pytest.mark.parametrize("arch", ["llama", "bloom", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", "bloom", "gpt_neox", "gpt2"])
 def test_every_layout_gives_the_same_logits(tiny_model, arch: str, layout: LinearLayout) -> None:
+    """GPT-2's Conv1D projections too: each becomes the Linear it equals, then laid out."""
     model = _load(tiny_model(arch))
     relaid = copy.deepcopy(model)
     choices = choose_linear_layouts(relaid, max_batch_size=8, layout=layout)
+    assert not any(type(m).__name__ == "Conv1D" for m in relaid.modules())
     assert choices and all(
         c.layout in (layout, LinearLayout.PLAIN) or layout is LinearLayout.AUTO for c in choices
     )

@@ -81,7 +81,7 @@ def both_logits(engine: TgisNativeEngine, batch, ids: list[int]) -> tuple[torch.
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "granite", "gpt2", "gpt_bigcode", "gpt_neox"])
 def test_logits_match_the_modules(tiny_model, arch, dtype) -> None:
     # llama: GQA; mistral: sliding window; qwen2: q/k/v biases; granite: its four multipliers;
-    # gpt2: LayerNorm, learned positions, Conv1D, GELU's formula; gpt_bigcode: multi-query;
+    # gpt2: LayerNorm, learned positions, Conv1D (as Linears), GELU's formula; gpt_bigcode: multi-query;
     # gpt_neox: q/k/v per head, partial rotary, parallel residual, erf GELU
     assert_logits_match(
         TgisNativeEngine(config_for(tiny_model(arch), dtype=dtype, cpu_forward="layers")), dtype
@@ -209,7 +209,7 @@ def test_steps_with_prompts_match_the_modules(tiny_model, arch, dtype) -> None:
 
 LORA_TARGETS = {  # what the adapters of the test below adapt, per architecture
     "llama": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "gpt2": ["c_attn", "c_proj", "c_fc"],  # Conv1D bases
+    "gpt2": ["c_attn", "c_proj", "c_fc"],  # Conv1D in transformers, Linears once laid out
     "gpt_neox": ["query_key_value", "dense_h_to_4h"],
 }
 
@@ -295,9 +295,4 @@ def test_unsupported_shapes_of_a_layer_norm_model(tiny_model) -> None:
         build(engine.model, engine.kv, "cpu_kernel", 1, None)
     config.activation_function = "gelu_pytorch_tanh"
     decoder = build(engine.model, engine.kv, "cpu_kernel", 1, None)
-    assert (decoder.family, decoder.kv_heads, decoder.conv1d, decoder.interleaved) == (
-        "layer_norm",
-        1,
-        False,
-        False,
-    )
+    assert (decoder.family, decoder.kv_heads, decoder.interleaved) == ("layer_norm", 1, False)

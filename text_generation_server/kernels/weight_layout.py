@@ -13,6 +13,11 @@ to 4, and differently on different CPUs, so the engine measures instead of assum
                 with AVX512-BF16: [1, 512] x [512, 8192] bf16 231 -> 64 us, fp32 at M = 32
                 2.7 -> 0.6 ms; on the Xeon above it was slower at M = 1 in fp32.
 
+GPT-2's `Conv1D` (weight [in, out], x @ W + b) is the same product as a Linear whose weight is
+its transpose: `choose_linear_layouts` first turns each into that Linear (a plain [out, in] copy),
+so that it gets a measured layout too (measured on the AMX Xeon: GPT-2's bf16 decode step
+through the C++ decoder stack, oneDNN-packed, below).
+
 `choose_linear_layouts` times each layout on every distinct weight shape of the model, at M = 1
 and at M = the largest decode batch (capped at 32), with the model's dtype and thread count, and
 picks the one with the lowest geometric mean, switching away from the loaded layout only for a
@@ -153,12 +158,37 @@ def cpu_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torc
     return found
 
 
+def _conv1d_as_linear(model: torch.nn.Module) -> None:
+    """Replace every CPU Conv1D (transformers' GPT-2 projection) by the Linear it equals."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            weight = getattr(child, "weight", None)
+            if type(child).__name__ != "Conv1D" or not isinstance(weight, torch.Tensor):
+                continue
+            if weight.device.type != "cpu" or weight.dim() != 2:
+                continue
+            in_features, out_features = weight.shape
+            bias = getattr(child, "bias", None)
+            linear = torch.nn.Linear(
+                in_features, out_features, bias=bias is not None, dtype=weight.dtype, device="meta"
+            )
+            linear.weight = torch.nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
+            if bias is not None:
+                linear.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+            setattr(parent, name, linear)
+            replaced += 1
+    if replaced:
+        logger.info("%d Conv1D projections are laid out as the Linears they equal", replaced)
+
+
 def choose_linear_layouts(
     model: torch.nn.Module, max_batch_size: int, layout: LinearLayout = LinearLayout.AUTO
 ) -> list[Choice]:
     """Lay out every eligible Linear of `model` (see the module docstring); returns the choice
     made for each distinct (shape, dtype)."""
     large_m = max(1, min(max_batch_size, TUNE_MAX_M))
+    _conv1d_as_linear(model)
     linears = cpu_linears(model)
     choices: dict[tuple[tuple[int, int], torch.dtype], Choice] = {}
     for parent, name, linear in linears:

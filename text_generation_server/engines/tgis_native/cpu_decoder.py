@@ -100,7 +100,6 @@ class Projection(NamedTuple):
     int4: torch.Tensor | None = None  # packed 4-bit weights (quantization/int4.py), else None
     int4_order: torch.Tensor | None = None  # a 4-bit layer's input channel order (act-order)
     out_features: int = 0
-    conv1d: bool = False  # GPT-2's Conv1D: weight [in, out] (addmm), else Linear's [out, in]
 
 
 def _linear(module: Any) -> Projection:
@@ -121,9 +120,9 @@ def _linear(module: Any) -> Projection:
         )  # fmt: skip
     if type(base) is torch.nn.Linear:
         return Projection(base.weight, base.bias, False)
-    if type(base).__name__ == "Conv1D":
-        return Projection(base.weight, base.bias, False, conv1d=True)
-    raise Unsupported(f"its projections are {type(base).__name__}, not Linear")
+    raise Unsupported(
+        f"its projections are {type(base).__name__}, not Linear"
+    )  # GPT-2's Conv1D: see weight_layout.py
 
 
 @dataclass(slots=True)
@@ -147,7 +146,6 @@ class CpuDecoder:
     block_size: int
     window: int
     family: str = "llama"  # or "layer_norm" (decoder_layers_ln)
-    conv1d: bool = False  # layer_norm: GPT-2's Conv1D weights
     interleaved: bool = False  # layer_norm: the fused projection's output is [q, k, v] per head
     parallel_residual: bool = False  # layer_norm: GPT-NeoX's parallel attention and MLP
     activation: str = ""  # layer_norm: gelu_new, gelu_pytorch_tanh or gelu
@@ -217,7 +215,7 @@ class CpuDecoder:
             if self.position_embeddings is not None:
                 embeddings = embeddings + self.position_embeddings(positions)
             out: torch.Tensor = torch.ops.tgis_cpu.decoder_layers_ln(
-                embeddings.contiguous(), self.params, self.onednn, self.conv1d, self.interleaved,
+                embeddings.contiguous(), self.params, self.onednn, self.interleaved,
                 self.parallel_residual, cos, sin, self.caches, slots, decode, tables, lengths, bounds, blocks,
                 masks, lora.slots, lora.a, lora.bt, lora.scales, self.block_size, self.heads, self.kv_heads,
                 self.eps, self.scale, self.window, self.activation,
@@ -367,7 +365,6 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
     params: list[torch.Tensor | None] = []
     onednn: list[bool] = []
     projections: list[tuple[Any, str]] = []
-    kinds = set()
     for block in blocks:
         for path in parts:
             part = _attribute(block, path)
@@ -378,12 +375,9 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
             projection = _linear(part)
             if projection.int8 is not None or projection.int4 is not None:
                 raise Unsupported("its layers are quantized")
-            kinds.add(projection.conv1d)
             projections.append((_attribute(block, holder_path), name))
             params += [projection.weight, projection.bias]
             onednn.append(projection.onednn)
-    if len(kinds) != 1:
-        raise Unsupported("its projections mix Conv1D and Linear")
     final = _attribute(model, final_path)
     params += [final.weight, final.bias]
     caches = [cache.layers[i] for i in range(len(blocks))]
@@ -413,7 +407,6 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
         block_size=cache.pool.block_size,
         window=window or 0,
         family="layer_norm",
-        conv1d=kinds.pop(),
         interleaved=neox or not getattr(config, "multi_query", True),  # GPT-BigCode without MQA too
         parallel_residual=neox and bool(config.use_parallel_residual),
         activation=activation,

@@ -55,7 +55,6 @@
 //   params     12 per layer, then the final norm's weight and bias: ln_1 (weight, bias), c_attn,
 //              attention c_proj, ln_2, c_fc, MLP c_proj (weight, bias each)
 //   onednn     4 per layer: c_attn, attention c_proj, c_fc, MLP c_proj
-//   conv1d     GPT-2's Conv1D weights ([in, out], addmm) instead of Linear's
 //   interleaved the fused projection's output per head as [q, k, v] (GPT-NeoX, multi-head
 //              GPT-BigCode), else [all q | all k | all v]
 //   cos, sin   [T, rotary_dims] with rotary_dims > 0 (GPT-NeoX), else None
@@ -386,7 +385,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 }
 
 struct LnShape {
-  bool conv1d, interleaved, parallel;
+  bool interleaved, parallel;
   c10::string_view activation;
   std::optional<at::Tensor> cos, sin;  // [rows, 1, rotary_dims]
 };
@@ -404,9 +403,7 @@ at::Tensor run_ln(const at::Tensor& embeddings, const c10::List<std::optional<at
   };
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
     const int64_t first = layer * kLnParamsPerLayer + index, projection = layer * kLnLinearsPerLayer + which;
-    at::Tensor y = (shape.conv1d ? at::addmm(param(first + 1), x, param(first))
-                           : linear(x, params.get(first), params.get(first + 1), onednn[projection]))
-                       .contiguous();
+    at::Tensor y = linear(x, params.get(first), params.get(first + 1), onednn[projection]).contiguous();
     lora.apply(y, x, projection);
     return y;
   };
@@ -504,7 +501,7 @@ at::Tensor by_dtype(at::ScalarType dtype, const char* op, const F& typed) {
 }
 
 at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::optional<at::Tensor>>& params,
-                             c10::List<bool> onednn, bool conv1d, bool interleaved, bool parallel_residual,
+                             c10::List<bool> onednn, bool interleaved, bool parallel_residual,
                              const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                              at::TensorList caches, const at::Tensor& slots,
                              const std::optional<at::Tensor>& decode, const std::optional<at::Tensor>& tables,
@@ -531,7 +528,7 @@ at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::
   std::vector<bool> flags(onednn.begin(), onednn.end());
   std::vector<at::Tensor> layer_caches(caches.begin(), caches.end());
   const at::Tensor slot_ids = slots.contiguous();
-  LnShape shape{conv1d, interleaved, parallel_residual, activation, std::nullopt, std::nullopt};
+  LnShape shape{interleaved, parallel_residual, activation, std::nullopt, std::nullopt};
   TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin together");
   if (cos.has_value()) {
     const int64_t dim = embeddings.size(1) / heads;
@@ -604,7 +601,7 @@ TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
       "int block_size, int heads, int kv_heads, float eps, float scale, "
       "float residual_multiplier, int window) -> Tensor");
   m.def(
-      "decoder_layers_ln(Tensor embeddings, Tensor?[] params, bool[] onednn, bool conv1d, bool interleaved, "
+      "decoder_layers_ln(Tensor embeddings, Tensor?[] params, bool[] onednn, bool interleaved, "
       "bool parallel_residual, Tensor? cos, Tensor? sin, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
       "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
