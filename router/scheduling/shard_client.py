@@ -72,8 +72,9 @@ class ShardClient(Protocol):
     def next_token(
         self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
     ) -> Awaitable[StepOutput | None]:
-        """Start one decode step; await the result. The call is under way (its send scheduled
-        ahead of anything the caller schedules next) when this returns. `token_budget`: most
+        """Start one decode step; await the result. Its send goes at the loop's next turn once
+        the returned awaitable runs as a task (the batcher makes it one and yields once, so the
+        send is not queued behind the streams it wakes next). `token_budget`: most
         prompt tokens of pending requests to compute (chunked prefill); 0 = all. `join`: new
         requests that join the batch in this step (engines with chunked prefill)."""
         ...
