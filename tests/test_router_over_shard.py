@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from router.core.capacity import capacity_for
@@ -23,12 +24,16 @@ from router.scheduling.request_queue import RequestQueue
 from router.scheduling.shard_client import GrpcShardClient, ShardCallError
 from tests.engines.conformance import validated_request
 from tests.shard_harness import running_shard
+from text_generation_common import convert
 from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,
     CachedBatchRef,
     GenerationRequest,
+    NewBatch,
     SamplingParams,
 )
+from text_generation_common.pb import generate_pb2 as pb
+from text_generation_common.pb import generate_pb2_grpc
 from text_generation_server.config import ServerConfig
 from text_generation_server.testing.fake_engine import FakeEngine
 
@@ -118,3 +123,38 @@ async def test_decode_steps_share_one_stream_and_a_failed_step_ends_only_its_own
         assert stream._call is not None and stream._call is not call
     finally:
         await client.close()
+
+
+async def test_with_two_shards_a_step_one_refuses_leaves_neither_stream_with_an_answer_due(
+    tiny_model, tmp_path
+) -> None:
+    """Shard 0 holds a batch the other does not: the step fails with shard 1's message once both
+    answered, and the steps of a new batch both hold then read their own answers."""
+    configs = [
+        ServerConfig(model_name=str(tiny_model("llama")), uds_path=str(tmp_path / f"s{i}"), max_batch_size=4)
+        for i in range(2)
+    ]
+    with (
+        running_shard(FakeEngine(configs[0]), configs[0]) as first,
+        running_shard(FakeEngine(configs[1]), configs[1]),
+    ):
+        channels = [grpc.aio.insecure_channel(f"unix://{c.socket_path}") for c in configs]
+        client = GrpcShardClient([generate_pb2_grpc.TextGenerationServiceStub(c) for c in channels], channels)
+        try:
+            only_first = pb.PrefillRequest(
+                batch=convert.new_batch_to_pb(
+                    NewBatch(7, (GenerationRequest(2, (30, 31), max_new_tokens=8),))
+                )
+            )
+            first.Prefill(only_first)  # shard 0 alone caches batch 7
+            with pytest.raises(ShardCallError, match=r"^Batch ID 7 not found in cache\.$"):
+                await client.next_token([CachedBatchRef(7)])
+            await client.clear_cache()  # as the router does after a failed step
+            again = [GenerationRequest(3, (40, 41, 42), max_new_tokens=8)]
+            assert (await client.prefill(9, again, [])).batch_id == 9
+            for _ in range(3):  # each step reads its own answers on both streams
+                output = await client.next_token([CachedBatchRef(9)])
+                assert output is not None and output.batch_id == 9
+                assert [g.request_id for g in output.generations] == [3]
+        finally:
+            await client.close()
