@@ -179,11 +179,17 @@ class TokenChooser:
 
     def _build_seen(self, histories: Sequence[list[int]]) -> torch.Tensor:
         seen = torch.zeros((len(histories), self.vocab_size), dtype=torch.bool, device=self.device)
-        rows = [row for row, ids in enumerate(histories) for _ in ids]
-        if rows:  # one copy of every row's ids, not one per row
-            flat = [t for ids in histories for t in ids]
-            seen[to_device(rows, self.device), to_device(flat, self.device)] = True
+        self._mark_seen(seen, histories)
         return seen
+
+    @staticmethod
+    def _mark_seen(seen: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
+        """Mark `tokens[row]` seen in row `row` of `seen`: one copy of every row's ids, not one
+        per row."""
+        rows = [row for row, ids in enumerate(tokens) for _ in ids]
+        if rows:
+            flat = [t for ids in tokens for t in ids]
+            seen[to_device(rows, seen.device), to_device(flat, seen.device)] = True
 
     def process(self, scores: torch.Tensor) -> torch.Tensor:
         """Apply every logits processor; `scores` [batch, vocab] float32 is modified in place."""
@@ -295,10 +301,7 @@ class TokenChooser:
         if self.generated_t is not None:
             self.generated_t += to_device([len(ids) for ids in tokens], self.device)
         if self.seen is not None:
-            rows = [row for row, ids in enumerate(tokens) for _ in ids]
-            if rows:
-                flat = [t for ids in tokens for t in ids]
-                self.seen[to_device(rows, self.device), to_device(flat, self.device)] = True
+            self._mark_seen(self.seen, tokens)
         self.guided_ns += self._feed_matchers(self.matchers, tokens)
 
     # ---- speculative decoding ---------------------------------------------------------------------
@@ -332,10 +335,7 @@ class TokenChooser:
         seen = None
         if self.seen is not None:
             seen = self.seen.index_select(0, to_device(rows, self.device))
-            marks = [(v, t) for v, ids in enumerate(taken) for t in ids]
-            if marks:
-                at, ids = zip(*marks, strict=True)
-                seen[to_device(at, self.device), to_device(ids, self.device)] = True
+            self._mark_seen(seen, taken)
         matchers: list[Any | None] = []
         started: set[int] = set()
         for owner, draft in zip(owners, drafts, strict=True):
