@@ -81,9 +81,10 @@ class Speculator(ABC):
         hidden: torch.Tensor | None,
         several: Sequence[bool],
     ) -> list[list[list[int]]]:
-        """Each row's candidate chains, the likeliest first, each at most limits[i] tokens and
-        none repeated; more than one only where `several[i]` (rows whose verification can try
-        several: greedy ones). A speculator with one guess per row proposes that one."""
+        """Each row's candidate chains, the likeliest first, each at most limits[i] tokens; more
+        than one only where `several[i]` (rows whose verification can try several: greedy ones).
+        Chains cut to the same tokens may repeat: the engine keeps one of each, after trimming
+        them (TokenChooser.trim_drafts). A speculator with one guess per row proposes that one."""
         proposed = self.propose(requests, histories, limits, hidden)
         return [[chain] if chain else [] for chain in proposed]
 

@@ -342,10 +342,5 @@ class MlpSpeculator(Speculator):
         state = hidden.index_select(0, index).to(self.dtype)
         found = self.model.candidates(state, last, top_k, self.n_candidates if trees else 1).tolist()
         for row, chains in zip(rows, found, strict=True):
-            kept: list[list[int]] = []
-            for chain in chains if several[row] else chains[:1]:
-                cut = chain[: limits[row]]
-                if cut not in kept:  # chains that differ only past the row's limit are one
-                    kept.append(cut)
-            out[row] = kept
+            out[row] = [chain[: limits[row]] for chain in (chains if several[row] else chains[:1])]
         return out
