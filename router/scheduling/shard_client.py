@@ -162,13 +162,17 @@ class GrpcShardClient:
         return [getattr(stub, method)(request, timeout=timeout) for stub in self._stubs]
 
     @staticmethod
-    async def _first_reply(calls: list[Any]) -> object:
-        """Shard 0's reply (the first error if any call fails). One shard's call is awaited as it
-        is: gathering it would wrap it in a task of its own every step."""
+    async def _first_reply(calls: list[Any], wait_all: bool = False) -> object:
+        """Shard 0's reply (the first error if any call fails; `wait_all`: once every call has
+        ended). One shard's call is awaited as it is: gathering it would wrap it in a task of
+        its own every step."""
         try:
             if len(calls) == 1:
                 return await calls[0]
-            replies = await asyncio.gather(*calls)
+            replies = await asyncio.gather(*calls, return_exceptions=wait_all)
+            for reply in replies:
+                if isinstance(reply, BaseException):
+                    raise reply
         except grpc.aio.AioRpcError as exc:
             raise _call_error(exc) from exc
         return replies[0]
@@ -213,23 +217,11 @@ class GrpcShardClient:
         # several shards: each step a task now, so that every write starts at the next turn
         return self._next_token_result([asyncio.ensure_future(s.step(request)) for s in self._steps])
 
-    @staticmethod
-    async def _next_token_result(steps: list[Awaitable[pb.NextTokenResponse]]) -> StepOutput | None:
+    async def _next_token_result(self, steps: list[Awaitable[pb.NextTokenResponse]]) -> StepOutput | None:
         """Shard 0's answer to the step (the first error if any shard fails), once every shard's
         step has ended: a stream is never left with an answer due."""
-        try:
-            if len(steps) == 1:
-                reply = await steps[0]
-            else:
-                replies = await asyncio.gather(*steps, return_exceptions=True)
-                answers = []
-                for answer in replies:
-                    if isinstance(answer, BaseException):
-                        raise answer
-                    answers.append(answer)
-                reply = answers[0]
-        except grpc.aio.AioRpcError as exc:
-            raise _call_error(exc) from exc
+        reply = await self._first_reply(steps, wait_all=True)
+        assert isinstance(reply, pb.NextTokenResponse)
         return convert.result_from_pb(reply.result, reply.input_tokens) if reply.HasField("result") else None
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
