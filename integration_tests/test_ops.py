@@ -358,30 +358,35 @@ def test_int8_through_the_launcher(root) -> None:
     assert "QUANTIZE=fp8: fp8 needs a GPU with fp8 (Hopper or newer)" in log and "Traceback" not in log
 
 
-def test_a_gptq_checkpoint_serves_through_the_launcher_without_the_flag(root) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_gptq_checkpoint_serves_through_the_launcher_without_the_flag(root, bits) -> None:
     from integration_tests.servers import model_dir
     from text_generation_server.testing.quantized_models import build_gptq
     from text_generation_server.testing.tiny_prompts import build_prompt_store
 
+    name = "llama-gptq" if bits == 4 else f"llama-gptq{bits}"
     plain = model_dir("llama", root / "models")
-    build_gptq(plain, root / "models" / "llama-gptq", group_size=32, act_order=True)
-    prompts = root / "prompts" / "llama-gptq"  # the plain model's soft prompts and adapters fit it
+    build_gptq(plain, root / "models" / name, group_size=32, act_order=True, bits=bits)
+    prompts = root / "prompts" / name  # the plain model's soft prompts and adapters fit it
     if not (prompts / "nested").exists():
         build_prompt_store(plain, prompts)
-    s = launch("llama-gptq@tgis_native", root)
+    s = launch(f"{name}@tgis_native", root)
     try:
         response = generate(s.stub(), ["def hello"], stopping={"min_new_tokens": 5, "max_new_tokens": 5})
         assert response.responses[0].generated_token_count == 5 and response.responses[0].text
-        assert "checkpoint quantization: gptq 4-bit weights, groups of 32, symmetric, act-order" in s.log()
+        assert (
+            f"checkpoint quantization: gptq {bits}-bit weights, groups of 32, symmetric, act-order" in s.log()
+        )
     finally:
         s.stop()
-    with pytest.raises(RuntimeError) as error:
-        launch("llama-gptq", root, "--quantize", "int8")
-    log = str(error.value)
-    assert (
-        "QUANTIZE=int8 contradicts the checkpoint, which is quantized with gptq" in log
-        and "Traceback" not in log
-    )
+    if bits == 4:
+        with pytest.raises(RuntimeError) as error:
+            launch(name, root, "--quantize", "int8")
+        log = str(error.value)
+        assert (
+            "QUANTIZE=int8 contradicts the checkpoint, which is quantized with gptq" in log
+            and "Traceback" not in log
+        )
 
 
 # ---- drain and failures -----------------------------------------------------------------------

@@ -21,14 +21,14 @@ from text_generation_server import quantization
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import get_engine_class
 from text_generation_server.engines.loading import load_pretrained
-from text_generation_server.quantization import Int4Linear, Int8Linear
-from text_generation_server.quantization.checkpoints import unpack_nibbles
+from text_generation_server.quantization import Int4Linear, Int8GroupLinear, Int8Linear
+from text_generation_server.quantization.checkpoints import unpack_ints
 from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
 from text_generation_server.testing.quantized_models import (
     build_awq,
     build_compressed_tensors,
     build_gptq,
-    pack_nibbles,
+    pack_ints,
 )
 
 PROMPTS = ((5, 17, 42, 99, 7, 300, 12), (1, 250, 251, 252), (9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13))
@@ -39,6 +39,11 @@ CHECKPOINTS = {  # name -> how it is made
         src, out, GROUP, symmetric=False, checkpoint_format="gptq_v2"
     ),
     "gptq-per-channel": lambda src, out: build_gptq(src, out, -1),
+    "gptq-8bit-act-order": lambda src, out: build_gptq(src, out, GROUP, act_order=True, bits=8),
+    "gptq-8bit-v2-zeros": lambda src, out: build_gptq(
+        src, out, GROUP, symmetric=False, checkpoint_format="gptq_v2", bits=8
+    ),
+    "gptq-8bit-per-channel": lambda src, out: build_gptq(src, out, -1, calibration=None, bits=8),
     "awq": lambda src, out: build_awq(src, out, GROUP),
     "ct-w8a8": lambda src, out: build_compressed_tensors(src, out, "W8A8"),
     "ct-w4a16": lambda src, out: build_compressed_tensors(src, out, "W4A16", GROUP),
@@ -80,20 +85,23 @@ def reference(path: Path, dtype: torch.dtype) -> torch.nn.Module:
         if f"{name}.qweight" in stored and plain["quant_method"] == "awq":
             module.weight.data.copy_(awq_weight(stored, name))
         elif f"{name}.qweight" in stored:
-            module.weight.data.copy_(gptq_weight(stored, name, plain["checkpoint_format"]))
+            module.weight.data.copy_(gptq_weight(stored, name, plain["checkpoint_format"], plain["bits"]))
         elif f"{name}.weight_packed" in stored:
             module.weight.data.copy_(packed_weight(stored, name))
     return model.to(dtype).eval()
 
 
-def gptq_weight(stored: dict[str, torch.Tensor], name: str, checkpoint_format: str) -> torch.Tensor:
+def gptq_weight(
+    stored: dict[str, torch.Tensor], name: str, checkpoint_format: str, bits: int
+) -> torch.Tensor:
     qweight, qzeros = stored[f"{name}.qweight"], stored[f"{name}.qzeros"]
-    ints = torch.zeros(qweight.shape[0] * 8, qweight.shape[1])
-    for row in range(ints.shape[0]):  # input channel k sits in word k // 8 at bits 4 (k % 8)
-        ints[row] = ((qweight[row // 8] >> (4 * (row % 8))) & 15).float()
-    zeros = torch.zeros(qzeros.shape[0], qzeros.shape[1] * 8)
+    per, top = 32 // bits, 2**bits - 1  # values per int32, the largest value
+    ints = torch.zeros(qweight.shape[0] * per, qweight.shape[1])
+    for row in range(ints.shape[0]):  # input channel k sits in word k // per at bits `bits` (k % per)
+        ints[row] = ((qweight[row // per] >> (bits * (row % per))) & top).float()
+    zeros = torch.zeros(qzeros.shape[0], qzeros.shape[1] * per)
     for col in range(zeros.shape[1]):
-        zeros[:, col] = ((qzeros[:, col // 8] >> (4 * (col % 8))) & 15).float()
+        zeros[:, col] = ((qzeros[:, col // per] >> (bits * (col % per))) & top).float()
     if checkpoint_format == "gptq":
         zeros += 1
     groups = stored[f"{name}.g_idx"].long()
@@ -158,10 +166,11 @@ def greedy(model: torch.nn.Module, prompt: tuple[int, ...], new: int) -> list[in
 # ---- the layers ---------------------------------------------------------------------------------
 
 
-def test_nibbles_pack_and_unpack_along_either_dimension() -> None:
-    values = torch.randint(0, 16, (16, 24), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_ints_pack_and_unpack_along_either_dimension(bits) -> None:
+    values = torch.randint(0, 2**bits, (16, 24), generator=torch.Generator().manual_seed(0))
     for dim in (0, 1):
-        assert torch.equal(unpack_nibbles(pack_nibbles(values, dim), dim).long(), values)
+        assert torch.equal(unpack_ints(pack_ints(values, dim, bits), dim, bits).long(), values)
 
 
 @pytest.mark.parametrize("shape", [(32, 64, 32), (96, 256, 128), (128, 128, 64)])
@@ -224,6 +233,41 @@ def test_int4_kernel_and_unpacked_product_agree_in_bf16() -> None:
     torch.testing.assert_close(few.float(), many.float(), rtol=0.02, atol=0.05)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_8bit_group_layers_compute_their_definition_directly_and_over_unpacked_slices(dtype) -> None:
+    """csrc/grouped_cpu.cpp's int8_group_linear against the weights' definition: every row count the
+    direct kernel takes (up to 12, odd output widths for its pairs of output rows) and beyond (the
+    unpacked slices), groups that are no multiple of its 16 lanes (always sliced), per-channel
+    groups, act-order, and the tensor-operation fallback."""
+    from text_generation_server.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    gen = torch.Generator().manual_seed(5)
+    for out_features, in_features, group in ((33, 64, 32), (200, 384, 64), (48, 96, 24), (64, 256, 256)):
+        ints = torch.randint(0, 256, (out_features, in_features), generator=gen)
+        scales = torch.rand(out_features, in_features // group, generator=gen) / 100
+        zeros = torch.randint(0, 256, scales.shape, generator=gen).float()
+        bias = torch.randn(out_features, generator=gen)
+        weight = (ints - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+        order = torch.randperm(in_features, generator=gen)
+        original = torch.empty_like(weight)
+        original[:, order] = weight
+        plain = Int8GroupLinear(ints, scales, zeros, group, bias, dtype)
+        shuffled = Int8GroupLinear(ints, scales, zeros, group, bias, dtype, order=order)
+        torch.testing.assert_close(plain.unpacked(), weight, rtol=0, atol=1e-6)
+        for rows in (1, 2, 7, 12, 13, 40):
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            for layer, expected in ((plain, weight), (shuffled, original)):
+                theirs = torch.nn.functional.linear(x.float(), expected, bias.to(dtype).float())
+                ours = layer(x)
+                assert ours.dtype == dtype
+                tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's rounding
+                scale = theirs.abs().max().item()
+                torch.testing.assert_close(ours.float(), theirs, rtol=tolerance, atol=tolerance * scale)
+            fallback = torch.nn.functional.linear(x, plain.unpacked().to(dtype), plain.bias_value)
+            torch.testing.assert_close(plain(x).float(), fallback.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
 def test_w8a8_layers_quantize_each_token_as_compressed_tensors_defines() -> None:
     """int8 weights per channel times each token's activations rounded to max |x| / 127.5."""
     gen = torch.Generator().manual_seed(3)
@@ -246,7 +290,7 @@ def test_checkpoints_load_into_our_layers_and_match_the_reference_logits(checkpo
     for dtype in (torch.float32, torch.bfloat16):
         config = ServerConfig(model_name=str(path), deployment_framework="tgis_native", dtype=str(dtype)[6:])
         ours = load_pretrained(config).model
-        layers = [m for m in ours.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+        layers = [m for m in ours.modules() if isinstance(m, (Int4Linear, Int8GroupLinear, Int8Linear))]
         assert len(layers) == 14  # 7 projections x 2 layers; the LM head stays dense
         theirs = reference(path, dtype)
         for prompt in PROMPTS:
@@ -262,7 +306,18 @@ def test_checkpoints_load_into_our_layers_and_match_the_reference_logits(checkpo
 
 
 @pytest.mark.parametrize("engine", ["tgis_native", "hf_transformers"])
-@pytest.mark.parametrize("name", ["gptq-act-order", "gptq-v2-zeros", "awq", "ct-w4a16", "ct-w8a8"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gptq-act-order",
+        "gptq-v2-zeros",
+        "gptq-8bit-act-order",
+        "gptq-8bit-v2-zeros",
+        "awq",
+        "ct-w4a16",
+        "ct-w8a8",
+    ],
+)
 def test_engines_serve_the_checkpoints_greedy_output(checkpoint, name, engine) -> None:
     path = checkpoint(name)
     engine_ = served(path, engine)
@@ -283,10 +338,10 @@ def test_engines_serve_the_checkpoints_greedy_output(checkpoint, name, engine) -
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["ct-w8a8", "gptq-act-order", "awq"])
+@pytest.mark.parametrize("name", ["ct-w8a8", "gptq-act-order", "gptq-8bit-act-order", "awq"])
 def test_the_cpp_decoder_stack_runs_quantized_layers_as_the_modules_do(checkpoint, name, dtype) -> None:
-    """Decode rows (the int4 kernel in bf16) and prompts (the unpacked weights) of the C++
-    decoder stack against the model's modules over the same cache."""
+    """Decode rows (the int4 kernel in bf16, 8-bit weights read directly) and prompts (the
+    unpacked weights) of the C++ decoder stack against the model's modules over the same cache."""
     from tests.engines.test_cpu_decoder import both_logits, started
     from tests.engines.test_tgis_native import config_for
     from text_generation_server.engines.tgis_native import TgisNativeEngine
@@ -294,7 +349,7 @@ def test_the_cpp_decoder_stack_runs_quantized_layers_as_the_modules_do(checkpoin
     engine = TgisNativeEngine(config_for(checkpoint(name), cpu_forward="layers", dtype=dtype))
     decoder = engine.runner.decoder
     assert decoder is not None
-    quantized = decoder.int8 if name == "ct-w8a8" else decoder.int4
+    quantized = decoder.int8 if name == "ct-w8a8" else decoder.grouped
     assert all(p is not None for p in quantized)
     batch = started(engine, [5, 17, 9])
     tolerance = 1e-4 if dtype == "float32" else 2e-2
@@ -360,8 +415,8 @@ def test_refusals_are_one_line(checkpoint, tiny_model, tmp_path) -> None:
         return out
 
     assert (
-        refusal(variant(gptq, bits=8))
-        == "GPTQ checkpoints with 8-bit weights are not served yet (4-bit only)"
+        refusal(variant(gptq, bits=3))
+        == "GPTQ checkpoints with 3-bit weights are not served (4-bit and 8-bit are)"
     )
     assert refusal(variant(gptq, quant_method="exl2")) == (
         "this checkpoint is quantized with exl2, which is not served; "

@@ -40,7 +40,7 @@ SOURCES = (
     CSRC / "paged_decode_cpu.cpp",
     CSRC / "lora_cpu.cpp",
     CSRC / "decoder_cpu.cpp",
-    CSRC / "int4_cpu.cpp",
+    CSRC / "grouped_cpu.cpp",
 )
 HEADERS = (CSRC / "float_vectors.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")

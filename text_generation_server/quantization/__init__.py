@@ -5,8 +5,8 @@ linears replaced by quantized ones.
                          weights per output channel at load, activations in int8 per token
                          (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it)
   gptq, awq, compressed-tensors  pre-quantized checkpoints, read as their quantization_config
-                         says (checkpoints.py; int4.py and int8.py run them), with or without the
-                         flag
+                         says (checkpoints.py; int4.py, int8_groups.py and int8.py run them),
+                         with or without the flag
   bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4  HF TGI's names: transformers' bitsandbytes
                          integration quantizes at load (LLM.int8(), NF4, FP4; compute in the
                          model's dtype), on the modules' forward
@@ -33,11 +33,13 @@ from text_generation_server.quantization import checkpoints
 from text_generation_server.quantization.checkpoints import Plan
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
+from text_generation_server.quantization.int8_groups import Int8GroupLinear
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "Int4Linear",
+    "Int8GroupLinear",
     "Int8Linear",
     "Plan",
     "check",
@@ -129,7 +131,7 @@ def check_loaded(model: nn.Module, scheme: str | None) -> None:
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of int8 weights packed outside the model's parameters and buffers (oneDNN's packed
-    objects); int4 weights are buffers, counted with the model's."""
+    objects); grouped 4-bit and 8-bit weights are buffers, counted with the model's."""
     return sum(m.weight_bytes() for m in model.modules() if isinstance(m, Int8Linear))
 
 

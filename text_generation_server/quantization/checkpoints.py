@@ -2,16 +2,18 @@
 read into our CPU layers.
 
 Served without any flag (QUANTIZE may name the same method, never another):
-  gptq                GPTQ (AutoGPTQ / GPTQModel layout: qweight, qzeros, scales, g_idx), 4-bit, any
-                      group size that tiles the layer (or one group per channel), symmetric or not,
-                      act-order (desc_act), checkpoint_format gptq (zeros stored minus one) or gptq_v2
+  gptq                GPTQ (AutoGPTQ / GPTQModel layout: qweight, qzeros, scales, g_idx), 4-bit or
+                      8-bit, any group size that tiles the layer (or one group per channel),
+                      symmetric or not, act-order (desc_act), checkpoint_format gptq (zeros stored
+                      minus one) or gptq_v2
   awq                 AWQ (AutoAWQ's GEMM layout: qweight, qzeros packed along the output channels
                       in AWQ's order, scales), 4-bit with zero points, any group size
   compressed-tensors  llm-compressor / vLLM's format: `int-quantized` W8A8 (int8 weights per output
                       channel, int8 activations per token, dynamic and symmetric) and
                       `pack-quantized` W4A16 (4-bit weights in groups, symmetric or not)
-4-bit layers run on quantization/int4.py's Int4Linear, W8A8 on quantization/int8.py's Int8Linear
-(the same integer products as the checkpoint's definition). Every other variant is refused with
+4-bit layers run on quantization/int4.py's Int4Linear, GPTQ's 8-bit ones on int8_groups.py's
+Int8GroupLinear, W8A8 on int8.py's Int8Linear (the same integer products as the checkpoint's
+definition). Every other variant is refused with
 one line naming it. The model is built by transformers from its config without the quantizer
 (which would need packages that have no CPU wheel) and without weights (`load_model`); each
 quantized Linear is then made from the checkpoint's tensors and every other weight read, straight
@@ -33,6 +35,7 @@ from torch import nn
 from text_generation_common.quantize import CHECKPOINT_METHODS
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
+from text_generation_server.quantization.int8_groups import Int8GroupLinear
 
 logger = logging.getLogger(__name__)
 
@@ -107,15 +110,15 @@ def plan(hf_config: Any, model_dir: Path) -> Plan:
 
 def _gptq_plan(declared: dict[str, Any]) -> Plan:
     bits = int(declared.get("bits", 4))
-    if bits != 4:
-        raise ValueError(f"GPTQ checkpoints with {bits}-bit weights are not served yet (4-bit only)")
+    if bits not in (4, 8):
+        raise ValueError(f"GPTQ checkpoints with {bits}-bit weights are not served (4-bit and 8-bit are)")
     group = int(declared.get("group_size", 128))
     fmt = str(declared.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not served (gptq or gptq_v2)")
     return Plan(
         method=GPTQ,
-        bits=4,
+        bits=bits,
         group_size=group if group > 0 else None,
         symmetric=bool(declared.get("sym", True)),
         act_order=bool(declared.get("desc_act", False)),
@@ -252,11 +255,11 @@ def _read_layer(
 
 def _gptq_layer(
     tensors: _Tensors, key: str, linear: nn.Linear, how: Plan, bias: torch.Tensor | None, dtype: torch.dtype
-) -> Int4Linear:
-    ints = unpack_nibbles(tensors.get(f"{key}.qweight"), dim=0).t()  # [out, in]
+) -> Int4Linear | Int8GroupLinear:
+    ints = unpack_ints(tensors.get(f"{key}.qweight"), dim=0, bits=how.bits).t()  # [out, in]
     _check_shape(key, ints.shape, linear)
     scales = tensors.get(f"{key}.scales").float().t()  # [out, groups]
-    zeros = unpack_nibbles(tensors.get(f"{key}.qzeros"), dim=1)[:, : ints.shape[0]].t().float()
+    zeros = unpack_ints(tensors.get(f"{key}.qzeros"), dim=1, bits=how.bits)[:, : ints.shape[0]].t().float()
     if how.zeros_minus_one:
         zeros += 1
     in_features = ints.shape[1]
@@ -269,14 +272,15 @@ def _gptq_layer(
             if not torch.equal(groups_of[order], torch.arange(in_features) // group_size):
                 raise ValueError(f"{key}: act-order groups of unequal sizes are not served")
             ints = ints[:, order]
-    return Int4Linear(ints, scales, zeros, group_size, bias, dtype, order=order)
+    layer = Int8GroupLinear if how.bits == 8 else Int4Linear
+    return layer(ints, scales, zeros, group_size, bias, dtype, order=order)
 
 
 def _awq_layer(
     tensors: _Tensors, key: str, linear: nn.Linear, how: Plan, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> Int4Linear:
     def channels(words: torch.Tensor) -> torch.Tensor:  # [rows, out / 8] -> [rows, out], in place
-        values = unpack_nibbles(words, dim=1)
+        values = unpack_ints(words, dim=1)
         return values.view(values.shape[0], -1, 8)[:, :, list(AWQ_UNORDER)].reshape(values.shape[0], -1)
 
     ints = channels(tensors.get(f"{key}.qweight")).t()  # [out, in]
@@ -291,12 +295,12 @@ def _packed_layer(
 ) -> Int4Linear:
     out_features, in_features = (int(v) for v in tensors.get(f"{key}.weight_shape").tolist())
     _check_shape(key, (out_features, in_features), linear)
-    ints = unpack_nibbles(tensors.get(f"{key}.weight_packed"), dim=1)[:, :in_features]
+    ints = unpack_ints(tensors.get(f"{key}.weight_packed"), dim=1)[:, :in_features]
     scales = tensors.get(f"{key}.weight_scale").float().reshape(out_features, -1)
     if how.symmetric:
         zeros = torch.full_like(scales, 8.0)  # stored integers are the signed ones plus 8
     else:
-        zeros = unpack_nibbles(tensors.get(f"{key}.weight_zero_point"), dim=0)[:out_features].float()
+        zeros = unpack_ints(tensors.get(f"{key}.weight_zero_point"), dim=0)[:out_features].float()
     group_size = how.group_size or in_features
     return Int4Linear(ints, scales, zeros.reshape(scales.shape), group_size, bias, dtype)
 
@@ -308,12 +312,12 @@ def _check_shape(key: str, shape: Any, linear: nn.Linear) -> None:
         )
 
 
-def unpack_nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """4-bit values packed eight to an int32 along `dim` (value j at bits 4j..4j+3), as unsigned
-    integers, `dim` eight times longer."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+def unpack_ints(words: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
+    """`bits`-bit values (4 or 8) packed 32 / bits to an int32 along `dim` (value j at bits
+    bits * j and up), as unsigned integers, `dim` 32 / bits times longer."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     moved = words.to(torch.int32).movedim(dim, -1).unsqueeze(-1)
-    values = torch.bitwise_and(torch.bitwise_right_shift(moved, shifts), 15)
+    values = torch.bitwise_and(torch.bitwise_right_shift(moved, shifts), 2**bits - 1)
     return values.flatten(-2).movedim(-1, dim).to(torch.uint8)
 
 

@@ -9,7 +9,7 @@ with the number of rows: on a 2-core Xeon with AMX, [M, 2048] x [2048, 2048] in 
 0.21 / 0.45 / 2.2 / 3.9 ms at M = 1 / 4 / 8 / 32 / 64 against 0.46-0.75 ms for the bf16 product
 plus 3.6 ms to unpack the weights in tensor operations. Calls with more than KERNEL_MAX_ROWS rows
 (prompts, big batches) therefore unpack the weights to the model's dtype and run the dense
-product, a slice of output rows at a time (csrc/int4_cpu.cpp's int4_linear_unpacked: 1.1 ms to
+product, a slice of output rows at a time (csrc/grouped_cpu.cpp's int4_linear_unpacked: 1.1 ms to
 unpack 2048 x 2048 in one pass); float32 models always do (the kernel is bf16/fp16-fast only).
 
 Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
@@ -18,12 +18,10 @@ holds its input channels sorted by group (`order`) and gathers each input the sa
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from text_generation_server.kernels import cpu_kernels
+from text_generation_server.quantization.grouped import GroupedLinear, kernels_here
 
 # the kernel up to this many rows, the product over unpacked weights beyond (module doc); on the
 # 30 M reference model's GPTQ checkpoint a batch-32 decode step took 13.3 ms with 48, 16.5 with 16
@@ -32,13 +30,12 @@ BLOCK = 64  # output channels per block of the kernel's packed layout
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(GroupedLinear):
     """A Linear with 4-bit weights in groups along the input channels."""
 
+    bits = 4
     packed: torch.Tensor  # [out padded to BLOCK, in / 2] uint8, the kernel's layout
     scale_offset: torch.Tensor  # [groups, out padded, 2] in the model's dtype
-    order: torch.Tensor | None
-    bias_value: torch.Tensor | None
 
     def __init__(
         self,
@@ -53,13 +50,9 @@ class Int4Linear(nn.Module):
         """`ints` [out, in] in [0, 15]; `scales`, `zeros` [out, in / group_size] (zeros may be
         fractional); `order` [in]: input channel k of the layer is channel order[k] of the input
         (None: in order); `dtype`: the model's (inputs, outputs and the scales' dtype)."""
-        super().__init__()
-        self.out_features, self.in_features = ints.shape
-        if self.in_features % group_size or group_size % 2:
-            raise ValueError(f"4-bit groups of {group_size} do not tile {self.in_features} input channels")
-        if tuple(scales.shape) != (self.out_features, self.in_features // group_size) != tuple(zeros.shape):
-            raise ValueError(f"4-bit scales {tuple(scales.shape)} do not match weights {tuple(ints.shape)}")
-        self.group_size = group_size
+        super().__init__(ints, scales, zeros, group_size, bias, dtype, order)
+        if group_size % 2:  # the kernels read two values a byte
+            raise ValueError(f"4-bit groups of {group_size} are not whole bytes: an even size is needed")
         padded = -(-self.out_features // BLOCK) * BLOCK  # the kernel's layout is whole blocks
         q = torch.zeros(padded, self.in_features, dtype=torch.int32)
         q[: self.out_features] = ints.to(torch.int32)
@@ -68,10 +61,6 @@ class Int4Linear(nn.Module):
         scale_offset[:, : self.out_features, 0] = scales.float().t()
         scale_offset[:, : self.out_features, 1] = ((8.0 - zeros.float()) * scales.float()).t()
         self.register_buffer("scale_offset", scale_offset.to(dtype).contiguous())
-        self.register_buffer("order", None if order is None else order.to(torch.long))
-        self.register_buffer("bias_value", None if bias is None else bias.detach().to(dtype))
-        self.bias = None  # model code may read it; `bias_value` is what is added
-        self.weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device="meta")
 
     def unpacked(self) -> torch.Tensor:
         """The weights [out, in] in the model's dtype (input channels in the layer's order), in
@@ -89,9 +78,7 @@ class Int4Linear(nn.Module):
         return values.view(-1, self.in_features)[: self.out_features].to(self.scale_offset.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.order is not None:
-            rows = rows.index_select(1, self.order)
+        rows = self.gathered(x)
         if x.dtype in KERNEL_DTYPES and rows.shape[0] <= KERNEL_MAX_ROWS:
             y = torch._weight_int4pack_mm_for_cpu(
                 rows.contiguous(), self.packed, self.group_size, self.scale_offset
@@ -99,7 +86,7 @@ class Int4Linear(nn.Module):
             y = y[:, : self.out_features]
             if self.bias_value is not None:
                 y = y + self.bias_value
-        elif _unpack_kernel():
+        elif kernels_here():
             y = torch.ops.tgis_cpu.int4_linear_unpacked(
                 rows.contiguous(),
                 self.packed,
@@ -112,17 +99,5 @@ class Int4Linear(nn.Module):
             y = nn.functional.linear(rows, self.unpacked().to(x.dtype), self.bias_value)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def weight_bytes(self) -> int:
-        """Bytes of this layer's weights: half a byte each, a scale and an offset per group."""
-        return self.packed.numel() + self.scale_offset.numel() * self.scale_offset.element_size()
-
-    def extra_repr(self) -> str:
-        order = ", act-order" if self.order is not None else ""
-        shape = f"in_features={self.in_features}, out_features={self.out_features}"
-        return f"{shape}, int4 g{self.group_size}{order}"
-
-
-@functools.cache
-def _unpack_kernel() -> bool:
-    """Whether our C++ unpacking kernel is here (built once per process; the reason logged if not)."""
-    return cpu_kernels.loads("4-bit layers unpack their weights with tensor operations")
+    def integer_bytes(self) -> int:
+        return self.packed.numel()  # half a byte each

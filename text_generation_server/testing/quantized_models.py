@@ -8,8 +8,8 @@ compressed-tensors  through the compressed-tensors package itself: its preset sc
                     exactly as llm-compressor saves them.
 gptq                GPTQ itself (written here: no GPTQ package installs from a wheel on this
                     platform), in the AutoGPTQ / GPTQModel layout (qweight, qzeros, scales, g_idx
-                    and the config's quantization_config): 4-bit, groups, symmetric or with zero
-                    points, act-order, v1 format (zeros stored minus one) or v2. The Hessian of each
+                    and the config's quantization_config): 4-bit or 8-bit, groups, symmetric or
+                    with zero points, act-order, v1 format (zeros stored minus one) or v2. The Hessian of each
                     Linear's inputs comes from random-token prompts run through the model one
                     decoder layer at a time, each layer calibrated on the already quantized layers
                     before it; columns are rounded one by one, each one's error spread over the
@@ -108,12 +108,13 @@ def build_gptq(
     symmetric: bool = True,
     checkpoint_format: str = "gptq",
     calibration: tuple[int, int] | None = (16, 64),
+    bits: int = 4,
 ) -> Path:
-    """`src` in GPTQ's 4-bit layout in `out` (see the module doc); `calibration` (prompts, tokens)
-    of random tokens drive GPTQ's error compensation, None rounds to nearest."""
+    """`src` in GPTQ's `bits`-bit layout (4 or 8) in `out` (see the module doc); `calibration`
+    (prompts, tokens) of random tokens drive GPTQ's error compensation, None rounds to nearest."""
     quantization_config = {
         "quant_method": "gptq",
-        "bits": 4,
+        "bits": bits,
         "group_size": group_size,
         "desc_act": act_order,
         "sym": symmetric,
@@ -124,12 +125,12 @@ def build_gptq(
 
     def solve(name: str, weight: Any, hessian: Any = None) -> dict[str, Any]:
         solved[name] = _gptq_tensors(
-            name, weight, group_size, act_order, symmetric, checkpoint_format, hessian
+            name, weight, group_size, act_order, symmetric, checkpoint_format, hessian, bits
         )
         return solved[name]
 
     if calibration:
-        _calibrate(model, *calibration, solve, zeros_minus_one=checkpoint_format == "gptq")
+        _calibrate(model, *calibration, solve, zeros_minus_one=checkpoint_format == "gptq", bits=bits)
 
     def tensors(name: str, weight: Any) -> dict[str, Any]:  # outside the decoder layers: rounded
         return solved[name] if name in solved else solve(name, weight)
@@ -137,7 +138,7 @@ def build_gptq(
     return _write_quantized(model, src, out, tensors, quantization_config)
 
 
-def _calibrate(model: Any, prompts: int, tokens: int, solve: Any, zeros_minus_one: bool) -> None:
+def _calibrate(model: Any, prompts: int, tokens: int, solve: Any, zeros_minus_one: bool, bits: int) -> None:
     """Sequential GPTQ over random-token prompts, one decoder layer at a time: `solve(name, weight,
     hessian)` quantizes each of the layer's Linears, whose weights then become the dequantized
     ones, so the next layer is calibrated on the quantized model's activations."""
@@ -158,7 +159,7 @@ def _calibrate(model: Any, prompts: int, tokens: int, solve: Any, zeros_minus_on
             module = linears[key]
             written = solve(key, module.weight.detach().float(), hessian)
             with torch.no_grad():
-                module.weight.copy_(_gptq_dequantized(written, zeros_minus_one))
+                module.weight.copy_(_gptq_dequantized(written, zeros_minus_one, bits))
 
 
 class _Stop(Exception):
@@ -196,18 +197,18 @@ def _hessians(model: Any, ids: Any, layer: Any, linears: dict[str, Any]) -> dict
     return {key: (2 * sums[key] / max(rows[key], 1)).float() for key in linears}
 
 
-def _gptq_dequantized(tensors: dict[str, Any], zeros_minus_one: bool) -> Any:
+def _gptq_dequantized(tensors: dict[str, Any], zeros_minus_one: bool, bits: int = 4) -> Any:
     """The weights [out, in] a GPTQ layer's tensors hold (v1 format: zeros stored minus one)."""
     import torch
 
-    from text_generation_server.quantization.checkpoints import unpack_nibbles
+    from text_generation_server.quantization.checkpoints import unpack_ints
 
     (qweight,) = (v for k, v in tensors.items() if k.endswith(".qweight"))
     (qzeros,) = (v for k, v in tensors.items() if k.endswith(".qzeros"))
     (scales,) = (v for k, v in tensors.items() if k.endswith(".scales"))
     (groups,) = (v for k, v in tensors.items() if k.endswith(".g_idx"))
-    ints = unpack_nibbles(qweight, 0).float()  # [in, out]
-    zeros = unpack_nibbles(qzeros, 1).float() + float(zeros_minus_one)
+    ints = unpack_ints(qweight, 0, bits).float()  # [in, out]
+    zeros = unpack_ints(qzeros, 1, bits).float() + float(zeros_minus_one)
     groups = groups.long()
     return ((ints - zeros[groups]) * scales.float()[groups]).t().to(torch.float32)
 
@@ -230,7 +231,7 @@ def build_awq(src: Path, out: Path, group_size: int = 128) -> Path:
 
         def packed(values: Any) -> Any:  # [rows, out] -> [rows, out / 8] in AWQ's order
             shuffled = values.reshape(values.shape[0], -1, 8)[:, :, order].reshape(values.shape[0], -1)
-            return pack_nibbles(shuffled.to(torch.int32), dim=1)
+            return pack_ints(shuffled.to(torch.int32), dim=1)
 
         return {
             f"{name}.qweight": packed(ints),
@@ -290,8 +291,9 @@ def _gptq_tensors(
     symmetric: bool,
     checkpoint_format: str,
     hessian: Any = None,
+    bits: int = 4,
 ) -> dict[str, Any]:
-    """One Linear's GPTQ tensors: GPTQ's column-by-column rounding with error compensation over
+    """One Linear's `bits`-bit GPTQ tensors: GPTQ's column-by-column rounding with error compensation over
     `hessian` [in, in] (None: round to nearest). Act-order ranks the input channels by the
     Hessian's diagonal (without one: by weight norm) and groups them in that order."""
     import torch
@@ -305,20 +307,21 @@ def _gptq_tensors(
     else:
         order = torch.argsort(weight.norm(dim=0), descending=True)
     permuted = weight[:, order].clone()
+    top = 2**bits - 1  # the largest integer
     scale = torch.empty(out_features, in_features // group)
     zero = torch.empty_like(scale)
 
     def params(columns: Any, g: int) -> None:  # the group's scale and zero point, from its weights
         if symmetric:
-            scale[:, g] = (columns.abs().amax(-1) * 2 / 15).clamp(min=1e-8).half().float()
-            zero[:, g] = 8.0
+            scale[:, g] = (columns.abs().amax(-1) * 2 / top).clamp(min=1e-8).half().float()
+            zero[:, g] = (top + 1) / 2
         else:
             low, high = columns.amin(-1).clamp(max=0), columns.amax(-1).clamp(min=0)
-            scale[:, g] = ((high - low) / 15).clamp(min=1e-8).half().float()  # the file's float16
-            zero[:, g] = torch.round(-low / scale[:, g]).clamp(0, 15)
+            scale[:, g] = ((high - low) / top).clamp(min=1e-8).half().float()  # the file's float16
+            zero[:, g] = torch.round(-low / scale[:, g]).clamp(0, top)
 
     def rounded(column: Any, g: int) -> Any:
-        return torch.clamp(torch.round(column / scale[:, g]) + zero[:, g], 0, 15)
+        return torch.clamp(torch.round(column / scale[:, g]) + zero[:, g], 0, top)
 
     q = torch.empty_like(permuted)
     if hessian is None:
@@ -346,8 +349,10 @@ def _gptq_tensors(
     groups_of[order] = torch.arange(in_features, dtype=torch.int32) // group
     stored_zero = zero - 1 if checkpoint_format == "gptq" else zero
     return {
-        f"{name}.qweight": pack_nibbles(ints.t().to(torch.int32), dim=0),  # [in / 8, out]
-        f"{name}.qzeros": pack_nibbles(stored_zero.t().to(torch.int32), dim=1),  # [groups, out / 8]
+        f"{name}.qweight": pack_ints(ints.t().to(torch.int32), dim=0, bits=bits),  # [in / per word, out]
+        f"{name}.qzeros": pack_ints(
+            stored_zero.t().to(torch.int32), dim=1, bits=bits
+        ),  # [groups, out * bits / 32]
         f"{name}.scales": scale.t().half().contiguous(),  # [groups, out]
         f"{name}.g_idx": groups_of,
     }
@@ -365,13 +370,14 @@ def _inverse_hessian(hessian: Any, damp: float = 0.01) -> Any:
     return torch.linalg.cholesky(inverse, upper=True).float()
 
 
-def pack_nibbles(values: Any, dim: int) -> Any:
-    """Eight 4-bit values to an int32 along `dim` (value j at bits 4j..4j+3), GPTQ's packing."""
+def pack_ints(values: Any, dim: int, bits: int = 4) -> Any:
+    """32 / bits unsigned `bits`-bit values (4 or 8) to an int32 along `dim` (value j at bits
+    bits * j and up), GPTQ's packing."""
     import torch
 
     moved = values.movedim(dim, -1)
-    words = moved.reshape(*moved.shape[:-1], -1, 8).to(torch.int64)
-    packed = (words << torch.arange(0, 32, 4)).sum(-1)
+    words = moved.reshape(*moved.shape[:-1], -1, 32 // bits).to(torch.int64) & (2**bits - 1)
+    packed = (words << torch.arange(0, 32, bits)).sum(-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     return packed.movedim(-1, dim).contiguous()
 
@@ -384,9 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scheme", choices=COMPRESSED_SCHEMES, default="W8A8", help="compressed-tensors preset"
     )
-    parser.add_argument(
-        "--group-size", type=int, default=128, help="4-bit group size (-1: per channel, GPTQ)"
-    )
+    parser.add_argument("--group-size", type=int, default=128, help="group size (-1: per channel, GPTQ)")
+    parser.add_argument("--bits", type=int, choices=[4, 8], default=4, help="GPTQ's bits per weight")
     parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act")
     parser.add_argument("--asym", action="store_true", help="GPTQ with zero points")
     parser.add_argument(
@@ -400,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.method == "gptq":
         prompts, _, tokens = args.calibration.partition("x")
         calibration = (int(prompts), int(tokens)) if int(prompts) else None
-        build_gptq(src, out, args.group_size, args.act_order, not args.asym, calibration=calibration)
+        build_gptq(
+            src, out, args.group_size, args.act_order, not args.asym, calibration=calibration, bits=args.bits
+        )
     elif args.method == "awq":
         build_awq(src, out, args.group_size)
     else:

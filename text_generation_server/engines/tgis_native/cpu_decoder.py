@@ -36,7 +36,7 @@ from text_generation_server.attention.layout import StepLayout
 from text_generation_server.kernels.weight_layout import OneDnnLinear
 from text_generation_server.kv.paged_kv import PagedKVCache
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
-from text_generation_server.quantization import Int4Linear, Int8Linear
+from text_generation_server.quantization import Int4Linear, Int8GroupLinear, Int8Linear
 from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -93,12 +93,14 @@ class Unsupported(ValueError):
 class Projection(NamedTuple):
     """A projection as decoder_cpu.cpp takes it."""
 
-    weight: torch.Tensor  # as the kernel takes it (int8: its range row; int4: its scales and offsets)
+    weight: torch.Tensor  # as the kernel takes it (int8: its range row; grouped: its scales and offsets)
     bias: torch.Tensor | None  # (int8: float32)
     onednn: bool  # oneDNN packed weights
     int8: Any = None  # packed int8 weights (quantization/int8.py), else None
-    int4: torch.Tensor | None = None  # packed 4-bit weights (quantization/int4.py), else None
-    int4_order: torch.Tensor | None = None  # a 4-bit layer's input channel order (act-order)
+    # weights in groups of input channels, else None: packed 4-bit (quantization/int4.py, uint8)
+    # or 8-bit values (quantization/int8_groups.py, int8)
+    grouped: torch.Tensor | None = None
+    grouped_order: torch.Tensor | None = None  # such a layer's input channel order (act-order)
     out_features: int = 0
 
 
@@ -113,9 +115,10 @@ def _linear(module: Any) -> Projection:
         bounds, bias = base.bounds, base.bias_float
         assert isinstance(bounds, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
         return Projection(bounds, bias, False, int8=base.packed)
-    if isinstance(base, Int4Linear):
+    if isinstance(base, (Int4Linear, Int8GroupLinear)):
+        weights = base.packed if isinstance(base, Int4Linear) else base.values
         return Projection(
-            base.scale_offset, base.bias_value, False, int4=base.packed, int4_order=base.order,
+            base.scale_offset, base.bias_value, False, grouped=weights, grouped_order=base.order,
             out_features=base.out_features,
         )  # fmt: skip
     if type(base) is torch.nn.Linear:
@@ -132,9 +135,9 @@ class CpuDecoder:
     params: list[torch.Tensor | None]
     onednn: list[bool]
     int8: list[Any]  # per projection: its packed int8 weights (quantization/int8.py), else None
-    int4: list[torch.Tensor | None]  # per projection: its packed 4-bit weights, else None
-    int4_order: list[torch.Tensor | None]  # per projection: a 4-bit layer's input order, else None
-    int4_out: list[int]  # per projection: a 4-bit layer's output features, else 0
+    grouped: list[torch.Tensor | None]  # per projection: its weights in groups (Projection), else None
+    grouped_order: list[torch.Tensor | None]  # per projection: such a layer's input order, else None
+    grouped_out: list[int]  # per projection: such a layer's output features, else 0
     caches: list[torch.Tensor]
     heads: int
     kv_heads: int
@@ -225,9 +228,9 @@ class CpuDecoder:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
-            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.int4,
-            self.int4_order, self.int4_out, KERNEL_MAX_ROWS, self.caches, slots, decode, tables, lengths,
-            bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
+            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.grouped,
+            self.grouped_order, self.grouped_out, KERNEL_MAX_ROWS, self.caches,
+            slots, decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
             self.eps, self.scale, self.residual_multiplier, self.window,
         )  # fmt: skip
@@ -295,9 +298,9 @@ def build(
     params: list[torch.Tensor | None] = []
     onednn: list[bool] = []
     int8: list[Any] = []
-    int4: list[torch.Tensor | None] = []
-    int4_order: list[torch.Tensor | None] = []
-    int4_out: list[int] = []
+    grouped: list[torch.Tensor | None] = []
+    grouped_order: list[torch.Tensor | None] = []
+    grouped_out: list[int] = []
     projections: list[tuple[Any, str]] = []
     for layer in layers:
         attention = layer.self_attn
@@ -311,9 +314,9 @@ def build(
             params += [projection.weight, projection.bias]
             onednn.append(projection.onednn)
             int8.append(projection.int8)
-            int4.append(projection.int4)
-            int4_order.append(projection.int4_order)
-            int4_out.append(projection.out_features)
+            grouped.append(projection.grouped)
+            grouped_order.append(projection.grouped_order)
+            grouped_out.append(projection.out_features)
             if name == "o_proj":
                 params.append(layer.post_attention_layernorm.weight)
     params.append(model.model.norm.weight)
@@ -325,9 +328,9 @@ def build(
         params=[p.detach() if p is not None else None for p in params],
         onednn=onednn,
         int8=int8,
-        int4=int4,
-        int4_order=int4_order,
-        int4_out=int4_out,
+        grouped=grouped,
+        grouped_order=grouped_order,
+        grouped_out=grouped_out,
         caches=[cache.layers[i] for i in range(len(layers))],
         heads=heads,
         kv_heads=kv_heads,
@@ -373,7 +376,7 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
                 continue
             holder_path, _, name = path.rpartition(".")
             projection = _linear(part)
-            if projection.int8 is not None or projection.int4 is not None:
+            if projection.int8 is not None or projection.grouped is not None:
                 raise Unsupported("its layers are quantized")
             projections.append((_attribute(block, holder_path), name))
             params += [projection.weight, projection.bias]
@@ -393,9 +396,9 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
         params=[p.detach() if p is not None else None for p in params],
         onednn=onednn,
         int8=[],
-        int4=[],
-        int4_order=[],
-        int4_out=[],
+        grouped=[],
+        grouped_order=[],
+        grouped_out=[],
         caches=caches,
         heads=heads,
         kv_heads=int(caches[0].shape[1]) if caches else heads,

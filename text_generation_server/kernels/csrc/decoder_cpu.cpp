@@ -21,13 +21,15 @@
 //   int8       7 per layer: the packed int8 weights of QUANTIZE=int8 (quantization/int8.py's
 //              Int8Linear), else None; such a projection's weight slot holds its range row and
 //              its bias slot its float32 bias
-//   int4, int4_order, int4_out
-//              7 per layer each: the packed 4-bit weights of a quantization/int4.py Int4Linear
-//              (else None), its input channel order (act-order, else None) and its output
-//              features; such a projection's weight slot holds its scales and offsets and its
-//              bias slot its bias. Calls of up to int4_max_rows rows run torch's int4 kernel,
-//              larger ones int4_cpu.cpp's product over the unpacked weights, as
-//              Int4Linear.forward does
+//   grouped, grouped_order, grouped_out
+//              7 per layer each: the weights of a layer quantized in groups of input channels
+//              (else None): uint8, the packed 4-bit weights of a quantization/int4.py Int4Linear,
+//              or int8, the values of a quantization/int8_groups.py Int8GroupLinear; its input
+//              channel order (act-order, else None) and its output features; such a
+//              projection's weight slot holds its scales and offsets and its bias slot its bias.
+//              4-bit calls of up to int4_max_rows rows run torch's int4 kernel, larger ones
+//              grouped_cpu.cpp's product over the unpacked weights, as Int4Linear.forward does;
+//              8-bit ones grouped_cpu.cpp's int8_group_linear, as Int8GroupLinear.forward does
 //   caches     one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
 //   slots      [T] int64            the cache slot of each new token's K/V
 //   decode     [D] int64 or None    the packed index of each single-token row (None with no
@@ -176,7 +178,7 @@ at::Tensor int8_linear(const at::Tensor& x, const Int8Weights& packed, const at:
   return y.to(x.scalar_type());
 }
 
-struct Int4 {
+struct Grouped {
   const c10::List<std::optional<at::Tensor>>& packed;
   const c10::List<std::optional<at::Tensor>>& order;
   at::IntArrayRef out;
@@ -184,11 +186,19 @@ struct Int4 {
 };
 
 // quantization/int4.py's Int4Linear.forward: the input's channels in the layer's order, torch's
-// int4 kernel for few rows (bf16 / fp16), else the dense product over the unpacked weights.
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset,
-                       const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& bias,
-                       int64_t out_features, int64_t max_rows) {
+// int4 kernel for few rows (bf16 / fp16), else the dense product over the unpacked weights;
+// quantization/int8_groups.py's Int8GroupLinear.forward where the weights are int8.
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset,
+                          const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& bias,
+                          int64_t out_features, int64_t max_rows) {
   const at::Tensor rows = order.has_value() ? x.index_select(1, *order) : x;
+  if (packed.scalar_type() == at::kChar) {
+    static auto int8_groups = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("tgis_cpu::int8_group_linear", "")
+                                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                    const std::optional<at::Tensor>&)>();
+    return int8_groups.call(rows.contiguous(), packed, scale_offset, packed.size(1) / scale_offset.size(0), bias);
+  }
   const int64_t group = packed.size(1) * 2 / scale_offset.size(0);
   const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   if (half && rows.size(0) <= max_rows) {
@@ -311,7 +321,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T>
 at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
                const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
-               const c10::List<std::optional<Int8Weights>>& int8, const Int4& int4,
+               const c10::List<std::optional<Int8Weights>>& int8, const Grouped& grouped,
                const std::vector<at::Tensor>& caches, const at::Tensor& slots, const Attention& attention,
                const Lora& lora, int64_t heads,
                int64_t kv_heads, double eps, double residual_multiplier) {
@@ -327,10 +337,11 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
     const int64_t projection = layer * kLinearsPerLayer + which;
     const std::optional<Int8Weights> packed = int8.get(projection);
-    const std::optional<at::Tensor> packed4 = int4.packed.get(projection);
+    const std::optional<at::Tensor> in_groups = grouped.packed.get(projection);
     at::Tensor y = (packed.has_value()    ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1))
-                    : packed4.has_value() ? int4_linear(x, *packed4, *param(layer, index), int4.order.get(projection),
-                                                        param(layer, index + 1), int4.out[projection], int4.max_rows)
+                    : in_groups.has_value()
+                        ? grouped_linear(x, *in_groups, *param(layer, index), grouped.order.get(projection),
+                                         param(layer, index + 1), grouped.out[projection], grouped.max_rows)
                                           : linear(x, param(layer, index), param(layer, index + 1), onednn[projection]))
                        .contiguous();
     lora.apply(y, x, projection);
@@ -550,8 +561,8 @@ at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::
 at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
                           const c10::List<std::optional<Int8Weights>>& int8,
-                          const c10::List<std::optional<at::Tensor>>& int4,
-                          const c10::List<std::optional<at::Tensor>>& int4_order, at::IntArrayRef int4_out,
+                          const c10::List<std::optional<at::Tensor>>& grouped,
+                          const c10::List<std::optional<at::Tensor>>& grouped_order, at::IntArrayRef grouped_out,
                           int64_t int4_max_rows, at::TensorList caches,
                           const at::Tensor& slots, const std::optional<at::Tensor>& decode,
                           const std::optional<at::Tensor>& tables, const std::optional<at::Tensor>& lengths,
@@ -566,9 +577,9 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParamsPerLayer + 1, "16 parameters per layer + 1");
   TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLinearsPerLayer, "7 layout flags per layer");
   TORCH_CHECK(static_cast<int64_t>(int8.size()) == layers * kLinearsPerLayer, "7 int8 entries per layer");
-  TORCH_CHECK(static_cast<int64_t>(int4.size()) == layers * kLinearsPerLayer && int4_order.size() == int4.size() &&
-                  int4_out.size() == int4.size(),
-              "7 int4 entries, orders and output sizes per layer");
+  TORCH_CHECK(static_cast<int64_t>(grouped.size()) == layers * kLinearsPerLayer && grouped_order.size() == grouped.size() &&
+                  grouped_out.size() == grouped.size(),
+              "7 grouped entries, orders and output sizes per layer");
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [tokens, hidden], contiguous");
   const int64_t rows = embeddings.size(0);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && sin.sizes() == cos.sizes(), "cos/sin must be [tokens, head_dim]");
@@ -584,7 +595,7 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   return by_dtype(embeddings.scalar_type(), "decoder_layers", [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
-    return run<T>(embeddings, c, s, params, flags, int8, Int4{int4, int4_order, int4_out, int4_max_rows}, layer_caches,
+    return run<T>(embeddings, c, s, params, flags, int8, Grouped{grouped, grouped_order, grouped_out, int4_max_rows}, layer_caches,
                   slot_ids, attention, lora, heads, kv_heads, eps, residual_multiplier);
   });
 }
@@ -594,8 +605,8 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
 TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
   m.def(
       "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, Tensor?[] int4, Tensor?[] int4_order, "
-      "int[] int4_out, int int4_max_rows, Tensor[] caches, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, Tensor?[] grouped, Tensor?[] grouped_order, "
+      "int[] grouped_out, int int4_max_rows, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
       "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
       "int block_size, int heads, int kv_heads, float eps, float scale, "
