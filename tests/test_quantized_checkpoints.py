@@ -196,13 +196,13 @@ def test_int4_weights_unpack_to_their_definition(shape) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_cpp_product_over_unpacked_slices_equals_the_tensor_form(dtype) -> None:
-    """csrc/int4_cpu.cpp against Int4Linear.unpacked: widths that do not fill the packed blocks,
+    """csrc/grouped_cpu.cpp against Int4Linear.unpacked: widths that do not fill the packed blocks,
     groups smaller than its tiles, and a layer of two slices (2,100 x 2,048 in bf16 > 8 MB)."""
     from text_generation_server.kernels import cpu_kernels
 
     cpu_kernels.load()
     gen = torch.Generator().manual_seed(4)
-    for out_features, in_features, group in ((32, 64, 32), (200, 384, 64), (2100, 2048, 128)):
+    for out_features, in_features, group in ((32, 64, 32), (200, 384, 64), (72, 96, 24), (2100, 2048, 128)):
         ints = torch.randint(0, 16, (out_features, in_features), generator=gen)
         scales = torch.rand(out_features, in_features // group, generator=gen) / 10
         zeros = torch.randint(0, 16, scales.shape, generator=gen).float()

@@ -9,8 +9,9 @@ with the number of rows: on a 2-core Xeon with AMX, [M, 2048] x [2048, 2048] in 
 0.21 / 0.45 / 2.2 / 3.9 ms at M = 1 / 4 / 8 / 32 / 64 against 0.46-0.75 ms for the bf16 product
 plus 3.6 ms to unpack the weights in tensor operations. Calls with more than KERNEL_MAX_ROWS rows
 (prompts, big batches) therefore unpack the weights to the model's dtype and run the dense
-product, a slice of output rows at a time (csrc/grouped_cpu.cpp's int4_linear_unpacked: 1.1 ms to
-unpack 2048 x 2048 in one pass); float32 models always do (the kernel is bf16/fp16-fast only).
+product, a slice of output rows at a time (csrc/grouped_cpu.cpp's int4_linear_unpacked: 2048 x
+2048 at 32 rows in 1.0 ms, 1.5 ms through the kernel); float32 models always do (the kernel is
+bf16/fp16-fast only).
 
 Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
 holds its input channels sorted by group (`order`) and gathers each input the same way.
@@ -23,9 +24,11 @@ from torch import nn
 
 from text_generation_server.quantization.grouped import GroupedLinear, kernels_here
 
-# the kernel up to this many rows, the product over unpacked weights beyond (module doc); on the
-# 30 M reference model's GPTQ checkpoint a batch-32 decode step took 13.3 ms with 48, 16.5 with 16
-KERNEL_MAX_ROWS = 48
+# the kernel up to this many rows, the product over unpacked weights beyond (module doc): the two
+# cost the same at 16-24 rows for 512- to 8192-wide layers (2-core Xeon with AMX, bf16); on the
+# 30 M reference model's GPTQ checkpoint (groups of 32) a batch-32 decode step of the C++ decoder
+# stack took 10.7 / 9.8 ms with 20 against 12.3 / 12.3 with 48 (runs alternated)
+KERNEL_MAX_ROWS = 20
 BLOCK = 64  # output channels per block of the kernel's packed layout
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
