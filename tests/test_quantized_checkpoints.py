@@ -197,7 +197,8 @@ def test_int4_weights_unpack_to_their_definition(shape) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_cpp_product_over_unpacked_slices_equals_the_tensor_form(dtype) -> None:
     """csrc/grouped_cpu.cpp against Int4Linear.unpacked: widths that do not fill the packed blocks,
-    groups smaller than its tiles, and a layer of two slices (2,100 x 2,048 in bf16 > 8 MB)."""
+    groups smaller than its tiles, groups that are no multiple of 16 (the transposes take sixteen
+    channels), and a layer of several slices (2,100 x 2,048 in bf16 > 8 MB)."""
     from text_generation_server.kernels import cpu_kernels
 
     cpu_kernels.load()
@@ -208,15 +209,16 @@ def test_the_cpp_product_over_unpacked_slices_equals_the_tensor_form(dtype) -> N
         zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
         bias = torch.randn(out_features, generator=gen)
         layer = Int4Linear(ints, scales, zeros, group, bias, dtype)
-        x = torch.randn(60, in_features, generator=gen).to(dtype)
-        ours = torch.ops.tgis_cpu.int4_linear_unpacked(
-            x, layer.packed, layer.scale_offset, group, out_features, layer.bias_value
-        )
-        theirs = torch.nn.functional.linear(x.float(), layer.unpacked().float(), layer.bias_value.float())
-        tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the products' own rounding
-        torch.testing.assert_close(
-            ours.float(), theirs, rtol=tolerance, atol=tolerance * theirs.abs().max().item()
-        )
+        for rows in (60, 70):  # slices of 2 MB up to 64 rows, of 8 MB beyond
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            ours = torch.ops.tgis_cpu.int4_linear_unpacked(
+                x, layer.packed, layer.scale_offset, group, out_features, layer.bias_value
+            )
+            theirs = torch.nn.functional.linear(x.float(), layer.unpacked().float(), layer.bias_value.float())
+            tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the products' own rounding
+            torch.testing.assert_close(
+                ours.float(), theirs, rtol=tolerance, atol=tolerance * theirs.abs().max().item()
+            )
 
 
 def test_int4_kernel_and_unpacked_product_agree_in_bf16() -> None:

@@ -10,7 +10,7 @@ with the number of rows: on a 2-core Xeon with AMX, [M, 2048] x [2048, 2048] in 
 plus 3.6 ms to unpack the weights in tensor operations. Calls with more than KERNEL_MAX_ROWS rows
 (prompts, big batches) therefore unpack the weights to the model's dtype and run the dense
 product, a slice of output rows at a time (csrc/grouped_cpu.cpp's int4_linear_unpacked: 2048 x
-2048 at 32 rows in 1.0 ms, 1.5 ms through the kernel); float32 models always do (the kernel is
+2048 at 24 rows in 0.76 ms, 1.15 ms through the kernel); float32 models always do (the kernel is
 bf16/fp16-fast only).
 
 Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
@@ -25,10 +25,11 @@ from torch import nn
 from text_generation_server.quantization.grouped import GroupedLinear, kernels_here
 
 # the kernel up to this many rows, the product over unpacked weights beyond (module doc): the two
-# cost the same at 16-24 rows for 512- to 8192-wide layers (2-core Xeon with AMX, bf16); on the
-# 30 M reference model's GPTQ checkpoint (groups of 32) a batch-32 decode step of the C++ decoder
-# stack took 10.7 / 9.8 ms with 20 against 12.3 / 12.3 with 48 (runs alternated)
-KERNEL_MAX_ROWS = 20
+# cost the same at 14-16 rows for 1376- to 8192-wide layers and at about 20 for 512 x 512 (2-core
+# Xeon with AMX, bf16); on the 30 M reference model's GPTQ checkpoint (groups of 32) a batch-32
+# decode step of the C++ decoder stack took 9.1 / 9.7 ms beyond the limit against 12.4 / 12.1 with
+# 48 (runs alternated)
+KERNEL_MAX_ROWS = 16
 BLOCK = 64  # output channels per block of the kernel's packed layout
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 

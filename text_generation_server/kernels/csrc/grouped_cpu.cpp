@@ -50,7 +50,7 @@ constexpr int64_t kBlock = 64;  // output rows per block of the int4 packed layo
 constexpr int64_t kTile = 64;   // input channels per tile of the int4 unpacking
 // int8_group_linear reads the weights directly up to this many rows. On a 2-core Xeon with AMX, bf16
 // activations, groups of 128, 2048 x 2048 weights in cache: 0.15 / 0.39 / 0.58 ms at 1 / 8 / 12 rows
-// directly, 0.65 ms at 13 over unpacked slices, 0.31 ms for bf16 weights; one row through 0.93 GB
+// directly, 0.55 ms at 13 over unpacked slices, 0.31 ms for bf16 weights; one row through 0.93 GB
 // of a 1 B Llama's projections (beyond the caches): 0.65x bf16's time.
 constexpr int64_t kDirectRows = 12;
 
@@ -220,10 +220,13 @@ void unpack_int8(const int8_t* values, const float* scale_offset, T* out, int64_
 // x [rows, in] times weights that `unpack(first, last, buffer)` writes a slice of output rows at a
 // time into `buffer`, plus bias: each slice's product written to its rows of the transposed
 // output. A large layer's whole unpacked matrix is a fresh allocation each call, paid in page
-// faults and memory traffic: on a 2-core Xeon with AMX, 8192 x 2048 4-bit weights in bf16, 64 rows
-// took 5.9 ms in 8 MB slices against 15.4 ms unpacking it whole (512 rows: 20.6 vs 23.6 ms;
-// slices of 256 KB - 4 MB were slower).
-constexpr int64_t kSliceBytes = 1 << 20;
+// faults and memory traffic, and a slice that stays in the caches is cheap to write and read back,
+// but each slice's product packs x anew: on a 2-core Xeon with AMX, bf16, 2048 x 2048 4-bit
+// weights took 0.73 / 1.00 / 1.84 ms at 21 / 64 / 128 rows in 2 MB slices against 0.96 / 1.09 /
+// 1.37 ms in 8 MB slices (8192 x 2048: 2.70 / 4.09 / 7.26 against 3.68 / 4.40 / 5.24 ms).
+constexpr int64_t kSliceBytes = 8 << 20;
+constexpr int64_t kSmallSliceBytes = 2 << 20;  // for calls of up to kSmallSliceRows rows
+constexpr int64_t kSmallSliceRows = 64;
 
 // fn(buffer's data) with the element type of x's dtype: float32, bfloat16 or float16.
 template <typename Fn>
@@ -244,7 +247,8 @@ template <typename Unpack>
 at::Tensor sliced_product(const at::Tensor& x, int64_t out_features, const std::optional<at::Tensor>& bias,
                           Unpack unpack) {
   const int64_t in = x.size(1);
-  const int64_t slice = std::max<int64_t>(kBlock, kSliceBytes / (in * x.element_size()) / kBlock * kBlock);
+  const int64_t bytes = x.size(0) <= kSmallSliceRows ? kSmallSliceBytes : kSliceBytes;
+  const int64_t slice = std::max<int64_t>(kBlock, bytes / (in * x.element_size()) / kBlock * kBlock);
   at::Tensor buffer = at::empty({std::min(slice, out_features), in}, x.options());
   at::Tensor transposed = at::empty({out_features, x.size(0)}, x.options());  // slices are its rows
   const at::Tensor xt = x.t();
