@@ -300,6 +300,8 @@ void direct_int8_rows(const float* xf, const float* sums, const int8_t* values, 
       offsets[r][j] = 0.f;
     }
   }
+  // the next N rows (the last ones again at the end: a prefetch past the weights is never formed)
+  const int8_t* ahead = values + std::min(n + N, std::max<int64_t>(out_features - N, 0)) * in;
   for (int64_t g = 0; g < in / group; ++g) {
     float scale[N], offset[N];
     for (int j = 0; j < N; ++j) {
@@ -309,7 +311,7 @@ void direct_int8_rows(const float* xf, const float* sums, const int8_t* values, 
     for (int64_t k = g * group; k < (g + 1) * group; k += kLanes) {
       vf w[N];
       for (int j = 0; j < N; ++j) {
-        __builtin_prefetch(values + (n + N + j) * in + k);  // the next pass's (a hint: never faults)
+        __builtin_prefetch(ahead + j * in + k);
         w[j] = load_int8(values + (n + j) * in + k) * scale[j];
       }
       for (int r = 0; r < R; ++r) {
