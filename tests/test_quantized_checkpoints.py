@@ -472,9 +472,12 @@ def test_gptq_compensation_beats_rounding_to_nearest_on_the_layer_output(act_ord
     assert error(hessian) < 0.6 * error(None)
 
 
-def test_lora_on_a_4bit_base_is_the_same_on_both_forward_paths(checkpoint, tiny_model, tmp_path) -> None:
-    """Adapters stay in the activation dtype over 4-bit base layers, through the C++ decoder stack
-    and through the modules alike."""
+@pytest.mark.parametrize("name", ["gptq-act-order", "gptq-8bit-act-order"])
+def test_lora_on_a_quantized_base_is_the_same_on_both_forward_paths(
+    checkpoint, tiny_model, tmp_path, name
+) -> None:
+    """Adapters stay in the activation dtype over 4-bit and 8-bit base layers, through the C++
+    decoder stack and through the modules alike."""
     from tests.adapter_helpers import engine_with_store
     from text_generation_server.testing.tiny_prompts import build_lora
 
@@ -482,7 +485,7 @@ def test_lora_on_a_4bit_base_is_the_same_on_both_forward_paths(checkpoint, tiny_
     requests = [GenerationRequest(1, PROMPTS[0], 8, adapter_id="a"), GenerationRequest(2, PROMPTS[0], 8)]
     outputs = {}
     for mode in ("layers", "modules"):
-        engine = engine_with_store("tgis_native", checkpoint("gptq-act-order"), tmp_path, cpu_forward=mode)
+        engine = engine_with_store("tgis_native", checkpoint(name), tmp_path, cpu_forward=mode)
         assert (engine.runner.decoder is not None) == (mode == "layers")
         outputs[mode] = Runner(engine).run({0: requests})
     assert outputs["layers"] == outputs["modules"]
