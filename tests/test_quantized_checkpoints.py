@@ -166,6 +166,18 @@ def greedy(model: torch.nn.Module, prompt: tuple[int, ...], new: int) -> list[in
 # ---- the layers ---------------------------------------------------------------------------------
 
 
+def random_groups(
+    gen: torch.Generator, out_features: int, in_features: int, group: int, bits: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random `bits`-bit integers [out, in], scales (below `scale`) and zero points [out, in / group],
+    and the weights they define."""
+    ints = torch.randint(0, 2**bits, (out_features, in_features), generator=gen)
+    scales = torch.rand(out_features, in_features // group, generator=gen) * scale
+    zeros = torch.randint(0, 2**bits, scales.shape, generator=gen).float()
+    weight = (ints - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    return ints, scales, zeros, weight
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_ints_pack_and_unpack_along_either_dimension(bits) -> None:
     values = torch.randint(0, 2**bits, (16, 24), generator=torch.Generator().manual_seed(0))
@@ -179,10 +191,7 @@ def test_int4_weights_unpack_to_their_definition(shape) -> None:
     fill whole blocks of 64 output channels and widths that do not."""
     out_features, in_features, group = shape
     gen = torch.Generator().manual_seed(1)
-    ints = torch.randint(0, 16, (out_features, in_features), generator=gen)
-    scales = torch.rand(out_features, in_features // group, generator=gen) / 10
-    zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
-    expected = (ints - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    ints, scales, zeros, expected = random_groups(gen, out_features, in_features, group, 4, 0.1)
     layer = Int4Linear(ints, scales, zeros, group, None, torch.float32)
     torch.testing.assert_close(layer.unpacked(), expected, rtol=0, atol=1e-6)
     x = torch.randn(3, in_features, generator=gen)
@@ -204,9 +213,7 @@ def test_the_cpp_product_over_unpacked_slices_equals_the_tensor_form(dtype) -> N
     cpu_kernels.load()
     gen = torch.Generator().manual_seed(4)
     for out_features, in_features, group in ((32, 64, 32), (200, 384, 64), (72, 96, 24), (2100, 2048, 128)):
-        ints = torch.randint(0, 16, (out_features, in_features), generator=gen)
-        scales = torch.rand(out_features, in_features // group, generator=gen) / 10
-        zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
+        ints, scales, zeros, _ = random_groups(gen, out_features, in_features, group, 4, 0.1)
         bias = torch.randn(out_features, generator=gen)
         layer = Int4Linear(ints, scales, zeros, group, bias, dtype)
         for rows in (60, 70):  # slices of 2 MB up to 64 rows, of 8 MB beyond
@@ -246,11 +253,8 @@ def test_8bit_group_layers_compute_their_definition_directly_and_over_unpacked_s
     cpu_kernels.load()
     gen = torch.Generator().manual_seed(5)
     for out_features, in_features, group in ((33, 64, 32), (200, 384, 64), (48, 96, 24), (64, 256, 256)):
-        ints = torch.randint(0, 256, (out_features, in_features), generator=gen)
-        scales = torch.rand(out_features, in_features // group, generator=gen) / 100
-        zeros = torch.randint(0, 256, scales.shape, generator=gen).float()
+        ints, scales, zeros, weight = random_groups(gen, out_features, in_features, group, 8, 0.01)
         bias = torch.randn(out_features, generator=gen)
-        weight = (ints - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
         order = torch.randperm(in_features, generator=gen)
         original = torch.empty_like(weight)
         original[:, order] = weight
