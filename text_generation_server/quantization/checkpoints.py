@@ -13,11 +13,10 @@ Served without any flag (QUANTIZE may name the same method, never another):
                       `pack-quantized` W4A16 (4-bit weights in groups, symmetric or not)
 4-bit layers run on quantization/int4.py's Int4Linear, GPTQ's 8-bit ones on int8_groups.py's
 Int8GroupLinear, W8A8 on int8.py's Int8Linear (the same integer products as the checkpoint's
-definition). Every other variant is refused with
-one line naming it. The model is built by transformers from its config without the quantizer
-(which would need packages that have no CPU wheel) and without weights (`load_model`); each
-quantized Linear is then made from the checkpoint's tensors and every other weight read, straight
-from the safetensors files.
+definition). Every other variant is refused with one line naming it. The model is built by
+transformers from its config without the quantizer (which would need packages that have no CPU
+wheel) and without weights (`load_model`); each quantized Linear is then made from the
+checkpoint's tensors and every other weight read, straight from the safetensors files.
 """
 
 from __future__ import annotations

@@ -57,12 +57,16 @@ class GroupedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         return rows if self.order is None else rows.index_select(1, self.order)
 
-    def integer_bytes(self) -> int:
+    @property
+    def integers(self) -> torch.Tensor:
+        """The weights' integers in the subclass's layout, a byte each or two to a byte (what the C++
+        decoder stack takes beside `scale_offset`; its dtype says which)."""
         raise NotImplementedError
 
     def weight_bytes(self) -> int:
         """Bytes of this layer's weights: the integers, and a scale and an offset per group."""
-        return self.integer_bytes() + self.scale_offset.numel() * self.scale_offset.element_size()
+        integers, so = self.integers, self.scale_offset
+        return integers.numel() * integers.element_size() + so.numel() * so.element_size()
 
     def extra_repr(self) -> str:
         order = ", act-order" if self.order is not None else ""

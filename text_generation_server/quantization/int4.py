@@ -103,5 +103,6 @@ class Int4Linear(GroupedLinear):
             y = nn.functional.linear(rows, self.unpacked().to(x.dtype), self.bias_value)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def integer_bytes(self) -> int:
-        return self.packed.numel()  # half a byte each
+    @property
+    def integers(self) -> torch.Tensor:
+        return self.packed  # two to a byte

@@ -66,5 +66,6 @@ class Int8GroupLinear(GroupedLinear):
             y = nn.functional.linear(rows, self.unpacked().to(x.dtype), self.bias_value)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def integer_bytes(self) -> int:
-        return self.values.numel()  # a byte each
+    @property
+    def integers(self) -> torch.Tensor:
+        return self.values  # a byte each

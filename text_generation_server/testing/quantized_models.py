@@ -9,12 +9,13 @@ compressed-tensors  through the compressed-tensors package itself: its preset sc
 gptq                GPTQ itself (written here: no GPTQ package installs from a wheel on this
                     platform), in the AutoGPTQ / GPTQModel layout (qweight, qzeros, scales, g_idx
                     and the config's quantization_config): 4-bit or 8-bit, groups, symmetric or
-                    with zero points, act-order, v1 format (zeros stored minus one) or v2. The Hessian of each
-                    Linear's inputs comes from random-token prompts run through the model one
-                    decoder layer at a time, each layer calibrated on the already quantized layers
-                    before it; columns are rounded one by one, each one's error spread over the
-                    columns not yet rounded (lazy updates in blocks of 128, 1 % damping, act-order
-                    by the Hessian's diagonal). Without calibration: round-to-nearest.
+                    with zero points, act-order, v1 format (zeros stored minus one) or v2. The
+                    Hessian of each Linear's inputs comes from random-token prompts run through
+                    the model one decoder layer at a time, each layer calibrated on the already
+                    quantized layers before it; columns are rounded one by one, each one's error
+                    spread over the columns not yet rounded (lazy updates in blocks of 128, 1 %
+                    damping, act-order by the Hessian's diagonal). Without calibration:
+                    round-to-nearest.
 awq                 AutoAWQ's GEMM layout (qweight and qzeros packed along the output channels in
                     AWQ's order, scales), written here for the same reason: 4-bit round-to-nearest
                     integers with zero points in groups. AWQ's activation-aware scaling would fold
@@ -130,7 +131,7 @@ def build_gptq(
         return solved[name]
 
     if calibration:
-        _calibrate(model, *calibration, solve, zeros_minus_one=checkpoint_format == "gptq", bits=bits)
+        _calibrate(model, *calibration, solve, zeros_minus_one=checkpoint_format == "gptq")
 
     def tensors(name: str, weight: Any) -> dict[str, Any]:  # outside the decoder layers: rounded
         return solved[name] if name in solved else solve(name, weight)
@@ -138,7 +139,7 @@ def build_gptq(
     return _write_quantized(model, src, out, tensors, quantization_config)
 
 
-def _calibrate(model: Any, prompts: int, tokens: int, solve: Any, zeros_minus_one: bool, bits: int) -> None:
+def _calibrate(model: Any, prompts: int, tokens: int, solve: Any, zeros_minus_one: bool) -> None:
     """Sequential GPTQ over random-token prompts, one decoder layer at a time: `solve(name, weight,
     hessian)` quantizes each of the layer's Linears, whose weights then become the dequantized
     ones, so the next layer is calibrated on the quantized model's activations."""
@@ -159,7 +160,7 @@ def _calibrate(model: Any, prompts: int, tokens: int, solve: Any, zeros_minus_on
             module = linears[key]
             written = solve(key, module.weight.detach().float(), hessian)
             with torch.no_grad():
-                module.weight.copy_(_gptq_dequantized(written, zeros_minus_one, bits))
+                module.weight.copy_(_gptq_dequantized(written, zeros_minus_one))
 
 
 class _Stop(Exception):
@@ -197,8 +198,9 @@ def _hessians(model: Any, ids: Any, layer: Any, linears: dict[str, Any]) -> dict
     return {key: (2 * sums[key] / max(rows[key], 1)).float() for key in linears}
 
 
-def _gptq_dequantized(tensors: dict[str, Any], zeros_minus_one: bool, bits: int = 4) -> Any:
-    """The weights [out, in] a GPTQ layer's tensors hold (v1 format: zeros stored minus one)."""
+def _gptq_dequantized(tensors: dict[str, Any], zeros_minus_one: bool) -> Any:
+    """The weights [out, in] a GPTQ layer's tensors hold (v1 format: zeros stored minus one; 4 or
+    8 bits, as many as fill qweight's words with g_idx's input channels)."""
     import torch
 
     from text_generation_server.quantization.checkpoints import unpack_ints
@@ -207,6 +209,7 @@ def _gptq_dequantized(tensors: dict[str, Any], zeros_minus_one: bool, bits: int 
     (qzeros,) = (v for k, v in tensors.items() if k.endswith(".qzeros"))
     (scales,) = (v for k, v in tensors.items() if k.endswith(".scales"))
     (groups,) = (v for k, v in tensors.items() if k.endswith(".g_idx"))
+    bits = 32 * qweight.shape[0] // groups.numel()
     ints = unpack_ints(qweight, 0, bits).float()  # [in, out]
     zeros = unpack_ints(qzeros, 1, bits).float() + float(zeros_minus_one)
     groups = groups.long()
@@ -293,9 +296,9 @@ def _gptq_tensors(
     hessian: Any = None,
     bits: int = 4,
 ) -> dict[str, Any]:
-    """One Linear's `bits`-bit GPTQ tensors: GPTQ's column-by-column rounding with error compensation over
-    `hessian` [in, in] (None: round to nearest). Act-order ranks the input channels by the
-    Hessian's diagonal (without one: by weight norm) and groups them in that order."""
+    """One Linear's `bits`-bit GPTQ tensors: GPTQ's column-by-column rounding with error
+    compensation over `hessian` [in, in] (None: round to nearest). Act-order ranks the input
+    channels by the Hessian's diagonal (without one: by weight norm) and groups them in that order."""
     import torch
 
     out_features, in_features = weight.shape
@@ -348,11 +351,9 @@ def _gptq_tensors(
     groups_of = torch.empty(in_features, dtype=torch.int32)
     groups_of[order] = torch.arange(in_features, dtype=torch.int32) // group
     stored_zero = zero - 1 if checkpoint_format == "gptq" else zero
-    return {
-        f"{name}.qweight": pack_ints(ints.t().to(torch.int32), dim=0, bits=bits),  # [in / per word, out]
-        f"{name}.qzeros": pack_ints(
-            stored_zero.t().to(torch.int32), dim=1, bits=bits
-        ),  # [groups, out * bits / 32]
+    return {  # 32 / bits values to an int32: qweight [in * bits / 32, out], qzeros [groups, out * bits / 32]
+        f"{name}.qweight": pack_ints(ints.t().to(torch.int32), dim=0, bits=bits),
+        f"{name}.qzeros": pack_ints(stored_zero.t().to(torch.int32), dim=1, bits=bits),
         f"{name}.scales": scale.t().half().contiguous(),  # [groups, out]
         f"{name}.g_idx": groups_of,
     }

@@ -36,7 +36,8 @@ from text_generation_server.attention.layout import StepLayout
 from text_generation_server.kernels.weight_layout import OneDnnLinear
 from text_generation_server.kv.paged_kv import PagedKVCache
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
-from text_generation_server.quantization import Int4Linear, Int8GroupLinear, Int8Linear
+from text_generation_server.quantization import Int8Linear
+from text_generation_server.quantization.grouped import GroupedLinear
 from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -115,10 +116,9 @@ def _linear(module: Any) -> Projection:
         bounds, bias = base.bounds, base.bias_float
         assert isinstance(bounds, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
         return Projection(bounds, bias, False, int8=base.packed)
-    if isinstance(base, (Int4Linear, Int8GroupLinear)):
-        weights = base.packed if isinstance(base, Int4Linear) else base.values
+    if isinstance(base, GroupedLinear):
         return Projection(
-            base.scale_offset, base.bias_value, False, grouped=weights, grouped_order=base.order,
+            base.scale_offset, base.bias_value, False, grouped=base.integers, grouped_order=base.order,
             out_features=base.out_features,
         )  # fmt: skip
     if type(base) is torch.nn.Linear:
