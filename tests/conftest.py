@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +39,34 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return built[key]
 
     return get
+
+
+ENGINE_GPU_BYTES = 2**30  # the most free GPU memory an engine built by a test sees
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gpu_share() -> Iterator[None]:
+    """On a GPU, engines built by tests size their caches from at most ENGINE_GPU_BYTES of free
+    memory within a 1/N share of the card (N test processes side by side, `pytest -n N`), not
+    from all of its free memory: the first engine would take it and leave later engines and
+    the other processes out of memory. Servers the tests start get the share as
+    CUDA_PROCESS_MEMORY_FRACTION."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    real = torch.cuda.mem_get_info
+
+    def shared(device: torch.device | int | None = None) -> tuple[int, int]:
+        free, total = real(device)
+        return min(free, ENGINE_GPU_BYTES), total // workers
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "mem_get_info", shared)
+        patch.setenv("CUDA_PROCESS_MEMORY_FRACTION", f"{1 / workers:.4f}")
+        yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -57,6 +57,15 @@ CPU = torch.device("cpu")
 VOCAB = 40
 EOS = 2
 
+
+def skip_bf16_on_cuda(dtype: str) -> None:
+    """Greedy equality with and without speculation needs the product over k + 1 rows of a
+    sequence to round as k + 1 one-row products do: it does on the CPU; on CUDA cuBLAS picks its
+    kernels by shape, so bf16 near-ties can flip there (float32 checks equality on CUDA)."""
+    if dtype == "bfloat16" and torch.cuda.is_available():
+        pytest.skip("on CUDA bf16 products round by shape, so near-ties can flip; float32 checks equality")
+
+
 # ---- the n-gram proposer and the lookahead ------------------------------------------------------
 
 
@@ -442,6 +451,7 @@ def test_the_engine_takes_the_same_tokens_with_and_without_speculation(
     tiny_model, arch: str, dtype: str
 ) -> None:
     model_dir = tiny_model(arch)
+    skip_bf16_on_cuda(dtype)
     base = TgisNativeEngine(config_for(model_dir, dtype=dtype))
     spec = TgisNativeEngine(
         config_for(model_dir, dtype=dtype, speculate=4, deployment_framework="tgis_native")
@@ -499,6 +509,7 @@ def test_candidate_chains_in_forks_take_the_same_tokens_and_give_their_blocks_ba
     """Greedy rows verify three chains (two of them in forks of their sequence, the partial
     block copied): the same tokens as without speculation, busy batches with joins, chunked
     prefill, sampling rows (one chain each) beside them, every block back in the pool."""
+    skip_bf16_on_cuda(dtype)
     model_dir = tiny_model("llama")
     base = TgisNativeEngine(config_for(model_dir, dtype=dtype))
     spec = TgisNativeEngine(
@@ -829,6 +840,7 @@ def test_the_training_command_writes_a_speculator_and_its_report(
 def test_the_mlp_speculator_leaves_the_output_unchanged(
     tiny_model, trained: Path, dtype: str, tree: tuple[int, tuple[int, ...]] | None
 ) -> None:
+    skip_bf16_on_cuda(dtype)
     model_dir = tiny_model("llama")
     base = TgisNativeEngine(config_for(model_dir, dtype=dtype))
     config = config_for(

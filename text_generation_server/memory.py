@@ -19,6 +19,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+import torch
+
 from text_generation_common.messages import MemoryScalingModel
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,14 @@ def estimate(
         model.weight_limit // max(per_token, 1),
     )
     return model
+
+
+def cuda_available_bytes(device: torch.device, fraction: float) -> int:
+    """What this process may still allocate on CUDA `device`: its CUDA_PROCESS_MEMORY_FRACTION
+    share of the card less what it holds already, and never more than the card has free (other
+    processes on the same card count against the free memory only)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, min(free, int(total * fraction) - torch.cuda.memory_allocated(device)))
 
 
 def host_available_bytes() -> int:

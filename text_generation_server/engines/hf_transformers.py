@@ -23,7 +23,7 @@ from text_generation_server.engines.loading import load_pretrained, model_contex
 from text_generation_server.engines.padded_engine import PaddedEngine
 from text_generation_server.engines.step import ForwardTimer
 from text_generation_server.kernels.weight_layout import LinearLayout, choose_linear_layouts
-from text_generation_server.memory import MemoryFacts, host_available_bytes
+from text_generation_server.memory import MemoryFacts, cuda_available_bytes, host_available_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,7 @@ class HFTransformersEngine(PaddedEngine):
                 )
                 kv_in = kv_out = cache_bytes(out.past_key_values)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            allowed = int(total * cuda_fraction) - torch.cuda.memory_allocated(self.device)
-            free = max(0, min(free, allowed))
+            free = cuda_available_bytes(self.device, cuda_fraction)
         else:
             free = host_available_bytes()
         return MemoryFacts(

@@ -98,7 +98,7 @@ from text_generation_server.kv.paged_kv import (
     SequenceKV,
     prefix_keys,
 )
-from text_generation_server.memory import host_available_bytes
+from text_generation_server.memory import cuda_available_bytes, host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
 from text_generation_server.speculation import Lookahead, Speculator, Target, speculator_for
 from text_generation_server.utils.hub import resolve_model_dir
@@ -329,8 +329,7 @@ class TgisNativeEngine(ModelEngine):
         memory less the margin."""
         margin = (100 - config.batch_safety_margin) / 100
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            available = free - int(total * (1 - config.cuda_process_memory_fraction))  # this process's share
+            available = cuda_available_bytes(self.device, config.cuda_process_memory_fraction)
             where = "free GPU memory this process may use"
         else:
             available, where = host_available_bytes(), "memory available"
