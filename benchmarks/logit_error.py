@@ -48,7 +48,7 @@ def measure(
     cosines, agree = [], 0
     with torch.inference_mode():
         for _ in range(prompts):
-            ids = torch.tensor([[rng.randrange(10, vocab) for _ in range(length)]])
+            ids = torch.tensor([[rng.randrange(10, vocab) for _ in range(length)]], device=reference.device)
             a = reference(ids).logits[0, -1].float()
             b = candidate(ids).logits[0, -1].float()
             cosines.append(torch.nn.functional.cosine_similarity(a, b, dim=0).item())

@@ -255,19 +255,16 @@ def test_quantize_schemes_and_refusals() -> None:
         "bitsandbytes",
         "bitsandbytes-nf4",
         "bitsandbytes-fp4",
+        "fp8",
     ):
         lc.check_quantize(scheme, "tgis_native", 1)
     refused = {
-        (
-            "fp8",
-            "tgis_native",
-            1,
-        ): r"^QUANTIZE=fp8: fp8 needs a GPU with fp8 \(Hopper or newer\).*; served: int8, gptq, awq, ",
+        ("fp8", "tgis_native", 2): r"^QUANTIZE=fp8 is not served on 2 shards yet \(NUM_SHARD=1\)$",
         (
             "int4",
             "tgis_native",
             1,
-        ): r"^unknown QUANTIZE 'int4'; choose one of int8, gptq, awq, compressed-tensors, ",
+        ): r"^unknown QUANTIZE 'int4'; choose one of int8, fp8, gptq, awq, compressed-tensors, ",
         ("gptq", "hf_optimum_ort", 1): r"^QUANTIZE=gptq is served by tgis_native and hf_transformers, not ",
         (
             "int8",

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from tests.engines.conformance import alone
+from tests.test_quantized_checkpoints import greedy
 from text_generation_common.messages import GenerationRequest
 from text_generation_server import quantization
 from text_generation_server.config import ServerConfig
@@ -105,18 +106,8 @@ def test_engines_serve_the_quantized_models_own_generate(tiny_model, engine) -> 
     assert any(isinstance(m, Int8Linear) for m in served.model.modules())
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     quantize_model(reference, "int8")
-    pad = reference.config.pad_token_id
     for i, prompt in enumerate(PROMPTS):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = reference.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=10,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-        assert alone(served, GenerationRequest(i, prompt, 10)) == out[0, len(prompt) :].tolist()
+        assert alone(served, GenerationRequest(i, prompt, 10)) == greedy(reference, prompt, 10)
 
 
 def test_the_cpp_decoder_stack_runs_int8_layers_as_the_modules_do(tiny_model) -> None:
@@ -140,8 +131,6 @@ def test_refusals(tiny_model) -> None:
         r"not on cuda$",
     ):
         quantization.check("int8", "tgis_native", cuda)
-    with pytest.raises(ValueError, match=r"^QUANTIZE=fp8: fp8 needs a GPU with fp8"):
-        quantization.check("fp8", "tgis_native", torch.device("cpu"))
     quantization.check(None, "hf_optimum_ort", cuda)
     gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("gpt2"))
     with pytest.raises(ValueError, match=r"^QUANTIZE=int8: this model has no Linear layers to quantize$"):

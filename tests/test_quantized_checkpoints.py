@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,15 +151,16 @@ def served(path: Path, engine: str, dtype: str = "float32", **kwargs) -> object:
     return get_engine_class(engine)(config)
 
 
-def greedy(model: torch.nn.Module, prompt: tuple[int, ...], new: int) -> list[int]:
-    ids = torch.tensor([prompt])
+def greedy(model: Any, prompt: tuple[int, ...], new: int) -> list[int]:
+    """`new` tokens of transformers' greedy `generate` after `prompt`, on the model's device."""
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new,
             do_sample=False,
-            pad_token_id=3,
+            pad_token_id=model.config.pad_token_id,
         )
     return out[0, len(prompt) :].tolist()
 

@@ -7,22 +7,17 @@ from __future__ import annotations
 BITSANDBYTES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")  # transformers' integration
 # pre-quantized checkpoints, served without the flag too
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
-SERVED = ("int8", *CHECKPOINT_METHODS, *BITSANDBYTES)
+SERVED = ("int8", "fp8", *CHECKPOINT_METHODS, *BITSANDBYTES)
 ENGINES = ("tgis_native", "hf_transformers")  # the engines that serve SERVED
-NOT_YET = {  # scheme -> why it is refused today
-    "fp8": "fp8 needs a GPU with fp8 (Hopper or newer), which no engine serves yet; on CPU use int8",
-}
-SCHEMES = (*SERVED, *NOT_YET)
+GPU_ONLY = ("fp8",)  # the others run on CPU only (the shard checks its device)
 
 
 def refusal(scheme: str | None, engine: str, world_size: int = 1) -> str | None:
     """Why QUANTIZE=`scheme` cannot serve on `engine` with `world_size` shards (None: it can)."""
     if not scheme:
         return None
-    if scheme in NOT_YET:
-        return f"QUANTIZE={scheme}: {NOT_YET[scheme]}; served: {', '.join(SERVED)}"
     if scheme not in SERVED:
-        return f"unknown QUANTIZE {scheme!r}; choose one of {', '.join(SCHEMES)}"
+        return f"unknown QUANTIZE {scheme!r}; choose one of {', '.join(SERVED)}"
     if engine not in ENGINES:
         return f"QUANTIZE={scheme} is served by {' and '.join(ENGINES)}, not {engine}"
     if world_size > 1:

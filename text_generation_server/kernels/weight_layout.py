@@ -142,8 +142,10 @@ def pick(times: dict[LinearLayout, tuple[float, float]]) -> LinearLayout:
     return best if score(best) <= MIN_GAIN * score(LinearLayout.PLAIN) else LinearLayout.PLAIN
 
 
-def cpu_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
-    """(parent, attribute, Linear) for every plain CPU Linear not tied to an embedding."""
+def plain_linears(
+    model: torch.nn.Module, device_type: str = "cpu"
+) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """(parent, attribute, Linear) for every plain Linear on `device_type` not tied to an embedding."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     found = []
     for parent in model.modules():
@@ -151,7 +153,7 @@ def cpu_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torc
             if (
                 type(child) is torch.nn.Linear
                 and id(child.weight) not in embedded
-                and child.weight.device.type == "cpu"
+                and child.weight.device.type == device_type
                 and child.weight.dim() == 2
             ):
                 found.append((parent, name, child))
@@ -189,7 +191,7 @@ def choose_linear_layouts(
     made for each distinct (shape, dtype)."""
     large_m = max(1, min(max_batch_size, TUNE_MAX_M))
     _conv1d_as_linear(model)
-    linears = cpu_linears(model)
+    linears = plain_linears(model)
     choices: dict[tuple[tuple[int, int], torch.dtype], Choice] = {}
     for parent, name, linear in linears:
         out_features, in_features = linear.weight.shape

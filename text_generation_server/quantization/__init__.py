@@ -4,6 +4,8 @@ linears replaced by quantized ones.
   int8                   (CPU) every Linear (not the LM head, not the embeddings) rounded to int8
                          weights per output channel at load, activations in int8 per token
                          (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it)
+  fp8                    (GPU, Hopper or newer) the same Linears in float8 e4m3 per output
+                         channel, activations in fp8 per token (fp8.py: torch's scaled product)
   gptq, awq, compressed-tensors  pre-quantized checkpoints, read as their quantization_config
                          says (checkpoints.py; int4.py, int8_groups.py and int8.py run them),
                          with or without the flag
@@ -27,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from text_generation_common.quantize import BITSANDBYTES, CHECKPOINT_METHODS, refusal
-from text_generation_server.kernels.weight_layout import cpu_linears
-from text_generation_server.quantization import checkpoints
+from text_generation_common.quantize import BITSANDBYTES, CHECKPOINT_METHODS, GPU_ONLY, refusal
+from text_generation_server.kernels.weight_layout import plain_linears
+from text_generation_server.quantization import checkpoints, fp8
 from text_generation_server.quantization.checkpoints import Plan
+from text_generation_server.quantization.fp8 import Fp8Linear
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
 from text_generation_server.quantization.int8_groups import Int8GroupLinear
@@ -38,6 +41,7 @@ from text_generation_server.quantization.int8_groups import Int8GroupLinear
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "Fp8Linear",
     "Int4Linear",
     "Int8GroupLinear",
     "Int8Linear",
@@ -57,11 +61,28 @@ def check(scheme: str | None, engine: str, device: torch.device, world_size: int
     reason = refusal(scheme, engine, world_size)
     if reason is not None:
         raise ValueError(reason)
-    if scheme and device.type != "cpu":
+    if scheme in GPU_ONLY:
+        where = _without_fp8(device)
+        if where:
+            raise ValueError(f"QUANTIZE={scheme} runs on {FP8_GPUS}, not on {where}; on CPU use int8")
+    elif scheme and device.type != "cpu":
         raise ValueError(
             f"QUANTIZE={scheme} runs on CPU (our int8 / int4 layers, bitsandbytes' CPU backend), "
             f"not on {device.type}"
         )
+
+
+FP8_GPUS = "GPUs with fp8 tensor cores (Hopper or newer: compute capability {}.{})".format(
+    *fp8.MIN_CAPABILITY
+)
+
+
+def _without_fp8(device: torch.device) -> str | None:
+    """What `device` is when it cannot run fp8 layers (None: it can)."""
+    if device.type != "cuda":
+        return device.type
+    capability = torch.cuda.get_device_capability(device)
+    return None if capability >= fp8.MIN_CAPABILITY else "compute capability {}.{}".format(*capability)
 
 
 def checkpoint_plan(
@@ -87,8 +108,17 @@ def checkpoint_plan(
             f"this checkpoint is quantized with {method}, which is not served; "
             f"served checkpoints: {', '.join(CHECKPOINT_METHODS)}"
         )
-    check(method, engine, device, world_size)
-    return checkpoints.plan(hf_config, model_dir)
+    plan = checkpoints.plan(hf_config, model_dir)
+    if not plan.floating:
+        check(method, engine, device, world_size)
+        return plan
+    reason = refusal(method, engine, world_size)
+    where = _without_fp8(device)
+    if reason is None and where:
+        reason = f"this checkpoint's fp8 weights ({method} FP8_DYNAMIC) run on {FP8_GPUS}, not on {where}"
+    if reason is not None:
+        raise ValueError(reason)
+    return plan
 
 
 def load_kwargs(scheme: str | None, dtype: torch.dtype) -> dict[str, Any]:
@@ -131,7 +161,7 @@ def check_loaded(model: nn.Module, scheme: str | None) -> None:
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of int8 weights packed outside the model's parameters and buffers (oneDNN's packed
-    objects); grouped 4-bit and 8-bit weights are buffers, counted with the model's."""
+    objects); fp8 and grouped 4-bit and 8-bit weights are buffers, counted with the model's."""
     return sum(m.weight_bytes() for m in model.modules() if isinstance(m, Int8Linear))
 
 
@@ -142,25 +172,36 @@ def resident_bytes(model: nn.Module) -> int:
     return distributed.local_bytes(model) + packed_bytes(model)
 
 
+QUANTIZED_AT_LOAD: dict[str, tuple[type[Int8Linear] | type[Fp8Linear], str]] = {
+    "int8": (Int8Linear, "in int8 (oneDNN, each token's activations in int8)"),
+    "fp8": (Fp8Linear, "in fp8 e4m3 (scaled per output channel, each token's activations in fp8)"),
+}
+
+
 def quantize_model(model: Any, scheme: str | None) -> None:
-    """Replace the model's Linear layers with int8 ones for QUANTIZE=int8 (else nothing); logs it."""
-    if scheme != "int8":
+    """Replace the model's Linear layers (not the LM head) with int8 ones for QUANTIZE=int8, fp8
+    ones for QUANTIZE=fp8 (else nothing); logs it."""
+    if scheme not in QUANTIZED_AT_LOAD:
         return
+    layer, how = QUANTIZED_AT_LOAD[scheme]
     head = model.get_output_embeddings()
-    targets = [(parent, name, linear) for parent, name, linear in cpu_linears(model) if linear is not head]
+    device = head.weight.device if head is not None else next(model.parameters()).device
+    targets = [
+        (p, name, linear) for p, name, linear in plain_linears(model, device.type) if linear is not head
+    ]
     if not targets:
         raise ValueError(f"QUANTIZE={scheme}: this model has no Linear layers to quantize")
     before = after = 0
     for parent, name, linear in targets:
-        replacement = Int8Linear.quantize(linear)
+        replacement = layer.quantize(linear)
         before += linear.weight.numel() * linear.weight.element_size()
         after += replacement.weight_bytes()
         setattr(parent, name, replacement)
     logger.info(
-        "QUANTIZE=%s: %d linear layers in int8 (oneDNN, each token's activations in int8): "
-        "their weights %.1f MiB -> %.1f MiB",
+        "QUANTIZE=%s: %d linear layers %s: their weights %.1f MiB -> %.1f MiB",
         scheme,
         len(targets),
+        how,
         before / 2**20,
         after / 2**20,
     )

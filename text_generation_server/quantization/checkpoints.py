@@ -9,14 +9,17 @@ Served without any flag (QUANTIZE may name the same method, never another):
   awq                 AWQ (AutoAWQ's GEMM layout: qweight, qzeros packed along the output channels
                       in AWQ's order, scales), 4-bit with zero points, any group size
   compressed-tensors  llm-compressor / vLLM's format: `int-quantized` W8A8 (int8 weights per output
-                      channel, int8 activations per token, dynamic and symmetric) and
-                      `pack-quantized` W4A16 (4-bit weights in groups, symmetric or not)
+                      channel, int8 activations per token, dynamic and symmetric),
+                      `pack-quantized` W4A16 (4-bit weights in groups, symmetric or not) and,
+                      on GPUs with fp8, `float-quantized` FP8_DYNAMIC (float8 e4m3 weights per
+                      output channel, fp8 activations per token, dynamic)
 4-bit layers run on quantization/int4.py's Int4Linear, GPTQ's 8-bit ones on int8_groups.py's
 Int8GroupLinear, W8A8 on int8.py's Int8Linear (the same integer products as the checkpoint's
-definition). Every other variant is refused with one line naming it. The model is built by
-transformers from its config without the quantizer (which would need packages that have no CPU
-wheel) and without weights (`load_model`); each quantized Linear is then made from the
-checkpoint's tensors and every other weight read, straight from the safetensors files.
+definition), FP8_DYNAMIC on fp8.py's Fp8Linear. Every other variant is refused with one line
+naming it. The model is built by transformers from its config without the quantizer (which
+would need packages that have no CPU wheel) and without weights (`load_model`); each quantized
+Linear is then made from the checkpoint's tensors and every other weight read, straight from
+the safetensors files.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from safetensors import safe_open
 from torch import nn
 
 from text_generation_common.quantize import CHECKPOINT_METHODS
+from text_generation_server.quantization.fp8 import Fp8Linear
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
 from text_generation_server.quantization.int8_groups import Int8GroupLinear
@@ -54,18 +58,21 @@ class Plan:
     symmetric: bool
     act_order: bool = False  # GPTQ desc_act
     zeros_minus_one: bool = False  # GPTQ's v1 checkpoint format stores each zero point minus one
-    activations: bool = False  # int8 activations per token (W8A8)
+    activations: bool = False  # 8-bit activations per token (W8A8, FP8_DYNAMIC)
+    floating: bool = False  # float8 e4m3 weights and activations (FP8_DYNAMIC; GPU only)
 
     def describe(self) -> str:
         groups = f"groups of {self.group_size}" if self.group_size else "per output channel"
         parts = [
-            f"{self.method} {self.bits}-bit weights",
+            f"{self.method} {'fp8' if self.floating else f'{self.bits}-bit'} weights",
             groups,
             "symmetric" if self.symmetric else "with zero points",
         ]
         if self.act_order:
             parts.append("act-order")
-        parts.append("int8 activations per token" if self.activations else "activations in the model's dtype")
+        kind = "fp8" if self.floating else "int8"
+        own = "activations in the model's dtype"
+        parts.append(f"{kind} activations per token" if self.activations else own)
         return ", ".join(parts)
 
 
@@ -146,18 +153,26 @@ def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
     weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
     if declared.get("kv_cache_scheme") or groups[0].get("output_activations"):
         raise ValueError("compressed-tensors checkpoints with quantized KV caches or outputs are not served")
-    if weights.get("type") != "int":
-        raise ValueError(f"compressed-tensors {weights.get('type')} weights are not served (int only)")
     bits, strategy = int(weights.get("num_bits", 0)), weights.get("strategy")
+    if weights.get("type") == "float":
+        fp8_dynamic = fmt == "float-quantized" and bits == 8 and strategy == "channel"
+        if fp8_dynamic and _dynamic_tokens(inputs, "float"):
+            return Plan(
+                method=COMPRESSED_TENSORS,
+                bits=8,
+                group_size=None,
+                symmetric=True,
+                activations=True,
+                floating=True,
+            )
+        raise ValueError(
+            f"compressed-tensors {fmt} with {bits}-bit float {strategy} weights is not served "
+            "(float-quantized FP8_DYNAMIC is: fp8 weights per channel, dynamic fp8 activations per token)"
+        )
+    if weights.get("type") != "int":
+        raise ValueError(f"compressed-tensors {weights.get('type')} weights are not served (int and float)")
     if fmt == "int-quantized" and bits == 8 and strategy == "channel" and weights.get("symmetric"):
-        token_int8 = inputs is not None and (
-            inputs.get("type"),
-            inputs.get("num_bits"),
-            inputs.get("strategy"),
-            inputs.get("dynamic"),
-            inputs.get("symmetric"),
-        ) == ("int", 8, "token", True, True)
-        if not token_int8:
+        if not _dynamic_tokens(inputs, "int"):
             raise ValueError(
                 "compressed-tensors int8 weights are served with dynamic int8 activations per token "
                 "(W8A8) only"
@@ -173,8 +188,16 @@ def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
         )
     raise ValueError(
         f"compressed-tensors {fmt} with {bits}-bit {strategy} weights is not served "
-        "(int-quantized W8A8 and pack-quantized W4A16 are)"
+        "(int-quantized W8A8, pack-quantized W4A16 and float-quantized FP8_DYNAMIC are)"
     )
+
+
+def _dynamic_tokens(inputs: dict[str, Any] | None, kind: str) -> bool:
+    """Whether a config group's input activations are 8-bit `kind`, dynamic, symmetric, per token."""
+    if inputs is None:
+        return False
+    declared = tuple(inputs.get(k) for k in ("type", "num_bits", "strategy", "dynamic", "symmetric"))
+    return declared == (kind, 8, "token", True, True)
 
 
 def load_model(
@@ -246,9 +269,10 @@ def _read_layer(
     if tensors.has(f"{key}.weight_packed"):
         return _packed_layer(tensors, key, linear, how, bias, dtype)
     if tensors.has(f"{key}.weight_scale") and how.bits == 8:
-        ints, scales = tensors.get(f"{key}.weight"), tensors.get(f"{key}.weight_scale")
-        _check_shape(prefix, ints.shape, linear)
-        return Int8Linear(ints, scales.float().flatten(), bias, dtype)
+        values, scales = tensors.get(f"{key}.weight"), tensors.get(f"{key}.weight_scale")
+        _check_shape(prefix, values.shape, linear)
+        layer = Fp8Linear if how.floating else Int8Linear
+        return layer(values, scales.float().flatten(), bias, dtype)
     return None
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-COMPRESSED_SCHEMES = ("W8A8", "W4A16", "W4A16_ASYM")
+COMPRESSED_SCHEMES = ("W8A8", "W4A16", "W4A16_ASYM", "FP8_DYNAMIC")
 GPTQ_BLOCK = 128  # columns GPTQ updates one by one before updating the rest at once
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
