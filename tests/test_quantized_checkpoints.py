@@ -230,6 +230,33 @@ def test_the_cpp_product_over_unpacked_slices_equals_the_tensor_form(dtype) -> N
             )
 
 
+def test_the_int4_tile_product_computes_the_weights_definition() -> None:
+    """csrc/grouped_cpu.cpp's int4_linear on AMX (x times the integers per group, then each group's
+    scale and offset; where this CPU has no AMX the same call takes the other products) against
+    the weights' definition in float32, and against the products without tiles: rows within one
+    tile, whole tiles and beyond, groups of 32, 128, one per channel and of 160 (built 128
+    channels at a time), output widths that do not fill the packed blocks, a bias."""
+    from text_generation_server.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    gen = torch.Generator().manual_seed(8)
+    for out_features, in_features, group in ((64, 128, 32), (200, 512, 128), (96, 256, 256), (64, 320, 160)):
+        ints, scales, zeros, weight = random_groups(gen, out_features, in_features, group, 4, 0.1)
+        bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+        layer = Int4Linear(ints, scales, zeros, group, bias, torch.bfloat16)
+        for rows in (1, 5, 16, 17, 40):
+            x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+            expected = x.float() @ weight.t() + bias.float()
+            scale = expected.abs().max().item()
+            for tiles in (True, False):
+                ours = torch.ops.tgis_cpu.int4_linear(
+                    x, layer.packed, layer.scale_offset, group, out_features, bias, KERNEL_MAX_ROWS, tiles
+                )
+                # bf16: the output's rounding, the scales' and offsets' rounding to bf16 (and
+                # without tiles the weights')
+                torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=1e-2 * scale)
+
+
 def test_int4_kernel_and_unpacked_product_agree_in_bf16() -> None:
     """Calls with few rows take the int4 kernel, calls with many the unpacked weights: the same
     rows give the same values within bf16 rounding either way."""

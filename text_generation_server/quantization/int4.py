@@ -4,14 +4,19 @@ channels (GPTQ's, AWQ's and compressed-tensors' W4A16 checkpoints), activations 
 A weight is w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size. The values
 are held once, in the layout of torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, which
 takes w = (q - 8) * scale + offset, so offset = (8 - zero) * scale), half a byte per weight plus a
-scale and an offset per group. That kernel reads the packed weights directly but its cost grows
-with the number of rows: on a 2-core Xeon with AMX, [M, 2048] x [2048, 2048] in bf16 took 0.11 /
-0.21 / 0.45 / 2.2 / 3.9 ms at M = 1 / 4 / 8 / 32 / 64 against 0.46-0.75 ms for the bf16 product
-plus 3.6 ms to unpack the weights in tensor operations. Calls with more than KERNEL_MAX_ROWS rows
-(prompts, big batches) therefore unpack the weights to the model's dtype and run the dense
-product, a slice of output rows at a time (csrc/grouped_cpu.cpp's int4_linear_unpacked: 2048 x
-2048 at 24 rows in 0.76 ms, 1.15 ms through the kernel); float32 models always do (the kernel is
-bf16/fp16-fast only).
+scale and an offset per group. The product is csrc/grouped_cpu.cpp's int4_linear:
+
+- on CPUs with AMX (bf16 activations, groups and input channels in multiples of 32), a tile
+  product for any number of rows: the integers become bf16 tiles by bit operations, the tile unit
+  sums x times them per group, and each group's sums are scaled once. On a 2-core Xeon with AMX,
+  the 1.0 B Llama's GPTQ 4-bit projections took 41 / 49 / 195 ms at 1 / 8 / 64 rows against 45 /
+  108 / 361 ms through the products below;
+- elsewhere torch's int4 kernel, which reads the packed weights directly but whose cost grows
+  with the rows ([M, 2048] x [2048, 2048] in bf16: 0.11 / 0.21 / 0.45 / 2.2 / 3.9 ms at M = 1 /
+  4 / 8 / 32 / 64 against 0.46-0.75 ms for the bf16 product), up to KERNEL_MAX_ROWS rows, and
+  beyond it (and for float32 models, and groups the kernel does not take) the dense product
+  over weights unpacked to the model's dtype a slice of output rows at a time
+  (int4_linear_unpacked: 2048 x 2048 at 24 rows in 0.76 ms, 1.15 ms through the kernel).
 
 Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
 holds its input channels sorted by group (`order`) and gathers each input the same way.
@@ -32,6 +37,7 @@ from text_generation_server.quantization.grouped import GroupedLinear, kernels_h
 KERNEL_MAX_ROWS = 16
 BLOCK = 64  # output channels per block of the kernel's packed layout
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 kernel takes
 
 
 class Int4Linear(GroupedLinear):
@@ -83,22 +89,26 @@ class Int4Linear(GroupedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.gathered(x)
-        if x.dtype in KERNEL_DTYPES and rows.shape[0] <= KERNEL_MAX_ROWS:
-            y = torch._weight_int4pack_mm_for_cpu(
-                rows.contiguous(), self.packed, self.group_size, self.scale_offset
-            )
-            y = y[:, : self.out_features]
-            if self.bias_value is not None:
-                y = y + self.bias_value
-        elif kernels_here():
-            y = torch.ops.tgis_cpu.int4_linear_unpacked(
+        if kernels_here():
+            y = torch.ops.tgis_cpu.int4_linear(
                 rows.contiguous(),
                 self.packed,
                 self.scale_offset,
                 self.group_size,
                 self.out_features,
                 self.bias_value,
+                KERNEL_MAX_ROWS,
+                True,
             )
+        elif (
+            x.dtype in KERNEL_DTYPES and self.group_size in KERNEL_GROUPS and rows.shape[0] <= KERNEL_MAX_ROWS
+        ):
+            y = torch._weight_int4pack_mm_for_cpu(
+                rows.contiguous(), self.packed, self.group_size, self.scale_offset
+            )
+            y = y[:, : self.out_features]
+            if self.bias_value is not None:
+                y = y + self.bias_value
         else:
             y = nn.functional.linear(rows, self.unpacked().to(x.dtype), self.bias_value)
         return y.reshape(*x.shape[:-1], self.out_features)

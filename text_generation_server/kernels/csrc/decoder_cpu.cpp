@@ -27,9 +27,10 @@
 //              or int8, the values of a quantization/int8_groups.py Int8GroupLinear; its input
 //              channel order (act-order, else None) and its output features; such a
 //              projection's weight slot holds its scales and offsets and its bias slot its bias.
-//              4-bit calls of up to int4_max_rows rows run torch's int4 kernel, larger ones
-//              grouped_cpu.cpp's product over the unpacked weights, as Int4Linear.forward does;
-//              8-bit ones grouped_cpu.cpp's int8_group_linear, as Int8GroupLinear.forward does
+//              4-bit calls run grouped_cpu.cpp's int4_linear (AMX tiles where the CPU has them,
+//              else torch's int4 kernel up to int4_max_rows rows and the product over unpacked
+//              weights beyond), as Int4Linear.forward does; 8-bit ones grouped_cpu.cpp's
+//              int8_group_linear, as Int8GroupLinear.forward does
 //   caches     one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
 //   slots      [T] int64            the cache slot of each new token's K/V
 //   decode     [D] int64 or None    the packed index of each single-token row (None with no
@@ -185,9 +186,9 @@ struct Grouped {
   int64_t max_rows;
 };
 
-// quantization/int4.py's Int4Linear.forward: the input's channels in the layer's order, torch's
-// int4 kernel for few rows (bf16 / fp16), else the dense product over the unpacked weights;
-// quantization/int8_groups.py's Int8GroupLinear.forward where the weights are int8.
+// quantization/int4.py's Int4Linear.forward: the input's channels in the layer's order, then
+// grouped_cpu.cpp's int4_linear; quantization/int8_groups.py's Int8GroupLinear.forward where the
+// weights are int8.
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset,
                           const std::optional<at::Tensor>& order, const std::optional<at::Tensor>& bias,
                           int64_t out_features, int64_t max_rows) {
@@ -199,18 +200,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
                                                     const std::optional<at::Tensor>&)>();
     return int8_groups.call(rows.contiguous(), packed, scale_offset, packed.size(1) / scale_offset.size(0), bias);
   }
+  static auto int4 = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("tgis_cpu::int4_linear", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                           const std::optional<at::Tensor>&, int64_t, bool)>();
   const int64_t group = packed.size(1) * 2 / scale_offset.size(0);
-  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
-  if (half && rows.size(0) <= max_rows) {
-    at::Tensor y = at::_weight_int4pack_mm_for_cpu(rows.contiguous(), packed, group, scale_offset)
-                       .narrow(1, 0, out_features);
-    return bias.has_value() ? y + *bias : y;
-  }
-  static auto unpacked = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tgis_cpu::int4_linear_unpacked", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                               int64_t, const std::optional<at::Tensor>&)>();
-  return unpacked.call(rows.contiguous(), packed, scale_offset, group, out_features, bias);
+  return int4.call(rows.contiguous(), packed, scale_offset, group, out_features, bias, max_rows, true);
 }
 
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
