@@ -56,6 +56,11 @@ __all__ = [
 ]
 
 
+FP8_GPUS = "GPUs with fp8 tensor cores (Hopper or newer: compute capability {}.{})".format(
+    *fp8.MIN_CAPABILITY
+)
+
+
 def check(scheme: str | None, engine: str, device: torch.device, world_size: int = 1) -> None:
     """Raise ValueError with one line unless `scheme` (QUANTIZE) can serve here."""
     reason = refusal(scheme, engine, world_size)
@@ -70,11 +75,6 @@ def check(scheme: str | None, engine: str, device: torch.device, world_size: int
             f"QUANTIZE={scheme} runs on CPU (our int8 / int4 layers, bitsandbytes' CPU backend), "
             f"not on {device.type}"
         )
-
-
-FP8_GPUS = "GPUs with fp8 tensor cores (Hopper or newer: compute capability {}.{})".format(
-    *fp8.MIN_CAPABILITY
-)
 
 
 def _without_fp8(device: torch.device) -> str | None:
