@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from tests.engines.conformance import alone
+from tests.test_quantization import nn_linear
 from tests.test_quantized_checkpoints import greedy
 from text_generation_common.messages import GenerationRequest
 from text_generation_common.quantize import refusal
@@ -33,14 +34,10 @@ HOPPER = pytest.mark.skipif(
 
 
 def random_linear(inputs: int, outputs: int, bias: bool, dtype: torch.dtype, seed: int) -> torch.nn.Linear:
-    gen = torch.Generator().manual_seed(seed)
-    linear = torch.nn.Linear(inputs, outputs, bias=bias)
+    linear = nn_linear(inputs, outputs, bias, dtype, torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(outputs, inputs, generator=gen) / inputs**0.5)
         linear.weight[3] *= 30  # a channel far larger than the others
-        if bias:
-            linear.bias.copy_(torch.randn(outputs, generator=gen))
-    return linear.to(dtype)
+    return linear
 
 
 def tokens(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -60,10 +57,7 @@ def test_the_fp8_linear_is_its_definition_and_near_the_float_product(dtype, bias
     y = layer(x)
     assert y.shape == (1, 5, 48) and y.dtype == dtype
     # the definition: both sides rounded to fp8 per row, scaled back, multiplied in float32
-    xq = (x[0].float() / (x[0].float().abs().amax(-1, keepdim=True).clamp(min=fp8.TINY) / fp8.FP8_MAX)).to(
-        fp8.FP8
-    )
-    x_back = xq.float() * x[0].float().abs().amax(-1, keepdim=True).clamp(min=fp8.TINY) / fp8.FP8_MAX
+    x_back = DefinedFp8.rounded(x[0].float())
     w_back = layer.weight.float() * layer.scales.t()
     defined = x_back @ w_back.t() + (linear.bias.float() if bias else 0)
     torch.testing.assert_close(y[0].float(), defined, atol=2e-2, rtol=1e-2)
