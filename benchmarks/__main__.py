@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import compare
+from benchmarks.arguments import concurrency_list, env_pair
 from benchmarks.reference_model import NAME as REFERENCE_NAME
 from benchmarks.reference_model import SHAPES as REFERENCE_SHAPES
 from benchmarks.server import DEFAULT_VLLM_SCRIPT, parse_cpus
@@ -26,20 +27,6 @@ from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("benchmarks")
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    if text.strip() == "sweep":
-        return SWEEP
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers or 'sweep', got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -72,13 +59,6 @@ def _budgets(text: str) -> tuple[int, ...]:
         return parse_budgets(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _env(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
 
 
 def _cpus(text: str) -> set[int]:
@@ -187,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("load")
     g.add_argument(
         "--concurrency",
-        type=_ints,
+        type=concurrency_list,
         default=DEFAULT_CONCURRENCY,
         metavar="C[,C...]|sweep",
         help=f"closed-loop concurrency points; 'sweep' = {','.join(map(str, SWEEP))}",
@@ -300,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--server-env",
-        type=_env,
+        type=env_pair,
         action="append",
         default=[],
         metavar="KEY=VALUE",

@@ -248,6 +248,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
 )
 @options.max_waiting_tokens
 @options.stream_interval
+@options.max_stream_interval
 @options.port
 @options.grpc_port
 @click.option(

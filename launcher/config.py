@@ -89,6 +89,7 @@ class LaunchFlags:
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN
     max_waiting_tokens: int = router_defaults.DEFAULT_MAX_WAITING_TOKENS
     stream_interval: int = 1
+    max_stream_interval: int = 0
     port: int = router_defaults.DEFAULT_PORT
     grpc_port: int = router_defaults.DEFAULT_GRPC_PORT
     shard_uds_path: str | None = None
@@ -139,6 +140,7 @@ class LaunchConfig:
     batch_safety_margin: int  # percent of free memory the shards hold back
     max_waiting_tokens: int
     stream_interval: int  # the router's STREAM_INTERVAL
+    max_stream_interval: int  # and MAX_STREAM_INTERVAL (0 = fixed)
     port: int  # HTTP /health and /metrics
     grpc_port: int  # external gRPC API
     shard_uds_path: str  # shard i listens on f"{shard_uds_path}-{i}"
@@ -383,6 +385,15 @@ def resolve_max_new_tokens(max_new_tokens: int, max_sequence_length: int) -> int
     return max_sequence_length - 1
 
 
+def resolve_max_stream_interval(flags: LaunchFlags) -> int:
+    if flags.max_stream_interval and flags.max_stream_interval < flags.stream_interval:
+        raise LaunchError(
+            f"--max-stream-interval ({flags.max_stream_interval}) must be 0 or at least "
+            f"--stream-interval ({flags.stream_interval})"
+        )
+    return flags.max_stream_interval
+
+
 def resolve_auth(flags: LaunchFlags) -> AuthConfig:
     try:
         auth = auth_config({name: getattr(flags, name) for name in AUTH_PARAMS})
@@ -445,6 +456,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         batch_safety_margin=flags.batch_safety_margin,
         max_waiting_tokens=flags.max_waiting_tokens,
         stream_interval=flags.stream_interval,
+        max_stream_interval=resolve_max_stream_interval(flags),
         port=flags.port,
         grpc_port=flags.grpc_port,
         shard_uds_path=flags.shard_uds_path or default_uds_path(),
@@ -593,6 +605,8 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         str(config.max_waiting_tokens),
         "--stream-interval",
         str(config.stream_interval),
+        "--max-stream-interval",
+        str(config.max_stream_interval),
         "--port",
         str(config.port),
         "--grpc-port",

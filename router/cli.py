@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 @options.max_batch_prefill_tokens
 @options.max_waiting_tokens
 @options.stream_interval
+@options.max_stream_interval
 @options.port
 @options.grpc_port
 @click.option(
@@ -106,6 +107,7 @@ def main(
     max_batch_prefill_tokens: int,
     max_waiting_tokens: int,
     stream_interval: int,
+    max_stream_interval: int,
     port: int,
     grpc_port: int,
     tokenization_workers: int,
@@ -144,6 +146,7 @@ def main(
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_waiting_tokens=max_waiting_tokens,
             stream_interval=stream_interval,
+            max_stream_interval=max_stream_interval,
             port=port,
             grpc_port=grpc_port,
             tokenization_workers=tokenization_workers,

@@ -72,6 +72,16 @@ stream_interval = click.option(
     "messages carry the same tokens at high concurrency; 1 = one message per token (TGIS) "
     "[env STREAM_INTERVAL].",
 )
+max_stream_interval = click.option(
+    "--max-stream-interval",
+    envvar="MAX_STREAM_INTERVAL",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Above --stream-interval: while the router's event loop is saturated (the engine waits "
+    "for it), those streams' messages carry up to this many tokens, one more per 0.1 s of "
+    "saturation and one fewer once the load falls; 0 = --stream-interval, fixed "
+    "[env MAX_STREAM_INTERVAL].",
+)
 port = click.option(
     "--port",
     "-p",

@@ -52,6 +52,9 @@ class RouterConfig:
     max_waiting_tokens: int = DEFAULT_MAX_WAITING_TOKENS
     # a streamed request's messages after its first: one per this many tokens (gRPC, OpenAI doors)
     stream_interval: int = 1
+    # above stream_interval: messages carry up to this many tokens while the event loop is
+    # saturated (router/core/pacing.py); 0 = stream_interval, fixed
+    max_stream_interval: int = 0
     port: int = DEFAULT_PORT  # HTTP: /health (and /metrics)
     grpc_port: int = DEFAULT_GRPC_PORT
     host: str = "0.0.0.0"  # a server in a container listens on every interface
@@ -92,6 +95,11 @@ class RouterConfig:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.max_stream_interval and self.max_stream_interval < self.stream_interval:
+            raise ValueError(
+                f"max_stream_interval ({self.max_stream_interval}) must be 0 or at least "
+                f"stream_interval ({self.stream_interval})"
+            )
         if bool(self.tls_cert_path) != bool(self.tls_key_path):
             raise ValueError("tls: must provide both cert and key")
         if self.tls_client_ca_cert_path and not self.tls_cert_path:

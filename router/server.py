@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -33,6 +34,7 @@ from router.config import RouterConfig
 from router.core.capacity import CapacityError, capacity_for
 from router.core.detokenizer import Detokenizer
 from router.core.metrics import CONTENT_TYPE, Metrics
+from router.core.pacing import IdleTimingSelector, StreamPacing
 from router.core.tokenizer import TokenizerPool, load_tokenizer
 from router.core.validation import PrefixLengths, Validator
 from router.grpc.grpc_server import GenerationServicer
@@ -137,9 +139,10 @@ class Router:
         self.tracing.shutdown()
 
 
-async def build(config: RouterConfig) -> Router:
+async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = None) -> Router:
     """Load the tokenizer, connect to the shards, check the model and wire every component;
-    binds the gRPC port (not started). StartupError at the first problem."""
+    binds the gRPC port (not started). StartupError at the first problem. `loop_idle_s`: the
+    event loop's idle seconds so far (IdleTimingSelector), which adaptive stream pacing reads."""
     try:
         tokenizer = load_tokenizer(config.tokenizer_path)
         credentials = server_credentials(
@@ -175,6 +178,10 @@ async def build(config: RouterConfig) -> Router:
         max_prefill_tokens=config.max_batch_prefill_tokens,
         chunked_prefill=info.chunked_prefill,
     )
+    try:
+        pacing = StreamPacing(config.stream_interval, config.max_stream_interval, loop_idle_s)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
     batcher = Batcher(
         client,
         queue,
@@ -184,6 +191,7 @@ async def build(config: RouterConfig) -> Router:
         max_waiting_tokens=config.max_waiting_tokens,
         join_in_step=info.chunked_prefill,
         eager_joins=info.eager_joins,
+        pacing=pacing,
     )
     client.on_adapter_state = metrics.adapter_cache
     validator = Validator(
@@ -203,7 +211,7 @@ async def build(config: RouterConfig) -> Router:
         metrics,
         config.auth.tenant_max_concurrent_requests,
         tracing,
-        config.stream_interval,
+        pacing,
     )
     servicer = GenerationServicer(
         service,
@@ -344,8 +352,8 @@ def _log_serving(router: Router) -> None:
         )
 
 
-async def _build_and_serve(config: RouterConfig) -> None:
-    router = await build(config)
+async def _build_and_serve(config: RouterConfig, loop_idle_s: Callable[[], float]) -> None:
+    router = await build(config, loop_idle_s)
     freeze_loaded_heap("router built")
     try:
         await serve(router)
@@ -357,8 +365,10 @@ def run(config: RouterConfig) -> None:
     # The tokenizer's own thread pool would let one long prompt hold the threads every other
     # request's tokenization needs; the router parallelizes by request instead (tokenizer.py).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    selector = IdleTimingSelector()  # how busy the loop is: adaptive stream pacing reads it
     try:
-        asyncio.run(_build_and_serve(config))
+        with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selector)) as runner:
+            runner.run(_build_and_serve(config, lambda: selector.idle_s))
     except StartupError as exc:
         logger.error("%s", exc)
         sys.exit(1)

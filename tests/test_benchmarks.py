@@ -661,3 +661,16 @@ def test_logit_error_reports_cosines_of_the_final_logits(tiny_model) -> None:
     assert close["greedy_agreement"] >= 0.75
     other = measure(llama, tiny_model("gpt_neox"), None, "float32", prompts=4, length=8)  # other weights
     assert other["mean_cosine"] < 0.9
+
+
+def test_router_load_streams_every_token_through_the_real_router(capsys) -> None:
+    """benchmarks.router_load: the router process over a shard serving the fake engine; every
+    token of every answer arrives, one row per concurrency."""
+    from benchmarks import router_load
+
+    argv = ["--concurrency", "1,3", "--requests-per-stream", "2", "--output-len", "6", "--step-ms", "1"]
+    points = router_load.main(argv)
+    assert [(p.concurrency, p.tokens, p.errors) for p in points] == [(1, 12, 0), (3, 36, 0)]
+    assert all(0 < p.messages <= p.tokens for p in points)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
+    assert len(rows) == 1 and rows[0].endswith("| 0 |")

@@ -349,12 +349,18 @@ def test_router_command_is_accepted_by_the_router_cli(tiny_model: Callable[..., 
         port=1234,
         grpc_port=4321,
         stream_interval=3,
+        max_stream_interval=6,
     )
     argv = lc.router_command(config, "/tok")
     params = router_main.make_context("router", argv[argv.index("--tokenizer-path") :]).params
     assert params["tokenizer_path"] == "/tok" and params["master_shard_uds_path"] == config.socket_path(0)
     assert (params["max_waiting_tokens"], params["port"], params["grpc_port"]) == (7, 1234, 4321)
     assert params["max_batch_prefill_tokens"] == 99 and params["stream_interval"] == 3
+    assert params["max_stream_interval"] == 6
+    with pytest.raises(
+        LaunchError, match=r"^--max-stream-interval \(2\) must be 0 or at least --stream-interval \(3\)$"
+    ):
+        config_for(tiny_model("llama"), stream_interval=3, max_stream_interval=2)
     assert (params["max_sequence_length"], params["max_new_tokens"]) == (512, 511)
     assert params["default_include_stop_seqs"] is True and params["output_special_tokens"] is False
 

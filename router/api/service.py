@@ -26,6 +26,7 @@ from typing import Any
 from router.api.tracing import Metadata, Span, Tracing, correlation_id
 from router.core.entry import Entry, Output
 from router.core.metrics import Metrics
+from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.core.stopping import StopReason
 from router.core.tokenizer import TokenizerBusy
 from router.core.validation import RequestParams, ValidatedRequest, ValidationError, Validator
@@ -145,7 +146,7 @@ class GenerationService:
         metrics: Metrics,
         tenant_limit: int = 0,
         tracing: Tracing | None = None,
-        stream_interval: int = 1,
+        pacing: StreamPacing = ONE_PER_TOKEN,
     ) -> None:
         self.validator = validator
         self.queue = queue
@@ -153,9 +154,9 @@ class GenerationService:
         self.metrics = metrics
         self.tracing = tracing or Tracing()  # disabled unless given
         self.tenant_limit = tenant_limit  # inputs in flight per tenant; 0 = no limit
-        # STREAM_INTERVAL, for the streams whose messages carry several tokens (the TGI door's
-        # events carry one token each)
-        self.stream_interval = stream_interval
+        # tokens per message (STREAM_INTERVAL, MAX_STREAM_INTERVAL) of the streams whose
+        # messages may carry several (the TGI door's events carry one token each)
+        self.pacing = pacing
         self.tenant_in_flight: dict[str, int] = {}
         self.draining = False  # set on SIGTERM: new requests are refused
 
@@ -249,8 +250,8 @@ class GenerationService:
         """The request's outputs as they come (input-token details first when asked for, then
         one per token delta, the last one final); RequestError when it fails. Close it (doors
         use contextlib.aclosing) when the client goes away: the request is then abandoned."""
-        interval = self.stream_interval if call.kind in MULTI_TOKEN_STREAMS else 1
-        entry = Entry(request, stream=True, interval=interval)
+        pacing = self.pacing if call.kind in MULTI_TOKEN_STREAMS else ONE_PER_TOKEN
+        entry = Entry(request, stream=True, pacing=pacing)
         self.queue.append([entry])
         text_bytes, head = 0, ""
         try:

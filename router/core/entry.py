@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.core.detokenizer import Detokenizer, IncrementalDecoder
+from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.core.stopping import StopReason, check_stop, find_stop_sequence, held_back
 from router.core.validation import ValidatedRequest
 from text_generation_common.messages import TokenInfo
@@ -58,8 +59,8 @@ class Output:
 class Entry:
     request: ValidatedRequest
     stream: bool
-    # streams: after the first token, one message per `interval` tokens (STREAM_INTERVAL)
-    interval: int = 1
+    # streams: after the first token, one message per `pacing.interval` tokens (pacing.py)
+    pacing: StreamPacing = ONE_PER_TOKEN
     queued_at: float = field(default_factory=time.monotonic)
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
     # Set by the servicer when its client went away; the batcher drops the entry.
@@ -156,7 +157,7 @@ class Entry:
             if delta or self._held_tokens:
                 tokens, self._held_tokens = self._held_tokens, []
                 self.outputs.put_nowait(Output(self.generated, delta, tokens))
-                self._due = self.generated + self.interval
+                self._due = self.generated + self.pacing.interval
         return reason.finished
 
     def _finish(

@@ -12,7 +12,8 @@ requests that fit join the running batch in one of two ways, by what the engine 
     shrinks as decode steps pass, down to one after MAX_WAITING_TOKENS steps (TGIS's policy);
     the shard merges the new batch in at the next step.
 Finished requests are pruned on the next call. Per-token work (decoding, stopping, outputs) is
-in entry.py.
+in entry.py; how many tokens a streamed message carries is the shared StreamPacing's interval,
+judged here at every decode step when adaptive (MAX_STREAM_INTERVAL, pacing.py).
 
     idle:   wait for the queue -> PREFILL(new)
     busy, join_in_step:  NEXT_TOKEN(current, join=[new]) -> ...
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from router.core.detokenizer import Detokenizer
 from router.core.entry import Entry, Failure
 from router.core.metrics import Metrics
+from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.scheduling.request_queue import RequestQueue, entry_load
 from router.scheduling.shard_client import ShardCallError, ShardClient
 from text_generation_common.messages import (
@@ -111,10 +113,12 @@ class Batcher:
         max_waiting_tokens: int,
         join_in_step: bool = False,
         eager_joins: bool = False,
+        pacing: StreamPacing = ONE_PER_TOKEN,
     ) -> None:
         """`join_in_step`: new requests join in decode steps (the engine chunks prompts);
         `eager_joins`: the shard's decode-only steps replay captured graphs, its steps with
-        prompt chunks do not."""
+        prompt chunks do not; `pacing`: the streams' tokens per message, adapted here at every
+        decode step when adaptive."""
         self.client = client
         self.queue = queue
         self.detokenizer = detokenizer
@@ -123,6 +127,8 @@ class Batcher:
         self.max_waiting_tokens = max_waiting_tokens
         self.join_in_step = join_in_step
         self.eager_joins = eager_joins
+        self.pacing = pacing
+        metrics.set("tgi_stream_interval", pacing.interval)
         self.generation_healthy: bool | None = None  # None until a first step ran
         self.running = False  # the loop is alive (liveness)
         self.last_shard_answer = 0.0  # time.monotonic() of the last successful shard call (readiness)
@@ -179,6 +185,8 @@ class Batcher:
                 await self.queue.wait()
                 continue
             self.queue.busy = True
+            self.pacing.restart()
+            self.metrics.set("tgi_stream_interval", self.pacing.interval)
             try:
                 current, _ = await self._prefill(entries, [])
                 await self._run_batch(current)
@@ -243,6 +251,8 @@ class Batcher:
         it runs. Returns the batch as the shard now caches it and this step's tokens, still to
         be handed out."""
         new = self._start(join) if join else None
+        if self.pacing.step():
+            self.metrics.set("tgi_stream_interval", self.pacing.interval)
         entries = [e for b in group for e in b.live()] + (join or [])
         started = time.monotonic()
         self.metrics.shard_call("next_token", len(entries))

@@ -7,6 +7,7 @@ the fake shard's latency only stands in for model time."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,7 @@ from router.core.capacity import WeightCapacity
 from router.core.detokenizer import Detokenizer
 from router.core.entry import Entry, Output
 from router.core.metrics import Metrics
+from router.core.pacing import ONE_PER_TOKEN, WINDOW_S, StreamPacing
 from router.core.stopping import StopReason
 from router.core.validation import ResponseSpec, StoppingSpec, ValidatedRequest
 from router.scheduling.batcher import MISSING_ANSWER, Batcher
@@ -67,7 +69,7 @@ class Harness:
     batcher: Batcher
 
     def submit(self, request: ValidatedRequest, stream: bool = False) -> Entry:
-        entry = Entry(request, stream)
+        entry = Entry(request, stream, pacing=self.batcher.pacing if stream else ONE_PER_TOKEN)
         self.queue.append([entry])
         return entry
 
@@ -114,6 +116,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
         padding=1.0,
         max_prefill_tokens: int = 0,
         eager_joins: bool = False,
+        pacing: StreamPacing = ONE_PER_TOKEN,
     ):
         shard = shard or FakeShard()
         capacity = WeightCapacity(BatchWeights.from_model(shard.memory, padded=True), padding)
@@ -134,6 +137,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
             max_waiting_tokens=max_waiting_tokens,
             join_in_step=shard.chunked_prefill,  # as the router does for engines that chunk prompts
             eager_joins=eager_joins,
+            pacing=pacing,
         )
         tasks.append(asyncio.create_task(batcher.run()))
         return Harness(shard, queue, batcher)
@@ -546,3 +550,24 @@ async def test_where_joins_run_eagerly_between_graphed_steps_they_wait_for_tgis_
     waited = h.shard.calls.index(join) - submitted_at
     # 4 running: one waiting request is enough once 4 * (50 - steps) // 50 <= 1, after 26 steps
     assert waited >= 20 if eager else waited <= 1
+
+
+async def test_adaptive_pacing_raises_the_streams_interval_while_the_loop_is_saturated(make_harness) -> None:
+    """MAX_STREAM_INTERVAL: the batcher judges the loop at every decode step; a loop that never
+    waits raises the interval one step at a time up to its bound (tgi_stream_interval follows),
+    so a stream's later messages carry several tokens, with the text of one message per token;
+    the next busy period starts from STREAM_INTERVAL again."""
+    ticks = itertools.count()
+    pacing = StreamPacing(1, 3, lambda: 0.0, clock=lambda: next(ticks) * WINDOW_S * 1.001)
+    h = make_harness(pacing=pacing)
+    outputs = await h.all_outputs(h.submit(make_request(max_new=16), stream=True))
+    counts = [o.generated_tokens for o in outputs]
+    assert counts[:2] == [1, 2] and counts[-1] == 16 and counts == sorted(set(counts))
+    assert all(b - a == 3 for a, b in itertools.pairwise(counts[-4:-1])), counts
+    assert pacing.interval == 3
+    assert "tgi_stream_interval 3.0" in h.batcher.metrics.exposition().decode()
+    fixed = make_harness()
+    each = await fixed.all_outputs(fixed.submit(make_request(max_new=16), stream=True))
+    assert "".join(o.text for o in outputs) == "".join(o.text for o in each) and len(outputs) < len(each)
+    await h.final(h.submit(make_request(max_new=1), stream=True))
+    assert pacing.interval == 1  # restarted, and one token needs no decode step

@@ -12,6 +12,7 @@ import pytest
 
 from router.core.detokenizer import Detokenizer
 from router.core.entry import Entry, Output
+from router.core.pacing import StreamPacing
 from router.core.stopping import StopReason
 from router.core.tokenizer import load_tokenizer
 from router.core.validation import ResponseSpec, StoppingSpec, ValidatedRequest
@@ -36,9 +37,14 @@ def request(stop: list[str], include: bool, max_new: int) -> ValidatedRequest:
     )
 
 
-def feed(entry: Entry, ids: list[int], detokenizer: Detokenizer) -> list[Output]:
+def feed(
+    entry: Entry, ids: list[int], detokenizer: Detokenizer, intervals: list[int] | None = None
+) -> list[Output]:
+    """The entry's outputs for `ids`; `intervals`: its pacing's interval before each token."""
     entry.start(1, detokenizer, time.monotonic())
-    for token in ids:
+    for step, token in enumerate(ids):
+        if intervals is not None:
+            entry.pacing.interval = intervals[step]
         if entry.on_token(TokenInfo(token), EOS, detokenizer, time.monotonic()):
             break
     outputs = []
@@ -168,7 +174,7 @@ def test_a_stream_interval_sends_the_first_token_then_one_message_per_interval(
         spec = request(stops, rng.random() < 0.5, len(ids))
         spec = dataclasses.replace(spec, response=ResponseSpec(generated_tokens=True))
         each = feed(Entry(spec, stream=True), ids, detokenizer)
-        fewer = feed(Entry(spec, stream=True, interval=interval), ids, detokenizer)
+        fewer = feed(Entry(spec, stream=True, pacing=StreamPacing(interval)), ids, detokenizer)
         context = (ids, stops)
         assert "".join(o.text for o in fewer) == "".join(o.text for o in each), context
         assert [t for o in fewer for t in o.tokens] == [t for o in each for t in o.tokens], context
@@ -179,3 +185,28 @@ def test_a_stream_interval_sends_the_first_token_then_one_message_per_interval(
             context
         )  # the last may be sooner
         assert len(fewer) <= 2 + (len(ids) - 1) // interval, context
+
+
+def test_an_adaptive_interval_changing_mid_stream_keeps_text_and_details(detokenizer: Detokenizer) -> None:
+    """MAX_STREAM_INTERVAL: the interval the batcher picks may change between any two tokens;
+    the messages still add up to the text and token details of one message per token, and none
+    holds more tokens than the interval in force when it went out allows."""
+    rng = random.Random(11)
+    for _ in range(300):
+        ids = [rng.randrange(3, 2000) for _ in range(rng.randint(1, 24))]
+        stops = [rng.choice(["zz", "é", " "])] if rng.random() < 0.4 else []
+        spec = request(stops, rng.random() < 0.5, len(ids))
+        spec = dataclasses.replace(spec, response=ResponseSpec(generated_tokens=True))
+        intervals = [rng.randint(1, 5) for _ in ids]
+        each = feed(Entry(spec, stream=True), ids, detokenizer)
+        paced = feed(
+            Entry(spec, stream=True, pacing=StreamPacing(1, 5, lambda: 0.0)), ids, detokenizer, intervals
+        )
+        context = (ids, stops, intervals)
+        assert "".join(o.text for o in paced) == "".join(o.text for o in each), context
+        assert [t for o in paced for t in o.tokens] == [t for o in each for t in o.tokens], context
+        assert paced[-1].stop_reason == each[-1].stop_reason and paced[-1].final, context
+        counts = [o.generated_tokens for o in paced]
+        assert counts[0] == 1 and counts == sorted(set(counts)), context
+        for before, after in itertools.pairwise(counts[:-1]):
+            assert after - before >= intervals[before - 1], context  # due as set by the message before

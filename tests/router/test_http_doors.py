@@ -15,6 +15,7 @@ import pytest
 from router.api.auth import AuthConfig, Authenticator
 from router.api.service import GenerationService
 from router.core.metrics import Metrics
+from router.core.pacing import StreamPacing
 from router.core.validation import ValidationError
 from router.http import http_server
 from router.http.chat_template import load_chat_template
@@ -285,7 +286,7 @@ async def test_generate_with_details(stack: Stack) -> None:
 @pytest.mark.parametrize("interval", [1, 3])
 async def test_stream_layout_and_parity_with_unary(stack: Stack, interval: int) -> None:
     """One event per token, whatever STREAM_INTERVAL says (TGI's events carry one token each)."""
-    stack.service.stream_interval = interval
+    stack.service.pacing = StreamPacing(interval)
     body = {"inputs": "hello", "parameters": {"max_new_tokens": 6, "return_full_text": True}}
     events = await sse_events(stack, body)
     assert [e["index"] for e in events] == [1, 2, 3, 4, 5, 6]
@@ -394,7 +395,7 @@ async def test_an_openai_stream_carries_several_tokens_per_chunk_with_a_stream_i
         return text, [lp for c in chunks if c.get("logprobs") for lp in c["logprobs"]["token_logprobs"]]
 
     each = await sse_events(stack, body, path="/v1/completions")
-    stack.service.stream_interval = 4
+    stack.service.pacing = StreamPacing(4)
     fewer = await sse_events(stack, body, path="/v1/completions")
     assert texts_and_logprobs(fewer) == texts_and_logprobs(each)
     assert len(texts_and_logprobs(each)[1]) == 9

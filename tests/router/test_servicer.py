@@ -12,6 +12,7 @@ import pytest
 
 from router.api.auth import AuthConfig, Authenticator
 from router.api.service import DRAINING
+from router.core.pacing import StreamPacing
 from router.core.tokenizer import BUSY_MESSAGE, TokenizerPool
 from router.grpc.grpc_server import MAX_TOKENIZE_TEXTS, GenerationServicer
 from router.pb import generation_pb2 as pb
@@ -116,7 +117,7 @@ async def test_a_stream_interval_sends_the_tokens_in_fewer_messages(servicer) ->
         params={"stopping": {"max_new_tokens": 10}, "response": {"generated_tokens": True}},
     )
     each = [m async for m in s.GenerateStream(request, FakeContext())]
-    s.service.stream_interval = 3
+    s.service.pacing = StreamPacing(3)
     fewer = [m async for m in s.GenerateStream(request, FakeContext())]
     assert [m.generated_token_count for m in fewer[1:]] == [1, 4, 7, 10]
     assert [len(m.tokens) for m in fewer[1:]] == [1, 3, 3, 3]
