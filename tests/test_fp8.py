@@ -141,27 +141,33 @@ def test_the_quantized_model_is_its_definition_and_its_weights_halve(tiny_model,
     assert mean_cosine(ours, last_logits(model)) >= 0.85
 
 
-# ---- compressed-tensors FP8_DYNAMIC checkpoints ----------------------------------------------------
+# ---- compressed-tensors FP8_DYNAMIC and FP8 checkpoints --------------------------------------------
+
+DESCRIBED = {
+    "FP8_DYNAMIC": "compressed-tensors fp8 weights, per output channel, symmetric, fp8 activations per token",
+    "FP8": (
+        "compressed-tensors fp8 weights, per tensor, symmetric, fp8 activations per tensor (static scales)"
+    ),
+}
 
 
-@pytest.fixture(scope="module")
-def fp8_checkpoint(tiny_model, tmp_path_factory) -> Path:
-    """The tiny Llama written by compressed-tensors as FP8_DYNAMIC (llm-compressor's preset)."""
+@pytest.fixture(scope="module", params=list(DESCRIBED))
+def fp8_checkpoint(request, tiny_model, tmp_path_factory) -> Path:
+    """The tiny Llama written by compressed-tensors with llm-compressor's preset: FP8_DYNAMIC
+    (weights per channel, each token's activations at its own scale) or FP8 (weights per
+    tensor, activations at a scale per layer calibrated on random tokens)."""
     pytest.importorskip("compressed_tensors", reason="writing the checkpoint needs compressed-tensors")
-    return build_compressed_tensors(
-        tiny_model("llama"), tmp_path_factory.mktemp("fp8-dynamic"), "FP8_DYNAMIC"
-    )
+    return build_compressed_tensors(tiny_model("llama"), tmp_path_factory.mktemp("fp8"), request.param)
 
 
-def test_an_fp8_dynamic_checkpoint_reads_into_fp8_layers_that_are_the_packages(fp8_checkpoint) -> None:
+def test_an_fp8_checkpoint_reads_into_fp8_layers_that_are_the_packages(fp8_checkpoint) -> None:
     """Each layer read from the checkpoint computes what compressed-tensors' own layer computes
-    (its weights dequantized, each token rounded to fp8 at max |x| / 448), within the bf16
-    rounding of the fp8 product's output; the model's logits stay near the package's."""
+    (its weights dequantized, each token rounded to fp8 at max |x| / 448, or every token at the
+    layer's stored scale, saturating beyond it), within the bf16 rounding of the fp8 product's
+    output; the model's logits stay near the package's."""
     config = transformers.AutoConfig.from_pretrained(fp8_checkpoint)
     plan = checkpoints.plan(config, fp8_checkpoint)
-    assert plan.floating and plan.describe() == (
-        "compressed-tensors fp8 weights, per output channel, symmetric, fp8 activations per token"
-    )
+    assert plan.floating and plan.describe() == DESCRIBED[plan.scheme]
     ours = checkpoints.load_model(
         transformers.AutoModelForCausalLM, fp8_checkpoint, config, plan, torch.float32
     )
@@ -191,9 +197,10 @@ def test_an_fp8_checkpoint_is_refused_where_fp8_cannot_run(fp8_checkpoint) -> No
     config = ServerConfig(model_name=str(fp8_checkpoint), deployment_framework="tgis_native", dtype="float32")
     with pytest.raises(ValueError) as error:
         load_pretrained(config)
+    scheme = checkpoints.plan(transformers.AutoConfig.from_pretrained(fp8_checkpoint), fp8_checkpoint).scheme
     if not torch.cuda.is_available():
         assert str(error.value) == (
-            "this checkpoint's fp8 weights (compressed-tensors FP8_DYNAMIC) run on GPUs with fp8 tensor "
+            f"this checkpoint's fp8 weights (compressed-tensors {scheme}) run on GPUs with fp8 tensor "
             "cores (Hopper or newer: compute capability 9.0), not on cpu"
         )
 
@@ -240,17 +247,13 @@ def test_the_fp8_linear_on_the_gpu_is_the_one_on_the_cpu() -> None:
     torch.testing.assert_close(on_gpu, layer(x), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.gpu
-@HOPPER
-@pytest.mark.parametrize("engine", ["hf_transformers", "tgis_native"])
-@pytest.mark.parametrize("source", ["QUANTIZE=fp8", "FP8_DYNAMIC checkpoint"])
-def test_engines_serve_the_quantized_models_own_generate(request, tiny_model, engine, source) -> None:
-    checkpoint = source != "QUANTIZE=fp8"
+def served_as_its_own_generate(engine: str, model: Path, quantize: str | None) -> None:
+    """The engine's greedy tokens are those of transformers' generate over the same fp8 layers."""
     config = ServerConfig(
-        model_name=str(request.getfixturevalue("fp8_checkpoint") if checkpoint else tiny_model("llama")),
+        model_name=str(model),
         deployment_framework=engine,
         dtype="float32",
-        quantize=None if checkpoint else "fp8",
+        quantize=quantize,
         max_batch_size=4,
         max_sequence_length=128,
         max_new_tokens=16,
@@ -260,3 +263,44 @@ def test_engines_serve_the_quantized_models_own_generate(request, tiny_model, en
     reference = load_pretrained(config).model  # the same layers, run by transformers' generate
     for i, prompt in enumerate(PROMPTS):
         assert alone(served, GenerationRequest(i, prompt, 10)) == greedy(reference, prompt, 10)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("engine", ["hf_transformers", "tgis_native"])
+def test_engines_serve_quantize_fp8_as_its_own_generate(tiny_model, engine) -> None:
+    served_as_its_own_generate(engine, tiny_model("llama"), "fp8")
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("engine", ["hf_transformers", "tgis_native"])
+def test_engines_serve_fp8_checkpoints_as_their_own_generate(fp8_checkpoint, engine) -> None:
+    served_as_its_own_generate(engine, fp8_checkpoint, None)
+
+
+def test_fp8_variants_outside_the_two_schemes_are_refused_with_one_line(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    def declared(weights: dict, inputs: dict | None) -> SimpleNamespace:
+        group = {"weights": {"type": "float", "num_bits": 8, "symmetric": True, **weights}}
+        group["input_activations"] = inputs
+        config = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"g": group},
+        }
+        return SimpleNamespace(quantization_config=config)
+
+    static = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True}
+    plan = checkpoints.plan(declared({"strategy": "channel"}, static), tmp_path)
+    assert plan.static_inputs and not plan.per_tensor and plan.scheme == "FP8"
+    for weights, inputs in (
+        ({"strategy": "block"}, static),  # fp8 in blocks (DeepSeek's layout)
+        ({"strategy": "tensor"}, {**static, "strategy": "token"}),  # static per token: no such scales
+        ({"strategy": "tensor"}, None),  # weight-only fp8
+    ):
+        with pytest.raises(ValueError) as error:
+            checkpoints.plan(declared(weights, inputs), tmp_path)
+        assert str(error.value).startswith("compressed-tensors float-quantized with 8-bit float")
+        assert "\n" not in str(error.value)

@@ -115,7 +115,7 @@ def checkpoint_plan(
     reason = refusal(method, engine, world_size)
     where = _without_fp8(device)
     if reason is None and where:
-        reason = f"this checkpoint's fp8 weights ({method} FP8_DYNAMIC) run on {FP8_GPUS}, not on {where}"
+        reason = f"this checkpoint's fp8 weights ({method} {plan.scheme}) run on {FP8_GPUS}, not on {where}"
     if reason is not None:
         raise ValueError(reason)
     return plan

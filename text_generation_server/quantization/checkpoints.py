@@ -12,10 +12,11 @@ Served without any flag (QUANTIZE may name the same method, never another):
                       channel, int8 activations per token, dynamic and symmetric),
                       `pack-quantized` W4A16 (4-bit weights in groups, symmetric or not) and,
                       on GPUs with fp8, `float-quantized` FP8_DYNAMIC (float8 e4m3 weights per
-                      output channel, fp8 activations per token, dynamic)
+                      output channel, fp8 activations per token, dynamic) and FP8 (weights
+                      per tensor or channel, activations with one stored scale per tensor)
 4-bit layers run on quantization/int4.py's Int4Linear, GPTQ's 8-bit ones on int8_groups.py's
 Int8GroupLinear, W8A8 on int8.py's Int8Linear (the same integer products as the checkpoint's
-definition), FP8_DYNAMIC on fp8.py's Fp8Linear. Every other variant is refused with one line
+definition), FP8_DYNAMIC and FP8 on fp8.py's Fp8Linear. Every other variant is refused with one line
 naming it. The model is built by transformers from its config without the quantizer (which
 would need packages that have no CPU wheel) and without weights (`load_model`); each quantized
 Linear is then made from the checkpoint's tensors and every other weight read, straight from
@@ -58,11 +59,20 @@ class Plan:
     symmetric: bool
     act_order: bool = False  # GPTQ desc_act
     zeros_minus_one: bool = False  # GPTQ's v1 checkpoint format stores each zero point minus one
-    activations: bool = False  # 8-bit activations per token (W8A8, FP8_DYNAMIC)
-    floating: bool = False  # float8 e4m3 weights and activations (FP8_DYNAMIC; GPU only)
+    activations: bool = False  # 8-bit activations (W8A8, FP8_DYNAMIC per token; FP8 per tensor)
+    floating: bool = False  # float8 e4m3 weights and activations (FP8_DYNAMIC, FP8; GPU only)
+    static_inputs: bool = False  # one stored activation scale per layer (FP8), not per token
+    per_tensor: bool = False  # one weight scale per layer (FP8), not per output channel
+
+    @property
+    def scheme(self) -> str:
+        """compressed-tensors' name of an fp8 checkpoint's scheme."""
+        return "FP8" if self.static_inputs else "FP8_DYNAMIC"
 
     def describe(self) -> str:
         groups = f"groups of {self.group_size}" if self.group_size else "per output channel"
+        if self.per_tensor:
+            groups = "per tensor"
         parts = [
             f"{self.method} {'fp8' if self.floating else f'{self.bits}-bit'} weights",
             groups,
@@ -72,7 +82,8 @@ class Plan:
             parts.append("act-order")
         kind = "fp8" if self.floating else "int8"
         own = "activations in the model's dtype"
-        parts.append(f"{kind} activations per token" if self.activations else own)
+        per = "per tensor (static scales)" if self.static_inputs else "per token"
+        parts.append(f"{kind} activations {per}" if self.activations else own)
         return ", ".join(parts)
 
 
@@ -155,8 +166,9 @@ def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
         raise ValueError("compressed-tensors checkpoints with quantized KV caches or outputs are not served")
     bits, strategy = int(weights.get("num_bits", 0)), weights.get("strategy")
     if weights.get("type") == "float":
-        fp8_dynamic = fmt == "float-quantized" and bits == 8 and strategy == "channel"
-        if fp8_dynamic and _dynamic_tokens(inputs, "float"):
+        fp8 = fmt == "float-quantized" and bits == 8 and strategy in ("channel", "tensor")
+        static = _static_tensor(inputs)
+        if fp8 and weights.get("symmetric", True) and (static or _dynamic_tokens(inputs, "float")):
             return Plan(
                 method=COMPRESSED_TENSORS,
                 bits=8,
@@ -164,10 +176,13 @@ def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
                 symmetric=True,
                 activations=True,
                 floating=True,
+                static_inputs=static,
+                per_tensor=strategy == "tensor",
             )
         raise ValueError(
             f"compressed-tensors {fmt} with {bits}-bit float {strategy} weights is not served "
-            "(float-quantized FP8_DYNAMIC is: fp8 weights per channel, dynamic fp8 activations per token)"
+            "(float-quantized FP8 and FP8_DYNAMIC are: fp8 weights per channel or per tensor, fp8 "
+            "activations per token or with a static scale per tensor)"
         )
     if weights.get("type") != "int":
         raise ValueError(f"compressed-tensors {weights.get('type')} weights are not served (int and float)")
@@ -190,6 +205,14 @@ def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
         f"compressed-tensors {fmt} with {bits}-bit {strategy} weights is not served "
         "(int-quantized W8A8, pack-quantized W4A16 and float-quantized FP8_DYNAMIC are)"
     )
+
+
+def _static_tensor(inputs: dict[str, Any] | None) -> bool:
+    """Whether a config group's input activations are fp8 with one stored scale per tensor."""
+    if inputs is None:
+        return False
+    declared = tuple(inputs.get(k) for k in ("type", "num_bits", "strategy", "dynamic", "symmetric"))
+    return declared == ("float", 8, "tensor", False, True)
 
 
 def _dynamic_tokens(inputs: dict[str, Any] | None, kind: str) -> bool:
@@ -271,8 +294,16 @@ def _read_layer(
     if tensors.has(f"{key}.weight_scale") and how.bits == 8:
         values, scales = tensors.get(f"{key}.weight"), tensors.get(f"{key}.weight_scale")
         _check_shape(prefix, values.shape, linear)
-        layer = Fp8Linear if how.floating else Int8Linear
-        return layer(values, scales.float().flatten(), bias, dtype)
+        scales = scales.float().flatten().expand(values.shape[0])  # one per tensor: every row's
+        if not how.floating:
+            return Int8Linear(values, scales, bias, dtype)
+        if not how.static_inputs:
+            return Fp8Linear(values, scales, bias, dtype)
+        if not tensors.has(f"{key}.input_scale"):
+            raise ValueError(
+                f"{key}: the checkpoint declares static activation scales but holds no input_scale"
+            )
+        return Fp8Linear(values, scales, bias, dtype, input_scale=float(tensors.get(f"{key}.input_scale")))
     return None
 
 

@@ -46,18 +46,33 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (wide / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `x` [rows, width] as fp8 at one stored `scale` [1, 1] (a checkpoint's static
+    activation scale: values beyond 448 * scale saturate), with that scale for every row."""
+    values = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return values, scale.expand(x.shape[0], 1).contiguous()
+
+
 class Fp8Linear(nn.Module):
-    """A Linear with fp8 weights per output channel and each token's activations in fp8."""
+    """A Linear with fp8 weights per output channel and its activations in fp8: each token at its
+    own scale, or every token at the layer's stored one (`input_scale`)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None
+    input_scale: torch.Tensor | None
 
     def __init__(
-        self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        input_scale: float | None = None,
     ):
         """`weight` [out, in] fp8 e4m3, `scales` [out] float32 (the weight is weight * scales per
-        row), `bias` [out] or None; `dtype` is the model's (the dtype of inputs and outputs)."""
+        row), `bias` [out] or None; `dtype` is the model's (the dtype of inputs and outputs);
+        `input_scale`: a checkpoint's static activation scale (None: each token's max |x| / 448)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if weight.dtype != FP8:
@@ -71,6 +86,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scales", scales.detach().float().reshape(1, -1).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        static = None if input_scale is None else torch.tensor([[float(input_scale)]], dtype=torch.float32)
+        self.register_buffer("input_scale", static)
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Fp8Linear:
@@ -80,7 +97,11 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        values, scale = quantize_rows(x.reshape(-1, self.in_features))
+        rows = x.reshape(-1, self.in_features)
+        if self.input_scale is None:
+            values, scale = quantize_rows(rows)
+        else:
+            values, scale = quantize_static(rows, self.input_scale)
         if x.is_cuda:  # row-wise scales take a bf16 output; other model dtypes are converted
             out = torch._scaled_mm(
                 values, self.weight.t(), scale_a=scale, scale_b=self.scales, out_dtype=torch.bfloat16
@@ -96,4 +117,6 @@ class Fp8Linear(nn.Module):
         return self.weight.numel() + self.scales.numel() * 4
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per channel"
+        inputs = "static input scale" if self.input_scale is not None else "inputs per token"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, fp8 e4m3 per channel, {inputs}"

@@ -1,11 +1,13 @@
 """Quantized checkpoints of the tiny (or any local) models, made offline, for tests and benchmarks.
 
 compressed-tensors  through the compressed-tensors package itself: its preset scheme (W8A8,
-                    W4A16, W4A16_ASYM) applied to every Linear but the LM head, weight scales and
-                    zero points from its own `calculate_qparams` over each group's range
-                    (round-to-nearest; W8A8's activations are quantized at run time, so no
-                    calibration data is needed), compressed and saved by its ModelCompressor
-                    exactly as llm-compressor saves them.
+                    W4A16, W4A16_ASYM, FP8_DYNAMIC, FP8) applied to every Linear but the LM head,
+                    weight scales and zero points from its own `calculate_qparams` over each
+                    group's, channel's or tensor's range (round-to-nearest), compressed and saved
+                    by its ModelCompressor exactly as llm-compressor saves them. Dynamic
+                    activations need no calibration data; FP8's static per-tensor input scales
+                    are the largest |input| each Linear sees over random-token prompts, over 448
+                    (llm-compressor's static min-max observer).
 gptq                GPTQ itself (written here: no GPTQ package installs from a wheel on this
                     platform), in the AutoGPTQ / GPTQModel layout (qweight, qzeros, scales, g_idx
                     and the config's quantization_config): 4-bit or 8-bit, groups, symmetric or
@@ -38,7 +40,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-COMPRESSED_SCHEMES = ("W8A8", "W4A16", "W4A16_ASYM", "FP8_DYNAMIC")
+COMPRESSED_SCHEMES = ("W8A8", "W4A16", "W4A16_ASYM", "FP8_DYNAMIC", "FP8")
+STATIC_CALIBRATION = (8, 32)  # prompts x tokens of random ids that set static activation scales
 GPTQ_BLOCK = 128  # columns GPTQ updates one by one before updating the rest at once
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -80,6 +83,7 @@ def build_compressed_tensors(
         model, QuantizationConfig(config_groups={"group_0": preset}, ignore=["lm_head"])
     )
     with torch.no_grad():
+        _calibrate_static_inputs(model, calculate_qparams)
         for module in model.modules():
             if getattr(module, "quantization_scheme", None) is None or not hasattr(module, "weight_scale"):
                 continue
@@ -87,6 +91,8 @@ def build_compressed_tensors(
             weight = module.weight.float()
             if args.group_size:
                 weight = weight.unflatten(-1, (-1, args.group_size))
+            if args.strategy == "tensor":
+                weight = weight.flatten()
             low, high = weight.amin(-1), weight.amax(-1)
             scales, zeros = calculate_qparams(low, high, args)
             module.weight_scale.copy_(scales.reshape(module.weight_scale.shape))
@@ -99,6 +105,44 @@ def build_compressed_tensors(
     compressor.update_config(str(out))
     _copy_tokenizer(src, out)
     return out
+
+
+def _calibrate_static_inputs(model: Any, calculate_qparams: Any) -> None:
+    """Set the static input scale of every Linear whose scheme has one, from the range of its
+    inputs over STATIC_CALIBRATION random-token prompts (before its weights are quantized)."""
+    import torch
+    from compressed_tensors.quantization import disable_quantization, enable_quantization
+
+    ranges: dict[Any, float] = {}
+
+    def observe(module: Any, args: tuple[Any, ...]) -> None:
+        ranges[module] = max(ranges.get(module, 0.0), float(args[0].abs().max()))
+
+    static = [
+        m
+        for m in model.modules()
+        if getattr(getattr(m, "quantization_scheme", None), "input_activations", None) is not None
+        and not m.quantization_scheme.input_activations.dynamic
+    ]
+    if not static:
+        return
+    hooks = [m.register_forward_pre_hook(observe) for m in static]
+    prompts, tokens = STATIC_CALIBRATION
+    ids = torch.randint(
+        3, model.config.vocab_size, (prompts, tokens), generator=torch.Generator().manual_seed(0)
+    )
+    try:
+        model.apply(disable_quantization)  # the inputs of the unquantized model
+        with torch.inference_mode():
+            model(ids)
+    finally:
+        model.apply(enable_quantization)
+        for hook in hooks:
+            hook.remove()
+    for module in static:
+        high = torch.tensor([ranges[module]])
+        scale, _ = calculate_qparams(-high, high, module.quantization_scheme.input_activations)
+        module.input_scale.copy_(scale.reshape(module.input_scale.shape))
 
 
 def build_gptq(
