@@ -7,6 +7,7 @@ both engines' greedy tokens against the quantized model's own `generate`; every 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from text_generation_server.engines import get_engine_class
 from text_generation_server.engines.loading import load_pretrained
 from text_generation_server.kernels import fp8_rows_triton
 from text_generation_server.quantization import Fp8Linear, checkpoints, fp8, quantize_model
-from text_generation_server.testing.quantized_models import build_compressed_tensors
+from text_generation_server.testing.quantized_models import build_autofp8, build_compressed_tensors
 
 PROMPTS = ((5, 17, 42, 99, 7, 300, 12), (1, 250, 251, 252), (9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13))
 HOPPER = pytest.mark.skipif(
@@ -141,23 +142,42 @@ def test_the_quantized_model_is_its_definition_and_its_weights_halve(tiny_model,
     assert mean_cosine(ours, last_logits(model)) >= 0.85
 
 
-# ---- compressed-tensors FP8_DYNAMIC and FP8 checkpoints --------------------------------------------
+# ---- fp8 checkpoints: compressed-tensors FP8_DYNAMIC and FP8, AutoFP8's layout ---------------------
 
 DESCRIBED = {
     "FP8_DYNAMIC": "compressed-tensors fp8 weights, per output channel, symmetric, fp8 activations per token",
     "FP8": (
         "compressed-tensors fp8 weights, per tensor, symmetric, fp8 activations per tensor (static scales)"
     ),
+    "AutoFP8": "fp8 fp8 weights, per tensor, symmetric, fp8 activations per tensor (static scales)",
+}
+NAMED = {
+    "FP8_DYNAMIC": "compressed-tensors FP8_DYNAMIC",
+    "FP8": "compressed-tensors FP8",
+    "AutoFP8": "fp8, activation_scheme static",
 }
 
 
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    kind: str
+    path: Path
+    oracle: Path  # the same tensors in compressed-tensors' layout, which transformers runs on CPU
+
+
 @pytest.fixture(scope="module", params=list(DESCRIBED))
-def fp8_checkpoint(request, tiny_model, tmp_path_factory) -> Path:
+def fp8_checkpoint(request, tiny_model, tmp_path_factory) -> Fp8Checkpoint:
     """The tiny Llama written by compressed-tensors with llm-compressor's preset: FP8_DYNAMIC
     (weights per channel, each token's activations at its own scale) or FP8 (weights per
-    tensor, activations at a scale per layer calibrated on random tokens)."""
+    tensor, activations at a scale per layer calibrated on random tokens); or FP8's tensors in
+    AutoFP8's layout (`quant_method: fp8`, `activation_scheme: static`)."""
     pytest.importorskip("compressed_tensors", reason="writing the checkpoint needs compressed-tensors")
-    return build_compressed_tensors(tiny_model("llama"), tmp_path_factory.mktemp("fp8"), request.param)
+    kind, model = request.param, tiny_model("llama")
+    if kind == "AutoFP8":
+        oracle = build_compressed_tensors(model, tmp_path_factory.mktemp("fp8"), "FP8")
+        return Fp8Checkpoint(kind, build_autofp8(model, tmp_path_factory.mktemp("autofp8")), oracle)
+    path = build_compressed_tensors(model, tmp_path_factory.mktemp("fp8"), kind)
+    return Fp8Checkpoint(kind, path, path)
 
 
 def test_an_fp8_checkpoint_reads_into_fp8_layers_that_are_the_packages(fp8_checkpoint) -> None:
@@ -165,13 +185,14 @@ def test_an_fp8_checkpoint_reads_into_fp8_layers_that_are_the_packages(fp8_check
     (its weights dequantized, each token rounded to fp8 at max |x| / 448, or every token at the
     layer's stored scale, saturating beyond it), within the bf16 rounding of the fp8 product's
     output; the model's logits stay near the package's."""
-    config = transformers.AutoConfig.from_pretrained(fp8_checkpoint)
-    plan = checkpoints.plan(config, fp8_checkpoint)
-    assert plan.floating and plan.describe() == DESCRIBED[plan.scheme]
-    ours = checkpoints.load_model(
-        transformers.AutoModelForCausalLM, fp8_checkpoint, config, plan, torch.float32
-    )
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(fp8_checkpoint, dtype=torch.float32).eval()
+    path = fp8_checkpoint.path
+    config = transformers.AutoConfig.from_pretrained(path)
+    plan = checkpoints.plan(config, path)
+    assert plan.floating and plan.describe() == DESCRIBED[fp8_checkpoint.kind]
+    assert plan.fp8_name == NAMED[fp8_checkpoint.kind]
+    ours = checkpoints.load_model(transformers.AutoModelForCausalLM, path, config, plan, torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(fp8_checkpoint.oracle, dtype=torch.float32)
+    theirs.eval()
     layers = {name: m for name, m in ours.named_modules() if isinstance(m, Fp8Linear)}
     assert len(layers) == 14  # 7 projections x 2 layers; the LM head stays dense
     with torch.inference_mode():  # the package decompresses its weights at the first forward
@@ -194,13 +215,14 @@ def test_an_fp8_checkpoint_reads_into_fp8_layers_that_are_the_packages(fp8_check
 
 
 def test_an_fp8_checkpoint_is_refused_where_fp8_cannot_run(fp8_checkpoint) -> None:
-    config = ServerConfig(model_name=str(fp8_checkpoint), deployment_framework="tgis_native", dtype="float32")
+    config = ServerConfig(
+        model_name=str(fp8_checkpoint.path), deployment_framework="tgis_native", dtype="float32"
+    )
     with pytest.raises(ValueError) as error:
         load_pretrained(config)
-    scheme = checkpoints.plan(transformers.AutoConfig.from_pretrained(fp8_checkpoint), fp8_checkpoint).scheme
     if not torch.cuda.is_available():
         assert str(error.value) == (
-            f"this checkpoint's fp8 weights (compressed-tensors {scheme}) run on GPUs with fp8 tensor "
+            f"this checkpoint's fp8 weights ({NAMED[fp8_checkpoint.kind]}) run on GPUs with fp8 tensor "
             "cores (Hopper or newer: compute capability 9.0), not on cpu"
         )
 
@@ -276,7 +298,7 @@ def test_engines_serve_quantize_fp8_as_its_own_generate(tiny_model, engine) -> N
 @HOPPER
 @pytest.mark.parametrize("engine", ["hf_transformers", "tgis_native"])
 def test_engines_serve_fp8_checkpoints_as_their_own_generate(fp8_checkpoint, engine) -> None:
-    served_as_its_own_generate(engine, fp8_checkpoint, None)
+    served_as_its_own_generate(engine, fp8_checkpoint.path, None)
 
 
 def test_fp8_variants_outside_the_two_schemes_are_refused_with_one_line(tmp_path) -> None:
@@ -294,7 +316,7 @@ def test_fp8_variants_outside_the_two_schemes_are_refused_with_one_line(tmp_path
 
     static = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True}
     plan = checkpoints.plan(declared({"strategy": "channel"}, static), tmp_path)
-    assert plan.static_inputs and not plan.per_tensor and plan.scheme == "FP8"
+    assert plan.static_inputs and not plan.per_tensor and plan.fp8_name == "compressed-tensors FP8"
     for weights, inputs in (
         ({"strategy": "block"}, static),  # fp8 in blocks (DeepSeek's layout)
         ({"strategy": "tensor"}, {**static, "strategy": "token"}),  # static per token: no such scales
@@ -304,3 +326,23 @@ def test_fp8_variants_outside_the_two_schemes_are_refused_with_one_line(tmp_path
             checkpoints.plan(declared(weights, inputs), tmp_path)
         assert str(error.value).startswith("compressed-tensors float-quantized with 8-bit float")
         assert "\n" not in str(error.value)
+
+
+def test_autofp8_variants_outside_one_scale_per_tensor_are_refused_with_one_line(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    def plan(**declared) -> checkpoints.Plan:
+        return checkpoints.plan(
+            SimpleNamespace(quantization_config={"quant_method": "fp8", **declared}), tmp_path
+        )
+
+    dynamic = plan(activation_scheme="dynamic")
+    assert not dynamic.static_inputs and dynamic.fp8_name == "fp8, activation_scheme dynamic"
+    with pytest.raises(
+        ValueError, match=r"^fp8 checkpoints with block-wise scales \(weight_block_size \[128, 128\]\)"
+    ):
+        plan(activation_scheme="dynamic", weight_block_size=[128, 128])  # transformers' FineGrainedFP8
+    with pytest.raises(ValueError, match=r"^fp8 checkpoints with a quantized KV cache are not served$"):
+        plan(activation_scheme="static", kv_cache_quant_targets=["k_proj", "v_proj"])
+    with pytest.raises(ValueError, match=r"^fp8 checkpoints with activation_scheme 'per-row' are not served"):
+        plan(activation_scheme="per-row")

@@ -455,7 +455,7 @@ def test_refusals_are_one_line(checkpoint, tiny_model, tmp_path) -> None:
     )
     assert refusal(variant(gptq, quant_method="exl2")) == (
         "this checkpoint is quantized with exl2, which is not served; "
-        "served checkpoints: gptq, awq, compressed-tensors"
+        "served checkpoints: gptq, awq, compressed-tensors, fp8"
     )
     assert refusal(variant(checkpoint("awq"), version="gemv")) == (
         "AWQ checkpoints are served in 4-bit GEMM layout with zero points, not 4-bit, gemv"

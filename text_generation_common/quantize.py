@@ -8,6 +8,9 @@ BITSANDBYTES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")  # trans
 # pre-quantized checkpoints, served without the flag too
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
 SERVED = ("int8", "fp8", *CHECKPOINT_METHODS, *BITSANDBYTES)
+# the quant_method values of checkpoints served: fp8 is also AutoFP8's serialized layout (with
+# QUANTIZE=fp8 or without a flag), while QUANTIZE=fp8 quantizes an unquantized model at load
+CHECKPOINTS_SERVED = (*CHECKPOINT_METHODS, "fp8")
 ENGINES = ("tgis_native", "hf_transformers")  # the engines that serve SERVED
 GPU_ONLY = ("fp8",)  # the others run on CPU only (the shard checks its device)
 

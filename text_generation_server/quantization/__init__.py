@@ -5,7 +5,8 @@ linears replaced by quantized ones.
                          weights per output channel at load, activations in int8 per token
                          (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it)
   fp8                    (GPU, Hopper or newer) the same Linears in float8 e4m3 per output
-                         channel, activations in fp8 per token (fp8.py: torch's scaled product)
+                         channel, activations in fp8 per token (fp8.py: torch's scaled product);
+                         a checkpoint in AutoFP8's layout (quant_method fp8) is read as it is
   gptq, awq, compressed-tensors  pre-quantized checkpoints, read as their quantization_config
                          says (checkpoints.py; int4.py, int8_groups.py and int8.py run them),
                          with or without the flag
@@ -29,7 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from text_generation_common.quantize import BITSANDBYTES, CHECKPOINT_METHODS, GPU_ONLY, refusal
+from text_generation_common.quantize import (
+    BITSANDBYTES,
+    CHECKPOINT_METHODS,
+    CHECKPOINTS_SERVED,
+    GPU_ONLY,
+    refusal,
+)
 from text_generation_server.kernels.weight_layout import plain_linears
 from text_generation_server.quantization import checkpoints, fp8
 from text_generation_server.quantization.checkpoints import Plan
@@ -103,10 +110,10 @@ def checkpoint_plan(
             f"QUANTIZE={scheme} contradicts the checkpoint, which is quantized with {method} "
             f"(config.json quantization_config); leave QUANTIZE unset or set it to {method}"
         )
-    if method not in CHECKPOINT_METHODS:
+    if method not in CHECKPOINTS_SERVED:
         raise ValueError(
             f"this checkpoint is quantized with {method}, which is not served; "
-            f"served checkpoints: {', '.join(CHECKPOINT_METHODS)}"
+            f"served checkpoints: {', '.join(CHECKPOINTS_SERVED)}"
         )
     plan = checkpoints.plan(hf_config, model_dir)
     if not plan.floating:
@@ -115,7 +122,7 @@ def checkpoint_plan(
     reason = refusal(method, engine, world_size)
     where = _without_fp8(device)
     if reason is None and where:
-        reason = f"this checkpoint's fp8 weights ({method} {plan.scheme}) run on {FP8_GPUS}, not on {where}"
+        reason = f"this checkpoint's fp8 weights ({plan.fp8_name}) run on {FP8_GPUS}, not on {where}"
     if reason is not None:
         raise ValueError(reason)
     return plan

@@ -14,9 +14,11 @@ Served without any flag (QUANTIZE may name the same method, never another):
                       on GPUs with fp8, `float-quantized` FP8_DYNAMIC (float8 e4m3 weights per
                       output channel, fp8 activations per token, dynamic) and FP8 (weights
                       per tensor or channel, activations with one stored scale per tensor)
+  fp8                 AutoFP8's layout (config `quant_method: fp8`, `activation_scheme` static or
+                      dynamic; weight, weight_scale and input_scale tensors), on GPUs with fp8
 4-bit layers run on quantization/int4.py's Int4Linear, GPTQ's 8-bit ones on int8_groups.py's
 Int8GroupLinear, W8A8 on int8.py's Int8Linear (the same integer products as the checkpoint's
-definition), FP8_DYNAMIC and FP8 on fp8.py's Fp8Linear. Every other variant is refused with one line
+definition), the fp8 ones on fp8.py's Fp8Linear. Every other variant is refused with one line
 naming it. The model is built by transformers from its config without the quantizer (which
 would need packages that have no CPU wheel) and without weights (`load_model`); each quantized
 Linear is then made from the checkpoint's tensors and every other weight read, straight from
@@ -35,7 +37,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from text_generation_common.quantize import CHECKPOINT_METHODS
+from text_generation_common.quantize import CHECKPOINTS_SERVED
 from text_generation_server.quantization.fp8 import Fp8Linear
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
@@ -43,7 +45,7 @@ from text_generation_server.quantization.int8_groups import Int8GroupLinear
 
 logger = logging.getLogger(__name__)
 
-GPTQ, AWQ, COMPRESSED_TENSORS = "gptq", "awq", "compressed-tensors"
+GPTQ, AWQ, COMPRESSED_TENSORS, FP8 = "gptq", "awq", "compressed-tensors", "fp8"
 # AWQ's GEMM layout packs eight output channels to an int32 in this order (nibble i holds channel
 # AWQ_ORDER[i] of its eight); reading nibbles in sequence, this puts them back in place
 AWQ_UNORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -53,7 +55,7 @@ AWQ_UNORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 class Plan:
     """How a checkpoint's quantized linears are read."""
 
-    method: str  # one of CHECKPOINT_METHODS
+    method: str  # one of CHECKPOINTS_SERVED
     bits: int
     group_size: int | None  # None: one scale per output channel
     symmetric: bool
@@ -65,9 +67,11 @@ class Plan:
     per_tensor: bool = False  # one weight scale per layer (FP8), not per output channel
 
     @property
-    def scheme(self) -> str:
-        """compressed-tensors' name of an fp8 checkpoint's scheme."""
-        return "FP8" if self.static_inputs else "FP8_DYNAMIC"
+    def fp8_name(self) -> str:
+        """An fp8 checkpoint's kind, as its format names it."""
+        if self.method == FP8:
+            return f"fp8, activation_scheme {'static' if self.static_inputs else 'dynamic'}"
+        return f"{self.method} {'FP8' if self.static_inputs else 'FP8_DYNAMIC'}"
 
     def describe(self) -> str:
         groups = f"groups of {self.group_size}" if self.group_size else "per output channel"
@@ -119,9 +123,11 @@ def plan(hf_config: Any, model_dir: Path) -> Plan:
         return _awq_plan(declared)
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors_plan(declared)
+    if method == FP8:
+        return _fp8_plan(declared)
     raise ValueError(
         f"this checkpoint is quantized with {method}, which is not served; "
-        f"served: {', '.join(CHECKPOINT_METHODS)}"
+        f"served: {', '.join(CHECKPOINTS_SERVED)}"
     )
 
 
@@ -154,6 +160,39 @@ def _awq_plan(declared: dict[str, Any]) -> Plan:
     return Plan(method=AWQ, bits=4, group_size=group if group > 0 else None, symmetric=False)
 
 
+def _fp8_plan(declared: dict[str, Any]) -> Plan:
+    """AutoFP8's serialized layout (vLLM's `fp8` checkpoints): fp8 weights with a scale per tensor,
+    activations at a stored scale per tensor (`static`) or at run time (`dynamic`: here per token,
+    at least as fine as the per-tensor scale that scheme computes)."""
+    if declared.get("weight_block_size"):
+        raise ValueError(
+            f"fp8 checkpoints with block-wise scales (weight_block_size {declared['weight_block_size']}) "
+            "are not served (one scale per tensor is)"
+        )
+    if declared.get("kv_cache_quant_targets") or declared.get("kv_cache_scheme"):
+        raise ValueError("fp8 checkpoints with a quantized KV cache are not served")
+    scheme = str(declared.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("static", "dynamic"):
+        raise ValueError(
+            f"fp8 checkpoints with activation_scheme {scheme!r} are not served (static, dynamic)"
+        )
+    return _fp8_layers(FP8, static_inputs=scheme == "static", per_tensor=True)
+
+
+def _fp8_layers(method: str, *, static_inputs: bool, per_tensor: bool) -> Plan:
+    """fp8 weights (symmetric, one scale per channel or tensor) and fp8 activations."""
+    return Plan(
+        method=method,
+        bits=8,
+        group_size=None,
+        symmetric=True,
+        activations=True,
+        floating=True,
+        static_inputs=static_inputs,
+        per_tensor=per_tensor,
+    )
+
+
 def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
     fmt = declared.get("format")
     groups = list((declared.get("config_groups") or {}).values())
@@ -169,16 +208,7 @@ def _compressed_tensors_plan(declared: dict[str, Any]) -> Plan:
         fp8 = fmt == "float-quantized" and bits == 8 and strategy in ("channel", "tensor")
         static = _static_tensor(inputs)
         if fp8 and weights.get("symmetric", True) and (static or _dynamic_tokens(inputs, "float")):
-            return Plan(
-                method=COMPRESSED_TENSORS,
-                bits=8,
-                group_size=None,
-                symmetric=True,
-                activations=True,
-                floating=True,
-                static_inputs=static,
-                per_tensor=strategy == "tensor",
-            )
+            return _fp8_layers(COMPRESSED_TENSORS, static_inputs=static, per_tensor=strategy == "tensor")
         raise ValueError(
             f"compressed-tensors {fmt} with {bits}-bit float {strategy} weights is not served "
             "(float-quantized FP8 and FP8_DYNAMIC are: fp8 weights per channel or per tensor, fp8 "

@@ -18,13 +18,15 @@ gptq                GPTQ itself (written here: no GPTQ package installs from a w
                     spread over the columns not yet rounded (lazy updates in blocks of 128, 1 %
                     damping, act-order by the Hessian's diagonal). Without calibration:
                     round-to-nearest.
+fp8                 AutoFP8's serialized layout (`quant_method: fp8`, vLLM's `fp8` checkpoints):
+                    compressed-tensors' FP8 checkpoint under AutoFP8's quantization_config.
 awq                 AutoAWQ's GEMM layout (qweight and qzeros packed along the output channels in
                     AWQ's order, scales), written here for the same reason: 4-bit round-to-nearest
                     integers with zero points in groups. AWQ's activation-aware scaling would fold
                     per-channel factors into the weights and norms before rounding; the layout is
                     the same.
 
-  python -m text_generation_server.testing.quantized_models --method gptq|awq|compressed-tensors \
+  python -m text_generation_server.testing.quantized_models --method gptq|awq|compressed-tensors|fp8 \
       --src MODEL --out DIR
 """
 
@@ -104,6 +106,23 @@ def build_compressed_tensors(
     model.save_pretrained(out)
     compressor.update_config(str(out))
     _copy_tokenizer(src, out)
+    return out
+
+
+def build_autofp8(src: Path, out: Path, activation_scheme: str = "static") -> Path:
+    """`src` in AutoFP8's serialized fp8 layout (config `quant_method: fp8`): compressed-tensors'
+    FP8 preset writes the same tensors (fp8 `weight`, per-tensor `weight_scale`, `input_scale`),
+    so this is that checkpoint with AutoFP8's quantization_config (a dynamic scheme keeps the
+    input scales, which its readers ignore)."""
+    build_compressed_tensors(src, out, "FP8")
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": activation_scheme,
+        "ignored_layers": ["lm_head"],
+    }
+    config_path.write_text(json.dumps(config, indent=2))
     return out
 
 
@@ -429,7 +448,7 @@ def pack_ints(values: Any, dim: int, bits: int = 4) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--method", choices=["gptq", "awq", "compressed-tensors"], required=True)
+    parser.add_argument("--method", choices=["gptq", "awq", "compressed-tensors", "fp8"], required=True)
     parser.add_argument("--src", required=True, help="a local model directory (safetensors or .bin)")
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument(
@@ -455,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif args.method == "awq":
         build_awq(src, out, args.group_size)
+    elif args.method == "fp8":
+        build_autofp8(src, out)
     else:
         build_compressed_tensors(src, out, args.scheme, args.group_size)
     logger.info("wrote a %s checkpoint of %s in %s: %s", args.method, src, out, json.dumps(args.__dict__))
