@@ -338,6 +338,16 @@ def _log_serving(router: Router) -> None:
         config.max_sequence_length,
         config.max_new_tokens,
     )
+    pacing = router.batcher.pacing
+    if pacing.adaptive:
+        logger.info(
+            "gRPC and OpenAI streams: one message per %d token(s), up to %d while the event loop is "
+            "saturated (MAX_STREAM_INTERVAL)",
+            pacing.least,
+            pacing.most,
+        )
+    elif pacing.least > 1:
+        logger.info("gRPC and OpenAI streams: one message per %d tokens (STREAM_INTERVAL)", pacing.least)
     auth = config.auth
     if auth.enabled:
         ways = [f"{len(auth.api_keys)} API key(s)"] if auth.api_keys else []
