@@ -346,3 +346,19 @@ def test_autofp8_variants_outside_one_scale_per_tensor_are_refused_with_one_line
         plan(activation_scheme="static", kv_cache_quant_targets=["k_proj", "v_proj"])
     with pytest.raises(ValueError, match=r"^fp8 checkpoints with activation_scheme 'per-row' are not served"):
         plan(activation_scheme="per-row")
+
+
+def test_quantize_fp8_on_an_autofp8_checkpoint_reads_it_as_it_is(tiny_model, tmp_path, monkeypatch) -> None:
+    """QUANTIZE=fp8 names AutoFP8's quant_method too: such a checkpoint is served with its own
+    scales (static input scales kept), not quantized a second time. The device check is lifted
+    so that the loader runs here on the CPU (its fp8 layers compute their definition there)."""
+    pytest.importorskip("compressed_tensors", reason="writing the checkpoint needs compressed-tensors")
+    monkeypatch.setattr(quantization, "_without_fp8", lambda device: None)
+    monkeypatch.setattr(quantization, "check", lambda *args: None)
+    path = build_autofp8(tiny_model("llama"), tmp_path / "autofp8")
+    config = ServerConfig(
+        model_name=str(path), deployment_framework="tgis_native", dtype="float32", quantize="fp8"
+    )
+    model = load_pretrained(config).model
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 14 and all(m.input_scale is not None for m in layers)

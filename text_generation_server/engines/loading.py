@@ -180,7 +180,8 @@ def load_pretrained(
     elif config.world_size == 1 and "device_map" not in load_kwargs:
         model.to(device)
     model.eval()
-    quantization.quantize_model(model, config.quantize)
+    if quantized is None:  # a quantized checkpoint is served as it is (QUANTIZE may name its method)
+        quantization.quantize_model(model, config.quantize)
     quantization.check_loaded(model, config.quantize)
     logger.info(
         "shard %d/%d holds %.1f MiB of the model's weights",
