@@ -178,10 +178,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         max_prefill_tokens=config.max_batch_prefill_tokens,
         chunked_prefill=info.chunked_prefill,
     )
-    try:
-        pacing = StreamPacing(config.stream_interval, config.max_stream_interval, loop_idle_s)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from exc
+    pacing = StreamPacing(config.stream_interval, config.max_stream_interval, loop_idle_s)
     batcher = Batcher(
         client,
         queue,

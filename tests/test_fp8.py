@@ -7,6 +7,7 @@ both engines' greedy tokens against the quantized model's own `generate`; every 
 from __future__ import annotations
 
 import copy
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,11 @@ from text_generation_server.engines import get_engine_class
 from text_generation_server.engines.loading import load_pretrained
 from text_generation_server.kernels import fp8_rows_triton
 from text_generation_server.quantization import Fp8Linear, checkpoints, fp8, quantize_model
-from text_generation_server.testing.quantized_models import build_autofp8, build_compressed_tensors
+from text_generation_server.testing.quantized_models import (
+    as_autofp8,
+    build_autofp8,
+    build_compressed_tensors,
+)
 
 PROMPTS = ((5, 17, 42, 99, 7, 300, 12), (1, 250, 251, 252), (9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13))
 HOPPER = pytest.mark.skipif(
@@ -173,9 +178,10 @@ def fp8_checkpoint(request, tiny_model, tmp_path_factory) -> Fp8Checkpoint:
     AutoFP8's layout (`quant_method: fp8`, `activation_scheme: static`)."""
     pytest.importorskip("compressed_tensors", reason="writing the checkpoint needs compressed-tensors")
     kind, model = request.param, tiny_model("llama")
-    if kind == "AutoFP8":
+    if kind == "AutoFP8":  # the same tensors: the compressed-tensors checkpoint is the oracle
         oracle = build_compressed_tensors(model, tmp_path_factory.mktemp("fp8"), "FP8")
-        return Fp8Checkpoint(kind, build_autofp8(model, tmp_path_factory.mktemp("autofp8")), oracle)
+        path = shutil.copytree(oracle, tmp_path_factory.mktemp("autofp8") / "model")
+        return Fp8Checkpoint(kind, as_autofp8(path), oracle)
     path = build_compressed_tensors(model, tmp_path_factory.mktemp("fp8"), kind)
     return Fp8Checkpoint(kind, path, path)
 

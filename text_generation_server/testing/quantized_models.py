@@ -85,7 +85,7 @@ def build_compressed_tensors(
         model, QuantizationConfig(config_groups={"group_0": preset}, ignore=["lm_head"])
     )
     with torch.no_grad():
-        _calibrate_static_inputs(model, calculate_qparams)
+        _calibrate_static_inputs(model)
         for module in model.modules():
             if getattr(module, "quantization_scheme", None) is None or not hasattr(module, "weight_scale"):
                 continue
@@ -112,10 +112,14 @@ def build_compressed_tensors(
 def build_autofp8(src: Path, out: Path, activation_scheme: str = "static") -> Path:
     """`src` in AutoFP8's serialized fp8 layout (config `quant_method: fp8`): compressed-tensors'
     FP8 preset writes the same tensors (fp8 `weight`, per-tensor `weight_scale`, `input_scale`),
-    so this is that checkpoint with AutoFP8's quantization_config (a dynamic scheme keeps the
-    input scales, which its readers ignore)."""
-    build_compressed_tensors(src, out, "FP8")
-    config_path = out / "config.json"
+    so this is that checkpoint with AutoFP8's quantization_config."""
+    return as_autofp8(build_compressed_tensors(src, out, "FP8"), activation_scheme)
+
+
+def as_autofp8(checkpoint: Path, activation_scheme: str = "static") -> Path:
+    """A compressed-tensors FP8 checkpoint given AutoFP8's quantization_config in place (a
+    dynamic scheme keeps the input scales, which its readers ignore)."""
+    config_path = checkpoint / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization_config"] = {
         "quant_method": "fp8",
@@ -123,14 +127,15 @@ def build_autofp8(src: Path, out: Path, activation_scheme: str = "static") -> Pa
         "ignored_layers": ["lm_head"],
     }
     config_path.write_text(json.dumps(config, indent=2))
-    return out
+    return checkpoint
 
 
-def _calibrate_static_inputs(model: Any, calculate_qparams: Any) -> None:
+def _calibrate_static_inputs(model: Any) -> None:
     """Set the static input scale of every Linear whose scheme has one, from the range of its
     inputs over STATIC_CALIBRATION random-token prompts (before its weights are quantized)."""
     import torch
     from compressed_tensors.quantization import disable_quantization, enable_quantization
+    from compressed_tensors.quantization.utils import calculate_qparams
 
     ranges: dict[Any, float] = {}
 
