@@ -7,6 +7,7 @@ the same tokens alone and in a busy batch with joins, and every refusal in one l
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,38 @@ def test_8bit_group_layers_compute_their_definition_directly_and_over_unpacked_s
                 torch.testing.assert_close(ours.float(), theirs, rtol=tolerance, atol=tolerance * scale)
             fallback = torch.nn.functional.linear(x, plain.unpacked().to(dtype), plain.bias_value)
             torch.testing.assert_close(plain(x).float(), fallback.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+def test_the_8bit_tile_product_computes_the_weights_definition() -> None:
+    """csrc/grouped_cpu.cpp's int8_group_linear on AMX's integer products (bf16 x in 16-bit fixed
+    point per row, the integers as they are stored; where this CPU has no AMX the same call takes
+    the other products) against the weights' definition in float32 and against the products
+    without tiles: every row count the tiles serve (3 to 64: one tile of x rows, several, an odd
+    last one), output widths that do not fill the last 16 rows, groups of 64, 128 and 256 (summed
+    128 channels at a time), a row whose values span five orders of magnitude, a bias."""
+    from text_generation_server.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    gen = torch.Generator().manual_seed(9)
+    for out_features, in_features, group in ((40, 128, 64), (200, 512, 128), (64, 512, 256)):
+        ints, scales, zeros, weight = random_groups(gen, out_features, in_features, group, 8, 0.01)
+        bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+        layer = Int8GroupLinear(ints, scales, zeros, group, bias, torch.bfloat16)
+        for rows in (3, 8, 16, 17, 40, 64):
+            x = torch.randn(rows, in_features, generator=gen)
+            x[0] *= torch.logspace(-3, 2, in_features)[torch.randperm(in_features, generator=gen)]
+            x = x.to(torch.bfloat16)
+            expected = x.float() @ weight.t() + bias.float()
+            scale = expected.abs().max().item()
+            op = torch.ops.tgis_cpu.int8_group_linear
+            product = functools.partial(op, x, layer.values, layer.scale_offset)
+            for tiles in (True, False):
+                ours = product(group, bias, tiles)
+                assert ours.dtype == torch.bfloat16
+                torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=1e-2 * scale)
+            # without a bias, one rounding to bf16 (2^-9) is all the tiles add: their sums are exact
+            alone = product(group, None, True)
+            torch.testing.assert_close(alone.float(), expected - bias.float(), rtol=2.5e-3, atol=1e-3 * scale)
 
 
 def test_w8a8_layers_quantize_each_token_as_compressed_tensors_defines() -> None:

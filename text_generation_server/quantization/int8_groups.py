@@ -4,10 +4,11 @@ of input channels (GPTQ's 8-bit checkpoints), activations in the model's dtype (
 A weight is w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size, q in [0, 255].
 The layer holds v = q - 128 as int8 (a byte per weight) and, per group and output channel, the
 scale and an offset (128 - zero) * scale in float32, so that w = v * scale + offset.
-csrc/grouped_cpu.cpp's int8_group_linear computes each group's products in float straight from
-the int8 values for calls of a few rows (decode, where reading the weights is the cost) and
-multiplies slices of unpacked weights for larger ones (prompts). Where the C++ kernels do not
-build, the weights are unpacked in tensor operations each call.
+csrc/grouped_cpu.cpp's int8_group_linear sums x times the int8 values on AMX's integer tiles for
+bf16 calls of 3 to 64 rows (x in 16-bit fixed point per row), computes each group's products in
+float straight from the int8 values for other calls of a few rows (decode, where reading the
+weights is the cost) and multiplies slices of unpacked weights for larger ones (prompts). Where
+the C++ kernels do not build, the weights are unpacked in tensor operations each call.
 
 Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
 holds its input channels sorted by group (`order`) and gathers each input the same way, as
@@ -60,7 +61,7 @@ class Int8GroupLinear(GroupedLinear):
         rows = self.gathered(x)
         if kernels_here():
             y = torch.ops.tgis_cpu.int8_group_linear(
-                rows.contiguous(), self.values, self.scale_offset, self.group_size, self.bias_value
+                rows.contiguous(), self.values, self.scale_offset, self.group_size, self.bias_value, True
             )
         else:
             y = nn.functional.linear(rows, self.unpacked().to(x.dtype), self.bias_value)

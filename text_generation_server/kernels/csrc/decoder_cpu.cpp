@@ -197,8 +197,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
     static auto int8_groups = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("tgis_cpu::int8_group_linear", "")
                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                                    const std::optional<at::Tensor>&)>();
-    return int8_groups.call(rows.contiguous(), packed, scale_offset, packed.size(1) / scale_offset.size(0), bias);
+                                                    const std::optional<at::Tensor>&, bool)>();
+    return int8_groups.call(rows.contiguous(), packed, scale_offset, packed.size(1) / scale_offset.size(0), bias,
+                            true);
   }
   static auto int4 = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("tgis_cpu::int4_linear", "")
