@@ -159,8 +159,16 @@ class MlpSpeculatorModel(nn.Module):
     @torch.inference_mode()
     def chain(self, state: torch.Tensor, last: torch.Tensor, steps: int) -> torch.Tensor:
         """The most likely continuation: `state` [R, emb], `last` [R] the token after it ->
-        [R, steps] (steps <= n_predict), each head's top token fed to the next."""
-        return self.candidates(state, last, [1] * steps, 1)[:, 0]
+        [R, steps] (steps <= n_predict), each head's top token fed to the next (the tree of
+        top 1 per head, without its scores: one argmax per head)."""
+        state = self._input(state)
+        tokens = last
+        chain = []
+        for i in range(steps):
+            state = self._step(i, state, tokens)
+            tokens = self.head[i](state).argmax(dim=-1)
+            chain.append(tokens)
+        return torch.stack(chain, dim=1)
 
     @torch.inference_mode()
     def candidates(
@@ -170,6 +178,8 @@ class MlpSpeculatorModel(nn.Module):
         the likeliest first (n = min(count, prod(top_k))). Head i extends every chain so far by
         its top_k[i] tokens (its state fed with each); chains are ranked by their summed
         log-probabilities."""
+        if max(top_k) == 1:
+            return self.chain(state, last, len(top_k)).unsqueeze(1)
         rows = state.shape[0]
         state = self._input(state)  # [R * width, ...] as chains multiply: width chains per row
         tokens = last
