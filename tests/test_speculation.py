@@ -901,6 +901,28 @@ def test_a_draft_model_leaves_the_output_unchanged(tiny_model, draft_arch: str) 
         assert sum(v.accepted for v in verified) == sum(v.proposed for v in verified) > 0
 
 
+def test_a_draft_models_start_up_line_counts_its_checkpoints_parameters_in_any_layout(tiny_model) -> None:
+    """The parameter count the start-up line names is the checkpoint's, whether the draft's linears
+    were packed for oneDNN at load (their weights then buffers beside a shape-only `weight`) or
+    not: the layout is measured at load, so the line changed with the machine's load."""
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model("llama")
+    total = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+    names = set()
+    for layout in ("plain", "onednn"):
+        config = config_for(
+            model_dir,
+            speculator_name=str(model_dir),
+            deployment_framework="tgis_native",
+            linear_layout=layout,
+        )
+        draft = TgisNativeEngine(config).speculator
+        assert isinstance(draft, DraftSpeculator)
+        names.add(draft.name)
+    assert names == {f"draft model {model_dir} (llama, {total / 1e6:.1f} M parameters)"}
+
+
 def test_a_draft_model_that_does_not_fit_is_refused_with_one_line(tiny_model, tmp_path: Path) -> None:
     model_dir = tiny_model("llama")
     other = build_tiny_model("llama", tmp_path / "metaspace", tokenizer="metaspace")

@@ -35,6 +35,19 @@ def _digest(path: Path) -> str:
     return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
 
 
+def parameter_count(model: torch.nn.Module) -> int:
+    """The model's parameters as its checkpoint holds them, whichever layout its linears took at
+    load: a oneDNN-packed or quantized linear keeps its weight as a buffer beside a `weight` of
+    shape only (on the meta device), which parameters() does not list."""
+    shapes = (getattr(module, "weight", None) for module in model.modules())
+    laid_out = sum(
+        w.numel()
+        for w in shapes
+        if isinstance(w, torch.Tensor) and not isinstance(w, torch.nn.Parameter) and w.is_meta
+    )
+    return laid_out + sum(p.numel() for p in model.parameters())
+
+
 class DraftSpeculator(Speculator):
     def __init__(self, engine: object, path: Path) -> None:
         from text_generation_server.engines.tgis_native.engine import TgisNativeEngine
@@ -45,7 +58,7 @@ class DraftSpeculator(Speculator):
         self.allocations = engine.allocations
         self.max_tokens = engine.context.max_sequence_length
         self.written: dict[int, list[int]] = {}  # request id -> the tokens whose K/V the draft holds
-        params = sum(p.numel() for p in engine.model.parameters())
+        params = parameter_count(engine.model)
         model_type = getattr(engine.model.config, "model_type", "?")
         self.name = f"draft model {path} ({model_type}, {params / 1e6:.1f} M parameters)"
 
