@@ -458,10 +458,10 @@ void amx_int4(const c10::BFloat16* xp, const float* sums, int64_t rows, int64_t 
 // max |x| / 65534 of x: finer than x's own bf16 for all but its smallest values). A task is 16
 // output rows; every 64 channels' A tile serves every tile of x rows, two at a time. Needs bf16 x,
 // groups and input channels in multiples of 64. On a 2-core Xeon with AMX, eight distinct 2048 x
-// 2048 layers in turn, groups of 128: 0.29 / 0.33 / 0.41 / 0.63 / 1.14 ms at 4 / 8 / 16 / 32 / 64
-// rows against 0.34 / 0.49 / 0.96 / 1.11 / 1.44 ms through the vector kernel and unpacked slices
-// and 0.35 / 0.35 / 0.36 / 0.42 / 0.52 ms for bf16 weights; at 1-2 rows the vector kernel is as
-// fast, beyond 64 the slices (1.46 against 1.57 ms at 128). Converting the values to bf16 tiles
+// 2048 layers in turn, groups of 128: 0.29 / 0.30 / 0.38 / 0.45 / 0.77 ms at 4 / 8 / 16 / 32 / 64
+// rows against 0.31 / 0.47 / 0.92 / 1.01 / 1.38 ms through the vector kernel and unpacked slices
+// and 0.35 / 0.34 / 0.35 / 0.41 / 0.49 ms for bf16 weights; at 1-2 rows the vector kernel is as
+// fast, beyond 64 the slices (1.55 against 1.61 ms at 128). Converting the values to bf16 tiles
 // instead (two widenings and three conversions per 32) took 1.26x bf16's time at 8 rows.
 constexpr int64_t kInt8Rows = 16;   // output rows per task: one A tile
 constexpr int64_t kInt8Chunk = 64;  // input channels per tile product
@@ -577,7 +577,7 @@ void amx_int8(const int32_t* hi, const int32_t* lo, int64_t columns, const float
 }
 
 // x [rows, in] bf16 times the 8-bit weights through amx_int8: x's 16-bit fixed point per row (high
-// and low bytes, transposed), each row's scale and x's sums over each group, in one pass over x.
+// and low bytes, transposed), each row's scale and x's sums over each group, rows in parallel.
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale_offset,
                            int64_t group) {
   const int64_t rows = x.size(0), in = x.size(1), out_features = values.size(0);
@@ -585,26 +585,41 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& values, const 
   const auto options = x.options().dtype(at::kFloat);
   at::Tensor hi = at::zeros({in / 4, columns}, options.dtype(at::kInt)), lo = at::zeros_like(hi);
   at::Tensor scales = at::zeros({padded}, options), sums_t = at::zeros({in / group, padded}, options);
-  int8_t* high = reinterpret_cast<int8_t*>(hi.data_ptr<int32_t>());
-  uint8_t* low = reinterpret_cast<uint8_t*>(lo.data_ptr<int32_t>());
+  uint32_t* high = reinterpret_cast<uint32_t*>(hi.data_ptr<int32_t>());
+  uint32_t* low = reinterpret_cast<uint32_t*>(lo.data_ptr<int32_t>());
   float* sums = sums_t.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const c10::BFloat16* row = x.data_ptr<c10::BFloat16>() + r * in;
-    float top = std::numeric_limits<float>::min();
-    for (int64_t k = 0; k < in; ++k) top = std::max(top, std::abs(static_cast<float>(row[k])));
-    scales.data_ptr<float>()[r] = top / 32767.f;
-    const float to_fixed = 32767.f / top;
-    for (int64_t k = 0; k < in; ++k) {
-      const float value = static_cast<float>(row[k]);
-      sums[(k / group) * padded + r] += value;
-      const int32_t fixed = static_cast<int32_t>(std::nearbyint(value * to_fixed));  // |fixed| <= 32767
-      const int64_t at = ((k / 4) * columns + r) * 4 + k % 4;
-      high[at] = static_cast<int8_t>(fixed >> 8);
-      low[at] = static_cast<uint8_t>(fixed & 255);
+  float* row_scales = scales.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row_x(in);
+    std::vector<int32_t> fixed(in);
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* row = x.data_ptr<c10::BFloat16>() + r * in;
+      float top = std::numeric_limits<float>::min();
+      for (int64_t k = 0; k < in; ++k) {
+        row_x[k] = static_cast<float>(row[k]);
+        top = std::max(top, std::abs(row_x[k]));
+      }
+      row_scales[r] = top / 32767.f;
+      const float to_fixed = 32767.f / top;
+      for (int64_t g = 0; g < in / group; ++g) {
+        float sum = 0.f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += row_x[k];
+        sums[g * padded + r] = sum;
+      }
+      for (int64_t k = 0; k < in; ++k) fixed[k] = static_cast<int32_t>(std::nearbyint(row_x[k] * to_fixed));
+      for (int64_t p = 0; p < in / 4; ++p) {  // |fixed| <= 32767: a signed high byte, an unsigned low one
+        uint32_t h = 0, l = 0;
+        for (int j = 0; j < 4; ++j) {
+          h |= static_cast<uint32_t>(static_cast<uint8_t>(fixed[4 * p + j] >> 8)) << (8 * j);
+          l |= static_cast<uint32_t>(fixed[4 * p + j] & 255) << (8 * j);
+        }
+        high[p * columns + r] = h;
+        low[p * columns + r] = l;
+      }
     }
-  }
+  });
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  amx_int8(hi.data_ptr<int32_t>(), lo.data_ptr<int32_t>(), columns, scales.data_ptr<float>(), sums, rows, in,
+  amx_int8(hi.data_ptr<int32_t>(), lo.data_ptr<int32_t>(), columns, row_scales, sums, rows, in,
            values.data_ptr<int8_t>(), scale_offset.data_ptr<float>(), out_features, group,
            y.data_ptr<c10::BFloat16>());
   return y;
