@@ -334,6 +334,14 @@ def test_the_8bit_tile_product_computes_the_weights_definition() -> None:
             # without a bias, one rounding to bf16 (2^-9) is all the tiles add: their sums are exact
             alone = product(group, None, True)
             torch.testing.assert_close(alone.float(), expected - bias.float(), rtol=2.5e-3, atol=1e-3 * scale)
+        # an infinity or NaN in x (fixed point cannot carry them) reaches the output as the float
+        # products give it, and leaves the other rows as they were
+        x = torch.randn(8, in_features, generator=gen).to(torch.bfloat16)
+        x[1, 3], x[5, 0] = float("inf"), float("nan")
+        ours = torch.ops.tgis_cpu.int8_group_linear(x, layer.values, layer.scale_offset, group, bias, True)
+        theirs = torch.ops.tgis_cpu.int8_group_linear(x, layer.values, layer.scale_offset, group, bias, False)
+        torch.testing.assert_close(ours, theirs, equal_nan=True)
+        assert not ours[[1, 5]].isfinite().any() and ours[[0, 2, 3, 4, 6, 7]].isfinite().all()
 
 
 def test_w8a8_layers_quantize_each_token_as_compressed_tensors_defines() -> None:

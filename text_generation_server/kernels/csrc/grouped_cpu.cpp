@@ -314,6 +314,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg with the configuration as a memory operand: GCC 12 does not count _tile_loadconfig as
+// reading its argument, and dropped the stores that fill it (the tiles then faulted).
+inline void load_tiles(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
+
 // tiles 0-3: the sums of `rows` (<= 16) rows of x against the block's four sets of 16 output rows
 // (float32); tile 4: those rows of x over 32 channels; tiles 5, 6: 32 channels of 16 output rows'
 // integers
@@ -323,7 +327,7 @@ void configure_tiles(int rows) {
     config.rows[t] = t < 5 ? rows : 16;
     config.colsb[t] = 64;
   }
-  _tile_loadconfig(&config);
+  load_tiles(config);
 }
 
 // B tiles of channels [k0, k0 + count) of one packed block: tiles[(c * 4 + j) * 512 ...] is chunk
@@ -480,7 +484,7 @@ void configure_int8_tiles(int columns) {
     config.rows[t] = 16;
     config.colsb[t] = t == 5 ? 64 : columns * 4;
   }
-  _tile_loadconfig(&config);
+  load_tiles(config);
 }
 
 // y [rows, out_features] bf16 = x times the 8-bit weights. hi, lo [in / 4, columns] int32: x's
@@ -495,7 +499,7 @@ void amx_int8(const int32_t* hi, const int32_t* lo, int64_t columns, const float
   at::parallel_for(0, (out_features + kInt8Rows - 1) / kInt8Rows, 1, [&](int64_t begin, int64_t end) {
     configure_int8_tiles(tile_columns);
     alignas(64) int8_t tail[kInt8Rows * kInt8Chunk];  // the last task's rows past the weights: zeros
-    alignas(64) int32_t sums[4][kInt8Rows * kAmxRows];
+    alignas(64) int32_t sums[4][kInt8Rows * kAmxRows] = {};  // lanes past x's rows: never stored
     // [row tile][16 output rows][16 rows of x]: the output so far, the group's T so far
     std::vector<float> acc(row_tiles * kInt8Rows * kAmxRows), part(row_tiles * kInt8Rows * kAmxRows);
     for (int64_t task = begin; task < end; ++task) {
@@ -578,8 +582,9 @@ void amx_int8(const int32_t* hi, const int32_t* lo, int64_t columns, const float
 
 // x [rows, in] bf16 times the 8-bit weights through amx_int8: x's 16-bit fixed point per row (high
 // and low bytes, transposed), each row's scale and x's sums over each group, rows in parallel.
-at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale_offset,
-                           int64_t group) {
+// None where x holds an infinity or NaN, which fixed point cannot carry (the float products do).
+std::optional<at::Tensor> amx_int8_linear(const at::Tensor& x, const at::Tensor& values,
+                                          const at::Tensor& scale_offset, int64_t group) {
   const int64_t rows = x.size(0), in = x.size(1), out_features = values.size(0);
   const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows, columns = rows <= kAmxRows ? rows : padded;
   const auto options = x.options().dtype(at::kFloat);
@@ -589,15 +594,22 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& values, const 
   uint32_t* low = reinterpret_cast<uint32_t*>(lo.data_ptr<int32_t>());
   float* sums = sums_t.data_ptr<float>();
   float* row_scales = scales.data_ptr<float>();
+  std::vector<uint8_t> finite(rows, 1);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row_x(in);
     std::vector<int32_t> fixed(in);
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* row = x.data_ptr<c10::BFloat16>() + r * in;
       float top = std::numeric_limits<float>::min();
+      uint16_t special = 0;  // all exponent bits set: an infinity or NaN (in bits: -ffast-math assumes none)
       for (int64_t k = 0; k < in; ++k) {
         row_x[k] = static_cast<float>(row[k]);
         top = std::max(top, std::abs(row_x[k]));
+        special |= static_cast<uint16_t>((row[k].x & 0x7F80) == 0x7F80);
+      }
+      if (special) {
+        finite[r] = 0;
+        continue;
       }
       row_scales[r] = top / 32767.f;
       const float to_fixed = 32767.f / top;
@@ -618,6 +630,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& values, const 
       }
     }
   });
+  if (std::find(finite.begin(), finite.end(), 0) != finite.end()) return std::nullopt;
   at::Tensor y = at::empty({rows, out_features}, x.options());
   amx_int8(hi.data_ptr<int32_t>(), lo.data_ptr<int32_t>(), columns, row_scales, sums, rows, in,
            values.data_ptr<int8_t>(), scale_offset.data_ptr<float>(), out_features, group,
@@ -777,9 +790,11 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& values, cons
 #ifdef TGIS_AMX_INT8
   if (amx && x.scalar_type() == at::kBFloat16 && group_size % kInt8Chunk == 0 && rows >= kInt8TileRows.first &&
       rows <= kInt8TileRows.second && amx_ready()) {
-    at::Tensor y = amx_int8_linear(x.contiguous(), values, scale_offset, group_size);
-    if (bias.has_value()) y.add_(*bias);
-    return y;
+    std::optional<at::Tensor> y = amx_int8_linear(x.contiguous(), values, scale_offset, group_size);
+    if (y.has_value()) {
+      if (bias.has_value()) y->add_(*bias);
+      return *y;
+    }
   }
 #endif
   if (rows <= kDirectRows && group_size % kLanes == 0) {
