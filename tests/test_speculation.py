@@ -7,6 +7,7 @@ and both dtypes, with every KV block back in the pool at the end."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -709,6 +710,60 @@ def test_the_speculator_heads_follow_the_fms_extras_formulas(tie: bool, scale_in
         for i in range(3):
             guesses.append(int(reference_heads(model, state[b, 0], guesses)[i].argmax()))
         assert chained[b].tolist() == guesses[1:]
+
+
+def kernel_speculator(emb: int, inner: int, vocab: int, tie: bool, scale_input: bool) -> MlpSpeculatorModel:
+    torch.manual_seed(7)
+    config = MlpSpeculatorConfig(
+        vocab_size=vocab, emb_dim=emb, inner_dim=inner, n_predict=4, tie_weights=tie, scale_input=scale_input
+    )
+    model = MlpSpeculatorModel(config)
+    for param in model.parameters():
+        param.data.normal_(0.0, 0.5)
+    if not model.use_cpu_kernel():
+        pytest.skip("the CPU kernels cannot be built here")
+    return model.eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("emb", "inner", "vocab", "tie", "scale_input"),
+    [(64, 32, 203, False, False), (48, 48, 64, True, True), (32, 64, 130, True, False)],
+)
+def test_the_cpu_kernels_chains_take_each_heads_top_token(
+    dtype: torch.dtype, emb: int, inner: int, vocab: int, tie: bool, scale_input: bool
+) -> None:
+    """The C++ chain (csrc/speculator_cpu.cpp) against the fms-extras formulas in float64, head by
+    head along the kernel's own chain: each guess is the head's top token, up to the rounding of
+    the state between heads (bfloat16: to bfloat16, as the tensor form rounds it). Rows 1 to 6
+    (blocks of four states and the rest), vocabularies that do not split into fours, bfloat16
+    with the 32-wide dot products (inner 32 / 64) and the float ones (48), fewer steps than heads."""
+    model = kernel_speculator(emb, inner, vocab, tie, scale_input).to(dtype)
+    model.use_cpu_kernel()
+    reference = copy.deepcopy(model).double()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.03
+    for rows, steps in ((1, 4), (3, 2), (6, 4)):
+        state = torch.randn(rows, emb).to(dtype)
+        last = torch.randint(0, vocab, (rows,))
+        chains = model.chain(state, last, steps)
+        assert chains.shape == (rows, steps) and chains.dtype == torch.long
+        for r in range(rows):
+            guesses = [int(last[r]), *chains[r].tolist()]
+            with torch.no_grad():
+                heads = reference_heads(reference, state[r].double(), guesses[:steps])
+            for i, logits in enumerate(heads):
+                spread = float(logits.max() - logits.min())
+                assert float(logits[guesses[i + 1]]) >= float(logits.max()) - tolerance * spread, (rows, r, i)
+        if dtype == torch.float32:  # no rounding between heads: the tensor form's chain, token for token
+            model.kernel = False
+            assert torch.equal(model.chain(state, last, steps), chains)
+            model.kernel = True
+
+
+def test_the_cpu_kernel_refuses_a_token_outside_the_vocabulary() -> None:
+    model = kernel_speculator(32, 32, 40, False, False)
+    with pytest.raises(RuntimeError, match="token 40 is not in the vocabulary"):
+        model.chain(torch.randn(1, 32), torch.tensor([40]), 2)
 
 
 def test_the_candidate_tree_keeps_the_chains_of_highest_summed_log_probability() -> None:

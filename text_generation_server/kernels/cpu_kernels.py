@@ -11,6 +11,11 @@ gathered into a padded copy, then SDPA with a key-padding mask) on a 2-core AMD 
 (AVX512-BF16, no AMX), 8 query / 2 KV heads, head dim 64, 32 sequences of 130-300 keys: about
 100 us vs 430-600 us in bfloat16; one sequence: 6 vs 33-50 us.
 
+`mlp_speculator_chain` (csrc/speculator_cpu.cpp) runs an MLP speculator's top-1 chain in one
+call, each head's vocabulary projection reduced to its argmax without writing logits (one pass
+over the head's weights; 0.18-0.23 ms against 0.33-0.51 ms for the bf16 product alone, 8,192 x
+512, one row, on the 2-core AMX Xeon).
+
 The library is compiled with `-O3 -march=native` for the CPU it runs on, so its build directory
 (under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) is named after the source and
 the CPU's feature flags: another CPU, or a changed source, builds anew (about 10 s on 2 cores).
@@ -41,6 +46,7 @@ SOURCES = (
     CSRC / "lora_cpu.cpp",
     CSRC / "decoder_cpu.cpp",
     CSRC / "grouped_cpu.cpp",
+    CSRC / "speculator_cpu.cpp",
 )
 HEADERS = (CSRC / "float_vectors.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")

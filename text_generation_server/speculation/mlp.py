@@ -122,6 +122,8 @@ class MlpSpeculatorModel(nn.Module):
         self.head = nn.ModuleList(nn.Linear(inner, vocab, bias=False) for _ in range(n))
         self.ln = nn.ModuleList(ScaledNorm(inner, affine=True) for _ in range(n))
         self.ln0 = ScaledNorm(config.emb_dim, affine=False) if config.scale_input else None
+        self.kernel = False  # the top-1 chain on the CPU kernel (use_cpu_kernel)
+        self._weights: tuple[list[torch.Tensor], ...] = ()
         self.state_weight = 0.5 ** (0.5 / n)
         self.emb_weight = math.sqrt(1 - self.state_weight**2) * math.sqrt(inner / 2)
         if config.tie_weights:
@@ -156,11 +158,45 @@ class MlpSpeculatorModel(nn.Module):
             out.append(self.head[i](state))
         return torch.stack(out)
 
+    def use_cpu_kernel(self) -> bool:
+        """Run `chain` on the C++ kernel (kernels/csrc/speculator_cpu.cpp: each head's argmax
+        in one pass over its weights) where the model is on CPU and the kernels load; whether
+        it does (where they cannot load, the warning says why)."""
+        from text_generation_server.kernels import cpu_kernels
+
+        device = self.head[0].weight.device
+        self.kernel = device.type == "cpu" and cpu_kernels.loads(
+            "the MLP speculator's heads run as tensor operations"
+        )
+        params = dict(self.named_parameters(remove_duplicate=False))
+        heads = range(self.config.n_predict)
+        self._weights = tuple(
+            [params[f"{name}.{i}.{kind}"] for i in heads]
+            for name, kind in (
+                ("proj", "weight"),
+                ("emb", "weight"),
+                ("ln", "weight"),
+                ("ln", "bias"),
+                ("head", "weight"),
+            )
+        )
+        return self.kernel
+
     @torch.inference_mode()
     def chain(self, state: torch.Tensor, last: torch.Tensor, steps: int) -> torch.Tensor:
         """The most likely continuation: `state` [R, emb], `last` [R] the token after it ->
         [R, steps] (steps <= n_predict), each head's top token fed to the next (the tree of
         top 1 per head, without its scores: one argmax per head)."""
+        if self.kernel:
+            return torch.ops.tgis_cpu.mlp_speculator_chain(
+                state.contiguous(),
+                last,
+                *self._weights,
+                self.state_weight,
+                self.emb_weight,
+                self.ln0 is not None,
+                steps,
+            )
         state = self._input(state)
         tokens = last
         chain = []
@@ -319,6 +355,10 @@ class MlpSpeculator(Speculator):
         if self.chains > 1:
             top = ",".join(map(str, self.top_k))
             shape += f"; candidate tree: top {top} tokens per head, {self.chains} chains"
+        elif model.use_cpu_kernel():
+            # the kernel reads the heads' weights as loaded: no layout to choose for them
+            self.network = None
+            shape += "; chains on the CPU kernel"
         self.name = f"MLP speculator {path} ({shape})"
 
     def propose(
