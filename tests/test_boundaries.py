@@ -91,7 +91,7 @@ SERVER_FOLDERS = {  # folder -> the shard package's folders it may import (besid
         "speculation",
         "utils",
     },
-    "speculation": {"engines", "kv", "utils"},
+    "speculation": {"engines", "kernels", "kv", "utils"},
     "testing": {"attention", "batches", "engines", "kernels", "kv", "quantization", "sampling", "utils"},
 }
 
