@@ -736,13 +736,14 @@ def test_the_cpu_kernels_chains_take_each_heads_top_token(
     """The C++ chain (csrc/speculator_cpu.cpp) against the fms-extras formulas in float64, head by
     head along the kernel's own chain: each guess is the head's top token, up to the rounding of
     the state between heads (bfloat16: to bfloat16, as the tensor form rounds it). Rows 1 to 6
-    (blocks of four states and the rest), vocabularies that do not split into fours, bfloat16
-    with the 32-wide dot products (inner 32 / 64) and the float ones (48), fewer steps than heads."""
+    (blocks of four states and the rest) and 9 / 13 (one matrix product per head on AMX CPUs),
+    vocabularies that do not split into fours, bfloat16 with the 32-wide dot products (inner
+    32 / 64) and the float ones (48), fewer steps than heads."""
     model = kernel_speculator(emb, inner, vocab, tie, scale_input).to(dtype)
     model.use_cpu_kernel()
     reference = copy.deepcopy(model).double()
     tolerance = 1e-4 if dtype == torch.float32 else 0.03
-    for rows, steps in ((1, 4), (3, 2), (6, 4)):
+    for rows, steps in ((1, 4), (3, 2), (6, 4), (9, 3), (13, 4)):
         state = torch.randn(rows, emb).to(dtype)
         last = torch.randint(0, vocab, (rows,))
         chains = model.chain(state, last, steps)

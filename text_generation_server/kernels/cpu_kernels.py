@@ -14,7 +14,8 @@ gathered into a padded copy, then SDPA with a key-padding mask) on a 2-core AMD 
 `mlp_speculator_chain` (csrc/speculator_cpu.cpp) runs an MLP speculator's top-1 chain in one
 call, each head's vocabulary projection reduced to its argmax without writing logits (one pass
 over the head's weights; 0.18-0.23 ms against 0.33-0.51 ms for the bf16 product alone, 8,192 x
-512, one row, on the 2-core AMX Xeon).
+512, one row, on the 2-core AMX Xeon); from 8 rows on AMX CPUs the head is one bf16 product and
+the argmax of its logits.
 
 The library is compiled with `-O3 -march=native` for the CPU it runs on, so its build directory
 (under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) is named after the source and
