@@ -168,6 +168,8 @@ class MlpSpeculatorModel(nn.Module):
         self.kernel = device.type == "cpu" and cpu_kernels.loads(
             "the MLP speculator's heads run as tensor operations"
         )
+        if not self.kernel:
+            return False
         params = dict(self.named_parameters(remove_duplicate=False))
         heads = range(self.config.n_predict)
         self._weights = tuple(
@@ -180,7 +182,7 @@ class MlpSpeculatorModel(nn.Module):
                 ("head", "weight"),
             )
         )
-        return self.kernel
+        return True
 
     @torch.inference_mode()
     def chain(self, state: torch.Tensor, last: torch.Tensor, steps: int) -> torch.Tensor:

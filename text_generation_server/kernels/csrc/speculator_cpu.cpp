@@ -47,10 +47,10 @@ constexpr int64_t kRowBlock = 4;  // states whose dot products share one load of
 constexpr int64_t kCols = 4;      // weight rows in flight (independent sums: the FMAs pipeline)
 constexpr float kEps = 1e-6f;
 
-// From this many rows the vocabulary projection is one matrix product on AMX's tile unit (torch's
-// bf16 linear) and an argmax over its logits: the vector dot products become bound by arithmetic
-// there (8,192 x 512 head, 2-core AMX Xeon: 8 rows 0.61 vs 0.56 ms, 16 rows 1.16 vs 0.70 ms per
-// head). Without AMX the vector path serves every row count.
+// From this many rows the vocabulary projection is one matrix product (at::linear: on AMX's tile
+// unit for bf16, oneMKL for float32) and an argmax over its logits: the vector dot products become
+// bound by arithmetic there (measured for bf16, 8,192 x 512 head, 2-core AMX Xeon: 8 rows 0.61 vs
+// 0.56 ms, 16 rows 1.16 vs 0.70 ms per head). Without AMX the vector path serves every row count.
 #if defined(__AMX_BF16__)
 constexpr int64_t kMatmulRows = 8;
 #else
