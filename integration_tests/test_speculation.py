@@ -102,6 +102,8 @@ def test_speculation_gives_the_same_text_and_counts_what_it_verified(root, expec
     else:
         flags = ("--speculate", "4")
         logged = "speculative decoding: n-gram (prompt lookup), up to 4 candidate tokens per row"
+    if speculator != "mlp":  # the mechanics at every batch size; the MLP speculator's steps are gated
+        flags += ("--speculator-batch-gate", "fixed")
     server = launch("reference@tgis_native", root, *flags)
     try:
         assert answers(server) == expected
@@ -111,6 +113,8 @@ def test_speculation_gives_the_same_text_and_counts_what_it_verified(root, expec
         assert 0 < accepted <= proposed
         assert samples[("tgi_spec_step_accepted_tokens_count", ())] > 0
         assert logged in server.log()
+        measured = "speculating step / plain step, measured: at 1 / 2 / 4 "
+        assert (measured in server.log()) == (speculator == "mlp")
     finally:
         server.stop()
 

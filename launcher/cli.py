@@ -48,6 +48,7 @@ from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
 from text_generation_common.logs import setup_logging
 from text_generation_common.speculate import (
     speculate_option,
+    speculator_batch_gate_option,
     speculator_max_batch_size_option,
     speculator_n_candidates_option,
     speculator_name_option,
@@ -216,6 +217,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
 @speculator_name_option
 @speculator_revision_option
 @speculator_max_batch_size_option
+@speculator_batch_gate_option
 @speculator_n_candidates_option
 @speculator_top_k_tokens_per_head_option
 @click.option(

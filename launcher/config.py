@@ -77,6 +77,7 @@ class LaunchFlags:
     speculator_name: str | None = None
     speculator_revision: str | None = None
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
+    speculator_batch_gate: str = "measured"
     speculator_n_candidates: int | None = None
     speculator_top_k_tokens_per_head: tuple[int, ...] | None = None
     num_shard: int | None = None
@@ -163,6 +164,7 @@ class LaunchConfig:
     speculate: int = 0  # SPECULATE, SPECULATOR_NAME and SPECULATOR_MAX_BATCH_SIZE, passed to the shards
     speculator_dir: Path | None = None  # SPECULATOR_NAME resolved (a directory with config.json)
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
+    speculator_batch_gate: str = "measured"
     speculator_n_candidates: int | None = None  # an MLP speculator's candidate tree (None: its config's)
     speculator_top_k_tokens_per_head: tuple[int, ...] | None = None
     auth: AuthConfig = field(default_factory=AuthConfig)  # the router's; secrets go in its environment
@@ -479,6 +481,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         speculate=flags.speculate,
         speculator_dir=speculator_dir,
         speculator_max_batch_size=flags.speculator_max_batch_size,
+        speculator_batch_gate=flags.speculator_batch_gate,
         speculator_n_candidates=flags.speculator_n_candidates,
         speculator_top_k_tokens_per_head=flags.speculator_top_k_tokens_per_head,
         auth=auth,
@@ -529,6 +532,7 @@ def shard_command(config: LaunchConfig) -> list[str]:
         argv += ["--speculator-name", str(config.speculator_dir)]
     if config.speculate or config.speculator_dir is not None:
         argv += ["--speculator-max-batch-size", str(config.speculator_max_batch_size)]
+        argv += ["--speculator-batch-gate", config.speculator_batch_gate]
     if config.speculator_n_candidates is not None:
         argv += ["--speculator-n-candidates", str(config.speculator_n_candidates)]
     if config.speculator_top_k_tokens_per_head is not None:

@@ -20,6 +20,7 @@ def engine_with_store(name: str, model_dir: Path, store: Path, **overrides) -> M
         max_new_tokens=32,
         dtype="float32",
         prefix_store_path=str(store),
+        speculator_batch_gate="fixed",  # speculation at every batch size, not timed
         **sharding(),
         **overrides,
     )

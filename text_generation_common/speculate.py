@@ -71,6 +71,18 @@ speculator_max_batch_size_option = click.option(
     help="Steps with more decoding rows than this do not speculate [env SPECULATOR_MAX_BATCH_SIZE].",
 )
 
+SPECULATOR_BATCH_GATES = ("measured", "fixed")
+speculator_batch_gate_option = click.option(
+    "--speculator-batch-gate",
+    envvar="SPECULATOR_BATCH_GATE",
+    type=click.Choice(SPECULATOR_BATCH_GATES),
+    default="measured",
+    help="measured: the shard times a speculating step against a plain one at start-up, per number "
+    "of decoding rows up to SPECULATOR_MAX_BATCH_SIZE, and a step speculates only while its rows "
+    "take more tokens per step than that costs; fixed: every step of at most "
+    "SPECULATOR_MAX_BATCH_SIZE rows speculates [env SPECULATOR_BATCH_GATE].",
+)
+
 
 def refusal(
     speculate: int,

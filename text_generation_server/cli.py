@@ -23,6 +23,7 @@ from text_generation_common.heap import freeze_loaded_heap
 from text_generation_common.logs import setup_logging
 from text_generation_common.speculate import (
     speculate_option,
+    speculator_batch_gate_option,
     speculator_max_batch_size_option,
     speculator_n_candidates_option,
     speculator_name_option,
@@ -261,6 +262,7 @@ def pin_to(cpu_list: str) -> None:
 @speculator_name_option
 @speculator_revision_option
 @speculator_max_batch_size_option
+@speculator_batch_gate_option
 @speculator_n_candidates_option
 @speculator_top_k_tokens_per_head_option
 @click.option(
@@ -366,6 +368,7 @@ def serve(
     speculator_name: str | None,
     speculator_revision: str | None,
     speculator_max_batch_size: int,
+    speculator_batch_gate: str,
     speculator_n_candidates: int | None,
     speculator_top_k_tokens_per_head: tuple[int, ...] | None,
     cpu_kv_cache_space: float,
@@ -418,6 +421,7 @@ def serve(
             speculator_name=speculator_name,
             speculator_revision=speculator_revision,
             speculator_max_batch_size=speculator_max_batch_size,
+            speculator_batch_gate=speculator_batch_gate,
             speculator_n_candidates=speculator_n_candidates,
             speculator_top_k_tokens_per_head=speculator_top_k_tokens_per_head,
             cpu_kv_cache_space=cpu_kv_cache_space,

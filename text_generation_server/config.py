@@ -19,7 +19,7 @@ from text_generation_common.defaults import (
     shard_socket_path,
 )
 from text_generation_common.quantize import refusal as quantize_refusal
-from text_generation_common.speculate import DEFAULT_SPECULATOR_MAX_BATCH_SIZE
+from text_generation_common.speculate import DEFAULT_SPECULATOR_MAX_BATCH_SIZE, SPECULATOR_BATCH_GATES
 from text_generation_common.speculate import refusal as speculate_refusal
 
 LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # kernels/weight_layout.py
@@ -75,6 +75,7 @@ class ServerConfig:
     speculator_name: str | None = None  # SPECULATOR_NAME: an MLP speculator (directory or cached hub id)
     speculator_revision: str | None = None
     speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE  # no speculation above this many rows
+    speculator_batch_gate: str = "measured"  # measured | fixed (speculation/gate.py)
     # an MLP speculator's candidate tree (None: its config's)
     speculator_n_candidates: int | None = None
     speculator_top_k_tokens_per_head: tuple[int, ...] | None = None
@@ -117,6 +118,11 @@ class ServerConfig:
         )
         if refused is not None:
             raise ValueError(refused)
+        if self.speculator_batch_gate not in SPECULATOR_BATCH_GATES:
+            choices = ", ".join(SPECULATOR_BATCH_GATES)
+            raise ValueError(
+                f"unknown SPECULATOR_BATCH_GATE {self.speculator_batch_gate!r}; choose one of {choices}"
+            )
         if self.cpu_forward not in CPU_FORWARD_MODES:
             choices = ", ".join(CPU_FORWARD_MODES)
             raise ValueError(f"unknown CPU_FORWARD {self.cpu_forward!r}; choose one of {choices}")

@@ -147,6 +147,11 @@ def agree_min(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def agree_max(value: int, device: torch.device) -> int:
+    """The largest of every rank's `value` (the same answer on every rank)."""
+    return -agree_min(-value, device)
+
+
 def local_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters and buffers this rank holds (its slices of sharded weights)."""
     total = 0

@@ -12,6 +12,7 @@ do not share (the launcher tests in integration_tests/test_sharded.py cover the 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,3 +98,18 @@ def test_lora_equals_peft_on_two_ranks(tiny_model: Callable[..., Path], tmp_path
     models = copied(tiny_model, ("llama", "t5", "gpt_neox"), tmp_path / "models")
     outputs = on_two_ranks(tmp_path, models, "tests/test_lora.py", "equals_peft and llama")
     assert_passed(outputs, 2, ("llama",))
+
+
+def test_the_measured_speculation_gate_agrees_on_two_ranks(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """n-gram speculation on two ranks with SPECULATOR_BATCH_GATE=measured: each rank times its
+    own steps, both end with the same costs and the same tokens (no rank waits on a collective
+    the other skipped)."""
+    models = copied(tiny_model, ("llama",), tmp_path / "models")
+    outputs = on_two_ranks(tmp_path, models, "tests/test_speculation_gate.py", "every_rank")
+    assert_passed(outputs, 1, ("llama",))
+    for pattern in (r"speculating step / plain step, measured: (at [^;]*);", r"rank outputs: (.*)"):
+        found = [re.search(pattern, out) for _, out in outputs]
+        assert found[0] is not None and found[1] is not None, pattern
+        assert found[0].group(1) == found[1].group(1)

@@ -34,6 +34,8 @@ from text_generation_server.kv.paged_kv import (
 
 def config_for(model_dir, **overrides) -> ServerConfig:
     values = {"max_batch_size": 8, "max_sequence_length": 128, "max_new_tokens": 32, "dtype": "float32"}
+    # speculation's mechanics at every batch size up to SPECULATOR_MAX_BATCH_SIZE, not timed ones
+    values["speculator_batch_gate"] = "fixed"
     values = {**values, **overrides}
     # the CPU's default cache size (MAX_BATCH_SIZE sequences + 1 block), also on a GPU
     values.setdefault(

@@ -24,7 +24,8 @@ Speculators:
 
 The engine (tgis_native) asks only while at most SPECULATOR_MAX_BATCH_SIZE rows decode: past
 that a step is no longer bound by reading the weights, and verifying candidates costs more
-than it saves.
+than it saves. Below it, gate.py decides per step by the cost of a speculating step measured at
+start-up (SPECULATOR_BATCH_GATE=measured) against the tokens the rows have lately taken.
 """
 
 from __future__ import annotations

@@ -23,10 +23,12 @@ blocks, prefix-cache totals); the router admits a request only when its longest 
 beside that (router/core/capacity.py KVBlockCapacity), so a running request never runs out of blocks.
 
 Speculative decoding (SPECULATE, speculation/): while at most SPECULATOR_MAX_BATCH_SIZE rows
-decode, each decoding request may carry k candidate tokens after its last token and becomes
-1 + k decode rows of its sequence, one position apart (the same decode step, so the same numbers
-as a step without speculation: C++ decoder stack, CUDA graphs); the chooser takes the candidates
-the model would have chosen plus the token after them (step.py `choose_speculated`), and the
+decode and the gate allows it (speculation/gate.py: a speculating step's cost, measured at
+start-up by speculation_costs.py, against the tokens taken lately), each decoding request may
+carry k candidate tokens after its last token and becomes 1 + k decode rows of its sequence,
+one position apart (the same decode step, so the same numbers as a step without speculation:
+C++ decoder stack, CUDA graphs); the chooser takes the candidates the model would have chosen
+plus the token after them (step.py `choose_speculated`), and the
 sequence's block table is cut back to the tokens taken (the rejected candidates' K/V are never
 read: lengths bound the attention; their blocks go back to the pool). A greedy request with
 several candidate chains (an MLP speculator's candidate tree) verifies the others in forks of its
@@ -81,6 +83,7 @@ from text_generation_server.engines.step import (
     end_choice,
     start_choice,
 )
+from text_generation_server.engines.tgis_native import speculation_costs
 from text_generation_server.engines.tgis_native.cpu_decoder import decoder_for
 from text_generation_server.engines.tgis_native.graphs import (
     Capture,
@@ -101,6 +104,7 @@ from text_generation_server.kv.paged_kv import (
 from text_generation_server.memory import cuda_available_bytes, host_available_bytes
 from text_generation_server.sampling.token_details import input_token_infos
 from text_generation_server.speculation import Lookahead, Speculator, Target, speculator_for
+from text_generation_server.speculation.gate import SpeculationGate
 from text_generation_server.utils.hub import resolve_model_dir
 from text_generation_server.utils.transfer import to_device
 
@@ -191,6 +195,7 @@ class TgisNativeEngine(ModelEngine):
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.speculator_max_rows = config.speculator_max_batch_size
+        self.gate = SpeculationGate(config.speculator_max_batch_size)  # measured below, where asked
         tokenizer = resolve_model_dir(config.model_name, config.revision) / "tokenizer.json"
         target = Target(
             vocab_size=self.context.vocab_size,
@@ -242,6 +247,35 @@ class TgisNativeEngine(ModelEngine):
                 self.capture_graphs(
                     config.max_batch_size, cuda_capture(self.device), config.max_batch_size + budget
                 )
+        if self.speculator is not None and config.speculator_batch_gate == "measured":
+            self.measure_speculation(config.speculator_max_batch_size)
+
+    def measure_speculation(self, most_rows: int) -> None:
+        """SPECULATOR_BATCH_GATE=measured: time speculating against plain steps up to `most_rows`
+        decoding rows (speculation_costs.py) and gate speculation by it."""
+        try:
+            costs = speculation_costs.measure(self, most_rows)
+        except Exception as exc:  # the model or kernel says why in its first line
+            raise RuntimeError(
+                f"measuring what a speculating step costs failed ({first_line(exc)}); "
+                "SPECULATOR_BATCH_GATE=fixed skips it"
+            ) from exc
+        if costs is None:
+            logger.warning(
+                "speculation's cost is not measured (MAX_NEW_TOKENS=%d and sequences of %d tokens "
+                "leave too few steps): steps speculate while at most %d rows decode, as "
+                "SPECULATOR_BATCH_GATE=fixed",
+                self.context.max_new_tokens,
+                self.context.max_sequence_length,
+                most_rows,
+            )
+            return
+        self.gate = SpeculationGate(most_rows, costs)
+        logger.info(
+            "speculating step / plain step, measured: %s; a step speculates while its rows take "
+            "more tokens per step than that (SPECULATOR_BATCH_GATE=measured)",
+            costs.describe(),
+        )
 
     def _runner(self, cache: PagedKVCache, max_rows: int) -> ModelRunner:
         return ModelRunner(
@@ -572,6 +606,7 @@ class TgisNativeEngine(ModelEngine):
             for row_kvs in sequences:
                 for fork in row_kvs[1:]:
                     fork.free()
+        self.gate.record(len(decoding), sum(len(taken) for taken in verified.taken[: len(decoding)]))
         for row, (state, row_chains) in enumerate(zip(decoding, chains, strict=True)):
             if any(row_chains) and verified.taken[row]:
                 state.kv.truncate(begins[row] + len(verified.taken[row]))  # rejected candidates forgotten
@@ -642,7 +677,7 @@ class TgisNativeEngine(ModelEngine):
         candidates has one empty chain. A row is offered at most its lookahead and never more
         than would take it past max_new_tokens; several chains only to greedy rows (a sampling
         row's draws follow one chain)."""
-        if self.speculator is None or not decoding or len(decoding) > self.speculator_max_rows:
+        if self.speculator is None or not decoding or not self.gate.allows(len(decoding)):
             return None
         chooser = batch.chooser
         assert chooser is not None

@@ -1,0 +1,177 @@
+"""SPECULATOR_BATCH_GATE=measured: what a speculating step costs against a plain one, timed on
+the engine itself at start-up (speculation/gate.py weighs it against the tokens taken).
+
+At each row count of `measured_rows` (powers of two up to SPECULATOR_MAX_BATCH_SIZE) a batch of
+that many requests (PROMPT_TOKENS of a repeated random pattern, greedy) is prefilled, then steps
+through the engine's own `generate_token`: WARM_STEPS + TIMED_STEPS without candidates, then as
+many with the full lookahead on every row (the speculator's own proposal, padded to the limit
+where it proposes fewer, so that the step verifies as many rows as a speculating step may). The
+ratio of the median step times is the cost. The requests are released after each count (their
+KV blocks return to the pool, the speculator forgets them), prefix caching is off meanwhile,
+so the engine serves as it would have without the measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from text_generation_common.messages import GenerationRequest
+from text_generation_server import distributed
+from text_generation_server.batches.ragged import RaggedBatch
+from text_generation_server.speculation import Lookahead, Speculator
+from text_generation_server.speculation.gate import SpeculationGate, StepCosts, costs_from, measured_rows
+
+if TYPE_CHECKING:
+    from text_generation_server.engines.tgis_native.engine import TgisNativeEngine
+
+logger = logging.getLogger(__name__)
+
+WARM_STEPS = 2
+TIMED_STEPS = 5
+PROMPT_TOKENS = 128
+PATTERN_TOKENS = 8  # the prompt repeats these (n-gram lookup finds its candidates there)
+MIN_PROMPT_TOKENS = 8
+BATCH_ID = -1  # batch and request ids the router never uses
+RATIO_SCALE = 10_000  # ratios agreed between ranks as integers
+
+
+class FullLookahead(Speculator):
+    """`inner`'s proposals, each row's first chain padded to its limit with the row's last token."""
+
+    def __init__(self, inner: Speculator) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.needs_hidden = inner.needs_hidden
+        self.chains = inner.chains
+        self.network = inner.network
+
+    def propose(
+        self,
+        requests: Sequence[int],
+        histories: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        hidden: torch.Tensor | None = None,
+    ) -> list[list[int]]:
+        chains = self.propose_chains(requests, histories, limits, hidden, [False] * len(limits))
+        return [row[0] for row in chains]
+
+    def propose_chains(
+        self,
+        requests: Sequence[int],
+        histories: Sequence[Sequence[int]],
+        limits: Sequence[int],
+        hidden: torch.Tensor | None,
+        several: Sequence[bool],
+    ) -> list[list[list[int]]]:
+        proposed = self.inner.propose_chains(requests, histories, limits, hidden, several)
+        filled = []
+        for chains, history, limit in zip(proposed, histories, limits, strict=True):
+            first = list(chains[0]) if chains else []
+            filled.append([first + [history[-1]] * (limit - len(first)), *chains[1:]])
+        return filled
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        self.inner.release(request_ids)
+
+
+def measure(engine: TgisNativeEngine, most_rows: int) -> StepCosts | None:
+    """The cost of a speculating step at each measured row count that the KV cache holds, 1 row at
+    least (None: MAX_NEW_TOKENS or the sequence length leave too few steps to time)."""
+    speculate = engine.speculate
+    # a plain step takes one token, a speculating one up to 1 + speculate: within MAX_NEW_TOKENS
+    steps = min(WARM_STEPS + TIMED_STEPS, (engine.context.max_new_tokens - 1) // (2 + speculate))
+    new_tokens = steps * (2 + speculate) + 1
+    prompt_tokens = min(PROMPT_TOKENS, engine.context.max_sequence_length - new_tokens - 1)
+    if steps <= WARM_STEPS or prompt_tokens < MIN_PROMPT_TOKENS:
+        return None
+    rng = random.Random(0)
+    vocab = engine.context.vocab_size
+    pattern = [rng.randrange(min(16, vocab - 1), vocab) for _ in range(PATTERN_TOKENS)]
+    prompt = tuple((pattern * -(-prompt_tokens // PATTERN_TOKENS))[:prompt_tokens])
+    assert engine.speculator is not None
+    chains = engine.speculator.chains  # a candidate tree's other chains write forks
+    per_sequence = -(-(prompt_tokens + new_tokens + speculate) // engine.block_size) * chains
+    counts: list[int] = []
+    plain: list[float] = []
+    speculating: list[float] = []
+    with _measuring(engine):
+        for rows in measured_rows(most_rows):
+            if rows > 1 and rows * per_sequence > engine.kv.pool.free - engine.allocations.reserved_blocks:
+                logger.info(
+                    "speculation's cost measured up to %d rows: the KV cache holds no more", counts[-1]
+                )
+                break
+            requests = [GenerationRequest(-(i + 1), prompt, new_tokens) for i in range(rows)]
+            times = _time_steps(engine, requests, steps)
+            counts.append(rows)
+            plain.append(times[0])
+            speculating.append(times[1])
+    costs = costs_from(counts, plain, speculating)
+    # every rank of a sharded model must speculate at the same steps: the largest of their costs
+    agreed = (
+        distributed.agree_max(round(r * RATIO_SCALE), engine.device) / RATIO_SCALE for r in costs.ratios
+    )
+    return StepCosts(costs.rows, tuple(agreed))
+
+
+@contextmanager
+def _measuring(engine: TgisNativeEngine) -> Iterator[None]:
+    """Prefix caching off meanwhile (no prompt of the measurement is cached or counted); the
+    gate and the speculator as they were afterwards."""
+    saved = engine.prefix_caching, engine.gate, engine.speculator
+    try:
+        engine.prefix_caching = False
+        yield
+    finally:
+        engine.prefix_caching, engine.gate, engine.speculator = saved
+
+
+def _time_steps(
+    engine: TgisNativeEngine, requests: list[GenerationRequest], steps: int
+) -> tuple[float, float]:
+    """Median seconds of a step of `requests` without, then with candidates on every row (`steps`
+    of each, the first WARM_STEPS not timed)."""
+    batch, errors = engine.new_batch(BATCH_ID, requests)
+    assert batch is not None and not errors, f"measuring speculation: {errors}"
+    try:
+        while batch.prefilling:
+            batch = _step(engine, batch)
+        engine.gate = SpeculationGate(0)  # no step speculates
+        plain, batch = _median_step(engine, batch, steps, full=False)
+        engine.gate = SpeculationGate(len(requests))
+        assert engine.speculator is not None
+        engine.speculator = FullLookahead(engine.speculator)
+        speculating, batch = _median_step(engine, batch, steps, full=True)
+    finally:
+        engine.release([r.id for r in requests])
+    return plain, speculating
+
+
+def _median_step(
+    engine: TgisNativeEngine, batch: RaggedBatch, steps: int, full: bool
+) -> tuple[float, RaggedBatch]:
+    """The median seconds of the steps after WARM_STEPS, and the batch after them."""
+    seconds = []
+    for step in range(steps):
+        if full:  # every row asks its most (no pause after a miss)
+            for state in batch.states.values():
+                state.lookahead = Lookahead(engine.speculate)
+        start = time.perf_counter()
+        batch = _step(engine, batch)
+        if step >= WARM_STEPS:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds), batch
+
+
+def _step(engine: TgisNativeEngine, batch: RaggedBatch) -> RaggedBatch:
+    output, after = engine.generate_token(batch, 0)
+    assert after is not None and not output.errors, "measuring speculation: a step failed"
+    return after
