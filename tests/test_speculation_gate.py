@@ -124,6 +124,12 @@ def test_a_cache_too_small_for_a_row_count_ends_the_measurement_there(tiny_model
     assert "speculation's cost measured up to 2 rows: the KV cache holds no more" in caplog.text
 
 
+def test_no_more_rows_are_measured_than_a_batch_holds(tiny_model) -> None:
+    engine = TgisNativeEngine(measuring(tiny_model("llama"), 2, max_batch_size=2, kv_cache_blocks=200))
+    assert engine.gate.costs is not None and engine.gate.costs.rows == (1, 2)
+    assert engine.gate.most_rows == 16  # SPECULATOR_MAX_BATCH_SIZE: the cost past 2 rows is 2 rows'
+
+
 def test_sequences_too_short_to_measure_leave_the_limit_alone(tiny_model, caplog) -> None:
     engine = TgisNativeEngine(measuring(tiny_model("llama"), 4, max_sequence_length=40, max_new_tokens=8))
     assert engine.gate.costs is None and engine.gate.most_rows == 16

@@ -78,8 +78,8 @@ speculator_batch_gate_option = click.option(
     type=click.Choice(SPECULATOR_BATCH_GATES),
     default="measured",
     help="measured: the shard times a speculating step against a plain one at start-up, per number "
-    "of decoding rows up to SPECULATOR_MAX_BATCH_SIZE, and a step speculates only while its rows "
-    "take more tokens per step than that costs; fixed: every step of at most "
+    "of decoding rows up to SPECULATOR_MAX_BATCH_SIZE (and MAX_BATCH_SIZE), and a step speculates "
+    "only while its rows take more tokens per step than that costs; fixed: every step of at most "
     "SPECULATOR_MAX_BATCH_SIZE rows speculates [env SPECULATOR_BATCH_GATE].",
 )
 

@@ -248,13 +248,13 @@ class TgisNativeEngine(ModelEngine):
                     config.max_batch_size, cuda_capture(self.device), config.max_batch_size + budget
                 )
         if self.speculator is not None and config.speculator_batch_gate == "measured":
-            self.measure_speculation(config.speculator_max_batch_size)
+            self.measure_speculation(config.speculator_max_batch_size, config.max_batch_size)
 
-    def measure_speculation(self, most_rows: int) -> None:
+    def measure_speculation(self, most_rows: int, max_batch_size: int) -> None:
         """SPECULATOR_BATCH_GATE=measured: time speculating against plain steps up to `most_rows`
-        decoding rows (speculation_costs.py) and gate speculation by it."""
+        decoding rows (no more than a batch holds; speculation_costs.py) and gate speculation by it."""
         try:
-            costs = speculation_costs.measure(self, most_rows)
+            costs = speculation_costs.measure(self, min(most_rows, max_batch_size))
         except Exception as exc:  # the model or kernel says why in its first line
             raise RuntimeError(
                 f"measuring what a speculating step costs failed ({first_line(exc)}); "
