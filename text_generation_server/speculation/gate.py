@@ -20,7 +20,6 @@ SPECULATOR_BATCH_GATE=fixed: every step of at most SPECULATOR_MAX_BATCH_SIZE row
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -134,8 +133,3 @@ def measured_rows(most_rows: int) -> list[int]:
         counts.append(rows)
         rows *= 2
     return [*counts, most_rows]
-
-
-def costs_from(rows: Sequence[int], plain: Sequence[float], speculating: Sequence[float]) -> StepCosts:
-    """The ratios of measured step times (seconds, the same row counts)."""
-    return StepCosts(tuple(rows), tuple(s / p for p, s in zip(plain, speculating, strict=True)))

@@ -27,7 +27,7 @@ from text_generation_common.messages import GenerationRequest
 from text_generation_server import distributed
 from text_generation_server.batches.ragged import RaggedBatch
 from text_generation_server.speculation import Lookahead, Speculator
-from text_generation_server.speculation.gate import SpeculationGate, StepCosts, costs_from, measured_rows
+from text_generation_server.speculation.gate import SpeculationGate, StepCosts, measured_rows
 
 if TYPE_CHECKING:
     from text_generation_server.engines.tgis_native.engine import TgisNativeEngine
@@ -114,12 +114,11 @@ def measure(engine: TgisNativeEngine, most_rows: int) -> StepCosts | None:
             counts.append(rows)
             plain.append(times[0])
             speculating.append(times[1])
-    costs = costs_from(counts, plain, speculating)
     # every rank of a sharded model must speculate at the same steps: the largest of their costs
-    agreed = (
-        distributed.agree_max(round(r * RATIO_SCALE), engine.device) / RATIO_SCALE for r in costs.ratios
+    ratios = (round(s / p * RATIO_SCALE) for p, s in zip(plain, speculating, strict=True))
+    return StepCosts(
+        tuple(counts), tuple(distributed.agree_max(r, engine.device) / RATIO_SCALE for r in ratios)
     )
-    return StepCosts(costs.rows, tuple(agreed))
 
 
 @contextmanager
