@@ -103,7 +103,7 @@ def test_the_engine_measures_the_cost_and_is_left_as_it_was(tiny_model, caplog) 
     engine = TgisNativeEngine(measuring(model_dir, 3, speculator_max_batch_size=4, prefix_caching=True))
     costs = engine.gate.costs
     assert costs is not None and costs.rows == (1, 2, 4)
-    assert all(0.5 < r < 20 for r in costs.ratios), costs  # a step of 4 candidate rows per row
+    assert all(0.2 < r < 50 for r in costs.ratios), costs  # timed: loose bounds, a sane ratio
     assert "speculating step / plain step, measured: at 1 / 2 / 4 rows" in caplog.text
     assert engine.kv.pool.free == engine.kv.pool.num_blocks and not engine.allocations.reserved_blocks
     assert engine.prefix_caching and engine.prefix_query_tokens == engine.prefix_hit_tokens == 0
