@@ -194,7 +194,6 @@ class TgisNativeEngine(ModelEngine):
         )
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        self.speculator_max_rows = config.speculator_max_batch_size
         self.gate = SpeculationGate(config.speculator_max_batch_size)  # measured below, where asked
         tokenizer = resolve_model_dir(config.model_name, config.revision) / "tokenizer.json"
         target = Target(
@@ -324,7 +323,7 @@ class TgisNativeEngine(ModelEngine):
         candidates too."""
         if self.speculator is None:
             return max_rows
-        speculating = min(max_rows, self.speculator_max_rows)
+        speculating = min(max_rows, self.gate.most_rows)
         return max_rows + speculating * ((1 + self.speculate) * self.speculator.chains - 1)
 
     # ---- the KV cache --------------------------------------------------------------------------

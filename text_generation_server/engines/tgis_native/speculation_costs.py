@@ -123,11 +123,14 @@ def measure(engine: TgisNativeEngine, most_rows: int) -> StepCosts | None:
 
 @contextmanager
 def _measuring(engine: TgisNativeEngine) -> Iterator[None]:
-    """Prefix caching off meanwhile (no prompt of the measurement is cached or counted); the
-    gate and the speculator as they were afterwards."""
+    """Meanwhile prefix caching off (no prompt of the measurement is cached or counted) and the
+    speculator padded to every row's limit (FullLookahead); afterwards the gate, the speculator
+    and prefix caching as they were."""
     saved = engine.prefix_caching, engine.gate, engine.speculator
+    assert engine.speculator is not None
     try:
         engine.prefix_caching = False
+        engine.speculator = FullLookahead(engine.speculator)
         yield
     finally:
         engine.prefix_caching, engine.gate, engine.speculator = saved
@@ -146,8 +149,6 @@ def _time_steps(
         engine.gate = SpeculationGate(0)  # no step speculates
         plain, batch = _median_step(engine, batch, steps, full=False)
         engine.gate = SpeculationGate(len(requests))
-        assert engine.speculator is not None
-        engine.speculator = FullLookahead(engine.speculator)
         speculating, batch = _median_step(engine, batch, steps, full=True)
     finally:
         engine.release([r.id for r in requests])
