@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 XEON_SPR = "fpu vme sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"
 ZEN4 = "fpu sse2 avx2 avx512f avx512_vnni avx512_bf16"
 XEON_CLX = "fpu sse2 avx2 avx512f avx512_vnni"
+ZEN3 = "fpu sse2 avx avx2 fma f16c vaes"
 
 
 @pytest.mark.parametrize(
@@ -32,6 +35,21 @@ def test_an_explicit_dtype_always_wins() -> None:
         for name in ("float32", "bfloat16", "float16"):
             dtype, reason = select_dtype(name, torch.device("cpu"), frozenset(flags.split()))
             assert dtype == getattr(torch, name) and reason.startswith("asked for")
+
+
+def test_bfloat16_asked_for_without_bf16_instructions_is_warned_about(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="text_generation_server.engines.loading")
+    for flags in (XEON_SPR, ZEN4, XEON_CLX, ZEN3):
+        for name in ("float32", "bfloat16", "float16"):
+            select_dtype(name, torch.device("cpu"), frozenset(flags.split()))
+    assert [r.getMessage() for r in caplog.records] == [
+        "bfloat16 asked for, but the CPU has no bf16 matrix instructions (AMX-BF16, AVX512-BF16): "
+        "oneDNN emulates bfloat16 through float32, and prompts and batched steps run several times "
+        "slower than in float32"
+    ] * 2
+    caplog.clear()
+    select_dtype("bfloat16", torch.device("cuda", 0), frozenset())
+    assert not caplog.records
 
 
 def test_cuda_defaults_to_float16() -> None:

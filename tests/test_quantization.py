@@ -16,7 +16,9 @@ from text_generation_common.messages import GenerationRequest
 from text_generation_server import quantization
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import get_engine_class
-from text_generation_server.quantization import Int8Linear, quantize_model
+from text_generation_server.engines.tgis_native import cpu_decoder
+from text_generation_server.quantization import Int8Linear, int8, quantize_model
+from text_generation_server.utils.cpu import cpu_flags
 
 pytestmark = pytest.mark.skipif(
     "onednn" not in torch.backends.quantized.supported_engines,
@@ -41,6 +43,54 @@ def test_int8_linear_against_the_float_product(dtype, bias) -> None:
     )
     error = (y.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
     assert error.max().item() < 0.03
+
+
+def with_products(monkeypatch, split: bool) -> None:
+    """Int8 layers built after this (and the C++ decoder stack) multiply the 8-bit way or split;
+    the 8-bit way only where this CPU's int8 products do not saturate."""
+    if not split and int8.products_saturate():
+        pytest.skip("this CPU's int8 products saturate at 8 bits (no VNNI or AMX-INT8)")
+    monkeypatch.setattr(int8, "products_saturate", lambda: split)
+    monkeypatch.setattr(cpu_decoder, "products_saturate", lambda: split)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["8-bit", "split"])
+def test_both_ways_compute_w8a8s_integer_products(monkeypatch, split) -> None:
+    """Each token rounded to round(127.5 x / max |x|) times the int8 weights, exactly (up to the
+    float products' rounding): large integers against large weights, which saturate 8-bit
+    products on CPUs without VNNI, a token far larger than the others, one of zeros; the split's
+    rounding is the definition's even at a token's negative extreme (-127.5 steps: -128), the
+    8-bit kernel's gives -127 there (not asked of it)."""
+    with_products(monkeypatch, split)
+    gen = torch.Generator().manual_seed(7)
+    ints = torch.randint(-127, 128, (40, 256), generator=gen)
+    ints[:4] = 127
+    scales = torch.rand(40, generator=gen) / 100
+    layer = Int8Linear(ints, scales, None, torch.float32)
+    assert layer.split == split
+    x = torch.randn(6, 256, generator=gen)
+    x[0] = x[0].abs() + 2.0  # every value high in its token's range
+    x[2] *= 50
+    x[4] = 0.0
+    if split:
+        x[5, 9] = -x[5].abs().max() - 1.0  # the negative extreme
+    steps = x.abs().amax(1, keepdim=True).clamp(min=int8.TINY) / 127.5
+    expected = (torch.round(x / steps).clamp(-128, 127).double() @ ints.double().t()) * (
+        scales.double() * steps.double()
+    )
+    y = layer(x)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+def test_the_saturation_probe_follows_the_cpus_int8_instructions() -> None:
+    """AVX512-VNNI and AMX-INT8 multiply int8 in 32 bits; AVX2 alone sums pairs in 16."""
+    flags = cpu_flags()
+    if flags & {"avx512_vnni", "amx_int8"}:
+        assert not int8.products_saturate()
+    elif "avx2" in flags and "avx_vnni" not in flags:
+        assert int8.products_saturate()
+    else:
+        pytest.skip("neither kind of CPU")
 
 
 def nn_linear(
@@ -110,11 +160,13 @@ def test_engines_serve_the_quantized_models_own_generate(tiny_model, engine) -> 
         assert alone(served, GenerationRequest(i, prompt, 10)) == greedy(reference, prompt, 10)
 
 
-def test_the_cpp_decoder_stack_runs_int8_layers_as_the_modules_do(tiny_model) -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["8-bit", "split"])
+def test_the_cpp_decoder_stack_runs_int8_layers_as_the_modules_do(tiny_model, monkeypatch, split) -> None:
     from tests.engines.test_cpu_decoder import both_logits, started
     from tests.engines.test_tgis_native import config_for
     from text_generation_server.engines.tgis_native import TgisNativeEngine
 
+    with_products(monkeypatch, split)
     engine = TgisNativeEngine(config_for(tiny_model("llama"), quantize="int8", cpu_forward="layers"))
     assert engine.runner.decoder is not None and all(p is not None for p in engine.runner.decoder.int8)
     batch = started(engine, [5, 17, 9])

@@ -25,13 +25,16 @@ from text_generation_server.engines import get_engine_class
 from text_generation_server.engines.loading import load_pretrained
 from text_generation_server.quantization import Int4Linear, Int8GroupLinear, Int8Linear
 from text_generation_server.quantization.checkpoints import unpack_ints
-from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
+from text_generation_server.quantization.int4 import BLOCK, KERNEL_MAX_ROWS, pack, torch_kernel_rows
 from text_generation_server.testing.quantized_models import (
     build_awq,
     build_compressed_tensors,
     build_gptq,
     pack_ints,
 )
+from text_generation_server.utils.cpu import cpu_flags
+
+AMX = frozenset({"amx_tile", "amx_bf16", "amx_int8", "avx512vbmi"})  # what the tile products need
 
 PROMPTS = ((5, 17, 42, 99, 7, 300, 12), (1, 250, 251, 252), (9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13))
 GROUP = 32  # the tiny Llama's layers are 64 and 128 wide
@@ -188,10 +191,34 @@ def test_ints_pack_and_unpack_along_either_dimension(bits) -> None:
         assert torch.equal(unpack_ints(pack_ints(values, dim, bits), dim, bits).long(), values)
 
 
+def packed_in_blocks(q: torch.Tensor, block: int) -> torch.Tensor:
+    """The slow form of torch's CPU int4 layout with `block` output rows a block: byte i of input
+    channel k holds row i in its low nibble and row block / 2 + i in its high one."""
+    out, in_features = q.shape
+    packed = torch.empty(out // block, in_features, block // 2, dtype=torch.uint8)
+    for b in range(out // block):
+        for k in range(in_features):
+            for i in range(block // 2):
+                packed[b, k, i] = int(q[b * block + i, k]) | int(q[b * block + block // 2 + i, k]) << 4
+    return packed.view(out, in_features // 2)
+
+
+def test_the_packed_layout_is_torchs_where_its_int4_kernel_reads_blocks_of_64() -> None:
+    """Where torch packs 64 output rows a block (AVX-512) its int4 kernel reads our weights and
+    serves calls of few rows; where it packs 32 (four AVX2 float vectors) it never gets them."""
+    q = torch.randint(0, 16, (2 * BLOCK, 24), generator=torch.Generator().manual_seed(6), dtype=torch.int32)
+    assert torch.equal(pack(q), packed_in_blocks(q, BLOCK))
+    theirs = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    if torch_kernel_rows():
+        assert torch_kernel_rows() == KERNEL_MAX_ROWS and torch.equal(theirs, pack(q))
+    else:
+        assert torch.equal(theirs, packed_in_blocks(q, BLOCK // 2))
+
+
 @pytest.mark.parametrize("shape", [(32, 64, 32), (96, 256, 128), (128, 128, 64)])
 def test_int4_weights_unpack_to_their_definition(shape) -> None:
-    """Pins the int4 kernel's packed layout (read back by Int4Linear.unpacked) for widths that
-    fill whole blocks of 64 output channels and widths that do not."""
+    """Pins the packed layout (read back by Int4Linear.unpacked) for widths that fill whole
+    blocks of 64 output channels and widths that do not."""
     out_features, in_features, group = shape
     gen = torch.Generator().manual_seed(1)
     ints, scales, zeros, expected = random_groups(gen, out_features, in_features, group, 4, 0.1)
@@ -251,7 +278,7 @@ def test_the_int4_tile_product_computes_the_weights_definition() -> None:
             scale = expected.abs().max().item()
             for tiles in (True, False):
                 ours = torch.ops.tgis_cpu.int4_linear(
-                    x, layer.packed, layer.scale_offset, group, out_features, bias, KERNEL_MAX_ROWS, tiles
+                    x, layer.packed, layer.scale_offset, group, out_features, bias, torch_kernel_rows(), tiles
                 )
                 # bf16: the output's rounding, the scales' and offsets' rounding to bf16 (and
                 # without tiles the weights')
@@ -331,9 +358,11 @@ def test_the_8bit_tile_product_computes_the_weights_definition() -> None:
                 ours = product(group, bias, tiles)
                 assert ours.dtype == torch.bfloat16
                 torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=1e-2 * scale)
-            # without a bias, one rounding to bf16 (2^-9) is all the tiles add: their sums are exact
-            alone = product(group, None, True)
-            torch.testing.assert_close(alone.float(), expected - bias.float(), rtol=2.5e-3, atol=1e-3 * scale)
+            if cpu_flags() >= AMX:  # without a bias, one rounding to bf16 (2^-9) is all the tiles
+                alone = product(group, None, True)  # add: their sums are exact
+                torch.testing.assert_close(
+                    alone.float(), expected - bias.float(), rtol=2.5e-3, atol=1e-3 * scale
+                )
         # an infinity or NaN in x (fixed point cannot carry them) reaches the output as the float
         # products give it, and leaves the other rows as they were
         x = torch.randn(8, in_features, generator=gen).to(torch.bfloat16)
@@ -431,7 +460,13 @@ def test_the_cpp_decoder_stack_runs_quantized_layers_as_the_modules_do(checkpoin
     tolerance = 1e-4 if dtype == "float32" else 2e-2
     for ids in ([7, 8, 9], [300, 2, 41]):
         ours, theirs = both_logits(engine, batch, ids)
-        torch.testing.assert_close(ours.float(), theirs.float(), atol=tolerance, rtol=tolerance)
+        if name == "ct-w8a8":  # each token's activations are rounded to integers: where the two
+            # paths' inputs differ in the last bit (their norms sum in another order) one of them
+            # can fall a step apart, which moves the logits by up to ~1 % (seen on an AVX2 CPU)
+            cosine = torch.nn.functional.cosine_similarity(ours.float(), theirs.float(), dim=-1)
+            assert cosine.min().item() >= 0.9999
+        else:
+            torch.testing.assert_close(ours.float(), theirs.float(), atol=tolerance, rtol=tolerance)
 
 
 # ---- bitsandbytes -------------------------------------------------------------------------------

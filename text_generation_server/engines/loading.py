@@ -24,7 +24,7 @@ from text_generation_server import distributed, quantization
 from text_generation_server.batches.padded import ModelContext
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import sharded_bigcode
-from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
+from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype, emulated_dtype
 from text_generation_server.utils.hub import resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -39,11 +39,16 @@ def select_device(rank: int) -> torch.device:
 def select_dtype(
     name: str | None, device: torch.device, flags: frozenset[str] | None = None
 ) -> tuple[torch.dtype, str]:
-    """The dtype to load in, and why: the one asked for, else float16 on CUDA, else by the CPU's
-    instructions (utils/cpu.py; `flags` defaults to this machine's)."""
+    """The dtype to load in, and why: the one asked for (a warning where the CPU can only emulate
+    it), else float16 on CUDA, else by the CPU's instructions (utils/cpu.py; `flags` defaults to
+    this machine's)."""
     if name is not None:
         dtype = getattr(torch, name)
         assert isinstance(dtype, torch.dtype)
+        if device.type == "cpu":
+            slow = emulated_dtype(dtype, cpu_flags() if flags is None else flags)
+            if slow is not None:
+                logger.warning("%s asked for, but %s", name, slow)
         return dtype, "asked for (DTYPE_STR / --dtype)"
     if device.type == "cuda":
         return torch.float16, "the default on CUDA"

@@ -17,6 +17,16 @@ test_quantized_checkpoints.py). The int32 products are
 exact; each output row is scaled back by its token's max |x| and rounded to the model's dtype
 once. Weights take half the bytes of bf16 (plus 4 bytes per output channel).
 
+CPUs without VNNI or AMX-INT8 (AVX2 only, or AVX-512 before Cascade Lake) have no int8 dot
+product: oneDNN sums each pair of u8 x s8 products in 16 bits (vpmaddubsw), which saturates once
+activations near the top of their 8-bit range meet large weights (a token's output off by 13 %
+on a 2-core AMD EPYC with AVX2 only). There (`products_saturate`, probed once per process) each
+token's W8A8 integers a are computed here and split into a = 2 h + l, h in [-64, 63], l in
+{0, 1}; the h rows and the l rows go through the kernel in one call at 7-bit activation range
+(torch's `reduce_range`, whose pairs cannot overflow), with a range row of +63 and -64 so that
+the kernel's scale is 1 and its integers are h and l as given, and y = 2 y_h + y_l: the same
+integer products as above, exactly, for twice the rows.
+
 Measured on a 2-core Xeon with AMX (bf16 oneDNN linears = 1): distinct 4096-wide weights in turn
 0.41x at 1 token, 0.49x at 32, 0.56x at 512 without the range row; 2048-wide about 0.8x at 1
 token; 512-wide slower than bf16 (per-call overhead). The C++ decoder stack (CPU_FORWARD) runs
@@ -25,12 +35,74 @@ these layers the same way (kernels/csrc/decoder_cpu.cpp's int8_linear).
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 TINY = torch.finfo(torch.float32).tiny
+STEPS = 127.5  # W8A8's integer steps in a token's max |x|
+HIGH = 64.0  # the split's high part is in [-HIGH, HIGH - 1]: 7-bit activations
+
+
+def _pack(ints: torch.Tensor, scales: torch.Tensor) -> Any:
+    """oneDNN's packed int8 weights: `ints` [out, in] times `scales` [out] per output channel."""
+    if "onednn" not in torch.backends.quantized.supported_engines:
+        raise ValueError("int8 layers need torch's oneDNN quantized engine, which this torch lacks")
+    engine = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "onednn"  # the packed weights keep their engine's kernels
+    try:
+        with warnings.catch_warnings():  # torch 2.13 warns that quantized tensors will go
+            warnings.simplefilter("ignore", UserWarning)
+            zero_points = torch.zeros(ints.shape[0], dtype=torch.long)
+            quantized = torch._make_per_channel_quantized_tensor(
+                ints.to(torch.int8).contiguous(), scales.double().flatten(), zero_points, 0
+            )
+            return torch.ops.quantized.linear_prepack(quantized, None)
+    finally:
+        torch.backends.quantized.engine = engine
+
+
+def _bounds(in_features: int, split: bool) -> torch.Tensor:
+    """The range row appended to every call's input (module doc): +1 and -1 for the 8-bit product,
+    +63 and -64 for the split one."""
+    bounds = torch.zeros(1, in_features)
+    bounds[0, 0], bounds[0, -1] = (HIGH - 1, -HIGH) if split else (1.0, -1.0)
+    return bounds
+
+
+def product(tokens: torch.Tensor, packed: Any, bounds: torch.Tensor, split: bool) -> torch.Tensor:
+    """[tokens, out] float32: each row of `tokens` (float32) rounded to W8A8's integers, times the
+    packed weights, scaled back (module doc); `bounds` from _bounds(in, split)."""
+    top = tokens.abs().amax(dim=1, keepdim=True).clamp_(min=TINY)
+    if not split:
+        y = torch.ops.quantized.linear_dynamic(torch.cat((tokens / top, bounds)), packed, False)
+        return y[:-1].mul_(top)
+    steps = torch.round(tokens / (top / STEPS)).clamp_(-128, 127)
+    high = torch.floor(steps * 0.5)
+    rows = tokens.shape[0]
+    y = torch.ops.quantized.linear_dynamic(torch.cat((high, steps - 2 * high, bounds)), packed, True)
+    return y[:rows].mul_(2).add_(y[rows : 2 * rows]).mul_(top / STEPS)
+
+
+@functools.cache
+def products_saturate() -> bool:
+    """Whether oneDNN's 8-bit product overflows on this CPU (module doc): weights of 127 times
+    activations at the top of their range, 64 channels, against the exact 63.75."""
+    packed = _pack(torch.full((16, 64), 127), torch.full((16,), 1 / 127))
+    y = product(torch.ones(1, 64), packed, _bounds(64, False), False)
+    saturate = bool((y - 63.75).abs().max() > 0.01)
+    if saturate:
+        logger.info(
+            "int8 layers: this CPU's int8 products saturate at 8 bits (no VNNI or AMX-INT8): each "
+            "token's integers go through oneDNN as two 7-bit halves, twice the rows a call"
+        )
+    return saturate
 
 
 class Int8Linear(nn.Module):
@@ -43,25 +115,10 @@ class Int8Linear(nn.Module):
         [out] or None; `dtype` is the model's (the dtype of inputs and outputs)."""
         super().__init__()
         self.out_features, self.in_features = ints.shape
-        zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        if "onednn" not in torch.backends.quantized.supported_engines:
-            raise ValueError("int8 layers need torch's oneDNN quantized engine, which this torch lacks")
-        engine = torch.backends.quantized.engine
-        torch.backends.quantized.engine = "onednn"  # the packed weights keep their engine's kernels
-        try:
-            with warnings.catch_warnings():  # torch 2.13 warns that quantized tensors will go
-                warnings.simplefilter("ignore", UserWarning)
-                quantized = torch._make_per_channel_quantized_tensor(
-                    ints.to(torch.int8).contiguous(), scales.double().flatten(), zero_points, 0
-                )
-                self.packed = torch.ops.quantized.linear_prepack(quantized, None)
-        finally:
-            torch.backends.quantized.engine = engine
+        self.packed = _pack(ints, scales)
+        self.split = products_saturate()
         self.register_buffer("bias_float", None if bias is None else bias.detach().float(), persistent=False)
-        # one row of +1 and -1: every call's input range is exactly [-1, 1] (see the module doc)
-        bounds = torch.zeros(1, self.in_features)
-        bounds[0, 0], bounds[0, -1] = 1.0, -1.0
-        self.register_buffer("bounds", bounds, persistent=False)
+        self.register_buffer("bounds", _bounds(self.in_features, self.split), persistent=False)
         self.bias = None  # model code may read it; the float copy above is what is added
         # model code reads `weight.dtype` (and LoRA its shape): shape and dtype, no data
         self.weight = torch.empty(ints.shape, dtype=dtype, device="meta")
@@ -75,14 +132,13 @@ class Int8Linear(nn.Module):
         return cls(ints, scales, linear.bias, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, self.in_features).float()
-        top = tokens.abs().amax(dim=1, keepdim=True).clamp_(min=TINY)
         bounds = self.bounds
         assert isinstance(bounds, torch.Tensor)
-        y = torch.ops.quantized.linear_dynamic(torch.cat((tokens / top, bounds)), self.packed, False)
-        y = y[:-1].mul_(top)
-        if self.bias_float is not None:
-            y += self.bias_float
+        y = product(x.reshape(-1, self.in_features).float(), self.packed, bounds, self.split)
+        bias = self.bias_float
+        if bias is not None:
+            assert isinstance(bias, torch.Tensor)
+            y += bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:

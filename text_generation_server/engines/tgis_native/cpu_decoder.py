@@ -38,7 +38,8 @@ from text_generation_server.kv.paged_kv import PagedKVCache
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
 from text_generation_server.quantization import Int8Linear
 from text_generation_server.quantization.grouped import GroupedLinear
-from text_generation_server.quantization.int4 import KERNEL_MAX_ROWS
+from text_generation_server.quantization.int4 import torch_kernel_rows
+from text_generation_server.quantization.int8 import products_saturate
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +229,9 @@ class CpuDecoder:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
-            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.grouped,
-            self.grouped_order, self.grouped_out, KERNEL_MAX_ROWS, self.caches,
+            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, products_saturate(),
+            self.grouped,
+            self.grouped_order, self.grouped_out, torch_kernel_rows(), self.caches,
             slots, decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
             self.eps, self.scale, self.residual_multiplier, self.window,

@@ -21,6 +21,7 @@
 //   int8       7 per layer: the packed int8 weights of QUANTIZE=int8 (quantization/int8.py's
 //              Int8Linear), else None; such a projection's weight slot holds its range row and
 //              its bias slot its float32 bias
+//   int8_split whether those layers split each token's integers (int8.py's products_saturate)
 //   grouped, grouped_order, grouped_out
 //              7 per layer each: the weights of a layer quantized in groups of input channels
 //              (else None): uint8, the packed 4-bit weights of a quantization/int4.py Int4Linear,
@@ -167,14 +168,25 @@ void write_kv(T* cache, const T* key, const T* value, const int64_t* slots, int6
 
 using Int8Weights = c10::intrusive_ptr<LinearPackedParamsBase>;
 
-// quantization/int8.py's Int8Linear.forward: each token scaled to max |x| = 1, the range row
-// appended, torch's dynamic int8 linear, rows scaled back, the float bias added, one rounding.
+// quantization/int8.py's Int8Linear.forward (its `product`): each token scaled to max |x| = 1, the
+// range row appended, torch's dynamic int8 linear, rows scaled back; or, where 8-bit products
+// saturate (`split`), each token's W8A8 integers split into 2 h + l and both parts multiplied at
+// 7-bit range in one call; then the float bias added, one rounding.
 at::Tensor int8_linear(const at::Tensor& x, const Int8Weights& packed, const at::Tensor& bounds,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, bool split) {
+  constexpr double kSteps = 127.5;  // W8A8's integer steps in a token's max |x|
+  const int64_t rows = x.size(0);
   const at::Tensor tokens = x.to(at::kFloat);
   const at::Tensor top = tokens.abs().amax({1}, true).clamp_min_(std::numeric_limits<float>::min());
-  at::Tensor y = packed->apply_dynamic(at::cat({tokens / top, bounds}), false);
-  y = y.narrow(0, 0, x.size(0)).mul_(top);
+  at::Tensor y;
+  if (split) {
+    const at::Tensor steps = at::round(tokens / (top / kSteps)).clamp_(-128, 127);
+    const at::Tensor high = at::floor(steps * 0.5);
+    const at::Tensor both = packed->apply_dynamic(at::cat({high, steps - high * 2, bounds}), true);
+    y = both.narrow(0, 0, rows).mul_(2).add_(both.narrow(0, rows, rows)).mul_(top / kSteps);
+  } else {
+    y = packed->apply_dynamic(at::cat({tokens / top, bounds}), false).narrow(0, 0, rows).mul_(top);
+  }
   if (bias.has_value()) y.add_(*bias);
   return y.to(x.scalar_type());
 }
@@ -317,7 +329,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T>
 at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
                const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
-               const c10::List<std::optional<Int8Weights>>& int8, const Grouped& grouped,
+               const c10::List<std::optional<Int8Weights>>& int8, bool int8_split, const Grouped& grouped,
                const std::vector<at::Tensor>& caches, const at::Tensor& slots, const Attention& attention,
                const Lora& lora, int64_t heads,
                int64_t kv_heads, double eps, double residual_multiplier) {
@@ -334,7 +346,7 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     const int64_t projection = layer * kLinearsPerLayer + which;
     const std::optional<Int8Weights> packed = int8.get(projection);
     const std::optional<at::Tensor> in_groups = grouped.packed.get(projection);
-    at::Tensor y = (packed.has_value()    ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1))
+    at::Tensor y = (packed.has_value()    ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1), int8_split)
                     : in_groups.has_value()
                         ? grouped_linear(x, *in_groups, *param(layer, index), grouped.order.get(projection),
                                          param(layer, index + 1), grouped.out[projection], grouped.max_rows)
@@ -556,7 +568,7 @@ at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::
 
 at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
-                          const c10::List<std::optional<Int8Weights>>& int8,
+                          const c10::List<std::optional<Int8Weights>>& int8, bool int8_split,
                           const c10::List<std::optional<at::Tensor>>& grouped,
                           const c10::List<std::optional<at::Tensor>>& grouped_order, at::IntArrayRef grouped_out,
                           int64_t int4_max_rows, at::TensorList caches,
@@ -591,7 +603,7 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   return by_dtype(embeddings.scalar_type(), "decoder_layers", [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
-    return run<T>(embeddings, c, s, params, flags, int8, Grouped{grouped, grouped_order, grouped_out, int4_max_rows}, layer_caches,
+    return run<T>(embeddings, c, s, params, flags, int8, int8_split, Grouped{grouped, grouped_order, grouped_out, int4_max_rows}, layer_caches,
                   slot_ids, attention, lora, heads, kv_heads, eps, residual_multiplier);
   });
 }
@@ -601,7 +613,7 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
 TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
   m.def(
       "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, Tensor?[] grouped, Tensor?[] grouped_order, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, bool int8_split, Tensor?[] grouped, Tensor?[] grouped_order, "
       "int[] grouped_out, int int4_max_rows, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
       "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
