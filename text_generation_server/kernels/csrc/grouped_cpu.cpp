@@ -10,10 +10,11 @@
 //                        time, in one pass that reads each packed byte once and writes each weight
 //                        once (Int4Linear.unpacked's tensor form takes five passes), each slice
 //                        multiplied in turn.
-//   packed        [padded, in / 2] uint8 in the layout of torch's CPU int4 kernel
-//                 (_convert_weight_to_int4pack_for_cpu): per block of 64 output rows, input
-//                 channel k's 32 bytes hold row i's value in the low nibble of byte i and row
-//                 32 + i's in the high nibble (i < 32); value = nibble - 8
+//   packed        [padded, in / 2] uint8 in quantization/int4.py's `pack` layout (torch's CPU
+//                 int4 kernel's on AVX-512; on AVX2 torch packs blocks of 32, and int4.py passes
+//                 max_rows 0 there so that its kernel never gets ours): per block of 64 output
+//                 rows, input channel k's 32 bytes hold row i's value in the low nibble of byte i
+//                 and row 32 + i's in the high nibble (i < 32); value = nibble - 8
 //   scale_offset  [groups, padded, 2] (scale, offset) of each group and output row, model dtype
 //
 // int8_group_linear      8-bit weights (GPTQ's 8-bit checkpoints): on AMX, bf16 calls of 3 to 64
