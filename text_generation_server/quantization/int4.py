@@ -17,10 +17,9 @@ above. The product is csrc/grouped_cpu.cpp's int4_linear:
 - elsewhere torch's int4 kernel (where it reads our layout), which reads the packed weights
   directly but whose cost grows with the rows ([M, 2048] x [2048, 2048] in bf16: 0.11 / 0.21 /
   0.45 / 2.2 / 3.9 ms at M = 1 / 4 / 8 / 32 / 64 against 0.46-0.75 ms for the bf16 product), up
-  to KERNEL_MAX_ROWS rows, and
-  beyond it (and for float32 models, and groups the kernel does not take) the dense product
-  over weights unpacked to the model's dtype a slice of output rows at a time
-  (int4_linear_unpacked: 2048 x 2048 at 24 rows in 0.76 ms, 1.15 ms through the kernel).
+  to KERNEL_MAX_ROWS rows, and beyond it (and for float32 models, and groups the kernel does not
+  take) the dense product over weights unpacked to the model's dtype a slice of output rows at a
+  time (int4_linear_unpacked: 2048 x 2048 at 24 rows in 0.76 ms, 1.15 ms through the kernel).
 
 Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
 holds its input channels sorted by group (`order`) and gathers each input the same way.

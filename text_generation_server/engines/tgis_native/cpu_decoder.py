@@ -230,8 +230,7 @@ class CpuDecoder:
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
             embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, products_saturate(),
-            self.grouped,
-            self.grouped_order, self.grouped_out, torch_kernel_rows(), self.caches,
+            self.grouped, self.grouped_order, self.grouped_out, torch_kernel_rows(), self.caches,
             slots, decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
             self.eps, self.scale, self.residual_multiplier, self.window,
