@@ -301,15 +301,17 @@ def test_int4_kernel_and_unpacked_product_agree_in_bf16() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_8bit_group_layers_compute_their_definition_directly_and_over_unpacked_slices(dtype) -> None:
-    """csrc/grouped_cpu.cpp's int8_group_linear against the weights' definition: every row count the
-    direct kernel takes (up to 12, odd output widths for its pairs of output rows) and beyond (the
-    unpacked slices), groups that are no multiple of its 16 lanes (always sliced), per-channel
-    groups, act-order, and the tensor-operation fallback."""
+    """csrc/grouped_cpu.cpp's int8_group_linear against the weights' definition: row counts the
+    direct kernels take (up to 12 with 16 lanes, up to 64 on AVX2 in passes of up to 4 rows; odd
+    output widths for their blocks of output rows) and beyond (the unpacked slices), groups that
+    are no multiple of 16 lanes (sliced there, direct on AVX2) or of 8 (always sliced),
+    per-channel groups, act-order, and the tensor-operation fallback."""
     from text_generation_server.kernels import cpu_kernels
 
     cpu_kernels.load()
     gen = torch.Generator().manual_seed(5)
-    for out_features, in_features, group in ((33, 64, 32), (200, 384, 64), (48, 96, 24), (64, 256, 256)):
+    shapes = ((33, 64, 32), (200, 384, 64), (48, 96, 24), (64, 256, 256), (22, 60, 12))
+    for out_features, in_features, group in shapes:
         ints, scales, zeros, weight = random_groups(gen, out_features, in_features, group, 8, 0.01)
         bias = torch.randn(out_features, generator=gen)
         order = torch.randperm(in_features, generator=gen)
@@ -318,7 +320,7 @@ def test_8bit_group_layers_compute_their_definition_directly_and_over_unpacked_s
         plain = Int8GroupLinear(ints, scales, zeros, group, bias, dtype)
         shuffled = Int8GroupLinear(ints, scales, zeros, group, bias, dtype, order=order)
         torch.testing.assert_close(plain.unpacked(), weight, rtol=0, atol=1e-6)
-        for rows in (1, 2, 7, 12, 13, 40):
+        for rows in (1, 2, 3, 5, 7, 12, 13, 40, 64, 65):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
             for layer, expected in ((plain, weight), (shuffled, original)):
                 theirs = torch.nn.functional.linear(x.float(), expected, bias.to(dtype).float())

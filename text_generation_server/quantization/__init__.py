@@ -3,7 +3,9 @@ linears replaced by quantized ones.
 
   int8                   (CPU) every Linear (not the LM head, not the embeddings) rounded to int8
                          weights per output channel at load, activations in int8 per token
-                         (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it)
+                         (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it); on
+                         CPUs whose int8 products saturate (no VNNI or AMX-INT8) activations in
+                         the model's dtype (int8_groups.py's kernels read the weights directly)
   fp8                    (GPU, Hopper or newer) the same Linears in float8 e4m3 per output
                          channel, activations in fp8 per token (fp8.py: torch's scaled product);
                          a checkpoint in AutoFP8's layout (quant_method fp8) is read as it is
@@ -24,6 +26,7 @@ from_pretrained otherwise, then `quantize_model` and `check_loaded` on the loade
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,7 @@ from text_generation_common.quantize import (
     refusal,
 )
 from text_generation_server.kernels.weight_layout import plain_linears
-from text_generation_server.quantization import checkpoints, fp8
+from text_generation_server.quantization import checkpoints, fp8, int8
 from text_generation_server.quantization.checkpoints import Plan
 from text_generation_server.quantization.fp8 import Fp8Linear
 from text_generation_server.quantization.int4 import Int4Linear
@@ -179,18 +182,37 @@ def resident_bytes(model: nn.Module) -> int:
     return distributed.local_bytes(model) + packed_bytes(model)
 
 
-QUANTIZED_AT_LOAD: dict[str, tuple[type[Int8Linear] | type[Fp8Linear], str]] = {
-    "int8": (Int8Linear, "in int8 (oneDNN, each token's activations in int8)"),
-    "fp8": (Fp8Linear, "in fp8 e4m3 (scaled per output channel, each token's activations in fp8)"),
-}
+INT8_W8A8 = "in int8 (oneDNN, each token's activations in int8)"
+INT8_WEIGHTS = (
+    "in int8 weights per output channel, activations in the model's dtype (this CPU's int8 products "
+    "saturate at 8 bits, no VNNI or AMX-INT8: the weights are read straight from their bytes)"
+)
+
+
+def int8_weights_only() -> bool:
+    """Whether QUANTIZE=int8 keeps activations in the model's dtype here (int8_groups.py's layer)
+    rather than in int8 (int8.py's): where oneDNN's int8 products saturate, W8A8 splits each
+    token into two 7-bit halves and took 2.6x float32's time at one token, the weights read
+    directly 0.2-0.3x (a 4096 x 4096 layer, 2-core AMD EPYC with AVX2 only; README)."""
+    return int8.products_saturate()
+
+
+def _at_load(scheme: str) -> tuple[Callable[[nn.Linear], Int8Linear | Int8GroupLinear | Fp8Linear], str]:
+    """How QUANTIZE=`scheme` makes each Linear at load, and how the log says it."""
+    if scheme == "fp8":
+        return Fp8Linear.quantize, "in fp8 e4m3 (scaled per output channel, each token's activations in fp8)"
+    if int8_weights_only():
+        return Int8GroupLinear.per_channel, INT8_WEIGHTS
+    return Int8Linear.quantize, INT8_W8A8
 
 
 def quantize_model(model: Any, scheme: str | None) -> None:
-    """Replace the model's Linear layers (not the LM head) with int8 ones for QUANTIZE=int8, fp8
-    ones for QUANTIZE=fp8 (else nothing); logs it."""
-    if scheme not in QUANTIZED_AT_LOAD:
+    """Replace the model's Linear layers (not the LM head) with int8 ones for QUANTIZE=int8 (W8A8,
+    or weights only where `int8_weights_only`), fp8 ones for QUANTIZE=fp8 (else nothing); logs
+    it."""
+    if scheme not in ("int8", "fp8"):
         return
-    layer, how = QUANTIZED_AT_LOAD[scheme]
+    make, how = _at_load(scheme)
     head = model.get_output_embeddings()
     device = head.weight.device if head is not None else next(model.parameters()).device
     targets = [
@@ -200,7 +222,7 @@ def quantize_model(model: Any, scheme: str | None) -> None:
         raise ValueError(f"QUANTIZE={scheme}: this model has no Linear layers to quantize")
     before = after = 0
     for parent, name, linear in targets:
-        replacement = layer.quantize(linear)
+        replacement = make(linear)
         before += linear.weight.numel() * linear.weight.element_size()
         after += replacement.weight_bytes()
         setattr(parent, name, replacement)

@@ -25,7 +25,9 @@ token's W8A8 integers a are computed here and split into a = 2 h + l, h in [-64,
 {0, 1}; the h rows and the l rows go through the kernel in one call at 7-bit activation range
 (torch's `reduce_range`, whose pairs cannot overflow), with a range row of +63 and -64 so that
 the kernel's scale is 1 and its integers are h and l as given, and y = 2 y_h + y_l: the same
-integer products as above, exactly, for twice the rows.
+integer products as above, exactly, for twice the rows. That serves W8A8 checkpoints; QUANTIZE=int8
+there keeps activations in the model's dtype instead (the same integer weights on
+int8_groups.py's layer, whose kernel reads them directly: quantization/__init__.py).
 
 Measured on a 2-core Xeon with AMX (bf16 oneDNN linears = 1): distinct 4096-wide weights in turn
 0.41x at 1 token, 0.49x at 32, 0.56x at 512 without the range row; 2048-wide about 0.8x at 1
@@ -90,6 +92,14 @@ def product(tokens: torch.Tensor, packed: Any, bounds: torch.Tensor, split: bool
     return y[:rows].mul_(2).add_(y[rows : 2 * rows]).mul_(top / STEPS)
 
 
+def per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [out, in] rounded to integers in [-127, 127], symmetric per output channel:
+    (ints [out, in] float32, scales [out]), weight ~ ints * scales[:, None] (QUANTIZE=int8)."""
+    weight = weight.detach().float()
+    scales = weight.abs().amax(dim=1).clamp(min=TINY) / 127.0
+    return torch.round(weight / scales[:, None]).clamp_(-127, 127), scales
+
+
 @functools.cache
 def products_saturate() -> bool:
     """Whether oneDNN's 8-bit product overflows on this CPU (module doc): weights of 127 times
@@ -99,8 +109,9 @@ def products_saturate() -> bool:
     saturate = bool((y - 63.75).abs().max() > 0.01)
     if saturate:
         logger.info(
-            "int8 layers: this CPU's int8 products saturate at 8 bits (no VNNI or AMX-INT8): each "
-            "token's integers go through oneDNN as two 7-bit halves, twice the rows a call"
+            "int8 layers: this CPU's int8 products saturate at 8 bits (no VNNI or AMX-INT8): W8A8 "
+            "layers put each token's integers through oneDNN as two 7-bit halves, twice the rows a "
+            "call; QUANTIZE=int8 keeps activations in the model's dtype"
         )
     return saturate
 
@@ -125,11 +136,8 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Int8Linear:
-        """`linear`'s weights rounded to int8, symmetric per output channel (max |w| / 127)."""
-        weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=TINY) / 127.0
-        ints = torch.round(weight / scales[:, None]).clamp_(-127, 127)
-        return cls(ints, scales, linear.bias, linear.weight.dtype)
+        """`linear`'s weights rounded to int8 per output channel (`per_channel`)."""
+        return cls(*per_channel(linear.weight), linear.bias, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bounds = self.bounds
