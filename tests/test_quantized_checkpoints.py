@@ -310,7 +310,15 @@ def test_8bit_group_layers_compute_their_definition_directly_and_over_unpacked_s
 
     cpu_kernels.load()
     gen = torch.Generator().manual_seed(5)
-    shapes = ((33, 64, 32), (200, 384, 64), (48, 96, 24), (64, 256, 256), (22, 60, 12))
+    shapes = (
+        (33, 64, 32),
+        (200, 384, 64),
+        (48, 96, 24),
+        (64, 256, 256),
+        (22, 60, 12),
+        (35, 64, 32),
+        (22, 64, 16),
+    )
     for out_features, in_features, group in shapes:
         ints, scales, zeros, weight = random_groups(gen, out_features, in_features, group, 8, 0.01)
         bias = torch.randn(out_features, generator=gen)

@@ -230,8 +230,9 @@ def pin_to(cpu_list: str) -> None:
     "--quantize",
     envvar="QUANTIZE",
     default=None,
-    help="int8 = int8 weights and per-token int8 activations on CPU (oneDNN); other schemes are "
-    "refused with the reason [env QUANTIZE].",
+    help="int8 = int8 weights on CPU, activations in int8 per token where the CPU has VNNI or AMX-INT8, "
+    "else in the model's dtype; the launcher's other schemes as it describes them, refused with the "
+    "reason where they cannot serve [env QUANTIZE].",
 )
 @click.option(
     "--cpu-forward",

@@ -5,7 +5,8 @@ linears replaced by quantized ones.
                          weights per output channel at load, activations in int8 per token
                          (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it); on
                          CPUs whose int8 products saturate (no VNNI or AMX-INT8) activations in
-                         the model's dtype (int8_groups.py's kernels read the weights directly)
+                         the model's dtype (int8_groups.py's C++ kernels read the weights
+                         directly; W8A8 where they do not build)
   fp8                    (GPU, Hopper or newer) the same Linears in float8 e4m3 per output
                          channel, activations in fp8 per token (fp8.py: torch's scaled product);
                          a checkpoint in AutoFP8's layout (quant_method fp8) is read as it is
@@ -44,6 +45,7 @@ from text_generation_server.kernels.weight_layout import plain_linears
 from text_generation_server.quantization import checkpoints, fp8, int8
 from text_generation_server.quantization.checkpoints import Plan
 from text_generation_server.quantization.fp8 import Fp8Linear
+from text_generation_server.quantization.grouped import kernels_here
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
 from text_generation_server.quantization.int8_groups import Int8GroupLinear
@@ -191,10 +193,14 @@ INT8_WEIGHTS = (
 
 def int8_weights_only() -> bool:
     """Whether QUANTIZE=int8 keeps activations in the model's dtype here (int8_groups.py's layer)
-    rather than in int8 (int8.py's): where oneDNN's int8 products saturate, W8A8 splits each
-    token into two 7-bit halves and took 2.6x float32's time at one token, the weights read
-    directly 0.2-0.3x (a 4096 x 4096 layer, 2-core AMD EPYC with AVX2 only; README)."""
-    return int8.products_saturate()
+    rather than in int8 (int8.py's): where oneDNN's int8 products saturate and our C++ kernels
+    are here. There W8A8 splits each token into two 7-bit halves (2.6x float32's time for one
+    token through a 4096 x 4096 layer) while the kernel reading the int8 weights directly takes
+    0.3-0.4x float32's at one row (2048 x 2048 and 8192 x 2048; 2-core AMD EPYC with AVX2 only,
+    README). Measured on AVX2 alone: on AVX-512 CPUs without VNNI (Skylake) the 16-lane kernel
+    reads the weights directly up to 12 rows, unpacked slices beyond. Without the C++ kernels
+    the weights-only layer would unpack every weight each call: W8A8 stays."""
+    return int8.products_saturate() and kernels_here()
 
 
 def _at_load(scheme: str) -> tuple[Callable[[nn.Linear], Int8Linear | Int8GroupLinear | Fp8Linear], str]:

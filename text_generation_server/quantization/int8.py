@@ -1,6 +1,6 @@
 """Int8 linears on CPU: int8 weights, one scale per output channel, each token's activations in
-int8 (W8A8: what QUANTIZE=int8 makes at load, and what compressed-tensors' int-quantized W8A8
-checkpoints hold).
+int8 (W8A8: what QUANTIZE=int8 makes at load on CPUs with VNNI or AMX-INT8, and what
+compressed-tensors' int-quantized W8A8 checkpoints hold).
 
 The weights are packed for oneDNN's int8 matrix kernels (AMX-INT8 where the CPU has it, else
 AVX512-VNNI / AVX2) through torch's dynamic-quantization linear (`quantized::linear_dynamic`,
@@ -110,8 +110,7 @@ def products_saturate() -> bool:
     if saturate:
         logger.info(
             "int8 layers: this CPU's int8 products saturate at 8 bits (no VNNI or AMX-INT8): W8A8 "
-            "layers put each token's integers through oneDNN as two 7-bit halves, twice the rows a "
-            "call; QUANTIZE=int8 keeps activations in the model's dtype"
+            "layers put each token's integers through oneDNN as two 7-bit halves, twice the rows a call"
         )
     return saturate
 

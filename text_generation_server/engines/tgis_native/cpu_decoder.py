@@ -156,6 +156,11 @@ class CpuDecoder:
     position_embeddings: Any = None  # layer_norm: the learned position table (wpe), or None
     rotary: Any = None  # layer_norm: the rotary embedding module (GPT-NeoX), or None
 
+    def int8_split(self) -> bool:
+        """Whether the int8 layers split each token's integers (int8.py; probed only where there
+        are int8 layers)."""
+        return any(p is not None for p in self.int8) and products_saturate()
+
     def decode(
         self,
         ids: torch.Tensor,
@@ -229,7 +234,7 @@ class CpuDecoder:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
-            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, products_saturate(),
+            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.int8_split(),
             self.grouped, self.grouped_order, self.grouped_out, torch_kernel_rows(), self.caches,
             slots, decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
