@@ -203,10 +203,15 @@ def int8_weights_only() -> bool:
     return int8.products_saturate() and kernels_here()
 
 
-def _at_load(scheme: str) -> tuple[Callable[[nn.Linear], Int8Linear | Int8GroupLinear | Fp8Linear], str]:
-    """How QUANTIZE=`scheme` makes each Linear at load, and how the log says it."""
+def _at_load(
+    scheme: str | None,
+) -> tuple[Callable[[nn.Linear], Int8Linear | Int8GroupLinear | Fp8Linear], str] | None:
+    """How QUANTIZE=`scheme` makes each Linear at load, and how the log says it (None: it makes
+    none at load)."""
     if scheme == "fp8":
         return Fp8Linear.quantize, "in fp8 e4m3 (scaled per output channel, each token's activations in fp8)"
+    if scheme != "int8":
+        return None
     if int8_weights_only():
         return Int8GroupLinear.per_channel, INT8_WEIGHTS
     return Int8Linear.quantize, INT8_W8A8
@@ -216,9 +221,10 @@ def quantize_model(model: Any, scheme: str | None) -> None:
     """Replace the model's Linear layers (not the LM head) with int8 ones for QUANTIZE=int8 (W8A8,
     or weights only where `int8_weights_only`), fp8 ones for QUANTIZE=fp8 (else nothing); logs
     it."""
-    if scheme not in ("int8", "fp8"):
+    at_load = _at_load(scheme)
+    if at_load is None:
         return
-    make, how = _at_load(scheme)
+    make, how = at_load
     head = model.get_output_embeddings()
     device = head.weight.device if head is not None else next(model.parameters()).device
     targets = [

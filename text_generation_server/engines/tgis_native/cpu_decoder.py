@@ -155,11 +155,7 @@ class CpuDecoder:
     activation: str = ""  # layer_norm: gelu_new, gelu_pytorch_tanh or gelu
     position_embeddings: Any = None  # layer_norm: the learned position table (wpe), or None
     rotary: Any = None  # layer_norm: the rotary embedding module (GPT-NeoX), or None
-
-    def int8_split(self) -> bool:
-        """Whether the int8 layers split each token's integers (int8.py; probed only where there
-        are int8 layers)."""
-        return any(p is not None for p in self.int8) and products_saturate()
+    int8_split: bool = False  # the int8 layers split each token's integers (int8.py's products_saturate)
 
     def decode(
         self,
@@ -234,7 +230,7 @@ class CpuDecoder:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
-            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.int8_split(),
+            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.int8_split,
             self.grouped, self.grouped_order, self.grouped_out, torch_kernel_rows(), self.caches,
             slots, decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
@@ -334,6 +330,7 @@ def build(
         params=[p.detach() if p is not None else None for p in params],
         onednn=onednn,
         int8=int8,
+        int8_split=any(p is not None for p in int8) and products_saturate(),  # probed only with int8 layers
         grouped=grouped,
         grouped_order=grouped_order,
         grouped_out=grouped_out,
