@@ -1,8 +1,9 @@
 """QUANTIZE=int8 on CPU (text_generation_server/quantization/int8.py): the int8 linear against the float
-product, batch invariance bit for bit, the model's logits against the unquantized model, both
-engines' greedy tokens against the quantized model's own `generate`, the bytes, and the refusals;
-the model-level tests run both layers QUANTIZE=int8 makes (W8A8, and weights only with
-activations in the model's dtype, the choice where int8 products saturate) on any CPU."""
+product, every way of multiplying against W8A8's integer products, our exact kernel's rounding,
+batch invariance bit for bit, the model's logits against the unquantized model, both engines'
+greedy tokens against the quantized model's own `generate`, the bytes, and the refusals; the
+model-level tests run the 8-bit way (where this CPU's int8 products do not saturate) and our
+exact kernel (on any CPU)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from text_generation_common.messages import GenerationRequest
 from text_generation_server import quantization
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import get_engine_class
-from text_generation_server.engines.tgis_native import cpu_decoder
-from text_generation_server.quantization import Int8GroupLinear, Int8Linear, int8, quantize_model
+from text_generation_server.kernels import cpu_kernels
+from text_generation_server.quantization import Int8Linear, int8, quantize_model
 from text_generation_server.utils.cpu import cpu_flags
 
 pytestmark = pytest.mark.skipif(
@@ -47,41 +48,102 @@ def test_int8_linear_against_the_float_product(dtype, bias) -> None:
     assert error.max().item() < 0.03
 
 
-def with_products(monkeypatch, split: bool) -> None:
-    """Int8 layers built after this (and the C++ decoder stack) multiply the 8-bit way or split;
-    the 8-bit way only where this CPU's int8 products do not saturate."""
-    if not split and int8.products_saturate():
+def with_way(monkeypatch, way: str) -> None:
+    """Int8 layers built after this multiply `way`: the 8-bit way only where this CPU's int8
+    products do not saturate, the exact one where our C++ kernels build."""
+    if way == int8.EIGHT_BIT and int8.products_saturate():
         pytest.skip("this CPU's int8 products saturate at 8 bits (no VNNI or AMX-INT8)")
-    monkeypatch.setattr(int8, "products_saturate", lambda: split)
-    monkeypatch.setattr(cpu_decoder, "products_saturate", lambda: split)
+    if way == int8.EXACT and not cpu_kernels.loads("skipped"):
+        pytest.skip("our C++ kernels do not build here")
+    monkeypatch.setattr(int8, "product_way", lambda: way)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["8-bit", "split"])
-def test_both_ways_compute_w8a8s_integer_products(monkeypatch, split) -> None:
+WAYS = [int8.EIGHT_BIT, int8.EXACT, int8.SPLIT]
+
+
+def w8a8(x: torch.Tensor, ints: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W8A8's definition in float64: each token's integers round(x / (max |x| / 127.5)), halves to
+    even, clamped to [-128, 127], times the integer weights, scaled back."""
+    steps = x.float().abs().amax(1, keepdim=True).clamp(min=int8.TINY) / 127.5
+    integers = torch.round(x.float() / steps).clamp(-128, 127).double()
+    return (integers @ ints.double().t()) * (scales.double() * steps.double())
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_every_way_computes_w8a8s_integer_products(monkeypatch, way) -> None:
     """Each token rounded to round(127.5 x / max |x|) times the int8 weights, exactly (up to the
     float products' rounding): large integers against large weights, which saturate 8-bit
-    products on CPUs without VNNI, a token far larger than the others, one of zeros; the split's
-    rounding is the definition's even at a token's negative extreme (-127.5 steps: -128), the
-    8-bit kernel's gives -127 there (not asked of it)."""
-    with_products(monkeypatch, split)
+    products on CPUs without VNNI, a token far larger than the others, one of zeros; the exact
+    kernel's and the split's rounding is the definition's even at a token's negative extreme
+    (-127.5 steps: -128), the 8-bit kernel's gives -127 there (not asked of it)."""
+    with_way(monkeypatch, way)
     gen = torch.Generator().manual_seed(7)
     ints = torch.randint(-127, 128, (40, 256), generator=gen)
     ints[:4] = 127
     scales = torch.rand(40, generator=gen) / 100
     layer = Int8Linear(ints, scales, None, torch.float32)
-    assert layer.split == split
+    assert layer.way == way
     x = torch.randn(6, 256, generator=gen)
     x[0] = x[0].abs() + 2.0  # every value high in its token's range
     x[2] *= 50
     x[4] = 0.0
-    if split:
+    if way != int8.EIGHT_BIT:
         x[5, 9] = -x[5].abs().max() - 1.0  # the negative extreme
-    steps = x.abs().amax(1, keepdim=True).clamp(min=int8.TINY) / 127.5
-    expected = (torch.round(x / steps).clamp(-128, 127).double() @ ints.double().t()) * (
-        scales.double() * steps.double()
-    )
+    expected = w8a8(x, ints, scales)
     y = layer(x)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype) -> None:
+    """csrc/w8a8_cpu.cpp against the definition: 1 to 70 rows (passes of 1-4 rows, blocks of 32),
+    input widths that are not multiples of 16 (the tail), 1 to 9 outputs a task's tail, weights of
+    -128; with identity weights its integers exactly, halves to even (quotients of k + 0.5) and a
+    quotient of 127.49999 at the negative extreme (-127, where a reciprocal's product gives -128)."""
+    if not cpu_kernels.loads("skipped"):
+        pytest.skip("our C++ kernels do not build here")
+    op = torch.ops.tgis_cpu.w8a8_linear
+    gen = torch.Generator().manual_seed(3)
+    shapes = ((1, 256, 40), (2, 100, 9), (3, 16, 1), (5, 33, 6), (33, 8, 3), (70, 520, 13))
+    for rows, inputs, outputs in shapes:
+        ints = torch.randint(-128, 128, (outputs, inputs), generator=gen, dtype=torch.int8)
+        ints[0] = -128
+        scales, bias = torch.rand(outputs, generator=gen) / 100, torch.randn(outputs, generator=gen)
+        x = torch.randn(rows, inputs, generator=gen)
+        x[0] = x[0].abs() + 2.0
+        x = x.to(dtype)
+        expected = w8a8(x, ints, scales) + bias.double()
+        y = op(x, ints, scales, bias)
+        assert y.dtype == dtype and y.shape == (rows, outputs)
+        tolerance = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        torch.testing.assert_close(y.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
+    x = torch.zeros(2, 64)
+    x[0, 0] = 127.5 * 0.25  # steps of exactly 0.25: every value below is a half step
+    x[0, 1:] = (torch.arange(1, 64) - 32 + 0.5) * 0.25
+    x[1] = torch.randn(64, generator=gen)
+    x[1, 7] = -2.1152193546295166  # max |x|: -2.1152194 / (2.1152194 / 127.5) = -127.49999 in float32
+    x[1] = x[1].clamp(-2.1, 2.1)
+    x[1, 7] = -2.1152193546295166
+    identity = torch.eye(64, dtype=torch.int8)
+    steps = x.abs().amax(1, keepdim=True) / 127.5
+    integers = op(x, identity, torch.ones(64), None) / steps
+    expected = torch.round(x / steps).clamp(-128, 127)
+    assert torch.equal(integers.round(), expected)
+    assert (integers - expected).abs().max() < 1e-4
+    assert expected[0, 2] == -30 and expected[0, 3] == -28  # -29.5 and -27.5: halves to even
+    assert expected[1, 7] == -127
+
+
+def test_the_way_follows_the_cpus_int8_products_and_our_kernels(monkeypatch) -> None:
+    """The 8-bit way where int8 products do not saturate, else our exact kernel, else the split."""
+    way = int8.product_way.__wrapped__
+    monkeypatch.setattr(int8, "products_saturate", lambda: False)
+    assert way() == int8.EIGHT_BIT
+    monkeypatch.setattr(int8, "products_saturate", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "loads", lambda otherwise: True)
+    assert way() == int8.EXACT
+    monkeypatch.setattr(cpu_kernels, "loads", lambda otherwise: False)
+    assert way() == int8.SPLIT
 
 
 def test_the_saturation_probe_follows_the_cpus_int8_instructions() -> None:
@@ -95,42 +157,11 @@ def test_the_saturation_probe_follows_the_cpus_int8_instructions() -> None:
         pytest.skip("neither kind of CPU")
 
 
-KINDS = {"w8a8": Int8Linear, "weights": Int8GroupLinear}
-
-
-@pytest.fixture(params=list(KINDS))
-def int8_kind(request, monkeypatch) -> type[Int8Linear] | type[Int8GroupLinear]:
-    """The layer QUANTIZE=int8 makes in this test: W8A8 or weights only."""
-    monkeypatch.setattr(quantization, "int8_weights_only", lambda: request.param == "weights")
-    return KINDS[request.param]
-
-
-def test_quantize_int8_serves_weights_only_where_int8_products_saturate(tiny_model, monkeypatch) -> None:
-    """W8A8 where the CPU multiplies int8 in 32 bits, else weights only; W8A8 too where our C++
-    kernels are not here (the weights-only layer would unpack its weights each call)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
-    quantized = copy.deepcopy(model)
-    quantize_model(quantized, "int8")
-    expected = Int8GroupLinear if int8.products_saturate() else Int8Linear
-    assert isinstance(quantized.model.layers[0].mlp.down_proj, expected)
-    monkeypatch.setattr(quantization, "kernels_here", lambda: False)
-    quantize_model(model, "int8")
-    assert isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
-
-
-def test_the_weights_only_int8_layer_multiplies_its_rounded_weights() -> None:
-    """Integers and scales per output channel as W8A8's (`per_channel`, symmetric, max |w| / 127),
-    the product in the model's dtype against the float product of the rounded weights."""
-    gen = torch.Generator().manual_seed(4)
-    linear = nn_linear(96, 40, True, torch.float32, gen)
-    layer = Int8GroupLinear.per_channel(linear)
-    ints, scales = int8.per_channel(linear.weight)
-    torch.testing.assert_close(layer.unpacked(), ints * scales[:, None], rtol=0, atol=1e-7)
-    x = torch.randn(5, 96, generator=gen)
-    x[2] *= 40
-    theirs = torch.nn.functional.linear(x, ints * scales[:, None], linear.bias)
-    torch.testing.assert_close(layer(x), theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
-    assert layer.weight_bytes() == 96 * 40 + 8 * 40
+@pytest.fixture(params=[int8.EIGHT_BIT, int8.EXACT])
+def int8_way(request, monkeypatch) -> str:
+    """The way the int8 layers QUANTIZE=int8 makes in this test multiply."""
+    with_way(monkeypatch, request.param)
+    return request.param
 
 
 def nn_linear(
@@ -158,23 +189,27 @@ def test_each_token_is_quantized_as_if_alone() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantized_logits_stay_close_and_weights_shrink(tiny_model, dtype, int8_kind) -> None:
+def test_quantized_logits_stay_close_and_weights_shrink(tiny_model, dtype, int8_way) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tiny_model("llama"), dtype=getattr(torch, dtype)
     ).eval()
     quantized = copy.deepcopy(model)
     quantize_model(quantized, "int8")
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not model.lm_head]
-    layers = [m for m in quantized.modules() if isinstance(m, int8_kind)]
-    assert len(layers) == len(linears) > 0
+    layers = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == len(linears) > 0 and all(m.way == int8_way for m in layers)
     assert isinstance(quantized.lm_head, torch.nn.Linear)  # the LM head keeps its dtype
     dense = sum(m.weight.numel() for m in linears)
-    # 1 byte a weight and 4 (W8A8: a scale) or 8 (a scale and an offset) an output channel: within
-    # 0.55 of bf16's 2 bytes a weight (issue 29's bound) from 80 input channels on (this model's
-    # layers take 64 or 128)
-    per_channel = 4 if int8_kind is Int8Linear else 8
+    # 1 byte a weight and 4 (a scale) an output channel: within 0.55 of bf16's 2 bytes a weight
+    # (issue 29's bound) from 40 input channels on (this model's layers take 64 or 128)
     weight_bytes = sum(m.weight_bytes() for m in layers)
-    assert weight_bytes == dense + per_channel * sum(m.out_features for m in linears)
+    assert weight_bytes == dense + 4 * sum(m.out_features for m in linears)
+    # what the shard reports holding: the exact way's weights as buffers, the 8-bit way's packed
+    # (and its range rows as buffers), each counted once
+    resident = quantization.resident_bytes(quantized) - quantization.resident_bytes(model)
+    bounds = sum(4 * m.in_features for m in layers if m.way != int8.EXACT)
+    dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    assert resident == weight_bytes + bounds - dense_bytes
     cosines = []
     with torch.inference_mode():
         for prompt in PROMPTS:
@@ -185,7 +220,7 @@ def test_quantized_logits_stay_close_and_weights_shrink(tiny_model, dtype, int8_
 
 
 @pytest.mark.parametrize("engine", ["hf_transformers", "tgis_native"])
-def test_engines_serve_the_quantized_models_own_generate(tiny_model, engine, int8_kind) -> None:
+def test_engines_serve_the_quantized_models_own_generate(tiny_model, engine, int8_way) -> None:
     path = tiny_model("llama")
     config = ServerConfig(
         model_name=str(path),
@@ -197,28 +232,33 @@ def test_engines_serve_the_quantized_models_own_generate(tiny_model, engine, int
         max_new_tokens=16,
     )
     served = get_engine_class(engine)(config)
-    assert any(isinstance(m, int8_kind) for m in served.model.modules())
+    assert any(isinstance(m, Int8Linear) and m.way == int8_way for m in served.model.modules())
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     quantize_model(reference, "int8")
     for i, prompt in enumerate(PROMPTS):
         assert alone(served, GenerationRequest(i, prompt, 10)) == greedy(reference, prompt, 10)
 
 
-@pytest.mark.parametrize("products", ["8-bit", "split", "weights"])
-def test_the_cpp_decoder_stack_runs_int8_layers_as_the_modules_do(tiny_model, monkeypatch, products) -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_the_cpp_decoder_stack_runs_int8_layers_as_the_modules_do(tiny_model, monkeypatch, way) -> None:
+    """The 8-bit way on oneDNN's packed weights, the exact way on our kernel; split layers (only
+    where our C++ kernels, this stack among them, are not here) are refused with the reason."""
     from tests.engines.test_cpu_decoder import both_logits, started
     from tests.engines.test_tgis_native import config_for
     from text_generation_server.engines.tgis_native import TgisNativeEngine
 
-    weights_only = products == "weights"
-    monkeypatch.setattr(quantization, "int8_weights_only", lambda: weights_only)
-    if not weights_only:
-        with_products(monkeypatch, products == "split")
-    engine = TgisNativeEngine(config_for(tiny_model("llama"), quantize="int8", cpu_forward="layers"))
+    with_way(monkeypatch, way)
+    config = config_for(tiny_model("llama"), quantize="int8", cpu_forward="layers")
+    if way == int8.SPLIT:
+        refusal = r"C\+\+ decoder stack cannot serve this model: its int8 layers split"
+        with pytest.raises(ValueError, match=refusal):
+            TgisNativeEngine(config)
+        return
+    engine = TgisNativeEngine(config)
     decoder = engine.runner.decoder
     assert decoder is not None
-    assert all((p is not None) != weights_only for p in decoder.int8)
-    assert all((p is not None) == weights_only for p in decoder.grouped)
+    assert all((p is not None) == (way == int8.EIGHT_BIT) for p in decoder.int8)
+    assert all((p is not None) == (way == int8.EXACT) for p in decoder.w8a8)
     batch = started(engine, [5, 17, 9])
     for ids in ([7, 8, 9], [300, 2, 41]):
         ours, theirs = both_logits(engine, batch, ids)
@@ -243,7 +283,7 @@ def test_refusals(tiny_model) -> None:
         )
 
 
-def test_lora_on_an_int8_base_is_the_same_on_both_forward_paths(tiny_model, tmp_path, int8_kind) -> None:
+def test_lora_on_an_int8_base_is_the_same_on_both_forward_paths(tiny_model, tmp_path, int8_way) -> None:
     from tests.adapter_helpers import engine_with_store
     from tests.engines.conformance import Runner
     from text_generation_server.testing.tiny_prompts import build_lora
@@ -255,7 +295,7 @@ def test_lora_on_an_int8_base_is_the_same_on_both_forward_paths(tiny_model, tmp_
     for mode in ("layers", "modules"):
         engine = engine_with_store("tgis_native", base, tmp_path, quantize="int8", cpu_forward=mode)
         assert (engine.runner.decoder is not None) == (mode == "layers")
-        assert any(isinstance(m, int8_kind) for m in engine.model.modules())
+        assert any(isinstance(m, Int8Linear) and m.way == int8_way for m in engine.model.modules())
         outputs[mode] = Runner(engine).run({0: requests})
     assert outputs["layers"] == outputs["modules"]
     assert outputs["layers"][1] != outputs["layers"][2]  # the adapter matters

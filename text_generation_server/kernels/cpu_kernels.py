@@ -48,6 +48,7 @@ SOURCES = (
     CSRC / "decoder_cpu.cpp",
     CSRC / "grouped_cpu.cpp",
     CSRC / "speculator_cpu.cpp",
+    CSRC / "w8a8_cpu.cpp",
 )
 HEADERS = (CSRC / "float_vectors.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")

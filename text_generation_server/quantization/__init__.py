@@ -3,10 +3,9 @@ linears replaced by quantized ones.
 
   int8                   (CPU) every Linear (not the LM head, not the embeddings) rounded to int8
                          weights per output channel at load, activations in int8 per token
-                         (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it); on
-                         CPUs whose int8 products saturate (no VNNI or AMX-INT8) activations in
-                         the model's dtype (int8_groups.py's C++ kernels read the weights
-                         directly; W8A8 where they do not build)
+                         (int8.py: oneDNN's int8 kernels, AMX-INT8 where the CPU has it; on
+                         CPUs whose int8 products saturate, no VNNI or AMX-INT8, our C++ kernel
+                         with exact sums)
   fp8                    (GPU, Hopper or newer) the same Linears in float8 e4m3 per output
                          channel, activations in fp8 per token (fp8.py: torch's scaled product);
                          a checkpoint in AutoFP8's layout (quant_method fp8) is read as it is
@@ -45,7 +44,6 @@ from text_generation_server.kernels.weight_layout import plain_linears
 from text_generation_server.quantization import checkpoints, fp8, int8
 from text_generation_server.quantization.checkpoints import Plan
 from text_generation_server.quantization.fp8 import Fp8Linear
-from text_generation_server.quantization.grouped import kernels_here
 from text_generation_server.quantization.int4 import Int4Linear
 from text_generation_server.quantization.int8 import Int8Linear
 from text_generation_server.quantization.int8_groups import Int8GroupLinear
@@ -174,7 +172,7 @@ def check_loaded(model: nn.Module, scheme: str | None) -> None:
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of int8 weights packed outside the model's parameters and buffers (oneDNN's packed
     objects); fp8 and grouped 4-bit and 8-bit weights are buffers, counted with the model's."""
-    return sum(m.weight_bytes() for m in model.modules() if isinstance(m, Int8Linear))
+    return sum(m.packed_bytes() for m in model.modules() if isinstance(m, Int8Linear))
 
 
 def resident_bytes(model: nn.Module) -> int:
@@ -184,43 +182,35 @@ def resident_bytes(model: nn.Module) -> int:
     return distributed.local_bytes(model) + packed_bytes(model)
 
 
-INT8_W8A8 = "in int8 (oneDNN, each token's activations in int8)"
-INT8_WEIGHTS = (
-    "in int8 weights per output channel, activations in the model's dtype (this CPU's int8 products "
-    "saturate at 8 bits, no VNNI or AMX-INT8: the weights are read straight from their bytes)"
-)
-
-
-def int8_weights_only() -> bool:
-    """Whether QUANTIZE=int8 keeps activations in the model's dtype here (int8_groups.py's layer)
-    rather than in int8 (int8.py's): where oneDNN's int8 products saturate and our C++ kernels
-    are here. There W8A8 splits each token into two 7-bit halves (2.6x float32's time for one
-    token through a 4096 x 4096 layer) while the kernel reading the int8 weights directly takes
-    0.3-0.4x float32's at one row (2048 x 2048 and 8192 x 2048; 2-core AMD EPYC with AVX2 only,
-    README). Measured on AVX2 alone: on AVX-512 CPUs without VNNI (Skylake) the 16-lane kernel
-    reads the weights directly up to 12 rows, unpacked slices beyond. Without the C++ kernels
-    the weights-only layer would unpack every weight each call: W8A8 stays."""
-    return int8.products_saturate() and kernels_here()
+# QUANTIZE=int8's log: which product serves (int8.py's product_way)
+INT8_WAYS = {
+    int8.EIGHT_BIT: "oneDNN's int8 kernels",
+    int8.EXACT: (
+        "our C++ kernel over the int8 weights, exact in 32 bits: this CPU's int8 products saturate "
+        "at 8 bits in oneDNN, no VNNI or AMX-INT8"
+    ),
+    int8.SPLIT: (
+        "oneDNN, each token's integers in two 7-bit halves: this CPU's int8 products saturate at "
+        "8 bits and our C++ kernels are not here"
+    ),
+}
 
 
 def _at_load(
     scheme: str | None,
-) -> tuple[Callable[[nn.Linear], Int8Linear | Int8GroupLinear | Fp8Linear], str] | None:
+) -> tuple[Callable[[nn.Linear], Int8Linear | Fp8Linear], str] | None:
     """How QUANTIZE=`scheme` makes each Linear at load, and how the log says it (None: it makes
     none at load)."""
     if scheme == "fp8":
         return Fp8Linear.quantize, "in fp8 e4m3 (scaled per output channel, each token's activations in fp8)"
     if scheme != "int8":
         return None
-    if int8_weights_only():
-        return Int8GroupLinear.per_channel, INT8_WEIGHTS
-    return Int8Linear.quantize, INT8_W8A8
+    return Int8Linear.quantize, f"in int8, each token's activations in int8 ({INT8_WAYS[int8.product_way()]})"
 
 
 def quantize_model(model: Any, scheme: str | None) -> None:
-    """Replace the model's Linear layers (not the LM head) with int8 ones for QUANTIZE=int8 (W8A8,
-    or weights only where `int8_weights_only`), fp8 ones for QUANTIZE=fp8 (else nothing); logs
-    it."""
+    """Replace the model's Linear layers (not the LM head) with int8 ones for QUANTIZE=int8 (W8A8),
+    fp8 ones for QUANTIZE=fp8 (else nothing); logs it."""
     at_load = _at_load(scheme)
     if at_load is None:
         return

@@ -20,19 +20,24 @@ once. Weights take half the bytes of bf16 (plus 4 bytes per output channel).
 CPUs without VNNI or AMX-INT8 (AVX2 only, or AVX-512 before Cascade Lake) have no int8 dot
 product: oneDNN sums each pair of u8 x s8 products in 16 bits (vpmaddubsw), which saturates once
 activations near the top of their 8-bit range meet large weights (a token's output off by 13 %
-on a 2-core AMD EPYC with AVX2 only). There (`products_saturate`, probed once per process) each
+on a 2-core AMD EPYC with AVX2 only). There (`products_saturate`, probed once per process) the
+layer keeps its int8 weights as they are and our C++ kernel multiplies (csrc/w8a8_cpu.cpp: each
+token's W8A8 integers in 16 bits, pairs of products summed into 32 bits by vpmaddwd, exact; the
+definition's rounding, halves to even). On that EPYC, float32 activations, eight distinct
+layers in turn: 8192 x 2048 0.84 / 1.19 / 3.16 / 10.8 / 107 ms at 1 / 4 / 16 / 64 / 512 rows
+against 2.97 / 4.65 / 6.88 / 19.9 / 138 ms for float32 weights in oneDNN's layout; 2048 x 2048
+0.27x float32's time at 1 row, 0.82x at 64, 1.04x at 512. Where our kernels do not build, each
 token's W8A8 integers a are computed here and split into a = 2 h + l, h in [-64, 63], l in
-{0, 1}; the h rows and the l rows go through the kernel in one call at 7-bit activation range
+{0, 1}; the h rows and the l rows go through oneDNN in one call at 7-bit activation range
 (torch's `reduce_range`, whose pairs cannot overflow), with a range row of +63 and -64 so that
 the kernel's scale is 1 and its integers are h and l as given, and y = 2 y_h + y_l: the same
-integer products as above, exactly, for twice the rows. That serves W8A8 checkpoints; QUANTIZE=int8
-there keeps activations in the model's dtype instead (the same integer weights on
-int8_groups.py's layer, whose kernel reads them directly: quantization/__init__.py).
+integer products, exactly, for twice the rows (10x the kernel's time at 1 row on that EPYC).
+`product_way` says which of the three ways serves.
 
 Measured on a 2-core Xeon with AMX (bf16 oneDNN linears = 1): distinct 4096-wide weights in turn
 0.41x at 1 token, 0.49x at 32, 0.56x at 512 without the range row; 2048-wide about 0.8x at 1
 token; 512-wide slower than bf16 (per-call overhead). The C++ decoder stack (CPU_FORWARD) runs
-these layers the same way (kernels/csrc/decoder_cpu.cpp's int8_linear).
+these layers the same way (kernels/csrc/decoder_cpu.cpp's int8_linear and w8a8_linear).
 """
 
 from __future__ import annotations
@@ -45,11 +50,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from text_generation_server.kernels import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 TINY = torch.finfo(torch.float32).tiny
 STEPS = 127.5  # W8A8's integer steps in a token's max |x|
 HIGH = 64.0  # the split's high part is in [-HIGH, HIGH - 1]: 7-bit activations
+
+# How Int8Linear multiplies (module doc): oneDNN's 8-bit product, our exact kernel over the int8
+# weights, or oneDNN's product of each token's integers split into two 7-bit halves.
+EIGHT_BIT, EXACT, SPLIT = "8-bit", "exact", "split"
 
 
 def _pack(ints: torch.Tensor, scales: torch.Tensor) -> Any:
@@ -115,20 +126,37 @@ def products_saturate() -> bool:
     return saturate
 
 
+@functools.cache
+def product_way() -> str:
+    """How Int8Linear multiplies on this CPU: EIGHT_BIT where oneDNN's int8 products do not
+    saturate, else EXACT where our C++ kernels are here, else SPLIT (module doc)."""
+    if not products_saturate():
+        return EIGHT_BIT
+    if cpu_kernels.loads("W8A8 layers split each token's integers into two 7-bit halves through oneDNN"):
+        logger.info("int8 layers: W8A8 products on our C++ kernel over the int8 weights (exact in 32 bits)")
+        return EXACT
+    return SPLIT
+
+
 class Int8Linear(nn.Module):
     """A Linear with int8 weights per output channel and each token's activations in int8."""
 
     def __init__(
         self, ints: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
     ):
-        """`ints` [out, in] int8 in [-127, 127], `scales` [out] (weight = ints * scales), `bias`
+        """`ints` [out, in] int8 in [-128, 127], `scales` [out] (weight = ints * scales), `bias`
         [out] or None; `dtype` is the model's (the dtype of inputs and outputs)."""
         super().__init__()
         self.out_features, self.in_features = ints.shape
-        self.packed = _pack(ints, scales)
-        self.split = products_saturate()
+        self.way = product_way()
+        self.packed: Any = None  # oneDNN's packed weights (EIGHT_BIT, SPLIT)
+        if self.way == EXACT:  # the weights as they are, for our kernel
+            self.register_buffer("ints", ints.to(torch.int8).contiguous(), persistent=False)
+            self.register_buffer("scales", scales.detach().float().contiguous(), persistent=False)
+        else:
+            self.packed = _pack(ints, scales)
+            self.register_buffer("bounds", _bounds(self.in_features, self.way == SPLIT), persistent=False)
         self.register_buffer("bias_float", None if bias is None else bias.detach().float(), persistent=False)
-        self.register_buffer("bounds", _bounds(self.in_features, self.split), persistent=False)
         self.bias = None  # model code may read it; the float copy above is what is added
         # model code reads `weight.dtype` (and LoRA its shape): shape and dtype, no data
         self.weight = torch.empty(ints.shape, dtype=dtype, device="meta")
@@ -139,9 +167,13 @@ class Int8Linear(nn.Module):
         return cls(*per_channel(linear.weight), linear.bias, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.way == EXACT:
+            y = torch.ops.tgis_cpu.w8a8_linear(rows.contiguous(), self.ints, self.scales, self.bias_float)
+            return y.view(*x.shape[:-1], self.out_features)
         bounds = self.bounds
         assert isinstance(bounds, torch.Tensor)
-        y = product(x.reshape(-1, self.in_features).float(), self.packed, bounds, self.split)
+        y = product(rows.float(), self.packed, bounds, self.way == SPLIT)
         bias = self.bias_float
         if bias is not None:
             assert isinstance(bias, torch.Tensor)
@@ -152,5 +184,9 @@ class Int8Linear(nn.Module):
         """Bytes this layer's weight takes: int8 values and a float32 scale per output channel."""
         return self.in_features * self.out_features + 4 * self.out_features
 
+    def packed_bytes(self) -> int:
+        """Bytes of its weights held outside its buffers (oneDNN's packed object), else 0."""
+        return 0 if self.packed is None else self.weight_bytes()
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({self.way})"

@@ -10,9 +10,6 @@ float straight from the int8 values for other calls of a few rows (decode, where
 weights is the cost) and multiplies slices of unpacked weights for larger ones (prompts). Where
 the C++ kernels do not build, the weights are unpacked in tensor operations each call.
 
-QUANTIZE=int8 serves its weights on this layer (`per_channel`: symmetric, one group per output
-row) on CPUs whose int8 products saturate (quantization/__init__.py).
-
 Act-order checkpoints (GPTQ's desc_act) give input channels to groups out of order; the layer
 holds its input channels sorted by group (`order`) and gathers each input the same way, as
 int4.py's Int4Linear does.
@@ -23,7 +20,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from text_generation_server.quantization import int8
 from text_generation_server.quantization.grouped import GroupedLinear, kernels_here
 
 ZERO = 128  # the stored values are the unsigned integers minus this
@@ -53,15 +49,6 @@ class Int8GroupLinear(GroupedLinear):
         self.register_buffer("values", (ints.to(torch.int16) - ZERO).to(torch.int8).contiguous())
         scale_offset = torch.stack((scales.float(), (ZERO - zeros.float()) * scales.float()), dim=-1)
         self.register_buffer("scale_offset", scale_offset.transpose(0, 1).contiguous())
-
-    @classmethod
-    def per_channel(cls, linear: nn.Linear) -> Int8GroupLinear:
-        """`linear`'s weights rounded to int8 per output channel as QUANTIZE=int8 rounds them
-        (int8.py's `per_channel`), one group the width of the input: its activations stay in the
-        model's dtype (QUANTIZE=int8 where int8 products saturate, quantization/__init__.py)."""
-        ints, scales = int8.per_channel(linear.weight)
-        zeros = torch.full_like(scales, ZERO)[:, None]
-        return cls(ints + ZERO, scales[:, None], zeros, linear.in_features, linear.bias, linear.weight.dtype)
 
     def unpacked(self) -> torch.Tensor:
         """The weights [out, in] in float32 (input channels in the layer's order)."""

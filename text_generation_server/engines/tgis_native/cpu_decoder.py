@@ -39,7 +39,7 @@ from text_generation_server.lora import LoraLinear, LoraWeights, step_of
 from text_generation_server.quantization import Int8Linear
 from text_generation_server.quantization.grouped import GroupedLinear
 from text_generation_server.quantization.int4 import torch_kernel_rows
-from text_generation_server.quantization.int8 import products_saturate
+from text_generation_server.quantization.int8 import EXACT, SPLIT
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,12 @@ class Unsupported(ValueError):
 class Projection(NamedTuple):
     """A projection as decoder_cpu.cpp takes it."""
 
-    weight: torch.Tensor  # as the kernel takes it (int8: its range row; grouped: its scales and offsets)
-    bias: torch.Tensor | None  # (int8: float32)
+    # as the kernel takes it (int8: its range row; w8a8: its scales; grouped: its scales and offsets)
+    weight: torch.Tensor
+    bias: torch.Tensor | None  # (int8, w8a8: float32)
     onednn: bool  # oneDNN packed weights
-    int8: Any = None  # packed int8 weights (quantization/int8.py), else None
+    int8: Any = None  # oneDNN-packed int8 weights (quantization/int8.py's 8-bit way), else None
+    w8a8: torch.Tensor | None = None  # int8 weights for our exact W8A8 kernel (int8.py's exact way)
     # weights in groups of input channels, else None: packed 4-bit (quantization/int4.py, uint8)
     # or 8-bit values (quantization/int8_groups.py, int8)
     grouped: torch.Tensor | None = None
@@ -114,8 +116,16 @@ def _linear(module: Any) -> Projection:
         assert isinstance(packed, torch.Tensor)
         return Projection(packed, base.bias, True)
     if isinstance(base, Int8Linear):
-        bounds, bias = base.bounds, base.bias_float
-        assert isinstance(bounds, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+        bias = base.bias_float
+        assert bias is None or isinstance(bias, torch.Tensor)
+        if base.way == SPLIT:  # only where our C++ kernels (this stack among them) are not here
+            raise Unsupported("its int8 layers split each token's integers (our C++ kernels are not here)")
+        if base.way == EXACT:
+            ints, scales = base.ints, base.scales
+            assert isinstance(ints, torch.Tensor) and isinstance(scales, torch.Tensor)
+            return Projection(scales, bias, False, w8a8=ints)
+        bounds = base.bounds
+        assert isinstance(bounds, torch.Tensor)
         return Projection(bounds, bias, False, int8=base.packed)
     if isinstance(base, GroupedLinear):
         return Projection(
@@ -135,7 +145,8 @@ class CpuDecoder:
     projections: list[tuple[Any, str]]  # (owner module, attribute) of every projection, in order
     params: list[torch.Tensor | None]
     onednn: list[bool]
-    int8: list[Any]  # per projection: its packed int8 weights (quantization/int8.py), else None
+    int8: list[Any]  # per projection: its oneDNN-packed int8 weights (Projection), else None
+    w8a8: list[torch.Tensor | None]  # per projection: its int8 weights for our W8A8 kernel, else None
     grouped: list[torch.Tensor | None]  # per projection: its weights in groups (Projection), else None
     grouped_order: list[torch.Tensor | None]  # per projection: such a layer's input order, else None
     grouped_out: list[int]  # per projection: such a layer's output features, else 0
@@ -155,7 +166,6 @@ class CpuDecoder:
     activation: str = ""  # layer_norm: gelu_new, gelu_pytorch_tanh or gelu
     position_embeddings: Any = None  # layer_norm: the learned position table (wpe), or None
     rotary: Any = None  # layer_norm: the rotary embedding module (GPT-NeoX), or None
-    int8_split: bool = False  # the int8 layers split each token's integers (int8.py's products_saturate)
 
     def decode(
         self,
@@ -230,7 +240,7 @@ class CpuDecoder:
             embeddings = embeddings * self.embedding_multiplier
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
-            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.int8_split,
+            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.w8a8,
             self.grouped, self.grouped_order, self.grouped_out, torch_kernel_rows(), self.caches,
             slots, decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
@@ -300,6 +310,7 @@ def build(
     params: list[torch.Tensor | None] = []
     onednn: list[bool] = []
     int8: list[Any] = []
+    w8a8: list[torch.Tensor | None] = []
     grouped: list[torch.Tensor | None] = []
     grouped_order: list[torch.Tensor | None] = []
     grouped_out: list[int] = []
@@ -316,6 +327,7 @@ def build(
             params += [projection.weight, projection.bias]
             onednn.append(projection.onednn)
             int8.append(projection.int8)
+            w8a8.append(projection.w8a8)
             grouped.append(projection.grouped)
             grouped_order.append(projection.grouped_order)
             grouped_out.append(projection.out_features)
@@ -330,7 +342,7 @@ def build(
         params=[p.detach() if p is not None else None for p in params],
         onednn=onednn,
         int8=int8,
-        int8_split=any(p is not None for p in int8) and products_saturate(),  # probed only with int8 layers
+        w8a8=w8a8,
         grouped=grouped,
         grouped_order=grouped_order,
         grouped_out=grouped_out,
@@ -379,7 +391,7 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
                 continue
             holder_path, _, name = path.rpartition(".")
             projection = _linear(part)
-            if projection.int8 is not None or projection.grouped is not None:
+            if any(p is not None for p in (projection.int8, projection.w8a8, projection.grouped)):
                 raise Unsupported("its layers are quantized")
             projections.append((_attribute(block, holder_path), name))
             params += [projection.weight, projection.bias]
@@ -399,6 +411,7 @@ def _build_layer_norm(model: Any, cache: PagedKVCache, window: int | None) -> Cp
         params=[p.detach() if p is not None else None for p in params],
         onednn=onednn,
         int8=[],
+        w8a8=[],
         grouped=[],
         grouped_order=[],
         grouped_out=[],

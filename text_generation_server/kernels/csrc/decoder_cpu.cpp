@@ -18,10 +18,12 @@
 //                input norm, q (weight, bias), k, v, o, post-attention norm, gate, up, down
 //              (a missing bias is None)
 //   onednn     7 per layer: whether q, k, v, o, gate, up, down hold oneDNN packed weights
-//   int8       7 per layer: the packed int8 weights of QUANTIZE=int8 (quantization/int8.py's
-//              Int8Linear), else None; such a projection's weight slot holds its range row and
-//              its bias slot its float32 bias
-//   int8_split whether those layers split each token's integers (int8.py's products_saturate)
+//   int8       7 per layer: the oneDNN-packed int8 weights of a W8A8 layer (quantization/int8.py's
+//              Int8Linear multiplying the 8-bit way), else None; such a projection's weight slot
+//              holds its range row and its bias slot its float32 bias
+//   w8a8       7 per layer: the int8 weights [out, in] of a W8A8 layer multiplied on our exact
+//              kernel (Int8Linear's exact way, w8a8_cpu.cpp), else None; its weight slot holds
+//              its float32 scales [out] and its bias slot its float32 bias
 //   grouped, grouped_order, grouped_out
 //              7 per layer each: the weights of a layer quantized in groups of input channels
 //              (else None): uint8, the packed 4-bit weights of a quantization/int4.py Int4Linear,
@@ -168,27 +170,30 @@ void write_kv(T* cache, const T* key, const T* value, const int64_t* slots, int6
 
 using Int8Weights = c10::intrusive_ptr<LinearPackedParamsBase>;
 
-// quantization/int8.py's Int8Linear.forward (its `product`): each token scaled to max |x| = 1, the
-// range row appended, torch's dynamic int8 linear, rows scaled back; or, where 8-bit products
-// saturate (`split`), each token's W8A8 integers split into 2 h + l and both parts multiplied at
-// 7-bit range in one call; then the float bias added, one rounding.
+// quantization/int8.py's Int8Linear.forward: the 8-bit way (its `product`): each token scaled to
+// max |x| = 1, the range row appended, torch's dynamic int8 linear, rows scaled back, the float
+// bias added, one rounding; the exact way: w8a8_cpu.cpp's w8a8_linear.
+struct Int8 {
+  const c10::List<std::optional<Int8Weights>>& packed;
+  const c10::List<std::optional<at::Tensor>>& exact;
+};
+
 at::Tensor int8_linear(const at::Tensor& x, const Int8Weights& packed, const at::Tensor& bounds,
-                       const std::optional<at::Tensor>& bias, bool split) {
-  constexpr double kSteps = 127.5;  // W8A8's integer steps in a token's max |x|
-  const int64_t rows = x.size(0);
+                       const std::optional<at::Tensor>& bias) {
   const at::Tensor tokens = x.to(at::kFloat);
   const at::Tensor top = tokens.abs().amax({1}, true).clamp_min_(std::numeric_limits<float>::min());
-  at::Tensor y;
-  if (split) {
-    const at::Tensor steps = at::round(tokens / (top / kSteps)).clamp_(-128, 127);
-    const at::Tensor high = at::floor(steps * 0.5);
-    const at::Tensor both = packed->apply_dynamic(at::cat({high, steps - high * 2, bounds}), true);
-    y = both.narrow(0, 0, rows).mul_(2).add_(both.narrow(0, rows, rows)).mul_(top / kSteps);
-  } else {
-    y = packed->apply_dynamic(at::cat({tokens / top, bounds}), false).narrow(0, 0, rows).mul_(top);
-  }
+  at::Tensor y = packed->apply_dynamic(at::cat({tokens / top, bounds}), false).narrow(0, 0, x.size(0)).mul_(top);
   if (bias.has_value()) y.add_(*bias);
   return y.to(x.scalar_type());
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& ints, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tgis_cpu::w8a8_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&)>();
+  return op.call(x, ints, scales, bias);
 }
 
 struct Grouped {
@@ -329,7 +334,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T>
 at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
                const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
-               const c10::List<std::optional<Int8Weights>>& int8, bool int8_split, const Grouped& grouped,
+               const Int8& int8, const Grouped& grouped,
                const std::vector<at::Tensor>& caches, const at::Tensor& slots, const Attention& attention,
                const Lora& lora, int64_t heads,
                int64_t kv_heads, double eps, double residual_multiplier) {
@@ -344,9 +349,11 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
   };
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t index, int64_t which) {
     const int64_t projection = layer * kLinearsPerLayer + which;
-    const std::optional<Int8Weights> packed = int8.get(projection);
+    const std::optional<Int8Weights> packed = int8.packed.get(projection);
+    const std::optional<at::Tensor> exact = int8.exact.get(projection);
     const std::optional<at::Tensor> in_groups = grouped.packed.get(projection);
-    at::Tensor y = (packed.has_value()    ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1), int8_split)
+    at::Tensor y = (packed.has_value()  ? int8_linear(x, *packed, *param(layer, index), param(layer, index + 1))
+                    : exact.has_value() ? w8a8_linear(x, *exact, *param(layer, index), param(layer, index + 1))
                     : in_groups.has_value()
                         ? grouped_linear(x, *in_groups, *param(layer, index), grouped.order.get(projection),
                                          param(layer, index + 1), grouped.out[projection], grouped.max_rows)
@@ -568,7 +575,8 @@ at::Tensor decoder_layers_ln(const at::Tensor& embeddings, const c10::List<std::
 
 at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<std::optional<at::Tensor>>& params, c10::List<bool> onednn,
-                          const c10::List<std::optional<Int8Weights>>& int8, bool int8_split,
+                          const c10::List<std::optional<Int8Weights>>& int8,
+                          const c10::List<std::optional<at::Tensor>>& w8a8,
                           const c10::List<std::optional<at::Tensor>>& grouped,
                           const c10::List<std::optional<at::Tensor>>& grouped_order, at::IntArrayRef grouped_out,
                           int64_t int4_max_rows, at::TensorList caches,
@@ -584,7 +592,8 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   const int64_t layers = caches.size();
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParamsPerLayer + 1, "16 parameters per layer + 1");
   TORCH_CHECK(static_cast<int64_t>(onednn.size()) == layers * kLinearsPerLayer, "7 layout flags per layer");
-  TORCH_CHECK(static_cast<int64_t>(int8.size()) == layers * kLinearsPerLayer, "7 int8 entries per layer");
+  TORCH_CHECK(static_cast<int64_t>(int8.size()) == layers * kLinearsPerLayer && w8a8.size() == int8.size(),
+              "7 int8 and w8a8 entries per layer");
   TORCH_CHECK(static_cast<int64_t>(grouped.size()) == layers * kLinearsPerLayer && grouped_order.size() == grouped.size() &&
                   grouped_out.size() == grouped.size(),
               "7 grouped entries, orders and output sizes per layer");
@@ -603,7 +612,7 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   return by_dtype(embeddings.scalar_type(), "decoder_layers", [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
-    return run<T>(embeddings, c, s, params, flags, int8, int8_split, Grouped{grouped, grouped_order, grouped_out, int4_max_rows}, layer_caches,
+    return run<T>(embeddings, c, s, params, flags, Int8{int8, w8a8}, Grouped{grouped, grouped_order, grouped_out, int4_max_rows}, layer_caches,
                   slot_ids, attention, lora, heads, kv_heads, eps, residual_multiplier);
   });
 }
@@ -613,7 +622,7 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
 TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
   m.def(
       "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, bool int8_split, Tensor?[] grouped, Tensor?[] grouped_order, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, Tensor?[] w8a8, Tensor?[] grouped, Tensor?[] grouped_order, "
       "int[] grouped_out, int int4_max_rows, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
       "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "

@@ -783,7 +783,7 @@ void direct_int8_up_to(int64_t rows, const float* xf, const float* sums, const i
 // through them up to 4 at a time: each 8 weights widened to float and scaled once per pass, R x N
 // sums in registers (the offsets as above, through each group's sum of x), the next task's
 // weights prefetched. On a 2-core AMD EPYC (Zen 3, AVX2 only), float32 x, eight distinct 8192 x
-// 2048 layers in turn, one group per output row (QUANTIZE=int8's weights): 0.85 / 1.44 / 5.57 /
+// 2048 layers in turn, one group per output row: 0.85 / 1.44 / 5.57 /
 // 11.3 / 21.3 ms at 1 / 4 / 16 / 32 / 64 rows, against 3.69 / 4.79 / 7.90 / 13.7 / 27.0 ms over
 // unpacked slices and 2.85 / 3.72 / 6.69 / 10.5 / 19.3 ms for float32 weights in oneDNN's
 // layout (2048 x 2048 alike): up to 64 rows read the weights directly.
