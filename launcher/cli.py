@@ -210,8 +210,8 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     "--quantize",
     envvar="QUANTIZE",
     default=None,
-    help="int8 = int8 weights on CPU (tgis_native, hf_transformers), activations in int8 per token where the "
-    "CPU has VNNI or AMX-INT8, else in the model's dtype; gptq, awq, compressed-tensors (pre-quantized "
+    help="int8 = int8 weights and each token's activations in int8 on CPU (tgis_native, hf_transformers); "
+    "gptq, awq, compressed-tensors (pre-quantized "
     "checkpoints), bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4 (CPU), fp8 (GPUs with fp8 tensor cores); "
     "refused with the reason where they cannot serve [env QUANTIZE].",
 )

@@ -230,9 +230,9 @@ def pin_to(cpu_list: str) -> None:
     "--quantize",
     envvar="QUANTIZE",
     default=None,
-    help="int8 = int8 weights on CPU, activations in int8 per token where the CPU has VNNI or AMX-INT8, "
-    "else in the model's dtype; the launcher's other schemes as it describes them, refused with the "
-    "reason where they cannot serve [env QUANTIZE].",
+    help="int8 = int8 weights and each token's activations in int8 on CPU (oneDNN where the CPU has VNNI "
+    "or AMX-INT8, else our exact C++ kernel); the launcher's other schemes as it describes them, refused "
+    "with the reason where they cannot serve [env QUANTIZE].",
 )
 @click.option(
     "--cpu-forward",

@@ -117,24 +117,20 @@ def products_saturate() -> bool:
     activations at the top of their range, 64 channels, against the exact 63.75."""
     packed = _pack(torch.full((16, 64), 127), torch.full((16,), 1 / 127))
     y = product(torch.ones(1, 64), packed, _bounds(64, False), False)
-    saturate = bool((y - 63.75).abs().max() > 0.01)
-    if saturate:
-        logger.info(
-            "int8 layers: this CPU's int8 products saturate at 8 bits (no VNNI or AMX-INT8): W8A8 "
-            "layers put each token's integers through oneDNN as two 7-bit halves, twice the rows a call"
-        )
-    return saturate
+    return bool((y - 63.75).abs().max() > 0.01)
 
 
 @functools.cache
 def product_way() -> str:
     """How Int8Linear multiplies on this CPU: EIGHT_BIT where oneDNN's int8 products do not
-    saturate, else EXACT where our C++ kernels are here, else SPLIT (module doc)."""
+    saturate, else EXACT where our C++ kernels are here, else SPLIT (module doc); logged once."""
     if not products_saturate():
         return EIGHT_BIT
+    saturate = "int8 layers: this CPU's int8 products saturate at 8 bits in oneDNN (no VNNI or AMX-INT8)"
     if cpu_kernels.loads("W8A8 layers split each token's integers into two 7-bit halves through oneDNN"):
-        logger.info("int8 layers: W8A8 products on our C++ kernel over the int8 weights (exact in 32 bits)")
+        logger.info("%s: W8A8 layers multiply on our C++ kernel, exact in 32 bits", saturate)
         return EXACT
+    logger.info("%s: W8A8 layers put each token's integers through oneDNN as two 7-bit halves", saturate)
     return SPLIT
 
 

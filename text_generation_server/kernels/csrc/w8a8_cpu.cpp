@@ -131,16 +131,13 @@ void dot_task(const int16_t* a, int64_t padded, const int8_t* ints, int64_t n, i
   constexpr int N = R <= 2 ? 4 : 2;
   int32_t part[4][kOuts];
   int64_t j = 0;
-  for (; j < count; j += (j + N <= count ? N : 1)) {
-    if (j + N <= count) {
-      dot_rows<R, N>(a, padded, ints, n + j, out_features, in, part);
-      for (int r = 0; r < R; ++r) {
-        for (int i = 0; i < N; ++i) sums[r][j + i] = part[r][i];
-      }
-    } else {
-      dot_rows<R, 1>(a, padded, ints, n + j, out_features, in, part);
-      for (int r = 0; r < R; ++r) sums[r][j] = part[r][0];
-    }
+  for (; j + N <= count; j += N) {
+    dot_rows<R, N>(a, padded, ints, n + j, out_features, in, part);
+    for (int r = 0; r < R; ++r) std::copy(part[r], part[r] + N, sums[r] + j);
+  }
+  for (; j < count; ++j) {
+    dot_rows<R, 1>(a, padded, ints, n + j, out_features, in, part);
+    for (int r = 0; r < R; ++r) sums[r][j] = part[r][0];
   }
 }
 #endif
