@@ -1,21 +1,21 @@
 """Int8 linears on CPU: int8 weights, one scale per output channel, each token's activations in
-int8 (W8A8: what QUANTIZE=int8 makes at load on CPUs with VNNI or AMX-INT8, and what
-compressed-tensors' int-quantized W8A8 checkpoints hold).
+int8 (W8A8: what QUANTIZE=int8 makes at load, and what compressed-tensors' int-quantized W8A8
+checkpoints hold).
 
-The weights are packed for oneDNN's int8 matrix kernels (AMX-INT8 where the CPU has it, else
-AVX512-VNNI / AVX2) through torch's dynamic-quantization linear (`quantized::linear_dynamic`,
-oneDNN engine), which quantizes its input at run time with one scale for the whole tensor. A
-request's output must not depend on the requests batched beside it, and each token must be
-quantized as W8A8 defines it (compressed-tensors: symmetric, scale max |x| / 127.5, integers
-clamped to [-128, 127]), so each call first scales every token to max |x| = 1 and appends one
-row holding +1 and -1: the tensor's range is then always [-1, 1], the kernel's scale 2 / 255 and
-zero point 128, and a token value x becomes round(127.5 x / max |x|) + 128 (clamped to [0, 255]),
-W8A8's integer shifted by the zero point the kernel subtracts again (the kernel rounds halves
-up: a token whose largest magnitude is negative sits at exactly -127.5 steps, -127 here and -128
-in compressed-tensors' reference forward; logits stay within cosine 0.995 of it, tests/
-test_quantized_checkpoints.py). The int32 products are
-exact; each output row is scaled back by its token's max |x| and rounded to the model's dtype
-once. Weights take half the bytes of bf16 (plus 4 bytes per output channel).
+On CPUs with VNNI or AMX-INT8 the weights are packed for oneDNN's int8 matrix kernels through
+torch's dynamic-quantization linear (`quantized::linear_dynamic`, oneDNN engine), which
+quantizes its input at run time with one scale for the whole tensor. A request's output must not
+depend on the requests batched beside it, and each token must be quantized as W8A8 defines it
+(compressed-tensors: symmetric, scale max |x| / 127.5, integers clamped to [-128, 127]), so each
+call first scales every token to max |x| = 1 and appends one row holding +1 and -1: the
+tensor's range is then always [-1, 1], the kernel's scale 2 / 255 and zero point 128, and a
+token value x becomes round(127.5 x / max |x|) + 128 (clamped to [0, 255]), W8A8's integer
+shifted by the zero point the kernel subtracts again (the kernel rounds halves up: a token whose
+largest magnitude is negative sits at exactly -127.5 steps, -127 here and -128 in
+compressed-tensors' reference forward; logits stay within cosine 0.995 of it, tests/
+test_quantized_checkpoints.py). The int32 products are exact; each output row is scaled back by
+its token's max |x| and rounded to the model's dtype once. Weights take half the bytes of bf16
+(plus 4 bytes per output channel).
 
 CPUs without VNNI or AMX-INT8 (AVX2 only, or AVX-512 before Cascade Lake) have no int8 dot
 product: oneDNN sums each pair of u8 x s8 products in 16 bits (vpmaddubsw), which saturates once
