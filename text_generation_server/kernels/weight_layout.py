@@ -19,7 +19,8 @@ so that it gets a measured layout too (measured on the AMX Xeon: GPT-2's bf16 de
 through the C++ decoder stack, oneDNN-packed, below).
 
 `choose_linear_layouts` times each layout on every distinct weight shape of the model, at M = 1
-and at M = the largest decode batch (capped at 32), with the model's dtype and thread count, and
+and at M = the largest decode batch (capped at 32), with the model's dtype and thread count (the
+candidates in turn, round by round, so that load on a shared machine biases none of them), and
 picks the one with the lowest geometric mean, switching away from the loaded layout only for a
 clear win (MIN_GAIN). It then applies the choice to every Linear of that shape. Weights shared
 with an embedding (tied input/output embeddings) keep their layout: the lookup gathers rows, which
@@ -94,15 +95,19 @@ def _candidates(dtype: torch.dtype) -> list[LinearLayout]:
     return layouts
 
 
-def _median_us(fn: Callable[[], object]) -> float:
-    fn()
-    samples = []
+def _medians_us(calls: list[Callable[[], object]]) -> list[float]:
+    """The median time of each call, timed in turn (one of each per round, TUNE_REPEATS rounds),
+    so that a burst of load on a shared machine slows every candidate alike instead of the one
+    being timed."""
+    for call in calls:
+        call()
+    samples: list[list[float]] = [[] for _ in calls]
     for _ in range(TUNE_REPEATS):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    samples.sort()
-    return samples[len(samples) // 2] * 1e6
+        for call, taken in zip(calls, samples, strict=True):
+            start = time.perf_counter()
+            call()
+            taken.append(time.perf_counter() - start)
+    return [sorted(taken)[len(taken) // 2] * 1e6 for taken in samples]
 
 
 def laid_out(linear: torch.nn.Linear, layout: LinearLayout, batch_hint: int) -> torch.nn.Module:
@@ -120,14 +125,15 @@ def _tune(shape: tuple[int, int], dtype: torch.dtype, large_m: int) -> Choice:
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features, dtype=dtype) / math.sqrt(in_features)
     inputs = [torch.randn(m, in_features, dtype=dtype) for m in (1, large_m)]
-    times: dict[LinearLayout, tuple[float, float]] = {}
+    layouts = _candidates(dtype)
     with torch.inference_mode():
-        for layout in _candidates(dtype):
+        modules = []
+        for layout in layouts:
             probe = torch.nn.Linear(in_features, out_features, bias=False, dtype=dtype)
             probe.weight.data = weight.clone()
-            module = laid_out(probe, layout, large_m)
-            one, large = (_median_us(functools.partial(module, x)) for x in inputs)
-            times[layout] = (one, large)
+            modules.append(laid_out(probe, layout, large_m))
+        medians = _medians_us([functools.partial(module, x) for module in modules for x in inputs])
+    times = {layout: (medians[2 * i], medians[2 * i + 1]) for i, layout in enumerate(layouts)}
     return Choice(shape, dtype, pick(times), times)
 
 
