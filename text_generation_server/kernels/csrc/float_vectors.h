@@ -1,6 +1,6 @@
 // Float vectors for the CPU kernels: 16 lanes (one AVX-512 register, or two AVX2 halves: GCC
-// vector extensions compile to whatever -march=native gives) and loads of float, bfloat16 and
-// float16 data as float, and stores back.
+// vector extensions compile to whatever -march=native gives) or the CPU's native width, loads of
+// float, bfloat16 and float16 data as float, and stores back.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -18,34 +18,10 @@ inline float scalar(float x) { return x; }
 inline float scalar(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float scalar(c10::Half x) { return static_cast<float>(x); }
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vf load(const c10::BFloat16* p) {  // bfloat16 is the upper half of a float
-  using vh = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  using vu = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu bits = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
-inline vf load(const c10::Half* p) {
-  using vh = _Float16 __attribute__((vector_size(kLanes * sizeof(_Float16))));
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, vf);
-}
-
 // Vectors of the CPU's native width: kNative floats, one AVX-512 register or one AVX2 register.
 // GCC keeps a 16-lane vf in two AVX2 registers in straight-line code, but moves arrays of them
 // (a kernel's accumulators) through the stack and general registers: paged_decode_cpu.cpp's
-// attention ran 10x slower that way on an AVX2 CPU. Kernels with such arrays use these.
+// attention ran 3x slower that way on an AVX2 CPU. Kernels with such arrays use these.
 #if defined(__AVX512F__)
 constexpr int64_t kNative = 16;
 #else
@@ -53,29 +29,60 @@ constexpr int64_t kNative = 8;
 #endif
 using vn = float __attribute__((vector_size(kNative * sizeof(float))));
 
-inline vn load_native(const float* p) {
-  vn v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+// Loads of float, bfloat16 or float16 data into a float vector V; H (uint16_t), U (uint32_t) and
+// F (_Float16) are the vectors of as many lanes (GCC drops a vector_size that depends on a
+// template parameter, so each width names its own).
+template <typename V, typename H, typename U, typename F>
+struct Loads {
+  static V of(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
 
-inline vn load_native(const c10::BFloat16* p) {
-  using vh = uint16_t __attribute__((vector_size(kNative * sizeof(uint16_t))));
-  using vu = uint32_t __attribute__((vector_size(kNative * sizeof(uint32_t))));
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu bits = __builtin_convertvector(h, vu) << 16;
-  vn v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
+  static V of(const c10::BFloat16* p) {  // bfloat16 is the upper half of a float
+    H h;
+    std::memcpy(&h, p, sizeof h);
+    const U bits = __builtin_convertvector(h, U) << 16;
+    V v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
 
-inline vn load_native(const c10::Half* p) {
-  using vh = _Float16 __attribute__((vector_size(kNative * sizeof(_Float16))));
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, vn);
-}
+  static V of(const c10::Half* p) {
+    F h;
+    std::memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, V);
+  }
+};
+
+template <int64_t N>
+struct Lanes;  // the vectors of N lanes
+
+template <>
+struct Lanes<8> {
+  using H = uint16_t __attribute__((vector_size(8 * sizeof(uint16_t))));
+  using U = uint32_t __attribute__((vector_size(8 * sizeof(uint32_t))));
+  using F = _Float16 __attribute__((vector_size(8 * sizeof(_Float16))));
+};
+
+template <>
+struct Lanes<16> {
+  using H = uint16_t __attribute__((vector_size(16 * sizeof(uint16_t))));
+  using U = uint32_t __attribute__((vector_size(16 * sizeof(uint32_t))));
+  using F = _Float16 __attribute__((vector_size(16 * sizeof(_Float16))));
+};
+
+// Overloads, not templates: a template would tie with c10's `load` (found through the
+// argument's namespace).
+using Loads16 = Loads<vf, Lanes<kLanes>::H, Lanes<kLanes>::U, Lanes<kLanes>::F>;
+using LoadsNative = Loads<vn, Lanes<kNative>::H, Lanes<kNative>::U, Lanes<kNative>::F>;
+inline vf load(const float* p) { return Loads16::of(p); }
+inline vf load(const c10::BFloat16* p) { return Loads16::of(p); }
+inline vf load(const c10::Half* p) { return Loads16::of(p); }
+inline vn load_native(const float* p) { return LoadsNative::of(p); }
+inline vn load_native(const c10::BFloat16* p) { return LoadsNative::of(p); }
+inline vn load_native(const c10::Half* p) { return LoadsNative::of(p); }
 
 // Stores of 16 floats as float, bfloat16 (rounded to nearest even) or float16.
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
