@@ -109,4 +109,10 @@ inline float sum(vf v) {
   return total;
 }
 
+inline float sum_native(vn v) {
+  float total = 0.f;
+  for (int64_t i = 0; i < kNative; ++i) total += v[i];
+  return total;
+}
+
 }  // namespace tgis_cpu

@@ -68,6 +68,9 @@ constexpr bool kBf16Dots = false;
 // dot[c * kRowBlock + r] = weight[c] . states[r] for kColumns weight rows (in apart) and kCount
 // states (in: a multiple of kLanes, of 2 * kLanes for bfloat16 states); the sums stay in
 // registers as both counts are known at compile time. S: float, or bfloat16 (kBf16Dots only).
+// Float states go in vectors of the native width: with 16-lane ones AVX2 code moved the sums
+// through the stack (3 heads of 8,192 x 512, float32, 2-core AVX2 EPYC: 1 / 4 / 16 rows 4.8 /
+// 14.1 / 53.8 ms, now 2.9 / 3.7 / 14.9 ms).
 template <int64_t kColumns, int64_t kCount, typename T, typename S>
 void dots_of(const T* weight, const S* states, int64_t in, float* dot) {
 #if defined(__AVX512BF16__)
@@ -91,18 +94,18 @@ void dots_of(const T* weight, const S* states, int64_t in, float* dot) {
     return;
   }
 #endif
-  if constexpr (std::is_same_v<S, float>) {
-    vf acc[kColumns][kCount] = {};
-    for (int64_t k = 0; k < in; k += kLanes) {
-      vf x[kCount];
-      for (int64_t r = 0; r < kCount; ++r) x[r] = load(states + r * in + k);
+  if constexpr (std::is_same_v<S, float>) {  // vectors of the native width (float_vectors.h)
+    vn acc[kColumns][kCount] = {};
+    for (int64_t k = 0; k < in; k += kNative) {
+      vn x[kCount];
+      for (int64_t r = 0; r < kCount; ++r) x[r] = load_native(states + r * in + k);
       for (int64_t c = 0; c < kColumns; ++c) {
-        const vf w = load(weight + c * in + k);
+        const vn w = load_native(weight + c * in + k);
         for (int64_t r = 0; r < kCount; ++r) acc[c][r] += w * x[r];
       }
     }
     for (int64_t c = 0; c < kColumns; ++c) {
-      for (int64_t r = 0; r < kCount; ++r) dot[c * kRowBlock + r] = sum(acc[c][r]);
+      for (int64_t r = 0; r < kCount; ++r) dot[c * kRowBlock + r] = sum_native(acc[c][r]);
     }
   }
 }
