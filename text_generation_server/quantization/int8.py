@@ -103,14 +103,6 @@ def product(tokens: torch.Tensor, packed: Any, bounds: torch.Tensor, split: bool
     return y[:rows].mul_(2).add_(y[rows : 2 * rows]).mul_(top / STEPS)
 
 
-def per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` [out, in] rounded to integers in [-127, 127], symmetric per output channel:
-    (ints [out, in] float32, scales [out]), weight ~ ints * scales[:, None] (QUANTIZE=int8)."""
-    weight = weight.detach().float()
-    scales = weight.abs().amax(dim=1).clamp(min=TINY) / 127.0
-    return torch.round(weight / scales[:, None]).clamp_(-127, 127), scales
-
-
 @functools.cache
 def products_saturate() -> bool:
     """Whether oneDNN's 8-bit product overflows on this CPU (module doc): weights of 127 times
@@ -159,13 +151,16 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Int8Linear:
-        """`linear`'s weights rounded to int8 per output channel (`per_channel`)."""
-        return cls(*per_channel(linear.weight), linear.bias, linear.weight.dtype)
+        """`linear`'s weights rounded to int8, symmetric per output channel (max |w| / 127)."""
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=TINY) / 127.0
+        ints = torch.round(weight / scales[:, None]).clamp_(-127, 127)
+        return cls(ints, scales, linear.bias, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.way == EXACT:
-            y = torch.ops.tgis_cpu.w8a8_linear(rows.contiguous(), self.ints, self.scales, self.bias_float)
+            y = torch.ops.tgis_cpu.w8a8_linear(rows, self.ints, self.scales, self.bias_float)
             return y.view(*x.shape[:-1], self.out_features)
         bounds = self.bounds
         assert isinstance(bounds, torch.Tensor)
