@@ -1,6 +1,8 @@
 """Engine-level step timings of two configurations interleaved in one process: `tgis_native`
-against `hf_transformers` (`--compare engines`, the default), or tgis_native's C++ decoder stack
-against the model's modules (`--compare cpu-forward`: CPU_FORWARD=layers / modules).
+against `hf_transformers` (`--compare engines`, the default), tgis_native's C++ decoder stack
+against the model's modules (`--compare cpu-forward`: CPU_FORWARD=layers / modules), or every
+linear in oneDNN's packed layout against our panels (`--compare layouts`: LINEAR_LAYOUT=onednn /
+panels, float32 on AVX2 CPUs).
 
 Both load the same model with the same ServerConfig (float32 unless told, max batch 32) and
 run the router's call sequence without a router: `new_batch` -> `generate_token` (the prefill)
@@ -38,6 +40,10 @@ COMPARISONS: dict[str, tuple[tuple[str, str, dict[str, Any]], ...]] = {
     "cpu-forward": (
         ("modules", "tgis_native", {"cpu_forward": "modules"}),
         ("layers", "tgis_native", {"cpu_forward": "layers"}),
+    ),
+    "layouts": (
+        ("onednn", "tgis_native", {"linear_layout": "onednn"}),
+        ("panels", "tgis_native", {"linear_layout": "panels"}),
     ),
 }
 

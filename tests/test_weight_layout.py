@@ -12,7 +12,9 @@ import transformers
 from text_generation_server.kernels.weight_layout import (
     LinearLayout,
     OneDnnLinear,
+    PanelLinear,
     choose_linear_layouts,
+    panels_offered,
     pick,
 )
 
@@ -22,13 +24,16 @@ def _load(path, dtype=torch.float32) -> torch.nn.Module:
     return model.eval()
 
 
-FP32_LAYOUTS = [LinearLayout.COLUMN_MAJOR, LinearLayout.ONEDNN, LinearLayout.AUTO]
+FP32_LAYOUTS = [LinearLayout.COLUMN_MAJOR, LinearLayout.ONEDNN, LinearLayout.PANELS, LinearLayout.AUTO]
+PANELS_HERE = panels_offered(torch.float32, 16)
 
 
 @pytest.mark.parametrize("layout", FP32_LAYOUTS, ids=lambda layout: layout.value)
 @pytest.mark.parametrize("arch", ["llama", "bloom", "gpt_neox", "gpt2"])
 def test_every_layout_gives_the_same_logits(tiny_model, arch: str, layout: LinearLayout) -> None:
     """GPT-2's Conv1D projections too: each becomes the Linear it equals, then laid out."""
+    if layout is LinearLayout.PANELS and not PANELS_HERE:
+        pytest.skip("no panels layout here (it needs AVX2, FMA and our C++ kernels)")
     model = _load(tiny_model(arch))
     relaid = copy.deepcopy(model)
     choices = choose_linear_layouts(relaid, max_batch_size=8, layout=layout)
@@ -44,6 +49,9 @@ def test_every_layout_gives_the_same_logits(tiny_model, arch: str, layout: Linea
             assert module.weight.t().is_contiguous() or any(module.weight is e for e in embeddings)
     if layout is LinearLayout.ONEDNN:
         assert packed and all(any(m.weight is e for e in embeddings) for m in linears)
+    if layout is LinearLayout.PANELS:
+        assert any(isinstance(m, PanelLinear) for m in relaid.modules())
+        assert all(any(m.weight is e for e in embeddings) for m in linears)
     ids = torch.randint(3, 100, (4, 9))
     with torch.inference_mode():
         torch.testing.assert_close(relaid(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
@@ -98,6 +106,12 @@ def test_a_pinned_layout_that_cannot_apply_is_refused(tiny_model) -> None:
     model = _load(tiny_model("llama"), torch.bfloat16)
     with pytest.raises(ValueError, match=r"column-major is not available for torch\.bfloat16"):
         choose_linear_layouts(model, 8, LinearLayout.COLUMN_MAJOR)
+    with pytest.raises(ValueError, match=r"panels is not available for torch\.bfloat16 \d+x\d+"):
+        choose_linear_layouts(model, 8, LinearLayout.PANELS)
+    if PANELS_HERE:  # outputs that do not fill whole panels
+        odd = torch.nn.Sequential(torch.nn.Linear(64, 40))
+        with pytest.raises(ValueError, match=r"panels is not available for torch\.float32 40x64"):
+            choose_linear_layouts(odd, 8, LinearLayout.PANELS)
 
 
 def test_the_measured_choice_needs_a_clear_win() -> None:

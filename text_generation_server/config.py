@@ -22,7 +22,7 @@ from text_generation_common.quantize import refusal as quantize_refusal
 from text_generation_common.speculate import DEFAULT_SPECULATOR_MAX_BATCH_SIZE, SPECULATOR_BATCH_GATES
 from text_generation_common.speculate import refusal as speculate_refusal
 
-LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn")  # kernels/weight_layout.py
+LINEAR_LAYOUTS = ("auto", "plain", "column-major", "onednn", "panels")  # kernels/weight_layout.py
 ESTIMATE_MEMORY_MODES = ("auto", "manual", "off")
 CPU_ATTENTION_MODES = ("auto", "kernel", "sdpa")  # kernels/cpu_kernels.py
 CPU_FORWARD_MODES = ("auto", "layers", "modules")  # engines/tgis_native/cpu_decoder.py
@@ -47,7 +47,9 @@ class ServerConfig:
     collective_timeout_s: float = 60.0  # longest wait in one collective before the shard stops
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
-    linear_layout: str = "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn
+    linear_layout: str = (
+        "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn | panels
+    )
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
     cpu_attention: str = "auto"  # paged decode attention on CPU: auto | kernel (ours, C++) | sdpa
     quantize: str | None = None  # QUANTIZE: None, or a scheme of text_generation_common/quantize.py

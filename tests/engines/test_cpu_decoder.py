@@ -18,7 +18,7 @@ from text_generation_common.messages import GenerationRequest, RequestedDetails
 from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.engines.tgis_native.cpu_decoder import CpuDecoder, build, decoder_for
 from text_generation_server.kernels import cpu_kernels
-from text_generation_server.kernels.weight_layout import OneDnnLinear
+from text_generation_server.kernels.weight_layout import OneDnnLinear, PanelLinear, panels_offered
 
 # float32: summation orders differ (norm statistics, fused multiply-adds); bfloat16: the same
 # roundings as transformers' code, but a norm whose float statistic differs in its last bit can
@@ -121,14 +121,18 @@ def assert_logits_match(engine: TgisNativeEngine, dtype: str) -> None:
         assert torch.equal(ours, theirs) or (ours != theirs).float().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("layout", ["onednn", "plain"])
-def test_both_weight_layouts(tiny_model, layout) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("layout", ["onednn", "plain", "panels"])
+def test_every_weight_layout(tiny_model, layout, arch) -> None:
     if layout == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
-    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_forward="layers", linear_layout=layout))
+    if layout == "panels" and not panels_offered(torch.float32, 16):
+        pytest.skip("no panels layout here (it needs AVX2, FMA and our C++ kernels)")
+    engine = TgisNativeEngine(config_for(tiny_model(arch), cpu_forward="layers", linear_layout=layout))
     decoder = engine.runner.decoder
     assert decoder is not None and all(decoder.onednn) == (layout == "onednn")
     assert any(isinstance(m, OneDnnLinear) for m in engine.model.modules()) == (layout == "onednn")
+    assert any(isinstance(m, PanelLinear) for m in engine.model.modules()) == (layout == "panels")
     batch = started(engine, [9, 3])
     ours, theirs = both_logits(engine, batch, [7, 11])
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

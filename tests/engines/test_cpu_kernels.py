@@ -1,6 +1,8 @@
 """Our C++ decode attention (kernels/csrc/paged_decode_cpu.cpp) against SDPA over the same keys,
 the transposed-key cache layout it reads, and how CPU_ATTENTION behaves where it cannot build;
-the LoRA kernel (kernels/csrc/lora_cpu.cpp) against a per-token float reference."""
+the LoRA kernel (kernels/csrc/lora_cpu.cpp) against a per-token float reference; the float32
+linear over panels of 16 outputs (kernels/csrc/panel_cpu.cpp) against torch's linear: every tail
+of its 6-row register tiles, blocks of prompt rows, biases, leading dimensions, what it refuses."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from text_generation_server.kernels import cpu_kernels
+from text_generation_server.kernels.weight_layout import panels_offered
 from text_generation_server.kv.paged_kv import BlockPool, PagedKVCache
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -168,3 +171,57 @@ def test_the_toolchain_check_names_what_is_missing(monkeypatch) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(cpu_kernels.KernelBuildError, match="'/nonexistent/c\\+\\+' not found"):
         cpu_kernels.check_toolchain()
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.tgis_cpu.panel_linear(x, torch.ops.tgis_cpu.panel_pack(weight), bias)
+
+
+# ---- panel_linear (kernels/csrc/panel_cpu.cpp) ----------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 32, 97, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_linear_equals_torch_linear(kernel, rows: int, with_bias: bool) -> None:
+    """Row counts cover each tile of 1-6 rows, whole tiles, and blocks of 96 prompt rows."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 37, generator=gen)  # 3 panels; an input width no vector divides
+    bias = torch.randn(48, generator=gen) if with_bias else None
+    x = torch.randn(rows, 37, generator=gen)
+    torch.testing.assert_close(_product(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_panel_linear_on_a_model_sized_product_and_leading_dimensions(kernel) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1376, 512, generator=gen) / 512**0.5
+    x = torch.randn(2, 9, 512, generator=gen)
+    got = _product(x, weight, None)
+    assert got.shape == (2, 9, 1376)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
+    # a non-contiguous input (a slice of a wider tensor) reads the same values
+    wide = torch.randn(5, 1024, generator=gen)
+    torch.testing.assert_close(
+        _product(wide[:, ::2], weight, None),
+        torch.nn.functional.linear(wide[:, ::2], weight),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+def test_panel_linear_refuses_what_does_not_fit(kernel) -> None:
+    with pytest.raises(RuntimeError, match=r"out_features \(40\) must be a multiple of 16"):
+        torch.ops.tgis_cpu.panel_pack(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="a float32 \\[out, in\\] weight"):
+        torch.ops.tgis_cpu.panel_pack(torch.randn(32, 8, dtype=torch.bfloat16))
+    packed = torch.ops.tgis_cpu.panel_pack(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="input has 9 features, the weight 8"):
+        torch.ops.tgis_cpu.panel_linear(torch.randn(2, 9), packed, None)
+    with pytest.raises(RuntimeError, match="float32 inputs"):
+        torch.ops.tgis_cpu.panel_linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="bias of 31 values for 32 outputs"):
+        torch.ops.tgis_cpu.panel_linear(torch.randn(2, 8), packed, torch.randn(31))
+
+
+def test_panels_are_offered_only_where_they_can_hold_the_weight() -> None:
+    assert not panels_offered(torch.bfloat16, 64)
+    assert not panels_offered(torch.float32, 40)

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from text_generation_server.attention.layout import StepLayout
-from text_generation_server.kernels.weight_layout import OneDnnLinear
+from text_generation_server.kernels.weight_layout import OneDnnLinear, PanelLinear
 from text_generation_server.kv.paged_kv import PagedKVCache
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
 from text_generation_server.quantization import Int8Linear
@@ -115,6 +115,10 @@ def _linear(module: Any) -> Projection:
         packed = base.packed_weight
         assert isinstance(packed, torch.Tensor)
         return Projection(packed, base.bias, True)
+    if isinstance(base, PanelLinear):  # decoder_cpu.cpp knows panels by their 3 dimensions
+        packed = base.packed_weight
+        assert isinstance(packed, torch.Tensor)
+        return Projection(packed, base.bias, False)
     if isinstance(base, Int8Linear):
         bias = base.bias_float
         assert bias is None or isinstance(bias, torch.Tensor)

@@ -4,10 +4,10 @@
 // products: a transformers decoder layer is ~40 tensor operations, each a few microseconds of
 // interpreter and dispatcher work on vectors of a few hundred elements. This runs every layer's
 // operations from C++: the projections on the same kernels the model's modules use (at::linear,
-// or oneDNN's packed linear where the engine chose that layout), decode rows' attention on our
-// paged decode kernel (paged_decode_cpu.cpp), prompt tokens' attention on SDPA as the modules'
-// path does it (attention/paged.py), and the elementwise parts (RMS norm, residual adds, rotary
-// embedding, KV cache writes) as loops that round where transformers' Llama code rounds (every
+// oneDNN's packed linear or our panels where the engine chose that layout), decode rows'
+// attention on our paged decode kernel (paged_decode_cpu.cpp), prompt tokens' attention on SDPA
+// as the modules' path does it (attention/paged.py), and the elementwise parts (RMS norm,
+// residual adds, rotary embedding, KV cache writes) as loops that round where transformers' Llama code rounds (every
 // elementwise result to the model's dtype, the norm's statistics in float), in parallel over
 // tokens where a step has many.
 //
@@ -16,7 +16,8 @@
 //   cos/sin    [T, head_dim]        the rotary embedding of each token's position, model dtype
 //   params     16 per layer, then the final norm's weight:
 //                input norm, q (weight, bias), k, v, o, post-attention norm, gate, up, down
-//              (a missing bias is None)
+//              (a missing bias is None); a weight of 3 dimensions is packed in panels of 16
+//              outputs (weight_layout.py's `panels`, multiplied by panel_cpu.cpp)
 //   onednn     7 per layer: whether q, k, v, o, gate, up, down hold oneDNN packed weights
 //   int8       7 per layer: the oneDNN-packed int8 weights of a W8A8 layer (quantization/int8.py's
 //              Int8Linear multiplying the 8-bit way), else None; such a projection's weight slot
@@ -228,6 +229,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
 
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                   bool onednn) {
+  if (weight->dim() == 3) {  // weights packed in panels of 16 outputs (panel_cpu.cpp)
+    static auto panels = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tgis_cpu::panel_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+    return panels.call(x, *weight, bias);
+  }
   if (!onednn) return at::linear(x, *weight, bias);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

@@ -1,0 +1,157 @@
+// float32 linears over weights packed in panels of 16 output channels, for AVX2 + FMA CPUs
+// (weight_layout.py's `panels` layout, chosen where it measures fastest).
+//
+// panel_pack(weight [out, in] float32, out a multiple of 16) -> panels [out / 16, in, 16]: panel p
+//   holds output channels 16p .. 16p + 15, input channel k's 16 weights side by side.
+// panel_linear(x [..., in] float32, panels, bias [out] float32 or None) -> [..., out]: x @ W.T + b.
+//
+// With AVX2 and FMA each task (a run of panels) multiplies blocks of up to 6 rows of x by one
+// panel: 6 x 16 sums in 12 registers, one panel row of 16 weights (two vectors) loaded per input
+// channel and each row's x broadcast against it (the register tile of BLIS's Haswell kernel).
+// A panel (64 bytes per input channel) streams through L1 once per block of 6 rows; prompts go in
+// blocks of kRowBlock rows so that those rows of x stay in L2 while every panel passes. The sums
+// live in named registers: an array of vectors indexed in a loop goes through the stack with GCC.
+// Elsewhere plain loops (the layout is only offered where AVX2 and FMA are).
+//
+// Built with the other CPU kernels by text_generation_server/kernels/cpu_kernels.py as
+// torch.ops.tgis_cpu.*.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TGIS_PANELS_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;     // output channels a panel
+constexpr int64_t kTile = 6;       // rows of x a register tile
+constexpr int64_t kRowBlock = 96;  // rows of x every panel passes through before the next block
+
+#if defined(TGIS_PANELS_AVX2)
+
+// y[r][0..15] = x[r] . panel (+ bias) for R <= 6 rows of x (row stride ldx), y row stride ldy.
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const float* bias, float* y,
+                 int64_t ldy) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
+         c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
+         c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(),
+         c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    __m256 a;
+#define TGIS_ROW(r)                                  \
+  if constexpr (R > r) {                             \
+    a = _mm256_broadcast_ss(x + r * ldx + k);        \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);       \
+    c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);       \
+  }
+    TGIS_ROW(0) TGIS_ROW(1) TGIS_ROW(2) TGIS_ROW(3) TGIS_ROW(4) TGIS_ROW(5)
+#undef TGIS_ROW
+  }
+  const __m256 d0 = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 d1 = bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#define TGIS_STORE(r)                                                   \
+  if constexpr (R > r) {                                                \
+    _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(c##r##0, d0));          \
+    _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(c##r##1, d1));      \
+  }
+  TGIS_STORE(0) TGIS_STORE(1) TGIS_STORE(2) TGIS_STORE(3) TGIS_STORE(4) TGIS_STORE(5)
+#undef TGIS_STORE
+}
+
+// Rows [first, last) of x through one panel.
+void rows_through_panel(const float* x, int64_t in, const float* panel, const float* bias, float* y,
+                        int64_t out, int64_t first, int64_t last) {
+  int64_t r = first;
+  for (; r + kTile <= last; r += kTile) tile<6>(x + r * in, in, panel, in, bias, y + r * out, out);
+  const float* xr = x + r * in;
+  float* yr = y + r * out;
+  switch (last - r) {
+    case 5: tile<5>(xr, in, panel, in, bias, yr, out); break;
+    case 4: tile<4>(xr, in, panel, in, bias, yr, out); break;
+    case 3: tile<3>(xr, in, panel, in, bias, yr, out); break;
+    case 2: tile<2>(xr, in, panel, in, bias, yr, out); break;
+    case 1: tile<1>(xr, in, panel, in, bias, yr, out); break;
+    default: break;
+  }
+}
+
+#else
+
+void rows_through_panel(const float* x, int64_t in, const float* panel, const float* bias, float* y,
+                        int64_t out, int64_t first, int64_t last) {
+  for (int64_t r = first; r < last; ++r) {
+    float sums[kPanel] = {};
+    for (int64_t k = 0; k < in; ++k) {
+      const float a = x[r * in + k];
+      for (int64_t j = 0; j < kPanel; ++j) sums[j] += a * panel[k * kPanel + j];
+    }
+    for (int64_t j = 0; j < kPanel; ++j) y[r * out + j] = sums[j] + (bias != nullptr ? bias[j] : 0.f);
+  }
+}
+
+#endif
+
+at::Tensor panel_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "panel_pack: a float32 [out, in] weight");
+  const int64_t out = weight.size(0), in = weight.size(1);
+  TORCH_CHECK(out % kPanel == 0, "panel_pack: out_features (", out, ") must be a multiple of ", kPanel);
+  // [out, in] -> [out / 16, 16, in] -> [out / 16, in, 16]
+  return weight.reshape({out / kPanel, kPanel, in}).transpose(1, 2).contiguous();
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == at::kFloat &&
+                  panels.is_contiguous(),
+              "panel_linear: panels [out / 16, in, 16] float32 from panel_pack");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: float32 inputs");
+  const int64_t count = panels.size(0), in = panels.size(1), out = count * kPanel;
+  TORCH_CHECK(x.size(-1) == in, "panel_linear: input has ", x.size(-1), " features, the weight ", in);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == out, "panel_linear: bias of ", b.numel(), " values for ", out, " outputs");
+  }
+  const at::Tensor rows = x.reshape({-1, in}).contiguous();
+  const int64_t m = rows.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  at::Tensor y = at::empty({m, out}, x.options());
+  const float* xp = rows.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  for (int64_t first = 0; first < m; first += kRowBlock) {
+    const int64_t last = std::min(m, first + kRowBlock);
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        rows_through_panel(xp, in, wp + p * in * kPanel, bp != nullptr ? bp + p * kPanel : nullptr, yp + p * kPanel,
+                           out, first, last);
+      }
+    });
+  }
+  return y.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
+  m.def("panel_pack(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) {
+  m.impl("panel_pack", &panel_pack);
+  m.impl("panel_linear", &panel_linear);
+}
