@@ -198,6 +198,12 @@ def test_panel_linear_on_a_model_sized_product_and_leading_dimensions(kernel) ->
     got = _product(x, weight, None)
     assert got.shape == (2, 9, 1376)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
+    # prompts over wide inputs take them in slices (the last one partial), the bias added once
+    wide_weight, bias = torch.randn(64, 1100, generator=gen) / 1100**0.5, torch.randn(64, generator=gen)
+    x = torch.randn(13, 1100, generator=gen)
+    torch.testing.assert_close(
+        _product(x, wide_weight, bias), torch.nn.functional.linear(x, wide_weight, bias), rtol=1e-4, atol=1e-4
+    )
     # a non-contiguous input (a slice of a wider tensor) reads the same values
     wide = torch.randn(5, 1024, generator=gen)
     torch.testing.assert_close(

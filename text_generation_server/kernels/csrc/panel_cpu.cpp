@@ -9,7 +9,9 @@
 // panel: 6 x 16 sums in 12 registers, one panel row of 16 weights (two vectors) loaded per input
 // channel and each row's x broadcast against it (the register tile of BLIS's Haswell kernel).
 // A panel (64 bytes per input channel) streams through L1 once per block of 6 rows; prompts go in
-// blocks of kRowBlock rows so that those rows of x stay in L2 while every panel passes. The sums
+// blocks of kRowBlock rows so that those rows of x stay in L2 while every panel passes, and where
+// a panel outgrows L1 (more than 512 inputs) in slices of kSlice inputs whose part of the panel
+// stays in L1 while the block's rows pass (the sums so far kept in y between slices). The sums
 // live in named registers: an array of vectors indexed in a loop goes through the stack with GCC.
 // Elsewhere plain loops (the layout is only offered where AVX2 and FMA are).
 //
@@ -35,18 +37,19 @@ namespace {
 constexpr int64_t kPanel = 16;     // output channels a panel
 constexpr int64_t kTile = 6;       // rows of x a register tile
 constexpr int64_t kRowBlock = 96;  // rows of x every panel passes through before the next block
+constexpr int64_t kSlice = 256;    // input channels of a panel (16 KiB) kept in L1 while a block's rows pass
 
 #if defined(TGIS_PANELS_AVX2)
 
 // y[r][0..15] = x[r] . panel (+ bias) for R <= 6 rows of x (row stride ldx), y row stride ldy.
 template <int R>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const float* bias, float* y,
-                 int64_t ldy) {
+inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, const float* bias,
+                 float* y, int64_t ldy) {
   __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
          c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
          c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(),
          c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-  for (int64_t k = 0; k < in; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     __m256 a;
@@ -59,45 +62,51 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t in, co
     TGIS_ROW(0) TGIS_ROW(1) TGIS_ROW(2) TGIS_ROW(3) TGIS_ROW(4) TGIS_ROW(5)
 #undef TGIS_ROW
   }
-  const __m256 d0 = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 d1 = bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-#define TGIS_STORE(r)                                                   \
-  if constexpr (R > r) {                                                \
-    _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(c##r##0, d0));          \
-    _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(c##r##1, d1));      \
+  // the first slice of the inputs adds the bias; later ones add to the sums stored before
+  const bool first = k0 == 0;
+  const __m256 d0 = !first ? _mm256_setzero_ps() : bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 d1 = !first ? _mm256_setzero_ps() : bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#define TGIS_STORE(r)                                                                                  \
+  if constexpr (R > r) {                                                                               \
+    float* yr = y + r * ldy;                                                                           \
+    _mm256_storeu_ps(yr, _mm256_add_ps(c##r##0, first ? d0 : _mm256_loadu_ps(yr)));                    \
+    _mm256_storeu_ps(yr + 8, _mm256_add_ps(c##r##1, first ? d1 : _mm256_loadu_ps(yr + 8)));            \
   }
   TGIS_STORE(0) TGIS_STORE(1) TGIS_STORE(2) TGIS_STORE(3) TGIS_STORE(4) TGIS_STORE(5)
 #undef TGIS_STORE
 }
 
-// Rows [first, last) of x through one panel.
-void rows_through_panel(const float* x, int64_t in, const float* panel, const float* bias, float* y,
-                        int64_t out, int64_t first, int64_t last) {
+// Rows [first, last) of x through input channels [k0, k1) of one panel.
+void rows_through_panel(const float* x, int64_t in, const float* panel, int64_t k0, int64_t k1, const float* bias,
+                        float* y, int64_t out, int64_t first, int64_t last) {
   int64_t r = first;
-  for (; r + kTile <= last; r += kTile) tile<6>(x + r * in, in, panel, in, bias, y + r * out, out);
+  for (; r + kTile <= last; r += kTile) tile<6>(x + r * in, in, panel, k0, k1, bias, y + r * out, out);
   const float* xr = x + r * in;
   float* yr = y + r * out;
   switch (last - r) {
-    case 5: tile<5>(xr, in, panel, in, bias, yr, out); break;
-    case 4: tile<4>(xr, in, panel, in, bias, yr, out); break;
-    case 3: tile<3>(xr, in, panel, in, bias, yr, out); break;
-    case 2: tile<2>(xr, in, panel, in, bias, yr, out); break;
-    case 1: tile<1>(xr, in, panel, in, bias, yr, out); break;
+    case 5: tile<5>(xr, in, panel, k0, k1, bias, yr, out); break;
+    case 4: tile<4>(xr, in, panel, k0, k1, bias, yr, out); break;
+    case 3: tile<3>(xr, in, panel, k0, k1, bias, yr, out); break;
+    case 2: tile<2>(xr, in, panel, k0, k1, bias, yr, out); break;
+    case 1: tile<1>(xr, in, panel, k0, k1, bias, yr, out); break;
     default: break;
   }
 }
 
 #else
 
-void rows_through_panel(const float* x, int64_t in, const float* panel, const float* bias, float* y,
-                        int64_t out, int64_t first, int64_t last) {
+void rows_through_panel(const float* x, int64_t in, const float* panel, int64_t k0, int64_t k1, const float* bias,
+                        float* y, int64_t out, int64_t first, int64_t last) {
   for (int64_t r = first; r < last; ++r) {
     float sums[kPanel] = {};
-    for (int64_t k = 0; k < in; ++k) {
+    for (int64_t k = k0; k < k1; ++k) {
       const float a = x[r * in + k];
       for (int64_t j = 0; j < kPanel; ++j) sums[j] += a * panel[k * kPanel + j];
     }
-    for (int64_t j = 0; j < kPanel; ++j) y[r * out + j] = sums[j] + (bias != nullptr ? bias[j] : 0.f);
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const float before = k0 > 0 ? y[r * out + j] : (bias != nullptr ? bias[j] : 0.f);
+      y[r * out + j] = sums[j] + before;
+    }
   }
 }
 
@@ -132,12 +141,18 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   const float* wp = panels.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  // decode steps (up to one tile of rows) read each panel once, whole, and so do all steps where
+  // a panel fits in L1; otherwise the inputs go in slices whose part of a panel stays in L1 while
+  // all the block's rows pass
+  const int64_t slice = m > kTile && in > 2 * kSlice ? kSlice : in;
   for (int64_t first = 0; first < m; first += kRowBlock) {
     const int64_t last = std::min(m, first + kRowBlock);
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        rows_through_panel(xp, in, wp + p * in * kPanel, bp != nullptr ? bp + p * kPanel : nullptr, yp + p * kPanel,
-                           out, first, last);
+        for (int64_t k0 = 0; k0 < in; k0 += slice) {
+          rows_through_panel(xp, in, wp + p * in * kPanel, k0, std::min(in, k0 + slice),
+                             bp != nullptr ? bp + p * kPanel : nullptr, yp + p * kPanel, out, first, last);
+        }
       }
     });
   }
