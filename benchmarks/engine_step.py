@@ -2,7 +2,8 @@
 against `hf_transformers` (`--compare engines`, the default), tgis_native's C++ decoder stack
 against the model's modules (`--compare cpu-forward`: CPU_FORWARD=layers / modules), or every
 linear in oneDNN's packed layout against our panels (`--compare layouts`: LINEAR_LAYOUT=onednn /
-panels, float32 on AVX2 CPUs).
+panels, float32 on AVX2 CPUs), or float32 against bfloat16 (`--compare dtypes`, each with its
+measured layouts; --dtype is then ignored).
 
 Both load the same model with the same ServerConfig (float32 unless told, max batch 32) and
 run the router's call sequence without a router: `new_batch` -> `generate_token` (the prefill)
@@ -45,6 +46,10 @@ COMPARISONS: dict[str, tuple[tuple[str, str, dict[str, Any]], ...]] = {
         ("onednn", "tgis_native", {"linear_layout": "onednn"}),
         ("panels", "tgis_native", {"linear_layout": "panels"}),
     ),
+    "dtypes": (
+        ("float32", "tgis_native", {"dtype": "float32"}),
+        ("bfloat16", "tgis_native", {"dtype": "bfloat16"}),
+    ),
 }
 
 
@@ -77,10 +82,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         config = ServerConfig(
             model_name=str(model),
             deployment_framework=engine_name,
-            dtype=args.dtype,
             max_batch_size=max(32, *args.batch, args.prefill_batch),
             max_new_tokens=args.warmup + args.steps + 2,
-            **overrides,
+            **{"dtype": args.dtype, **overrides},
         )
         engines[name] = get_engine_class(engine_name)(config)
     vocab = next(iter(engines.values())).info.vocab_size

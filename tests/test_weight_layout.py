@@ -72,14 +72,29 @@ def test_onednn_in_a_seq2seq_model(tiny_model) -> None:
         )
 
 
-@pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 linears on this CPU"
-)
-def test_onednn_in_bfloat16(tiny_model) -> None:
+BF16_LAYOUTS = {
+    LinearLayout.ONEDNN: (
+        OneDnnLinear,
+        torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        "oneDNN has no bfloat16 linears",
+    ),
+    LinearLayout.PANELS: (
+        PanelLinear,
+        PANELS_HERE,
+        "no panels layout (it needs AVX2, FMA and our C++ kernels)",
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(BF16_LAYOUTS), ids=lambda layout: layout.value)
+def test_packed_layouts_in_bfloat16(tiny_model, layout: LinearLayout) -> None:
+    module_type, here, why_not = BF16_LAYOUTS[layout]
+    if not here:
+        pytest.skip(f"{why_not} on this CPU")
     model = _load(tiny_model("llama"), torch.bfloat16)
     relaid = copy.deepcopy(model)
-    choose_linear_layouts(relaid, max_batch_size=8, layout=LinearLayout.ONEDNN)
-    assert any(isinstance(m, OneDnnLinear) for m in relaid.modules())
+    choose_linear_layouts(relaid, max_batch_size=8, layout=layout)
+    assert any(isinstance(m, module_type) for m in relaid.modules())
     ids = torch.randint(3, 100, (2, 7))
     with torch.inference_mode():
         torch.testing.assert_close(relaid(ids).logits, model(ids).logits, rtol=2e-2, atol=2e-2)
@@ -106,8 +121,8 @@ def test_a_pinned_layout_that_cannot_apply_is_refused(tiny_model) -> None:
     model = _load(tiny_model("llama"), torch.bfloat16)
     with pytest.raises(ValueError, match=r"column-major is not available for torch\.bfloat16"):
         choose_linear_layouts(model, 8, LinearLayout.COLUMN_MAJOR)
-    with pytest.raises(ValueError, match=r"panels is not available for torch\.bfloat16 \d+x\d+"):
-        choose_linear_layouts(model, 8, LinearLayout.PANELS)
+    with pytest.raises(ValueError, match=r"panels is not available for torch\.float16 \d+x\d+"):
+        choose_linear_layouts(_load(tiny_model("llama"), torch.float16), 8, LinearLayout.PANELS)
     if PANELS_HERE:  # outputs that do not fill whole panels
         odd = torch.nn.Sequential(torch.nn.Linear(64, 40))
         with pytest.raises(ValueError, match=r"panels is not available for torch\.float32 40x64"):

@@ -121,18 +121,27 @@ def assert_logits_match(engine: TgisNativeEngine, dtype: str) -> None:
         assert torch.equal(ours, theirs) or (ours != theirs).float().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")]
+)  # qwen2: q/k/v biases
 @pytest.mark.parametrize("layout", ["onednn", "plain", "panels"])
-def test_every_weight_layout(tiny_model, layout, arch) -> None:
+def test_every_weight_layout(tiny_model, layout, arch, dtype) -> None:
     if layout == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
+    if layout == "onednn" and dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 linears on this CPU")
     if layout == "panels" and not panels_offered(torch.float32, 16):
         pytest.skip("no panels layout here (it needs AVX2, FMA and our C++ kernels)")
-    engine = TgisNativeEngine(config_for(tiny_model(arch), cpu_forward="layers", linear_layout=layout))
+    engine = TgisNativeEngine(
+        config_for(tiny_model(arch), dtype=dtype, cpu_forward="layers", linear_layout=layout)
+    )
     decoder = engine.runner.decoder
     assert decoder is not None and all(decoder.onednn) == (layout == "onednn")
     assert any(isinstance(m, OneDnnLinear) for m in engine.model.modules()) == (layout == "onednn")
     assert any(isinstance(m, PanelLinear) for m in engine.model.modules()) == (layout == "panels")
+    if dtype == "bfloat16":
+        assert_logits_match(engine, dtype)
+        return
     batch = started(engine, [9, 3])
     ours, theirs = both_logits(engine, batch, [7, 11])
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

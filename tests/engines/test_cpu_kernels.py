@@ -189,6 +189,15 @@ def test_panel_linear_equals_torch_linear(kernel, rows: int, with_bias: bool) ->
     bias = torch.randn(48, generator=gen) if with_bias else None
     x = torch.randn(rows, 37, generator=gen)
     torch.testing.assert_close(_product(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    # bfloat16: the float32 sums of the same (bfloat16) numbers, rounded once
+    x16, weight16 = x.bfloat16(), weight.bfloat16()
+    bias16 = bias.bfloat16() if bias is not None else None
+    got = _product(x16, weight16, bias16)
+    exact = torch.nn.functional.linear(
+        x16.float(), weight16.float(), bias16.float() if bias16 is not None else None
+    )
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact.bfloat16().float(), rtol=8e-3, atol=1e-5)
 
 
 def test_panel_linear_on_a_model_sized_product_and_leading_dimensions(kernel) -> None:
@@ -217,17 +226,17 @@ def test_panel_linear_on_a_model_sized_product_and_leading_dimensions(kernel) ->
 def test_panel_linear_refuses_what_does_not_fit(kernel) -> None:
     with pytest.raises(RuntimeError, match=r"out_features \(40\) must be a multiple of 16"):
         torch.ops.tgis_cpu.panel_pack(torch.randn(40, 8))
-    with pytest.raises(RuntimeError, match="a float32 \\[out, in\\] weight"):
-        torch.ops.tgis_cpu.panel_pack(torch.randn(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="a float32 or bfloat16 \\[out, in\\] weight"):
+        torch.ops.tgis_cpu.panel_pack(torch.randn(32, 8, dtype=torch.float16))
     packed = torch.ops.tgis_cpu.panel_pack(torch.randn(32, 8))
     with pytest.raises(RuntimeError, match="input has 9 features, the weight 8"):
         torch.ops.tgis_cpu.panel_linear(torch.randn(2, 9), packed, None)
-    with pytest.raises(RuntimeError, match="float32 inputs"):
+    with pytest.raises(RuntimeError, match=r"inputs in the weights' dtype \(Float\), not BFloat16"):
         torch.ops.tgis_cpu.panel_linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, None)
     with pytest.raises(RuntimeError, match="bias of 31 values for 32 outputs"):
         torch.ops.tgis_cpu.panel_linear(torch.randn(2, 8), packed, torch.randn(31))
 
 
 def test_panels_are_offered_only_where_they_can_hold_the_weight() -> None:
-    assert not panels_offered(torch.bfloat16, 64)
+    assert not panels_offered(torch.float16, 64)
     assert not panels_offered(torch.float32, 40)

@@ -12,11 +12,12 @@ to 4, and differently on different CPUs, so the engine measures instead of assum
                 (`torch.ops.mkldnn`), replacing the Linear module. Measured on a 2-core AMD EPYC
                 with AVX512-BF16: [1, 512] x [512, 8192] bf16 231 -> 64 us, fp32 at M = 32
                 2.7 -> 0.6 ms; on the Xeon above it was slower at M = 1 in fp32.
-  panels        (float32, AVX2 + FMA CPUs, outputs a multiple of 16) the weight packed in panels
-                of 16 output channels for our C++ kernel (kernels/csrc/panel_cpu.cpp: register
-                tiles of 6 rows x 16 outputs). Measured on a 2-core AMD EPYC without AVX-512,
+  panels        (float32 or bfloat16, AVX2 + FMA CPUs, outputs a multiple of 16) the weight
+                packed in panels of 16 output channels for our C++ kernel (kernels/csrc/
+                panel_cpu.cpp: register tiles of 6 rows x 16 outputs, bfloat16 weights widened in
+                registers and summed in float32). Measured on a 2-core AMD EPYC without AVX-512,
                 against oneDNN's packed weights: [32, 512] x [512, 2752] 0.78 -> 0.73 ms,
-                [1, 512] x [512, 2752] 0.18 -> 0.08 ms.
+                [1, 512] x [512, 2752] 0.18 -> 0.08 ms (float32).
 
 GPT-2's `Conv1D` (weight [in, out], x @ W + b) is the same product as a Linear whose weight is
 its transpose: `choose_linear_layouts` first turns each into that Linear (a plain [out, in] copy),
@@ -84,8 +85,8 @@ class OneDnnLinear(torch.nn.Module):
 
 
 class PanelLinear(torch.nn.Module):
-    """A float32 Linear whose weight is packed in panels of 16 output channels for our C++
-    kernel (inference only)."""
+    """A float32 or bfloat16 Linear whose weight is packed in panels of 16 output channels for
+    our C++ kernel (inference only)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -113,10 +114,10 @@ class Choice:
 
 
 def panels_offered(dtype: torch.dtype, out_features: int) -> bool:
-    """Whether the `panels` layout can hold such a weight here: float32, outputs in whole panels,
-    a CPU with AVX2 and FMA (the kernel's vector path) and our C++ kernels built."""
+    """Whether the `panels` layout can hold such a weight here: float32 or bfloat16, outputs in
+    whole panels, a CPU with AVX2 and FMA (the kernel's vector path) and our C++ kernels built."""
     return (
-        dtype == torch.float32
+        dtype in (torch.float32, torch.bfloat16)
         and out_features % 16 == 0
         and {"avx2", "fma"} <= cpu_flags()
         and cpu_kernels.loads("LINEAR_LAYOUT: no `panels` layout")

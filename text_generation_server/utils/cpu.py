@@ -42,13 +42,17 @@ def default_cpu_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
 
 def emulated_dtype(dtype: torch.dtype, flags: frozenset[str]) -> str | None:
     """Why `dtype`, asked for explicitly, will run slowly on this CPU, or None where it will not:
-    bfloat16 without bf16 matrix instructions is emulated through float32. On a 2-core AMD EPYC
-    with AVX2 only, tgis_native on the reference model (`python -m benchmarks.engine_step
-    --dtype bfloat16`, then float32): prefill of 16 x 128 tokens 5,821 against 950 ms, a decode
-    step of 32 rows 117 against 42 ms (of one row 6.9 against 9.6 ms: half the bytes to read)."""
+    bfloat16 without bf16 matrix instructions is widened to float32 for every product. On a
+    2-core AMD EPYC with AVX2 only, tgis_native on the reference model with oneDNN's emulation
+    (`python -m benchmarks.engine_step --dtype bfloat16`, then float32): prefill of 16 x 128
+    tokens 5,821 against 950 ms, a decode step of 32 rows 117 against 42 ms (of one row 6.9
+    against 9.6 ms: half the bytes to read); with the linears on our `panels` layout
+    (weight_layout.py; `--compare dtypes`): 1,134 against 840 ms, 28.8 against 25.9 ms, and
+    4.7 against 6.5 ms."""
     if dtype == torch.bfloat16 and not any(flag in flags for flag, _ in BF16_MATRIX_FLAGS):
         return (
-            f"{NO_BF16}: oneDNN emulates bfloat16 through float32, and prompts and batched steps "
-            "run several times slower than in float32"
+            f"{NO_BF16}: every bfloat16 product is widened to float32, so prompts and batched "
+            "steps run slower than in float32 (steps of a few rows read half the bytes and can "
+            "be faster)"
         )
     return None

@@ -1,9 +1,14 @@
-// float32 linears over weights packed in panels of 16 output channels, for AVX2 + FMA CPUs
-// (weight_layout.py's `panels` layout, chosen where it measures fastest).
+// float32 and bfloat16 linears over weights packed in panels of 16 output channels, for AVX2 +
+// FMA CPUs (weight_layout.py's `panels` layout, chosen where it measures fastest).
 //
-// panel_pack(weight [out, in] float32, out a multiple of 16) -> panels [out / 16, in, 16]: panel p
-//   holds output channels 16p .. 16p + 15, input channel k's 16 weights side by side.
-// panel_linear(x [..., in] float32, panels, bias [out] float32 or None) -> [..., out]: x @ W.T + b.
+// panel_pack(weight [out, in] float32 or bfloat16, out a multiple of 16) -> panels
+//   [out / 16, in, 16] of its dtype: panel p holds output channels 16p .. 16p + 15, input channel
+//   k's 16 weights side by side.
+// panel_linear(x [..., in] of the panels' dtype, panels, bias [out] or None) -> [..., out]:
+//   x @ W.T + b. bfloat16 weights are widened to float32 in registers (exact) and every product
+//   summed in float32, rounded to bfloat16 once at the end: what a bfloat16 matrix product with
+//   float32 accumulation computes, on CPUs without bfloat16 instructions, at half the bytes of
+//   float32 weights.
 //
 // With AVX2 and FMA each task (a run of panels) multiplies blocks of up to 6 rows of x by one
 // panel: 6 x 16 sums in 12 registers, one panel row of 16 weights (two vectors) loaded per input
@@ -20,6 +25,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -42,17 +48,28 @@ constexpr int64_t kSlice = 256;    // input channels of a panel (16 KiB) kept in
 #if defined(TGIS_PANELS_AVX2)
 
 // y[r][0..15] = x[r] . panel (+ bias) for R <= 6 rows of x (row stride ldx), y row stride ldy.
-template <int R>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, const float* bias,
-                 float* y, int64_t ldy) {
+// input channel k's 16 weights of a panel as two float32 vectors
+inline void load_weights(const float* panel, int64_t k, __m256& b0, __m256& b1) {
+  b0 = _mm256_loadu_ps(panel + k * kPanel);
+  b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+}
+
+inline void load_weights(const c10::BFloat16* panel, int64_t k, __m256& b0, __m256& b1) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
+  b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(halves)), 16));
+  b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(halves, 1)), 16));
+}
+
+template <int R, typename W>
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, const float* bias, float* y,
+                 int64_t ldy) {
   __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
          c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
          c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(),
          c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    __m256 a;
+    __m256 b0, b1, a;
+    load_weights(panel, k, b0, b1);
 #define TGIS_ROW(r)                                  \
   if constexpr (R > r) {                             \
     a = _mm256_broadcast_ss(x + r * ldx + k);        \
@@ -77,7 +94,8 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k0, in
 }
 
 // Rows [first, last) of x through input channels [k0, k1) of one panel.
-void rows_through_panel(const float* x, int64_t in, const float* panel, int64_t k0, int64_t k1, const float* bias,
+template <typename W>
+void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, int64_t k1, const float* bias,
                         float* y, int64_t out, int64_t first, int64_t last) {
   int64_t r = first;
   for (; r + kTile <= last; r += kTile) tile<6>(x + r * in, in, panel, k0, k1, bias, y + r * out, out);
@@ -95,13 +113,14 @@ void rows_through_panel(const float* x, int64_t in, const float* panel, int64_t 
 
 #else
 
-void rows_through_panel(const float* x, int64_t in, const float* panel, int64_t k0, int64_t k1, const float* bias,
+template <typename W>
+void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, int64_t k1, const float* bias,
                         float* y, int64_t out, int64_t first, int64_t last) {
   for (int64_t r = first; r < last; ++r) {
     float sums[kPanel] = {};
     for (int64_t k = k0; k < k1; ++k) {
       const float a = x[r * in + k];
-      for (int64_t j = 0; j < kPanel; ++j) sums[j] += a * panel[k * kPanel + j];
+      for (int64_t j = 0; j < kPanel; ++j) sums[j] += a * static_cast<float>(panel[k * kPanel + j]);
     }
     for (int64_t j = 0; j < kPanel; ++j) {
       const float before = k0 > 0 ? y[r * out + j] : (bias != nullptr ? bias[j] : 0.f);
@@ -113,7 +132,8 @@ void rows_through_panel(const float* x, int64_t in, const float* panel, int64_t 
 #endif
 
 at::Tensor panel_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "panel_pack: a float32 [out, in] weight");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "panel_pack: a float32 or bfloat16 [out, in] weight");
   const int64_t out = weight.size(0), in = weight.size(1);
   TORCH_CHECK(out % kPanel == 0, "panel_pack: out_features (", out, ") must be a multiple of ", kPanel);
   // [out, in] -> [out / 16, 16, in] -> [out / 16, in, 16]
@@ -121,10 +141,12 @@ at::Tensor panel_pack(const at::Tensor& weight) {
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == at::kFloat &&
-                  panels.is_contiguous(),
-              "panel_linear: panels [out / 16, in, 16] float32 from panel_pack");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: float32 inputs");
+  const bool halves = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+                  (halves || panels.scalar_type() == at::kFloat),
+              "panel_linear: panels [out / 16, in, 16] from panel_pack");
+  TORCH_CHECK(x.scalar_type() == panels.scalar_type(), "panel_linear: inputs in the weights' dtype (",
+              panels.scalar_type(), "), not ", x.scalar_type());
   const int64_t count = panels.size(0), in = panels.size(1), out = count * kPanel;
   TORCH_CHECK(x.size(-1) == in, "panel_linear: input has ", x.size(-1), " features, the weight ", in);
   at::Tensor b;
@@ -132,13 +154,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == out, "panel_linear: bias of ", b.numel(), " values for ", out, " outputs");
   }
-  const at::Tensor rows = x.reshape({-1, in}).contiguous();
+  const at::Tensor rows = x.reshape({-1, in}).to(at::kFloat).contiguous();  // bfloat16: widened once
   const int64_t m = rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
-  at::Tensor y = at::empty({m, out}, x.options());
+  at::Tensor y = at::empty({m, out}, rows.options());
   const float* xp = rows.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   // decode steps (up to one tile of rows) read each panel once, whole, and so do all steps where
@@ -150,13 +171,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         for (int64_t k0 = 0; k0 < in; k0 += slice) {
-          rows_through_panel(xp, in, wp + p * in * kPanel, k0, std::min(in, k0 + slice),
-                             bp != nullptr ? bp + p * kPanel : nullptr, yp + p * kPanel, out, first, last);
+          const int64_t k1 = std::min(in, k0 + slice);
+          const float* bias_p = bp != nullptr ? bp + p * kPanel : nullptr;
+          if (halves) {
+            rows_through_panel(xp, in, panels.data_ptr<c10::BFloat16>() + p * in * kPanel, k0, k1, bias_p,
+                               yp + p * kPanel, out, first, last);
+          } else {
+            rows_through_panel(xp, in, panels.data_ptr<float>() + p * in * kPanel, k0, k1, bias_p,
+                               yp + p * kPanel, out, first, last);
+          }
         }
       }
     });
   }
-  return y.view(shape);
+  return y.to(x.scalar_type()).view(shape);
 }
 
 }  // namespace
