@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from text_generation_server.kernels import weight_layout
 from text_generation_server.kernels.weight_layout import (
     LinearLayout,
     OneDnnLinear,
@@ -127,6 +128,15 @@ def test_a_pinned_layout_that_cannot_apply_is_refused(tiny_model) -> None:
         odd = torch.nn.Sequential(torch.nn.Linear(64, 40))
         with pytest.raises(ValueError, match=r"panels is not available for torch\.float32 40x64"):
             choose_linear_layouts(odd, 8, LinearLayout.PANELS)
+
+
+def test_a_pinned_layout_other_than_panels_does_not_build_our_kernels(tiny_model, monkeypatch) -> None:
+    """hf_transformers needs none of our C++ kernels: pinning plain must not build them."""
+    monkeypatch.setattr(
+        weight_layout, "_panel_kernel_here", lambda: pytest.fail("our kernels were consulted")
+    )
+    choices = choose_linear_layouts(_load(tiny_model("llama")), 8, LinearLayout.PLAIN)
+    assert choices and all(c.layout is LinearLayout.PLAIN for c in choices)
 
 
 def test_the_measured_choice_needs_a_clear_win() -> None:

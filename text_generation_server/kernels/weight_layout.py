@@ -113,18 +113,21 @@ class Choice:
     times_us: dict[LinearLayout, tuple[float, float]]  # layout -> (M = 1, M = large) medians
 
 
+@functools.cache
+def _panel_kernel_here() -> bool:
+    """A CPU with AVX2 and FMA (the kernel's vector path) and our C++ kernels built (once per
+    process; where they cannot build, one warning says why)."""
+    return {"avx2", "fma"} <= cpu_flags() and cpu_kernels.loads("LINEAR_LAYOUT: no `panels` layout")
+
+
 def panels_offered(dtype: torch.dtype, out_features: int) -> bool:
     """Whether the `panels` layout can hold such a weight here: float32 or bfloat16, outputs in
-    whole panels, a CPU with AVX2 and FMA (the kernel's vector path) and our C++ kernels built."""
-    return (
-        dtype in (torch.float32, torch.bfloat16)
-        and out_features % 16 == 0
-        and {"avx2", "fma"} <= cpu_flags()
-        and cpu_kernels.loads("LINEAR_LAYOUT: no `panels` layout")
-    )
+    whole panels, and the kernel here."""
+    return dtype in (torch.float32, torch.bfloat16) and out_features % 16 == 0 and _panel_kernel_here()
 
 
-def _candidates(dtype: torch.dtype, out_features: int) -> list[LinearLayout]:
+def _candidates(dtype: torch.dtype, out_features: int, panels: bool = True) -> list[LinearLayout]:
+    """The layouts to time (`panels`: whether to consider ours, which builds our kernels)."""
     layouts = [LinearLayout.PLAIN]
     if dtype == torch.float32:
         layouts.append(LinearLayout.COLUMN_MAJOR)
@@ -134,7 +137,7 @@ def _candidates(dtype: torch.dtype, out_features: int) -> list[LinearLayout]:
         or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     ):
         layouts.append(LinearLayout.ONEDNN)
-    if panels_offered(dtype, out_features):
+    if panels and panels_offered(dtype, out_features):
         layouts.append(LinearLayout.PANELS)
     return layouts
 
@@ -252,7 +255,7 @@ def choose_linear_layouts(
         if key not in choices:
             if layout is LinearLayout.AUTO:
                 choices[key] = _tune(shape, dtype, large_m)
-            elif layout in _candidates(dtype, shape[0]):
+            elif layout in _candidates(dtype, shape[0], panels=layout is LinearLayout.PANELS):
                 choices[key] = Choice(shape, dtype, layout, {})
             else:
                 raise ValueError(
