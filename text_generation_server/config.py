@@ -47,9 +47,8 @@ class ServerConfig:
     collective_timeout_s: float = 60.0  # longest wait in one collective before the shard stops
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # transformers attn_implementation (eager, sdpa, ...)
-    linear_layout: str = (
-        "auto"  # CPU linear weights: auto (measured) | plain | column-major | onednn | panels
-    )
+    # CPU linear weights: auto (measured) | plain | column-major | onednn | panels
+    linear_layout: str = "auto"
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE  # tokens per KV-cache block (tgis_native)
     cpu_attention: str = "auto"  # paged decode attention on CPU: auto | kernel (ours, C++) | sdpa
     quantize: str | None = None  # QUANTIZE: None, or a scheme of text_generation_common/quantize.py

@@ -1,7 +1,7 @@
 """Our C++ decode attention (kernels/csrc/paged_decode_cpu.cpp) against SDPA over the same keys,
 the transposed-key cache layout it reads, and how CPU_ATTENTION behaves where it cannot build;
-the LoRA kernel (kernels/csrc/lora_cpu.cpp) against a per-token float reference; the float32
-linear over panels of 16 outputs (kernels/csrc/panel_cpu.cpp) against torch's linear: every tail
+the LoRA kernel (kernels/csrc/lora_cpu.cpp) against a per-token float reference; the float32 and
+bfloat16 linear over panels of 16 outputs (kernels/csrc/panel_cpu.cpp) against torch's linear: every tail
 of its 6-row register tiles, blocks of prompt rows, biases, leading dimensions, what it refuses."""
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ over the head's weights; 0.18-0.23 ms against 0.33-0.51 ms for the bf16 product 
 512, one row, on the 2-core AMX Xeon); from 8 rows on AMX CPUs the head is one bf16 product and
 the argmax of its logits.
 
-`panel_linear` (csrc/panel_cpu.cpp) is the float32 product of weight_layout.py's `panels` layout
-(weights packed in panels of 16 outputs, register tiles of 6 rows x 16 outputs on AVX2 + FMA).
+`panel_linear` (csrc/panel_cpu.cpp) is the float32 / bfloat16 product of weight_layout.py's
+`panels` layout (weights packed in panels of 16 outputs, register tiles of 6 rows x 16 outputs on
+AVX2 + FMA, float32 sums).
 
 The library is compiled with `-O3 -march=native` for the CPU it runs on, so its build directory
 (under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) is named after the source and

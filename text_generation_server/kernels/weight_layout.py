@@ -64,45 +64,48 @@ class LinearLayout(enum.Enum):
     PANELS = "panels"
 
 
-class OneDnnLinear(torch.nn.Module):
-    """A Linear whose weight lives in oneDNN's blocked format (inference only)."""
+class PackedLinear(torch.nn.Module):
+    """A Linear whose weight was repacked once for a kernel (inference only); subclasses say how
+    (`pack`) and multiply (`forward`)."""
 
-    def __init__(self, linear: torch.nn.Linear, batch_hint: int) -> None:
+    layout: LinearLayout
+
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
         # Model code reads `weight.dtype` (T5 casts activations to it): shape and dtype without
         # data, so that anything computing with it fails loudly instead of reading garbage.
         self.weight = torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.layout.value}"
+
+
+class OneDnnLinear(PackedLinear):
+    """A Linear whose weight lives in oneDNN's blocked format."""
+
+    layout = LinearLayout.ONEDNN
+
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int) -> None:
+        super().__init__(linear, torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
-
-class PanelLinear(torch.nn.Module):
+class PanelLinear(PackedLinear):
     """A float32 or bfloat16 Linear whose weight is packed in panels of 16 output channels for
-    our C++ kernel (inference only)."""
+    our C++ kernel."""
+
+    layout = LinearLayout.PANELS
 
     def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.tgis_cpu.panel_pack(linear.weight.detach())
-        self.register_buffer("packed_weight", packed, persistent=False)
-        self.bias = linear.bias
-        self.weight = torch.empty(
-            linear.weight.shape, dtype=linear.weight.dtype, device="meta"
-        )  # as OneDnnLinear
+        super().__init__(linear, torch.ops.tgis_cpu.panel_pack(linear.weight.detach()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tgis_cpu.panel_linear(x, self.packed_weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels"
 
 
 @dataclass(frozen=True, slots=True)

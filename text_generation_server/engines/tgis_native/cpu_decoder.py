@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from text_generation_server.attention.layout import StepLayout
-from text_generation_server.kernels.weight_layout import OneDnnLinear, PanelLinear
+from text_generation_server.kernels.weight_layout import OneDnnLinear, PackedLinear
 from text_generation_server.kv.paged_kv import PagedKVCache
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
 from text_generation_server.quantization import Int8Linear
@@ -111,14 +111,10 @@ class Projection(NamedTuple):
 def _linear(module: Any) -> Projection:
     """A projection's weights as decoder_cpu.cpp takes them."""
     base = getattr(module, "base", module)  # a LoRA wrapper: the base module's weights
-    if isinstance(base, OneDnnLinear):
+    if isinstance(base, PackedLinear):  # decoder_cpu.cpp knows panels by their 3 dimensions
         packed = base.packed_weight
         assert isinstance(packed, torch.Tensor)
-        return Projection(packed, base.bias, True)
-    if isinstance(base, PanelLinear):  # decoder_cpu.cpp knows panels by their 3 dimensions
-        packed = base.packed_weight
-        assert isinstance(packed, torch.Tensor)
-        return Projection(packed, base.bias, False)
+        return Projection(packed, base.bias, isinstance(base, OneDnnLinear))
     if isinstance(base, Int8Linear):
         bias = base.bias_float
         assert bias is None or isinstance(bias, torch.Tensor)

@@ -7,9 +7,9 @@
 // oneDNN's packed linear or our panels where the engine chose that layout), decode rows'
 // attention on our paged decode kernel (paged_decode_cpu.cpp), prompt tokens' attention on SDPA
 // as the modules' path does it (attention/paged.py), and the elementwise parts (RMS norm,
-// residual adds, rotary embedding, KV cache writes) as loops that round where transformers' Llama code rounds (every
-// elementwise result to the model's dtype, the norm's statistics in float), in parallel over
-// tokens where a step has many.
+// residual adds, rotary embedding, KV cache writes) as loops that round where transformers'
+// Llama code rounds (every elementwise result to the model's dtype, the norm's statistics in
+// float), in parallel over tokens where a step has many.
 //
 // The step's T new tokens are packed, as in attention/layout.py's StepLayout:
 //   embeddings [T, hidden]          their input embeddings

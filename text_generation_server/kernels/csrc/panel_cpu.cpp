@@ -13,7 +13,7 @@
 // With AVX2 and FMA each task (a run of panels) multiplies blocks of up to 6 rows of x by one
 // panel: 6 x 16 sums in 12 registers, one panel row of 16 weights (two vectors) loaded per input
 // channel and each row's x broadcast against it (the register tile of BLIS's Haswell kernel).
-// A panel (64 bytes per input channel) streams through L1 once per block of 6 rows; prompts go in
+// A panel (64 bytes per input channel in float32) streams through L1 once per block of 6 rows; prompts go in
 // blocks of kRowBlock rows so that those rows of x stay in L2 while every panel passes, and where
 // a panel outgrows L1 (more than 512 inputs) in slices of kSlice inputs whose part of the panel
 // stays in L1 while the block's rows pass (the sums so far kept in y between slices). The sums
@@ -47,7 +47,6 @@ constexpr int64_t kSlice = 256;    // input channels of a panel (16 KiB) kept in
 
 #if defined(TGIS_PANELS_AVX2)
 
-// y[r][0..15] = x[r] . panel (+ bias) for R <= 6 rows of x (row stride ldx), y row stride ldy.
 // input channel k's 16 weights of a panel as two float32 vectors
 inline void load_weights(const float* panel, int64_t k, __m256& b0, __m256& b1) {
   b0 = _mm256_loadu_ps(panel + k * kPanel);
@@ -60,6 +59,8 @@ inline void load_weights(const c10::BFloat16* panel, int64_t k, __m256& b0, __m2
   b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(halves, 1)), 16));
 }
 
+// y[r][0..15] = x[r] . panel[k0, k1) for R <= 6 rows of x (row stride ldx), y row stride ldy:
+// the first slice of the inputs (k0 = 0) adds the bias, later ones add to the sums stored before.
 template <int R, typename W>
 inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, const float* bias, float* y,
                  int64_t ldy) {
@@ -79,10 +80,10 @@ inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_
     TGIS_ROW(0) TGIS_ROW(1) TGIS_ROW(2) TGIS_ROW(3) TGIS_ROW(4) TGIS_ROW(5)
 #undef TGIS_ROW
   }
-  // the first slice of the inputs adds the bias; later ones add to the sums stored before
   const bool first = k0 == 0;
-  const __m256 d0 = !first ? _mm256_setzero_ps() : bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 d1 = !first ? _mm256_setzero_ps() : bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  const bool biased = first && bias != nullptr;
+  const __m256 d0 = biased ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 d1 = biased ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
 #define TGIS_STORE(r)                                                                                  \
   if constexpr (R > r) {                                                                               \
     float* yr = y + r * ldy;                                                                           \
@@ -162,6 +163,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   const float* xp = rows.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  const float* wp = halves ? nullptr : panels.data_ptr<float>();
+  const c10::BFloat16* hp = halves ? panels.data_ptr<c10::BFloat16>() : nullptr;
   // decode steps (up to one tile of rows) read each panel once, whole, and so do all steps where
   // a panel fits in L1; otherwise the inputs go in slices whose part of a panel stays in L1 while
   // all the block's rows pass
@@ -174,11 +177,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
           const int64_t k1 = std::min(in, k0 + slice);
           const float* bias_p = bp != nullptr ? bp + p * kPanel : nullptr;
           if (halves) {
-            rows_through_panel(xp, in, panels.data_ptr<c10::BFloat16>() + p * in * kPanel, k0, k1, bias_p,
-                               yp + p * kPanel, out, first, last);
+            rows_through_panel(xp, in, hp + p * in * kPanel, k0, k1, bias_p, yp + p * kPanel, out, first, last);
           } else {
-            rows_through_panel(xp, in, panels.data_ptr<float>() + p * in * kPanel, k0, k1, bias_p,
-                               yp + p * kPanel, out, first, last);
+            rows_through_panel(xp, in, wp + p * in * kPanel, k0, k1, bias_p, yp + p * kPanel, out, first, last);
           }
         }
       }
