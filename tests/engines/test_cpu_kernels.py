@@ -223,6 +223,32 @@ def test_panel_linear_on_a_model_sized_product_and_leading_dimensions(kernel) ->
     )
 
 
+@pytest.mark.parametrize(
+    ("rows", "inputs"),
+    [
+        (3, 1100),  # a decode step: rows widened on the calling thread, sums rounded as the tiles store them
+        (13, 1100),  # a prompt over wide inputs: float32 sums between slices, rounded once at the end
+        (160, 512),  # a prompt of more values than are widened in place: at::Tensor::to widens them
+    ],
+)
+def test_panel_linear_in_bfloat16_rounds_the_float32_sums_once_on_every_path(
+    kernel, rows: int, inputs: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(64, inputs, generator=gen) / inputs**0.5).bfloat16()
+    bias = torch.randn(64, generator=gen).bfloat16()
+    x = torch.randn(rows, inputs, generator=gen).bfloat16()
+    x[0, 5] = float("nan")  # a NaN stays NaN through the rounding
+    got = _product(x, weight, bias)
+    exact = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 64)
+    assert got[0].isnan().all() and not got[1:].isnan().any()
+    # within one bfloat16 step everywhere (the float32 sums' order differs from torch's, which can
+    # move a rounding by one step), and equal nearly everywhere (truncating would miss half)
+    torch.testing.assert_close(got[1:].float(), exact[1:].float(), rtol=8e-3, atol=1e-5)
+    assert (got[1:] == exact[1:]).float().mean() > 0.97
+
+
 def test_panel_linear_refuses_what_does_not_fit(kernel) -> None:
     with pytest.raises(RuntimeError, match=r"out_features \(40\) must be a multiple of 16"):
         torch.ops.tgis_cpu.panel_pack(torch.randn(40, 8))

@@ -18,6 +18,9 @@
 // a panel outgrows L1 (more than 512 inputs) in slices of kSlice inputs whose part of the panel
 // stays in L1 while the block's rows pass (the sums so far kept in y between slices). The sums
 // live in named registers: an array of vectors indexed in a loop goes through the stack with GCC.
+// In bfloat16 the tiles round their sums as they store them wherever the inputs go in one slice,
+// and a decode step's few rows of x are widened on the calling thread: no float32 copy of x or y
+// passes through at::Tensor::to (two dispatches that cost a decode step's linear 10-15 us).
 // Elsewhere plain loops (the layout is only offered where AVX2 and FMA are).
 //
 // Built with the other CPU kernels by text_generation_server/kernels/cpu_kernels.py as
@@ -31,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -59,10 +63,32 @@ inline void load_weights(const c10::BFloat16* panel, int64_t k, __m256& b0, __m2
   b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(halves, 1)), 16));
 }
 
+// 16 sums (two vectors) to y: float32 as they are; bfloat16 rounded to nearest even, NaN as
+// 0xFFFF (what at::Tensor::to(kBFloat16) stores on AVX2)
+inline void store16(float* y, __m256 lo, __m256 hi) {
+  _mm256_storeu_ps(y, lo);
+  _mm256_storeu_ps(y + 8, hi);
+}
+
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
+  return _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), rounded, ordered);
+}
+
+inline void store16(c10::BFloat16* y, __m256 lo, __m256 hi) {
+  // packus interleaves the 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7): put them back in order
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi)), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), packed);
+}
+
 // y[r][0..15] = x[r] . panel[k0, k1) for R <= 6 rows of x (row stride ldx), y row stride ldy:
-// the first slice of the inputs (k0 = 0) adds the bias, later ones add to the sums stored before.
-template <int R, typename W>
-inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, const float* bias, float* y,
+// the first slice of the inputs (k0 = 0) adds the bias, later ones add to the sums stored before
+// (float32 y only: a bfloat16 y is written by tasks whose one slice is all the inputs).
+template <int R, typename W, typename Y>
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, const float* bias, Y* y,
                  int64_t ldy) {
   __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
          c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
@@ -84,24 +110,27 @@ inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_
   const bool biased = first && bias != nullptr;
   const __m256 d0 = biased ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 d1 = biased ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  const auto before = [first](const Y* yr, __m256 d) {
+    if constexpr (std::is_same_v<Y, float>) return first ? d : _mm256_loadu_ps(yr);
+    return d;
+  };
 #define TGIS_STORE(r)                                                                                  \
   if constexpr (R > r) {                                                                               \
-    float* yr = y + r * ldy;                                                                           \
-    _mm256_storeu_ps(yr, _mm256_add_ps(c##r##0, first ? d0 : _mm256_loadu_ps(yr)));                    \
-    _mm256_storeu_ps(yr + 8, _mm256_add_ps(c##r##1, first ? d1 : _mm256_loadu_ps(yr + 8)));            \
+    Y* yr = y + r * ldy;                                                                               \
+    store16(yr, _mm256_add_ps(c##r##0, before(yr, d0)), _mm256_add_ps(c##r##1, before(yr + 8, d1)));   \
   }
   TGIS_STORE(0) TGIS_STORE(1) TGIS_STORE(2) TGIS_STORE(3) TGIS_STORE(4) TGIS_STORE(5)
 #undef TGIS_STORE
 }
 
 // Rows [first, last) of x through input channels [k0, k1) of one panel.
-template <typename W>
+template <typename W, typename Y>
 void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, int64_t k1, const float* bias,
-                        float* y, int64_t out, int64_t first, int64_t last) {
+                        Y* y, int64_t out, int64_t first, int64_t last) {
   int64_t r = first;
   for (; r + kTile <= last; r += kTile) tile<6>(x + r * in, in, panel, k0, k1, bias, y + r * out, out);
   const float* xr = x + r * in;
-  float* yr = y + r * out;
+  Y* yr = y + r * out;
   switch (last - r) {
     case 5: tile<5>(xr, in, panel, k0, k1, bias, yr, out); break;
     case 4: tile<4>(xr, in, panel, k0, k1, bias, yr, out); break;
@@ -114,9 +143,9 @@ void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, 
 
 #else
 
-template <typename W>
+template <typename W, typename Y>
 void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, int64_t k1, const float* bias,
-                        float* y, int64_t out, int64_t first, int64_t last) {
+                        Y* y, int64_t out, int64_t first, int64_t last) {
   for (int64_t r = first; r < last; ++r) {
     float sums[kPanel] = {};
     for (int64_t k = k0; k < k1; ++k) {
@@ -124,13 +153,29 @@ void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, 
       for (int64_t j = 0; j < kPanel; ++j) sums[j] += a * static_cast<float>(panel[k * kPanel + j]);
     }
     for (int64_t j = 0; j < kPanel; ++j) {
-      const float before = k0 > 0 ? y[r * out + j] : (bias != nullptr ? bias[j] : 0.f);
-      y[r * out + j] = sums[j] + before;
+      const float before = k0 > 0 ? static_cast<float>(y[r * out + j]) : (bias != nullptr ? bias[j] : 0.f);
+      y[r * out + j] = static_cast<Y>(sums[j] + before);
     }
   }
 }
 
 #endif
+
+// dst[0, n) = src[0, n) widened to float32 (exact)
+void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(TGIS_PANELS_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Rows of a bfloat16 x up to this many values are widened here, on the calling thread (one pass
+// over a few KiB); more go through at::Tensor::to, whose passes run on all threads.
+constexpr int64_t kWidenHere = int64_t{1} << 16;
 
 at::Tensor panel_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
@@ -155,20 +200,37 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == out, "panel_linear: bias of ", b.numel(), " values for ", out, " outputs");
   }
-  const at::Tensor rows = x.reshape({-1, in}).to(at::kFloat).contiguous();  // bfloat16: widened once
+  const at::Tensor rows = x.reshape({-1, in}).contiguous();
   const int64_t m = rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
-  at::Tensor y = at::empty({m, out}, rows.options());
-  const float* xp = rows.data_ptr<float>();
+  // bfloat16 rows in float32: a decode step's few rows widened here, a prompt's by at::Tensor::to
+  std::vector<float> widened;
+  at::Tensor wide;
+  const float* xp = nullptr;
+  if (!halves) {
+    xp = rows.data_ptr<float>();
+  } else if (m * in <= kWidenHere) {
+    widened.resize(m * in);
+    widen(rows.data_ptr<c10::BFloat16>(), widened.data(), m * in);
+    xp = widened.data();
+  } else {
+    wide = rows.to(at::kFloat);
+    xp = wide.data_ptr<float>();
+  }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
   const float* wp = halves ? nullptr : panels.data_ptr<float>();
   const c10::BFloat16* hp = halves ? panels.data_ptr<c10::BFloat16>() : nullptr;
   // decode steps (up to one tile of rows) read each panel once, whole, and so do all steps where
   // a panel fits in L1; otherwise the inputs go in slices whose part of a panel stays in L1 while
   // all the block's rows pass
   const int64_t slice = m > kTile && in > 2 * kSlice ? kSlice : in;
+  // With one slice a bfloat16 product rounds its sums as the tiles store them; with several the
+  // sums between slices stay in float32 and are rounded once at the end.
+  const bool round_in_tiles = halves && slice == in;
+  at::Tensor y = at::empty({m, out}, rows.options().dtype(round_in_tiles || !halves ? x.scalar_type() : at::kFloat));
+  float* yf = round_in_tiles ? nullptr : y.data_ptr<float>();
+  c10::BFloat16* yh = round_in_tiles ? y.data_ptr<c10::BFloat16>() : nullptr;
   for (int64_t first = 0; first < m; first += kRowBlock) {
     const int64_t last = std::min(m, first + kRowBlock);
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
@@ -176,16 +238,18 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
         for (int64_t k0 = 0; k0 < in; k0 += slice) {
           const int64_t k1 = std::min(in, k0 + slice);
           const float* bias_p = bp != nullptr ? bp + p * kPanel : nullptr;
-          if (halves) {
-            rows_through_panel(xp, in, hp + p * in * kPanel, k0, k1, bias_p, yp + p * kPanel, out, first, last);
+          if (yh != nullptr) {
+            rows_through_panel(xp, in, hp + p * in * kPanel, k0, k1, bias_p, yh + p * kPanel, out, first, last);
+          } else if (halves) {
+            rows_through_panel(xp, in, hp + p * in * kPanel, k0, k1, bias_p, yf + p * kPanel, out, first, last);
           } else {
-            rows_through_panel(xp, in, wp + p * in * kPanel, k0, k1, bias_p, yp + p * kPanel, out, first, last);
+            rows_through_panel(xp, in, wp + p * in * kPanel, k0, k1, bias_p, yf + p * kPanel, out, first, last);
           }
         }
       }
     });
   }
-  return y.to(x.scalar_type()).view(shape);
+  return (y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type())).view(shape);
 }
 
 }  // namespace
