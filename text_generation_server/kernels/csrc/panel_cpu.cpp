@@ -16,8 +16,12 @@
 // A panel (64 bytes per input channel in float32) streams through L1 once per block of 6 rows; prompts go in
 // blocks of kRowBlock rows so that those rows of x stay in L2 while every panel passes, and where
 // a panel outgrows L1 (more than 512 inputs) in slices of kSlice inputs whose part of the panel
-// stays in L1 while the block's rows pass (the sums so far kept in y between slices). The sums
-// live in named registers: an array of vectors indexed in a loop goes through the stack with GCC.
+// stays in L1 while the block's rows pass (the sums so far kept in y between slices, each slice
+// going on from them: every output is one chain of FMAs over its inputs in order, the bias last,
+// whatever the rows, slices or tiles, so a row's outputs never depend on the rows beside it).
+// Steps of 1-3 rows take 2-4 panels at a time (tile_group): one panel's 2-6 sums are too few
+// independent FMA chains to hide the instruction's latency. The sums live in named registers: an
+// array of vectors indexed in a loop goes through the stack with GCC.
 // In bfloat16 the tiles round their sums as they store them wherever the inputs go in one slice,
 // and a decode step's few rows of x are widened on the calling thread: no float32 copy of x or y
 // passes through at::Tensor::to (two dispatches that cost a decode step's linear 10-15 us).
@@ -58,9 +62,10 @@ inline void load_weights(const float* panel, int64_t k, __m256& b0, __m256& b1) 
 }
 
 inline void load_weights(const c10::BFloat16* panel, int64_t k, __m256& b0, __m256& b1) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
-  b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(halves)), 16));
-  b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(halves, 1)), 16));
+  // each half loaded by the widening instruction itself (no 256-bit load and lane extract)
+  const __m128i* halves = reinterpret_cast<const __m128i*>(panel + k * kPanel);
+  b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(halves)), 16));
+  b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(halves + 1)), 16));
 }
 
 // 16 sums (two vectors) to y: float32 as they are; bfloat16 rounded to nearest even, NaN as
@@ -84,16 +89,27 @@ inline void store16(c10::BFloat16* y, __m256 lo, __m256 hi) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), packed);
 }
 
-// y[r][0..15] = x[r] . panel[k0, k1) for R <= 6 rows of x (row stride ldx), y row stride ldy:
-// the first slice of the inputs (k0 = 0) adds the bias, later ones add to the sums stored before
-// (float32 y only: a bfloat16 y is written by tasks whose one slice is all the inputs).
+// y[r][0..15] = x[r] . panel[k0, k1) (+ bias after input channel in - 1) for R <= 6 rows of x
+// (row stride ldx), y row stride ldy. A slice after the first goes on from the sums the slices
+// before stored (float32 y: a bfloat16 y is written by tasks whose one slice is all the inputs),
+// so every sum runs input channel by input channel, the bias last, however the inputs are sliced:
+// a row's outputs do not depend on how many rows go with it.
 template <int R, typename W, typename Y>
-inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, const float* bias, Y* y,
-                 int64_t ldy) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
-         c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
-         c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(),
-         c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, int64_t in, const float* bias,
+                 Y* y, int64_t ldy) {
+  const __m256 z = _mm256_setzero_ps();
+  __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+  if constexpr (std::is_same_v<Y, float>) {
+    if (k0 > 0) {
+#define TGIS_LOAD(r)                                \
+  if constexpr (R > r) {                            \
+    c##r##0 = _mm256_loadu_ps(y + r * ldy);         \
+    c##r##1 = _mm256_loadu_ps(y + r * ldy + 8);     \
+  }
+      TGIS_LOAD(0) TGIS_LOAD(1) TGIS_LOAD(2) TGIS_LOAD(3) TGIS_LOAD(4) TGIS_LOAD(5)
+#undef TGIS_LOAD
+    }
+  }
   for (int64_t k = k0; k < k1; ++k) {
     __m256 b0, b1, a;
     load_weights(panel, k, b0, b1);
@@ -106,21 +122,79 @@ inline void tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_
     TGIS_ROW(0) TGIS_ROW(1) TGIS_ROW(2) TGIS_ROW(3) TGIS_ROW(4) TGIS_ROW(5)
 #undef TGIS_ROW
   }
-  const bool first = k0 == 0;
-  const bool biased = first && bias != nullptr;
-  const __m256 d0 = biased ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 d1 = biased ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  const auto before = [first](const Y* yr, __m256 d) {
-    if constexpr (std::is_same_v<Y, float>) return first ? d : _mm256_loadu_ps(yr);
-    return d;
-  };
-#define TGIS_STORE(r)                                                                                  \
-  if constexpr (R > r) {                                                                               \
-    Y* yr = y + r * ldy;                                                                               \
-    store16(yr, _mm256_add_ps(c##r##0, before(yr, d0)), _mm256_add_ps(c##r##1, before(yr + 8, d1)));   \
+  const bool biased = k1 == in && bias != nullptr;
+  const __m256 d0 = biased ? _mm256_loadu_ps(bias) : z;
+  const __m256 d1 = biased ? _mm256_loadu_ps(bias + 8) : z;
+#define TGIS_STORE(r)                                                                       \
+  if constexpr (R > r) {                                                                    \
+    store16(y + r * ldy, _mm256_add_ps(c##r##0, d0), _mm256_add_ps(c##r##1, d1));           \
   }
   TGIS_STORE(0) TGIS_STORE(1) TGIS_STORE(2) TGIS_STORE(3) TGIS_STORE(4) TGIS_STORE(5)
 #undef TGIS_STORE
+}
+
+// R <= 3 rows of x (row stride ldx) through G panels side by side, all `in` input channels: one
+// panel holds 2R sums, too few to hide the FMA's latency (4 cycles on Zen 3: a decode step of one
+// row ran at a quarter of the FMA units' rate); G panels give 2GR independent sums. Every sum is
+// taken in the order tile<R> takes it (input channel by input channel, the bias last), so a row's
+// outputs do not depend on how many rows or panels go with it.
+template <int R, int G, typename W, typename Y>
+inline void tile_group(const float* x, int64_t ldx, const W* panel, int64_t in, const float* bias, Y* y,
+                       int64_t ldy) {
+  static_assert(R >= 1 && R <= 3 && G >= 1 && G <= 4 && 2 * G * R <= 12, "tile_group: up to 12 sums");
+  const __m256 z = _mm256_setzero_ps();
+  // c<panel><row><half>: the ones a <R, G> does not use are never live
+  __m256 c000 = z, c001 = z, c010 = z, c011 = z, c020 = z, c021 = z, c100 = z, c101 = z, c110 = z, c111 = z,
+         c120 = z, c121 = z, c200 = z, c201 = z, c210 = z, c211 = z, c220 = z, c221 = z, c300 = z, c301 = z,
+         c310 = z, c311 = z, c320 = z, c321 = z;
+  for (int64_t k = 0; k < in; ++k) {
+    __m256 a0 = _mm256_broadcast_ss(x + k), a1 = z, a2 = z;
+    if constexpr (R > 1) a1 = _mm256_broadcast_ss(x + ldx + k);
+    if constexpr (R > 2) a2 = _mm256_broadcast_ss(x + 2 * ldx + k);
+#define TGIS_PANEL(g)                                    \
+  if constexpr (G > g) {                                 \
+    __m256 w0, w1;                                       \
+    load_weights(panel + g * in * kPanel, k, w0, w1);    \
+    c##g##00 = _mm256_fmadd_ps(a0, w0, c##g##00);        \
+    c##g##01 = _mm256_fmadd_ps(a0, w1, c##g##01);        \
+    if constexpr (R > 1) {                               \
+      c##g##10 = _mm256_fmadd_ps(a1, w0, c##g##10);      \
+      c##g##11 = _mm256_fmadd_ps(a1, w1, c##g##11);      \
+    }                                                    \
+    if constexpr (R > 2) {                               \
+      c##g##20 = _mm256_fmadd_ps(a2, w0, c##g##20);      \
+      c##g##21 = _mm256_fmadd_ps(a2, w1, c##g##21);      \
+    }                                                    \
+  }
+    TGIS_PANEL(0) TGIS_PANEL(1) TGIS_PANEL(2) TGIS_PANEL(3)
+#undef TGIS_PANEL
+  }
+#define TGIS_STORE(g, r)                                                                           \
+  if constexpr (G > g && R > r) {                                                                  \
+    const float* b = bias != nullptr ? bias + g * kPanel : nullptr;                                \
+    const __m256 d0 = b != nullptr ? _mm256_loadu_ps(b) : z, d1 = b != nullptr ? _mm256_loadu_ps(b + 8) : z; \
+    store16(y + r * ldy + g * kPanel, _mm256_add_ps(c##g##r##0, d0), _mm256_add_ps(c##g##r##1, d1)); \
+  }
+  TGIS_STORE(0, 0) TGIS_STORE(0, 1) TGIS_STORE(0, 2) TGIS_STORE(1, 0) TGIS_STORE(1, 1) TGIS_STORE(1, 2)
+  TGIS_STORE(2, 0) TGIS_STORE(2, 1) TGIS_STORE(2, 2) TGIS_STORE(3, 0) TGIS_STORE(3, 1) TGIS_STORE(3, 2)
+#undef TGIS_STORE
+}
+
+// R <= 3 rows of x through panels [begin, end), all input channels: 4 panels at a time for one
+// row, 2 for two or three, the rest one by one.
+template <int R, typename W, typename Y>
+void few_rows_through(const float* x, int64_t in, const W* panels, int64_t begin, int64_t end, const float* bias,
+                      Y* y, int64_t out) {
+  constexpr int G = R == 1 ? 4 : 2;
+  int64_t p = begin;
+  for (; p + G <= end; p += G) {
+    tile_group<R, G>(x, in, panels + p * in * kPanel, in, bias != nullptr ? bias + p * kPanel : nullptr,
+                     y + p * kPanel, out);
+  }
+  for (; p < end; ++p) {
+    tile_group<R, 1>(x, in, panels + p * in * kPanel, in, bias != nullptr ? bias + p * kPanel : nullptr,
+                     y + p * kPanel, out);
+  }
 }
 
 // Rows [first, last) of x through input channels [k0, k1) of one panel.
@@ -128,15 +202,15 @@ template <typename W, typename Y>
 void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, int64_t k1, const float* bias,
                         Y* y, int64_t out, int64_t first, int64_t last) {
   int64_t r = first;
-  for (; r + kTile <= last; r += kTile) tile<6>(x + r * in, in, panel, k0, k1, bias, y + r * out, out);
+  for (; r + kTile <= last; r += kTile) tile<6>(x + r * in, in, panel, k0, k1, in, bias, y + r * out, out);
   const float* xr = x + r * in;
   Y* yr = y + r * out;
   switch (last - r) {
-    case 5: tile<5>(xr, in, panel, k0, k1, bias, yr, out); break;
-    case 4: tile<4>(xr, in, panel, k0, k1, bias, yr, out); break;
-    case 3: tile<3>(xr, in, panel, k0, k1, bias, yr, out); break;
-    case 2: tile<2>(xr, in, panel, k0, k1, bias, yr, out); break;
-    case 1: tile<1>(xr, in, panel, k0, k1, bias, yr, out); break;
+    case 5: tile<5>(xr, in, panel, k0, k1, in, bias, yr, out); break;
+    case 4: tile<4>(xr, in, panel, k0, k1, in, bias, yr, out); break;
+    case 3: tile<3>(xr, in, panel, k0, k1, in, bias, yr, out); break;
+    case 2: tile<2>(xr, in, panel, k0, k1, in, bias, yr, out); break;
+    case 1: tile<1>(xr, in, panel, k0, k1, in, bias, yr, out); break;
     default: break;
   }
 }
@@ -148,14 +222,23 @@ void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, 
                         Y* y, int64_t out, int64_t first, int64_t last) {
   for (int64_t r = first; r < last; ++r) {
     float sums[kPanel] = {};
+    for (int64_t j = 0; j < kPanel && k0 > 0; ++j) sums[j] = static_cast<float>(y[r * out + j]);
     for (int64_t k = k0; k < k1; ++k) {
       const float a = x[r * in + k];
       for (int64_t j = 0; j < kPanel; ++j) sums[j] += a * static_cast<float>(panel[k * kPanel + j]);
     }
     for (int64_t j = 0; j < kPanel; ++j) {
-      const float before = k0 > 0 ? static_cast<float>(y[r * out + j]) : (bias != nullptr ? bias[j] : 0.f);
-      y[r * out + j] = static_cast<Y>(sums[j] + before);
+      y[r * out + j] = static_cast<Y>(sums[j] + (k1 == in && bias != nullptr ? bias[j] : 0.f));
     }
+  }
+}
+
+template <int R, typename W, typename Y>
+void few_rows_through(const float* x, int64_t in, const W* panels, int64_t begin, int64_t end, const float* bias,
+                      Y* y, int64_t out) {
+  for (int64_t p = begin; p < end; ++p) {
+    rows_through_panel(x, in, panels + p * in * kPanel, 0, in, bias != nullptr ? bias + p * kPanel : nullptr,
+                       y + p * kPanel, out, 0, R);
   }
 }
 
@@ -231,6 +314,23 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   at::Tensor y = at::empty({m, out}, rows.options().dtype(round_in_tiles || !halves ? x.scalar_type() : at::kFloat));
   float* yf = round_in_tiles ? nullptr : y.data_ptr<float>();
   c10::BFloat16* yh = round_in_tiles ? y.data_ptr<c10::BFloat16>() : nullptr;
+  if (m <= 3) {  // a decode step of a few rows: several panels at a time (few_rows_through)
+    const auto through = [&](const auto* w, auto* out_p) {
+      at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+        if (m == 1) few_rows_through<1>(xp, in, w, begin, end, bp, out_p, out);
+        if (m == 2) few_rows_through<2>(xp, in, w, begin, end, bp, out_p, out);
+        if (m == 3) few_rows_through<3>(xp, in, w, begin, end, bp, out_p, out);
+      });
+    };
+    if (yh != nullptr) {
+      through(hp, yh);
+    } else if (halves) {
+      through(hp, yf);
+    } else {
+      through(wp, yf);
+    }
+    return (y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type())).view(shape);
+  }
   for (int64_t first = 0; first < m; first += kRowBlock) {
     const int64_t last = std::min(m, first + kRowBlock);
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
