@@ -314,22 +314,21 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   at::Tensor y = at::empty({m, out}, rows.options().dtype(round_in_tiles || !halves ? x.scalar_type() : at::kFloat));
   float* yf = round_in_tiles ? nullptr : y.data_ptr<float>();
   c10::BFloat16* yh = round_in_tiles ? y.data_ptr<c10::BFloat16>() : nullptr;
-  if (m <= 3) {  // a decode step of a few rows: several panels at a time (few_rows_through)
-    const auto through = [&](const auto* w, auto* out_p) {
-      at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-        if (m == 1) few_rows_through<1>(xp, in, w, begin, end, bp, out_p, out);
-        if (m == 2) few_rows_through<2>(xp, in, w, begin, end, bp, out_p, out);
-        if (m == 3) few_rows_through<3>(xp, in, w, begin, end, bp, out_p, out);
-      });
-    };
+  // a decode step of a few rows: several panels at a time (in bfloat16 always rounded in tiles)
+  const auto few_rows = [&](const auto* w, auto* y_p) {
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      if (m == 1) few_rows_through<1>(xp, in, w, begin, end, bp, y_p, out);
+      if (m == 2) few_rows_through<2>(xp, in, w, begin, end, bp, y_p, out);
+      if (m == 3) few_rows_through<3>(xp, in, w, begin, end, bp, y_p, out);
+    });
+  };
+  if (m <= 3) {
     if (yh != nullptr) {
-      through(hp, yh);
-    } else if (halves) {
-      through(hp, yf);
+      few_rows(hp, yh);
     } else {
-      through(wp, yf);
+      few_rows(wp, yf);  // float32
     }
-    return (y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type())).view(shape);
+    return y.view(shape);
   }
   for (int64_t first = 0; first < m; first += kRowBlock) {
     const int64_t last = std::min(m, first + kRowBlock);
