@@ -44,8 +44,8 @@ def test_bfloat16_asked_for_without_bf16_instructions_is_warned_about(caplog) ->
             select_dtype(name, torch.device("cpu"), frozenset(flags.split()))
     assert [r.getMessage() for r in caplog.records] == [
         "bfloat16 asked for, but the CPU has no bf16 matrix instructions (AMX-BF16, AVX512-BF16): "
-        "every bfloat16 product is widened to float32, so prompts run slower than in float32 "
-        "(decode steps read half the bytes and can be faster)"
+        "every bfloat16 product is widened to float32, so prompts can run slower than in "
+        "float32 (decode steps read half the bytes and can be faster)"
     ] * 2
     caplog.clear()
     select_dtype("bfloat16", torch.device("cuda", 0), frozenset())

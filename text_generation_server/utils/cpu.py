@@ -48,11 +48,12 @@ def emulated_dtype(dtype: torch.dtype, flags: frozenset[str]) -> str | None:
     tokens 5,821 against 950 ms, a decode step of 32 rows 117 against 42 ms (of one row 6.9
     against 9.6 ms: half the bytes to read); with the linears on our `panels` layout
     (weight_layout.py; `--compare dtypes`): 1,134 against 840 ms, 28.8 against 25.9 ms, and
-    4.7 against 6.5 ms; since its tiles group panels and round as they store: about 1,000
-    against 800 ms, 24.7 against 26.0 ms and 3.75 against 5.8 ms."""
+    4.7 against 6.5 ms; since its tiles group panels, round as they store and prompts widen
+    each panel slice once: 0.9-1.05x float32's prefill, 24.7 against 26.0 ms and 3.75 against
+    5.8 ms."""
     if dtype == torch.bfloat16 and not any(flag in flags for flag, _ in BF16_MATRIX_FLAGS):
         return (
-            f"{NO_BF16}: every bfloat16 product is widened to float32, so prompts run slower "
-            "than in float32 (decode steps read half the bytes and can be faster)"
+            f"{NO_BF16}: every bfloat16 product is widened to float32, so prompts can run "
+            "slower than in float32 (decode steps read half the bytes and can be faster)"
         )
     return None
