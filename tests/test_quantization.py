@@ -96,15 +96,18 @@ def test_every_way_computes_w8a8s_integer_products(monkeypatch, way) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype) -> None:
-    """csrc/w8a8_cpu.cpp against the definition: 1 to 70 rows (passes of 1-4 rows, blocks of 32),
-    input widths that are not multiples of 16 (the tail), 1 to 9 outputs a task's tail, weights of
-    -128; with identity weights its integers exactly, halves to even (quotients of k + 0.5) and a
-    quotient of 127.49999 at the negative extreme (-127, where a reciprocal's product gives -128)."""
+    """csrc/w8a8_cpu.cpp against the definition: 1 to 70 rows (passes of 1-4 rows, blocks of 32, a
+    row alone over pairs of tasks), input widths that are not multiples of 16 (the tail), 1 to 64
+    outputs (a task's tail, odd and even numbers of tasks a thread), a row alone giving what it
+    gives among others, weights of -128; with identity weights its integers exactly, halves to
+    even (quotients of k + 0.5) and a quotient of 127.49999 at the negative extreme (-127, where a
+    reciprocal's product gives -128)."""
     if not cpu_kernels.loads("skipped"):
         pytest.skip("our C++ kernels do not build here")
     op = torch.ops.tgis_cpu.w8a8_linear
     gen = torch.Generator().manual_seed(3)
-    shapes = ((1, 256, 40), (2, 100, 9), (3, 16, 1), (5, 33, 6), (33, 8, 3), (70, 520, 13))
+    shapes = ((1, 256, 40), (1, 100, 9), (1, 520, 64), (2, 100, 9), (3, 16, 1), (5, 33, 6), (33, 8, 3))
+    shapes += ((70, 520, 13),)
     for rows, inputs, outputs in shapes:
         ints = torch.randint(-128, 128, (outputs, inputs), generator=gen, dtype=torch.int8)
         ints[0] = -128
@@ -113,8 +116,10 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
         x[0] = x[0].abs() + 2.0
         x = x.to(dtype)
         expected = w8a8(x, ints, scales) + bias.double()
-        y = op(x, ints, scales, bias)
+        packed = torch.ops.tgis_cpu.w8a8_pack(ints)
+        y = op(x, packed, scales, bias)
         assert y.dtype == dtype and y.shape == (rows, outputs)
+        assert torch.equal(op(x[-1:], packed, scales, bias), y[-1:])
         tolerance = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
         torch.testing.assert_close(y.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
     x = torch.zeros(2, 64)
@@ -126,7 +131,7 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
     x[1, 7] = -2.1152193546295166
     identity = torch.eye(64, dtype=torch.int8)
     steps = x.abs().amax(1, keepdim=True) / 127.5
-    integers = op(x, identity, torch.ones(64), None) / steps
+    integers = op(x, torch.ops.tgis_cpu.w8a8_pack(identity), torch.ones(64), None) / steps
     expected = torch.round(x / steps).clamp(-128, 127)
     assert torch.equal(integers.round(), expected)
     assert (integers - expected).abs().max() < 1e-4

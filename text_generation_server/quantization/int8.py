@@ -21,17 +21,19 @@ CPUs without VNNI or AMX-INT8 (AVX2 only, or AVX-512 before Cascade Lake) have n
 product: oneDNN sums each pair of u8 x s8 products in 16 bits (vpmaddubsw), which saturates once
 activations near the top of their 8-bit range meet large weights (a token's output off by 13 %
 on a 2-core AMD EPYC with AVX2 only). There (`products_saturate`, probed once per process) the
-layer keeps its int8 weights as they are and our C++ kernel multiplies (csrc/w8a8_cpu.cpp: each
-token's W8A8 integers in 16 bits, pairs of products summed into 32 bits by vpmaddwd, exact; the
-definition's rounding, halves to even). On that EPYC, float32 activations, eight distinct
-layers in turn: 8192 x 2048 0.84 / 1.19 / 3.16 / 10.8 / 107 ms at 1 / 4 / 16 / 64 / 512 rows
-against 2.97 / 4.65 / 6.88 / 19.9 / 138 ms for float32 weights in oneDNN's layout; 2048 x 2048
-0.27x float32's time at 1 row, 0.82x at 64, 1.04x at 512. Where our kernels do not build, each
-token's W8A8 integers a are computed here and split into a = 2 h + l, h in [-64, 63], l in
-{0, 1}; the h rows and the l rows go through oneDNN in one call at 7-bit activation range
-(torch's `reduce_range`, whose pairs cannot overflow), with a range row of +63 and -64 so that
-the kernel's scale is 1 and its integers are h and l as given, and y = 2 y_h + y_l: the same
-integer products, exactly, for twice the rows (10x the kernel's time at 1 row on that EPYC).
+layer keeps its int8 weights, interleaved by 4 output channels and 16 inputs (a cache line a
+step), and our C++ kernel multiplies (csrc/w8a8_cpu.cpp: each token's W8A8 integers in 16 bits,
+pairs of products summed into 32 bits by vpmaddwd, exact; the definition's rounding, halves to
+even). On that EPYC, float32 activations, eight distinct layers in turn: 8192 x 2048 0.84 / 1.19
+/ 3.16 / 10.8 / 107 ms at 1 / 4 / 16 / 64 / 512 rows against 2.97 / 4.65 / 6.88 / 19.9 / 138 ms
+for float32 weights in oneDNN's layout (at 1 row, 0.78-1.07 ms before the weights were
+interleaved, 0.51-0.61 ms after); 2048 x 2048 0.27x float32's time at 1 row, 0.82x at 64, 1.04x at 512.
+Where our kernels do not build, each token's W8A8 integers a are computed here and split into
+a = 2 h + l, h in [-64, 63], l in {0, 1}; the h rows and the l rows go through oneDNN in one
+call at 7-bit activation range (torch's `reduce_range`, whose pairs cannot overflow), with a
+range row of +63 and -64 so that the kernel's scale is 1 and its integers are h and l as given,
+and y = 2 y_h + y_l: the same integer products, exactly, for twice the rows (10x the kernel's
+time at 1 row on that EPYC).
 `product_way` says which of the three ways serves.
 
 Measured on a 2-core Xeon with AMX (bf16 oneDNN linears = 1): distinct 4096-wide weights in turn
@@ -138,8 +140,9 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = ints.shape
         self.way = product_way()
         self.packed: Any = None  # oneDNN's packed weights (EIGHT_BIT, SPLIT)
-        if self.way == EXACT:  # the weights as they are, for our kernel
-            self.register_buffer("ints", ints.to(torch.int8).contiguous(), persistent=False)
+        if self.way == EXACT:  # the weights in our kernel's layout (csrc/w8a8_cpu.cpp's w8a8_pack)
+            packed = torch.ops.tgis_cpu.w8a8_pack(ints.to(torch.int8))
+            self.register_buffer("ints", packed, persistent=False)
             self.register_buffer("scales", scales.detach().float().contiguous(), persistent=False)
         else:
             self.packed = _pack(ints, scales)
@@ -172,8 +175,11 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:
-        """Bytes this layer's weight takes: int8 values and a float32 scale per output channel."""
-        return self.in_features * self.out_features + 4 * self.out_features
+        """Bytes this layer's weight takes: int8 values (in our kernel's layout, padded to whole
+        tasks of 4 outputs and 16 inputs) and a float32 scale per output channel."""
+        ints = self.ints if self.way == EXACT else None
+        values = ints.numel() if isinstance(ints, torch.Tensor) else self.in_features * self.out_features
+        return values + 4 * self.out_features
 
     def packed_bytes(self) -> int:
         """Bytes of its weights held outside its buffers (oneDNN's packed object), else 0."""

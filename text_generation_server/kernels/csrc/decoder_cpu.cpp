@@ -22,8 +22,8 @@
 //   int8       7 per layer: the oneDNN-packed int8 weights of a W8A8 layer (quantization/int8.py's
 //              Int8Linear multiplying the 8-bit way), else None; such a projection's weight slot
 //              holds its range row and its bias slot its float32 bias
-//   w8a8       7 per layer: the int8 weights [out, in] of a W8A8 layer multiplied on our exact
-//              kernel (Int8Linear's exact way, w8a8_cpu.cpp), else None; its weight slot holds
+//   w8a8       7 per layer: the int8 weights of a W8A8 layer in w8a8_cpu.cpp's layout (w8a8_pack),
+//              multiplied on our exact kernel (Int8Linear's exact way), else None; its weight slot holds
 //              its float32 scales [out] and its bias slot its float32 bias
 //   grouped, grouped_order, grouped_out
 //              7 per layer each: the weights of a layer quantized in groups of input channels

@@ -1,17 +1,21 @@
 // W8A8's product with exact integer sums on CPUs whose int8 instructions cannot give them
 // (quantization/int8.py's Int8Linear where oneDNN's 8-bit products saturate: AVX2 without VNNI).
 //
-// w8a8_linear(x [rows, in], ints [out, in] int8, scales [out] float32, bias [out] float32 or None)
+// w8a8_pack(ints [out, in] int8) -> the same weights in this kernel's layout (below);
+// w8a8_linear(x [rows, in], packed, scales [out] float32, bias [out] float32 or None)
 //   -> [rows, out] in x's dtype: each token rounded to W8A8's integers a = round(x / s) clamped to
 //   [-128, 127] with s = max |x| / 127.5 (compressed-tensors' symmetric per-token rounding, halves
 //   to even as torch.round), y = (sum_k a_k w_k) * scales[n] * s + bias, the sums exact in int32.
 //
 // With AVX2 the integers are 16-bit and vpmaddwd multiplies 16 of them by 16 weights widened from
 // their bytes, summing pairs into 32 bits (no saturation: |a w| <= 2^14): what VNNI computes, at a
-// byte read per weight. Output rows go in tasks of kOuts whose weights stay in L1 while the rows of
-// x pass through them up to 4 at a time (R x N sums in registers), the next task's weights
-// prefetched; prompts go in blocks of kRowBlock rows, whose 16-bit integers stay in L2 while all
-// tasks read them. Elsewhere plain loops (the compiler vectorizes them for its target).
+// byte read per weight. Output rows go in tasks of kOuts, whose weights are interleaved by 16
+// inputs (a cache line a step) and stored one task after the other; the rows of x pass through a
+// task's weights up to 4 at a time (R x N sums in registers) while they stay in L1; prompts go in
+// blocks of kRowBlock rows, whose 16-bit integers stay in L2 while all tasks read them. A row alone
+// (a decode step of one sequence, where the weights' bytes are the cost) reads two tasks from far
+// apart in a thread's share at once, each stream prefetched ahead. Elsewhere plain loops (the
+// compiler vectorizes them for its target).
 //
 // Built with the other CPU kernels by text_generation_server/kernels/cpu_kernels.py as
 // torch.ops.tgis_cpu.*.
@@ -81,6 +85,25 @@ float quantize_row(const float* x, int64_t in, int64_t padded, int16_t* a) {
   return step;
 }
 
+// w8a8_pack(ints [out, in] int8) -> [tasks, padded / 16, kOuts, 16] int8: task t's chunk c holds
+// inputs 16c .. 16c + 15 of outputs kOuts t .. kOuts t + kOuts - 1, 64 bytes (a cache line), and a
+// task's chunks follow each other, then the next task's: a task is one contiguous stream (with
+// the weights in rows it was 4 streams of a row's bytes each), so a row alone can read two tasks
+// at once as two streams (dot_pair). Zeros pad the inputs to a multiple of 16 and the outputs to
+// a multiple of kOuts.
+at::Tensor w8a8_pack(const at::Tensor& ints) {
+  TORCH_CHECK(ints.dim() == 2 && ints.scalar_type() == at::kChar, "ints: [out, in] int8");
+  const int64_t out_features = ints.size(0), in = ints.size(1);
+  const int64_t padded = (in + kLanes16 - 1) / kLanes16 * kLanes16, tasks = (out_features + kOuts - 1) / kOuts;
+  return at::constant_pad_nd(ints, {0, padded - in, 0, tasks * kOuts - out_features})
+      .view({tasks, kOuts, padded / kLanes16, kLanes16})
+      .permute({0, 2, 1, 3})
+      .contiguous();
+}
+
+constexpr int64_t kChunk = kOuts * kLanes16;  // bytes of a task's chunk
+constexpr int64_t kAhead = 32 * kChunk;       // how far ahead in its stream a task prefetches
+
 #if defined(__AVX2__)
 inline int32_t sum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -89,96 +112,144 @@ inline int32_t sum8(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// sums[r][j] = a_r . w_{n + j} for R rows of integers at `a` (stride `padded`) and N output rows
-// from n.
+// sums[r][first + j] = a_r . w_j for R rows of integers at `a` (stride `padded`) and outputs
+// first .. first + N - 1 of the task whose chunks start at `w`.
 template <int R, int N>
-void dot_rows(const int16_t* a, int64_t padded, const int8_t* ints, int64_t n, int64_t out_features, int64_t in,
-              int32_t sums[4][kOuts]) {
+void dot_rows(const int16_t* a, int64_t padded, const int8_t* w, int first, int32_t sums[4][kOuts]) {
   __m256i total[R][N];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < N; ++j) total[r][j] = _mm256_setzero_si256();
   }
-  const int8_t* ahead = ints + std::min(n + kOuts, std::max<int64_t>(out_features - N, 0)) * in;
-  const int64_t whole = in - in % kLanes16;
-  for (int64_t k = 0; k < whole; k += kLanes16) {
-    if ((k & 63) == 0) {
-      for (int j = 0; j < N; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * in + k), _MM_HINT_T0);
-    }
-    __m256i w[N];
+  const int8_t* chunk = w + first * kLanes16;
+  for (int64_t k = 0; k < padded; k += kLanes16, chunk += kChunk) {
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead), _MM_HINT_T0);
+    __m256i weights[N];
     for (int j = 0; j < N; ++j) {
-      w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + (n + j) * in + k)));
+      weights[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + j * kLanes16)));
     }
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * padded + k));
-      for (int j = 0; j < N; ++j) total[r][j] = _mm256_add_epi32(total[r][j], _mm256_madd_epi16(x, w[j]));
+      for (int j = 0; j < N; ++j) total[r][j] = _mm256_add_epi32(total[r][j], _mm256_madd_epi16(x, weights[j]));
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < N; ++j) {
-      int32_t s = sum8(total[r][j]);
-      const int8_t* w = ints + (n + j) * in;
-      for (int64_t k = whole; k < in; ++k) s += static_cast<int32_t>(a[r * padded + k]) * w[k];
-      sums[r][j] = s;
-    }
+    for (int j = 0; j < N; ++j) sums[r][first + j] = sum8(total[r][j]);
   }
 }
 
-// R rows of integers times output rows [n, n + count), count <= kOuts: N = 4 outputs a pass for up
-// to 2 rows, 2 for 3-4 (sums, weights and x in 11-13 of AVX2's 16 registers).
+// R rows of integers times a task's kOuts outputs: all 4 in one pass for up to 2 rows, 2 a pass
+// for 3-4 (sums, weights and x in 11-14 of AVX2's 16 registers).
 template <int R>
-void dot_task(const int16_t* a, int64_t padded, const int8_t* ints, int64_t n, int64_t count, int64_t out_features,
-              int64_t in, int32_t sums[4][kOuts]) {
+void dot_task(const int16_t* a, int64_t padded, const int8_t* w, int32_t sums[4][kOuts]) {
   constexpr int N = R <= 2 ? 4 : 2;
-  int32_t part[4][kOuts];
-  int64_t j = 0;
-  for (; j + N <= count; j += N) {
-    dot_rows<R, N>(a, padded, ints, n + j, out_features, in, part);
-    for (int r = 0; r < R; ++r) std::copy(part[r], part[r] + N, sums[r] + j);
+  for (int first = 0; first < kOuts; first += N) dot_rows<R, N>(a, padded, w, first, sums);
+}
+
+// One row of integers times two tasks' outputs, their chunks at `w0` and `w1` far apart in the
+// weights: two streams from memory at once (one stream at a time read 21-25 GB/s of weights on
+// two cores of an AVX2 EPYC, two 30-38).
+void dot_pair(const int16_t* a, int64_t padded, const int8_t* w0, const int8_t* w1, int32_t sums0[4][kOuts],
+              int32_t sums1[4][kOuts]) {
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, u0 = s0, u1 = s0, u2 = s0, u3 = s0;
+  auto product = [](__m256i x, const int8_t* w) {
+    return _mm256_madd_epi16(x, _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  };
+  for (int64_t k = 0; k < padded; k += kLanes16, w0 += kChunk, w1 += kChunk) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + kAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + kAhead), _MM_HINT_T0);
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + k));
+    s0 = _mm256_add_epi32(s0, product(x, w0));
+    s1 = _mm256_add_epi32(s1, product(x, w0 + kLanes16));
+    s2 = _mm256_add_epi32(s2, product(x, w0 + 2 * kLanes16));
+    s3 = _mm256_add_epi32(s3, product(x, w0 + 3 * kLanes16));
+    u0 = _mm256_add_epi32(u0, product(x, w1));
+    u1 = _mm256_add_epi32(u1, product(x, w1 + kLanes16));
+    u2 = _mm256_add_epi32(u2, product(x, w1 + 2 * kLanes16));
+    u3 = _mm256_add_epi32(u3, product(x, w1 + 3 * kLanes16));
   }
-  for (; j < count; ++j) {
-    dot_rows<R, 1>(a, padded, ints, n + j, out_features, in, part);
-    for (int r = 0; r < R; ++r) sums[r][j] = part[r][0];
-  }
+  sums0[0][0] = sum8(s0), sums0[0][1] = sum8(s1), sums0[0][2] = sum8(s2), sums0[0][3] = sum8(s3);
+  sums1[0][0] = sum8(u0), sums1[0][1] = sum8(u1), sums1[0][2] = sum8(u2), sums1[0][3] = sum8(u3);
 }
 #endif
 
-// sums[r][j] for up to 4 rows and kOuts outputs.
-void dot(int64_t rows, const int16_t* a, int64_t padded, const int8_t* ints, int64_t n, int64_t count,
-         int64_t out_features, int64_t in, int32_t sums[4][kOuts]) {
+// sums[r][j] for up to 4 rows and a task's kOuts outputs, its chunks at `w`.
+void dot(int64_t rows, const int16_t* a, int64_t padded, const int8_t* w, int32_t sums[4][kOuts]) {
 #if defined(__AVX2__)
   switch (rows) {
-    case 1: dot_task<1>(a, padded, ints, n, count, out_features, in, sums); return;
-    case 2: dot_task<2>(a, padded, ints, n, count, out_features, in, sums); return;
-    case 3: dot_task<3>(a, padded, ints, n, count, out_features, in, sums); return;
-    default: dot_task<4>(a, padded, ints, n, count, out_features, in, sums); return;
+    case 1: dot_task<1>(a, padded, w, sums); return;
+    case 2: dot_task<2>(a, padded, w, sums); return;
+    case 3: dot_task<3>(a, padded, w, sums); return;
+    default: dot_task<4>(a, padded, w, sums); return;
   }
 #else
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < count; ++j) {
-      const int8_t* w = ints + (n + j) * in;
+    for (int64_t j = 0; j < kOuts; ++j) {
       const int16_t* x = a + r * padded;
       int32_t s = 0;
-      for (int64_t k = 0; k < in; ++k) s += static_cast<int32_t>(x[k]) * w[k];
+      for (int64_t k = 0; k < padded; ++k) {
+        s += static_cast<int32_t>(x[k]) * w[k / kLanes16 * kChunk + j * kLanes16 + k % kLanes16];
+      }
       sums[r][j] = s;
     }
   }
 #endif
 }
 
-at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& ints, const at::Tensor& scales,
+// Rows of y from their integer sums. A row's outputs must not depend on the path that summed
+// them (a row alone or among others): with AVX2 the sums of a task's outputs are scaled in one
+// 4-lane expression, whose rounding is the same wherever it runs (compiled loops were vectorized
+// differently for one row and for several, and -ffast-math let their products round differently).
+struct Epilogue {
+  float* y;
+  const float* scale;   // [out]: the weights' scales
+  const float* steps;   // [rows]: the tokens' steps
+  const float* offset;  // [out]: the bias, or nullptr
+  int64_t out_features;
+
+  // rows r0 .. r0 + pass - 1 of y for a task's outputs
+  void store(int64_t task, int64_t r0, int64_t pass, const int32_t sums[4][kOuts]) const {
+    const int64_t n = task * kOuts, count = std::min(kOuts, out_features - n);
+#if defined(__AVX2__)
+    alignas(16) float scales[kOuts] = {}, bias[kOuts] = {}, values[kOuts];
+    for (int64_t j = 0; j < count; ++j) {
+      scales[j] = scale[n + j];
+      bias[j] = offset == nullptr ? 0.0f : offset[n + j];
+    }
+    const __m128 by = _mm_load_ps(scales), plus = _mm_load_ps(bias);
+    for (int64_t r = 0; r < pass; ++r) {
+      const __m128 sum = _mm_cvtepi32_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sums[r])));
+      _mm_store_ps(values, _mm_add_ps(_mm_mul_ps(_mm_mul_ps(sum, by), _mm_set1_ps(steps[r0 + r])), plus));
+      std::copy(values, values + count, y + (r0 + r) * out_features + n);
+    }
+#else
+    for (int64_t r = 0; r < pass; ++r) {
+      float* out = y + (r0 + r) * out_features + n;
+      for (int64_t j = 0; j < count; ++j) {
+        const float value = static_cast<float>(sums[r][j]) * scale[n + j] * steps[r0 + r];
+        out[j] = offset == nullptr ? value : value + offset[n + j];
+      }
+    }
+#endif
+  }
+};
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(ints.dim() == 2 && ints.scalar_type() == at::kChar && ints.is_contiguous(),
-              "ints: contiguous [out, in] int8");
-  const int64_t out_features = ints.size(0), in = ints.size(1);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == out_features,
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1,
               "scales: contiguous float32 [out]");
+  TORCH_CHECK(x.dim() == 2, "x: [rows, in]");
+  const int64_t out_features = scales.numel(), in = x.size(1);
+  const int64_t rows = x.size(0), padded = (in + kLanes16 - 1) / kLanes16 * kLanes16;
+  const int64_t tasks = (out_features + kOuts - 1) / kOuts;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == tasks && packed.size(1) == padded / kLanes16 && packed.size(2) == kOuts &&
+                  packed.size(3) == kLanes16,
+              "packed: w8a8_pack's int8 weights for ", out_features, " outputs of ", in, " inputs");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                     bias->numel() == out_features),
               "bias: contiguous float32 [out]");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in, "x: [rows, in]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "x: float32, bfloat16 or float16");
-  const int64_t rows = x.size(0), padded = (in + kLanes16 - 1) / kLanes16 * kLanes16;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor a = at::empty({rows, padded}, x.options().dtype(at::kShort));
   at::Tensor steps = at::empty({rows}, xf.options());
@@ -189,27 +260,32 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& ints, const at::Te
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) sp[r] = quantize_row(xp + r * in, in, padded, ap + r * padded);
   });
-  const int8_t* wp = ints.data_ptr<int8_t>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
   const float* scale = scales.data_ptr<float>();
   const float* offset = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t tasks = (out_features + kOuts - 1) / kOuts;
+  const int64_t task_bytes = padded * kOuts;
+  const Epilogue finish{yp, scale, sp, offset, out_features};
   for (int64_t block = 0; block < rows; block += kRowBlock) {
     const int64_t block_rows = std::min(kRowBlock, rows - block);
     at::parallel_for(0, tasks, 4, [&](int64_t begin, int64_t end) {
-      int32_t sums[4][kOuts];
+      int32_t sums[4][kOuts], more[4][kOuts];
+#if defined(__AVX2__)
+      if (block_rows == 1) {  // a thread's tasks from the two halves of its share at once
+        const int64_t half = (end - begin) / 2;
+        for (int64_t task = begin; task < begin + half; ++task) {
+          dot_pair(ap + block * padded, padded, wp + task * task_bytes, wp + (task + half) * task_bytes, sums, more);
+          finish.store(task, block, 1, sums);
+          finish.store(task + half, block, 1, more);
+        }
+        begin += 2 * half;
+      }
+#endif
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t n = task * kOuts, count = std::min(kOuts, out_features - n);
         for (int64_t r0 = block; r0 < block + block_rows; r0 += 4) {
           const int64_t pass = std::min<int64_t>(4, block + block_rows - r0);
-          dot(pass, ap + r0 * padded, padded, wp, n, count, out_features, in, sums);
-          for (int64_t r = 0; r < pass; ++r) {
-            float* out = yp + (r0 + r) * out_features + n;
-            for (int64_t j = 0; j < count; ++j) {
-              const float value = static_cast<float>(sums[r][j]) * scale[n + j] * sp[r0 + r];
-              out[j] = offset == nullptr ? value : value + offset[n + j];
-            }
-          }
+          dot(pass, ap + r0 * padded, padded, wp + task * task_bytes, sums);
+          finish.store(task, r0, pass, sums);
         }
       }
     });
@@ -220,7 +296,11 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& ints, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
-  m.def("w8a8_linear(Tensor x, Tensor ints, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("w8a8_pack(Tensor ints) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) { m.impl("w8a8_linear", &w8a8_linear); }
+TORCH_LIBRARY_IMPL(tgis_cpu, CPU, m) {
+  m.impl("w8a8_pack", &w8a8_pack);
+  m.impl("w8a8_linear", &w8a8_linear);
+}
