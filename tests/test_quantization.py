@@ -99,9 +99,9 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
     """csrc/w8a8_cpu.cpp against the definition: 1 to 70 rows (passes of 1-4 rows, blocks of 32, a
     row alone over pairs of tasks), input widths that are not multiples of 16 (the tail), 1 to 64
     outputs (a task's tail, odd and even numbers of tasks a thread), a row alone giving what it
-    gives among others, weights of -128; with identity weights its integers exactly, halves to
-    even (quotients of k + 0.5) and a quotient of 127.49999 at the negative extreme (-127, where a
-    reciprocal's product gives -128)."""
+    gives among others, bfloat16 and float16 outputs that are the float32 ones rounded, weights of
+    -128; with identity weights its integers exactly, halves to even (quotients of k + 0.5) and a
+    quotient of 127.49999 at the negative extreme (-127, where a reciprocal's product gives -128)."""
     if not cpu_kernels.loads("skipped"):
         pytest.skip("our C++ kernels do not build here")
     op = torch.ops.tgis_cpu.w8a8_linear
@@ -120,6 +120,8 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
         y = op(x, packed, scales, bias)
         assert y.dtype == dtype and y.shape == (rows, outputs)
         assert torch.equal(op(x[-1:], packed, scales, bias), y[-1:])
+        if dtype != torch.float32:  # written in x's dtype: the float32 outputs rounded once
+            assert torch.equal(y, op(x.float(), packed, scales, bias).to(dtype))
         tolerance = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
         torch.testing.assert_close(y.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
     x = torch.zeros(2, 64)

@@ -22,6 +22,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,6 +31,8 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -199,11 +203,14 @@ void dot(int64_t rows, const int16_t* a, int64_t padded, const int8_t* w, int32_
 // them (a row alone or among others): with AVX2 the sums of a task's outputs are scaled in one
 // 4-lane expression, whose rounding is the same wherever it runs (compiled loops were vectorized
 // differently for one row and for several, and -ffast-math let their products round differently).
+// y is written in x's dtype as it is stored (a float32 value rounded once, as at::Tensor::to
+// rounds it), with no float32 copy of y to convert afterwards.
 struct Epilogue {
-  float* y;
-  const float* scale;   // [out]: the weights' scales
-  const float* steps;   // [rows]: the tokens' steps
-  const float* offset;  // [out]: the bias, or nullptr
+  void* y;
+  at::ScalarType dtype;  // y's: float32, bfloat16 or float16
+  const float* scale;    // [out]: the weights' scales
+  const float* steps;    // [rows]: the tokens' steps
+  const float* offset;   // [out]: the bias, or nullptr
   int64_t out_features;
 
   // rows r0 .. r0 + pass - 1 of y for a task's outputs
@@ -219,19 +226,44 @@ struct Epilogue {
     for (int64_t r = 0; r < pass; ++r) {
       const __m128 sum = _mm_cvtepi32_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sums[r])));
       _mm_store_ps(values, _mm_add_ps(_mm_mul_ps(_mm_mul_ps(sum, by), _mm_set1_ps(steps[r0 + r])), plus));
-      std::copy(values, values + count, y + (r0 + r) * out_features + n);
+      put(values, (r0 + r) * out_features + n, count);
     }
 #else
+    float values[kOuts];
     for (int64_t r = 0; r < pass; ++r) {
-      float* out = y + (r0 + r) * out_features + n;
       for (int64_t j = 0; j < count; ++j) {
         const float value = static_cast<float>(sums[r][j]) * scale[n + j] * steps[r0 + r];
-        out[j] = offset == nullptr ? value : value + offset[n + j];
+        values[j] = offset == nullptr ? value : value + offset[n + j];
       }
+      put(values, (r0 + r) * out_features + n, count);
     }
 #endif
   }
+
+  // y[at, at + count) = values, in y's dtype
+  void put(const float* values, int64_t at, int64_t count) const {
+    switch (dtype) {
+      case at::kBFloat16: std::copy(values, values + count, static_cast<c10::BFloat16*>(y) + at); return;
+      case at::kHalf: std::copy(values, values + count, static_cast<c10::Half*>(y) + at); return;
+      default: std::copy(values, values + count, static_cast<float*>(y) + at); return;
+    }
+  }
 };
+
+// Rows [begin, end) of x as W8A8's integers and their steps; a bfloat16 or float16 row is widened
+// here first (exact), one row at a time.
+template <typename T>
+void quantize_rows(const T* x, int64_t begin, int64_t end, int64_t in, int64_t padded, int16_t* a, float* steps) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t r = begin; r < end; ++r) steps[r] = quantize_row(x + r * in, in, padded, a + r * padded);
+  } else {
+    std::vector<float> row(in);
+    for (int64_t r = begin; r < end; ++r) {
+      std::copy(x + r * in, x + (r + 1) * in, row.begin());
+      steps[r] = quantize_row(row.data(), in, padded, a + r * padded);
+    }
+  }
+}
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
@@ -250,22 +282,24 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "bias: contiguous float32 [out]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "x: float32, bfloat16 or float16");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
   at::Tensor a = at::empty({rows, padded}, x.options().dtype(at::kShort));
-  at::Tensor steps = at::empty({rows}, xf.options());
-  at::Tensor y = at::empty({rows, out_features}, xf.options());
-  const float* xp = xf.data_ptr<float>();
+  at::Tensor steps = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({rows, out_features}, x.options());
   int16_t* ap = a.data_ptr<int16_t>();
   float* sp = steps.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) sp[r] = quantize_row(xp + r * in, in, padded, ap + r * padded);
+    switch (x.scalar_type()) {
+      case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), begin, end, in, padded, ap, sp); return;
+      case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), begin, end, in, padded, ap, sp); return;
+      default: quantize_rows(xc.data_ptr<float>(), begin, end, in, padded, ap, sp); return;
+    }
   });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* scale = scales.data_ptr<float>();
   const float* offset = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
   const int64_t task_bytes = padded * kOuts;
-  const Epilogue finish{yp, scale, sp, offset, out_features};
+  const Epilogue finish{y.data_ptr(), y.scalar_type(), scale, sp, offset, out_features};
   for (int64_t block = 0; block < rows; block += kRowBlock) {
     const int64_t block_rows = std::min(kRowBlock, rows - block);
     at::parallel_for(0, tasks, 4, [&](int64_t begin, int64_t end) {
@@ -290,7 +324,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       }
     });
   }
-  return y.to(x.scalar_type());
+  return y;
 }
 
 }  // namespace
