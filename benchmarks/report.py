@@ -357,7 +357,13 @@ def _breakdown_lines(results: dict[str, Any]) -> list[str]:
                         fmt(pre.get("mean_call_ms")),
                     ]
                 ),
-                f"{int(nxt.get('calls', 0))} / {fmt(nxt.get('mean_batch_size'))}",
+                " / ".join(
+                    [
+                        str(int(nxt.get("calls", 0))),
+                        fmt(nxt.get("mean_batch_size")),
+                        fmt(nxt.get("steps_per_call")),
+                    ]
+                ),
                 " / ".join(fmt(nxt.get(f"mean_{k}_ms"), 2) for k in ("call", "forward", "guided", "tokproc")),
                 " / ".join(
                     f"{100 * (pre.get(k, 0.0) + nxt.get(k, 0.0)):.0f}%"
@@ -371,8 +377,8 @@ def _breakdown_lines(results: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     header = (["system"] if len(keys) > 1 else []) + [
-        "c", "prefill calls / mean batch / ms", "decode calls / mean batch",
-        "decode ms: shard call / forward / guided mask / router tokproc",
+        "c", "prefill calls / mean batch / ms", "decode calls / mean batch / steps per call",
+        "decode ms: shard call / forward (per step) / guided mask / router tokproc",
         "wall share: forward / shard calls / tokproc",
         "batcher idle", "queue ms", "router CPU: share / µs per out token",
     ]  # fmt: skip

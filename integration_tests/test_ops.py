@@ -173,6 +173,11 @@ def test_metrics_after_a_scripted_workload(metrics_server: Server) -> None:
             m[("tgi_batch_inference_duration_count", (("makeup", "single_only"), ("method", method)))]
             == calls
         )
+        forwards = m[
+            ("tgi_batch_inference_forward_duration_count", (("makeup", "single_only"), ("method", method)))
+        ]
+        # one per forward: a prefill is one, a decode call may run several steps (MAX_DECODE_STEPS)
+        assert forwards == calls if method == "prefill" else forwards >= calls
     assert m[("tgi_queue_size", ())] == 0 and m[("tgi_batch_max_remaining_tokens", ())] == 0
 
 

@@ -253,6 +253,8 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
 @options.max_waiting_tokens
 @options.stream_interval
 @options.max_stream_interval
+@options.max_decode_steps
+@options.max_decode_call_ms
 @options.port
 @options.grpc_port
 @click.option(

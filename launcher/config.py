@@ -91,6 +91,8 @@ class LaunchFlags:
     max_waiting_tokens: int = router_defaults.DEFAULT_MAX_WAITING_TOKENS
     stream_interval: int = 1
     max_stream_interval: int = 0
+    max_decode_steps: int = router_defaults.DEFAULT_MAX_DECODE_STEPS
+    max_decode_call_ms: float = router_defaults.DEFAULT_MAX_DECODE_CALL_MS
     port: int = router_defaults.DEFAULT_PORT
     grpc_port: int = router_defaults.DEFAULT_GRPC_PORT
     shard_uds_path: str | None = None
@@ -142,6 +144,8 @@ class LaunchConfig:
     max_waiting_tokens: int
     stream_interval: int  # the router's STREAM_INTERVAL
     max_stream_interval: int  # and MAX_STREAM_INTERVAL (0 = fixed)
+    max_decode_steps: int  # the router's MAX_DECODE_STEPS
+    max_decode_call_ms: float  # and MAX_DECODE_CALL_MS
     port: int  # HTTP /health and /metrics
     grpc_port: int  # external gRPC API
     shard_uds_path: str  # shard i listens on f"{shard_uds_path}-{i}"
@@ -459,6 +463,8 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         max_waiting_tokens=flags.max_waiting_tokens,
         stream_interval=flags.stream_interval,
         max_stream_interval=resolve_max_stream_interval(flags),
+        max_decode_steps=flags.max_decode_steps,
+        max_decode_call_ms=flags.max_decode_call_ms,
         port=flags.port,
         grpc_port=flags.grpc_port,
         shard_uds_path=flags.shard_uds_path or default_uds_path(),
@@ -611,6 +617,10 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         str(config.stream_interval),
         "--max-stream-interval",
         str(config.max_stream_interval),
+        "--max-decode-steps",
+        str(config.max_decode_steps),
+        "--max-decode-call-ms",
+        str(config.max_decode_call_ms),
         "--port",
         str(config.port),
         "--grpc-port",

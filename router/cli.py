@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 @options.max_waiting_tokens
 @options.stream_interval
 @options.max_stream_interval
+@options.max_decode_steps
+@options.max_decode_call_ms
 @options.port
 @options.grpc_port
 @click.option(
@@ -108,6 +110,8 @@ def main(
     max_waiting_tokens: int,
     stream_interval: int,
     max_stream_interval: int,
+    max_decode_steps: int,
+    max_decode_call_ms: float,
     port: int,
     grpc_port: int,
     tokenization_workers: int,
@@ -147,6 +151,8 @@ def main(
             max_waiting_tokens=max_waiting_tokens,
             stream_interval=stream_interval,
             max_stream_interval=max_stream_interval,
+            max_decode_steps=max_decode_steps,
+            max_decode_call_ms=max_decode_call_ms,
             port=port,
             grpc_port=grpc_port,
             tokenization_workers=tokenization_workers,

@@ -82,6 +82,25 @@ max_stream_interval = click.option(
     "saturation and one fewer once the load falls; 0 = --stream-interval, fixed "
     "[env MAX_STREAM_INTERVAL].",
 )
+max_decode_steps = click.option(
+    "--max-decode-steps",
+    envvar="MAX_DECODE_STEPS",
+    type=click.IntRange(min=1),
+    default=defaults.DEFAULT_MAX_DECODE_STEPS,
+    help="While no request waits and every running one has its first token, one shard call runs "
+    "up to this many decode steps and answers their tokens together (one round trip for "
+    "several tokens per request), as many as fit in --max-decode-call-ms; 1 = one step per "
+    "call (TGIS) [env MAX_DECODE_STEPS].",
+)
+max_decode_call_ms = click.option(
+    "--max-decode-call-ms",
+    envvar="MAX_DECODE_CALL_MS",
+    type=click.FloatRange(min=0),
+    default=defaults.DEFAULT_MAX_DECODE_CALL_MS,
+    help="The longest the forwards of one several-step decode call may take, by the last calls' "
+    "forward time per step: a request that arrives meanwhile waits at most this long more to "
+    "join, and streams get their tokens at least this often [env MAX_DECODE_CALL_MS].",
+)
 port = click.option(
     "--port",
     "-p",

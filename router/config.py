@@ -22,6 +22,8 @@ from text_generation_common.defaults import (
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 DEFAULT_MAX_PREFILL_PADDING = 0.2
 DEFAULT_MAX_WAITING_TOKENS = 24
+DEFAULT_MAX_DECODE_STEPS = 8
+DEFAULT_MAX_DECODE_CALL_MS = 25.0
 DEFAULT_PORT = 3000
 DEFAULT_GRPC_PORT = 8033
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -55,6 +57,10 @@ class RouterConfig:
     # above stream_interval: messages carry up to this many tokens while the event loop is
     # saturated (router/core/pacing.py); 0 = stream_interval, fixed
     max_stream_interval: int = 0
+    # while nothing waits: decode steps one shard call may run (their tokens answered together),
+    # and the longest their forwards may take (router/scheduling/batcher.py); 1 = one per call
+    max_decode_steps: int = DEFAULT_MAX_DECODE_STEPS
+    max_decode_call_ms: float = DEFAULT_MAX_DECODE_CALL_MS
     port: int = DEFAULT_PORT  # HTTP: /health (and /metrics)
     grpc_port: int = DEFAULT_GRPC_PORT
     host: str = "0.0.0.0"  # a server in a container listens on every interface
@@ -100,6 +106,10 @@ class RouterConfig:
                 f"max_stream_interval ({self.max_stream_interval}) must be 0 or at least "
                 f"stream_interval ({self.stream_interval})"
             )
+        if self.max_decode_steps < 1:
+            raise ValueError(f"max_decode_steps must be >= 1, got {self.max_decode_steps}")
+        if self.max_decode_call_ms < 0:
+            raise ValueError(f"max_decode_call_ms must be >= 0, got {self.max_decode_call_ms}")
         if bool(self.tls_cert_path) != bool(self.tls_key_path):
             raise ValueError("tls: must provide both cert and key")
         if self.tls_client_ca_cert_path and not self.tls_cert_path:

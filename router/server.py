@@ -189,6 +189,8 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         join_in_step=info.chunked_prefill,
         eager_joins=info.eager_joins,
         pacing=pacing,
+        max_decode_steps=config.max_decode_steps,
+        max_decode_call_s=config.max_decode_call_ms / 1000,
     )
     client.on_adapter_state = metrics.adapter_cache
     validator = Validator(

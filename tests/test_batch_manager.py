@@ -79,11 +79,12 @@ def summary(output: StepOutput | None) -> Any:
     return output.batch_id, tokens, errors
 
 
-def drive(manager: BatchManager, ahead: str) -> dict[int, list[int]]:
+def drive(manager: BatchManager, ahead: str, steps: int = 1) -> dict[int, list[int]]:
     """Play a router: two batches that join, greedy and seeded sampling rows, requests that
     finish at different steps and are pruned by the next call; returns every request's tokens.
     `ahead`: when the manager runs ahead: never, always (after every call, as the server does),
-    or not after the join (the merged call finds one batch stepped ahead and one not)."""
+    or not after the join (the merged call finds one batch stepped ahead and one not); `steps`:
+    decode steps per NextToken."""
     answers: list[Any] = []
     tokens: dict[int, list[int]] = {}
     generated: dict[int, int] = {}
@@ -98,6 +99,8 @@ def drive(manager: BatchManager, ahead: str) -> dict[int, list[int]]:
             return
         assert not output.errors
         for g in output.generations:
+            if generated.get(g.request_id, 0) == limits[g.request_id]:
+                continue  # past its end: stepped ahead of the call that prunes it
             generated[g.request_id] = generated.get(g.request_id, 0) + 1
             tokens.setdefault(g.request_id, []).append(g.token.token_id)
 
@@ -116,7 +119,7 @@ def drive(manager: BatchManager, ahead: str) -> dict[int, list[int]]:
         absorb(output, join=bool(prune))
 
     def step(batch_ids: list[int]) -> int | None:
-        output = manager.next_token(refs(batch_ids))
+        output = manager.next_token(refs(batch_ids), steps=steps)
         absorb(output)
         if output is None or output.batch_id is None:
             return None
@@ -131,7 +134,7 @@ def drive(manager: BatchManager, ahead: str) -> dict[int, list[int]]:
     current: int | None = step([1, 2])
     while current is not None:
         current = step([current])
-    assert len(answers) > 8 and answers[-1] is None  # the run went to its end
+    assert len(answers) > 8 // steps and answers[-1] is None  # the run went to its end
     assert all(generated[r] == limits[r] for r in limits)
     return tokens
 
@@ -143,6 +146,56 @@ def test_running_ahead_gives_the_tokens_of_the_calls(engine, ahead) -> None:
     assert drive(BatchManager(engine, 8), ahead) == expected
     # the joining batch's rows never had a decode step of their own: they waited for the merge
     assert all(ids != [4, 5] for first, ids in engine.stepped if not first)
+
+
+@pytest.mark.parametrize("ahead", ["never", "always"])
+def test_calls_of_several_steps_give_the_tokens_of_single_steps(engine, ahead) -> None:
+    expected = drive(BatchManager(engine, 8), "never")
+    past_their_end: list[int] = []
+    inner = engine.generate_token
+
+    def checking(batch, token_budget=0):
+        past_their_end.extend(batch.done_ids())
+        return inner(batch, token_budget)
+
+    engine.generate_token = checking  # type: ignore[method-assign]
+    assert drive(BatchManager(engine, 8), ahead, steps=3) == expected
+    if ahead == "never":  # (a step run ahead may take a row one past its end: its K/V fits)
+        assert past_their_end == []  # no step of a call takes a row that had all its tokens
+
+
+def test_a_call_of_several_steps_reports_them_and_stops_where_every_request_ends(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 3), request(2, 5)], [])  # each has its first token
+    steps = engine.steps
+    output = manager.next_token([CachedBatchRef(1)], steps=8)
+    assert output is not None and output.batch_id == 1
+    assert [g.request_id for g in output.generations] == [1, 2, 1, 2, 2, 2]  # step after step
+    assert output.steps == engine.steps - steps == 4 and output.forward_ns > 0
+    assert engine.stepped[-2:] == [(False, [2]), (False, [2])]  # request 1 left with its 3rd token
+    assert engine.released == [1]
+    assert manager.next_token([CachedBatchRef(1, (1, 2))], steps=8) is None and len(manager) == 0
+
+
+def test_a_step_failing_within_a_call_fails_the_next_call_and_the_tokens_before_it_come(engine) -> None:
+    seen: list[Exception] = []
+    manager = BatchManager(engine, 8, on_step_failure=seen.append)
+    manager.prefill(1, [request(1, 6)], [])
+    failure = RuntimeError("engine fault")
+    inner = engine.generate_token
+
+    def second_fails(batch, token_budget=0):
+        if engine.steps == 2:
+            engine.fail_next = failure
+        return inner(batch, token_budget)
+
+    engine.generate_token = second_fails  # type: ignore[method-assign]
+    output = manager.next_token([CachedBatchRef(1)], steps=4)
+    assert output is not None and [g.request_id for g in output.generations] == [1]
+    assert output.steps == 1 and output.batch_id == 1 and seen == [failure]
+    with pytest.raises(RuntimeError) as info:
+        manager.next_token([CachedBatchRef(1)])
+    assert info.value is failure and len(manager) == 0
 
 
 def test_rows_that_join_a_step_run_ahead_are_pending_and_step_with_the_others(engine) -> None:
@@ -378,14 +431,17 @@ def native_engine(tiny_model) -> TgisNativeEngine:
     return TgisNativeEngine(config)
 
 
-@pytest.mark.parametrize("ahead", ["always", "not after the join"])
-def test_pipelined_steps_give_the_tokens_of_the_calls(native_engine, ahead) -> None:
+@pytest.mark.parametrize(("ahead", "steps"), [("always", 1), ("not after the join", 1), ("always", 3)])
+def test_pipelined_steps_give_the_tokens_of_the_calls(native_engine, ahead, steps) -> None:
     """Greedy, seeded and penalised rows, requests ending at different steps (pruned while the
-    step after theirs is in flight), batches merging beside a step in flight."""
+    step after theirs is in flight), batches merging beside a step in flight; `steps` per call."""
     expected = drive(BatchManager(Pipelined(native_engine, pipelined=False), 8), "always")
     engine = Pipelined(native_engine)
-    assert drive(BatchManager(engine, 8), ahead) == expected
-    assert engine.launches >= 8 and engine.most_in_flight == 2 and engine.in_flight == 0
+    assert drive(BatchManager(engine, 8), ahead, steps) == expected
+    # one batch's step in flight and the next launched before it is read; with several steps a
+    # call, the joining batch runs ahead while the last step of the first is still in flight
+    assert engine.launches >= 8 and engine.most_in_flight == (2 if steps == 1 else 3)
+    assert engine.in_flight == 0
     assert native_engine.kv.pool.used == 0  # every request's blocks went back
 
 

@@ -145,6 +145,7 @@ def test_smoke_json_has_every_field_and_sane_numbers(smoke_run: Path) -> None:
     for point in ours["points"]:
         breakdown = point["server_breakdown"]
         assert breakdown["next_token"]["calls"] > 0 and breakdown["prefill"]["calls"] > 0
+        assert breakdown["prefill"]["steps_per_call"] == 1 and breakdown["next_token"]["steps_per_call"] >= 1
         assert breakdown["router_cpu_s"] > 0 and 0 < breakdown["router_cpu_share"] < 2
 
     for key in ("engine_only", "hf_generate"):

@@ -127,6 +127,7 @@ def result_to_pb(out: StepOutput) -> pb.GenerateResult:
         pending_ids=out.pending,
         guided_mask_ns=out.guided_mask_ns,
         speculation=[pb.Speculation(proposed=x.proposed, accepted=x.accepted) for x in out.speculation],
+        steps=out.steps,
     )
     add = result.tokens.add  # one step's tokens, filled in place (a third of building each message)
     for g in out.generations:
@@ -236,6 +237,7 @@ def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTok
             else None
         ),
         speculation=[Speculation(x.proposed, x.accepted) for x in result.speculation],
+        steps=result.steps,
     )
 
 

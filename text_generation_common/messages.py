@@ -190,7 +190,8 @@ class StepOutput:
     """The result of one prefill or decode call: every live request of the call is answered by
     generations, an error, or a pending id (still running, no token this step, e.g. its prompt is
     only partly computed). A request has one generation per step, or several in order when the
-    engine speculates (their candidate tokens verified in the step's forward)."""
+    engine speculates (their candidate tokens verified in the step's forward); an output of a
+    call that ran several steps (NextTokenRequest.steps) carries each step's in turn."""
 
     generations: list[Generation] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
@@ -201,6 +202,7 @@ class StepOutput:
     kv_cache: KvCacheState | None = None  # KV_BLOCKS engines: the cache after this step
     guided_mask_ns: int = 0  # guided decoding: token masks and matchers (0: no constrained row)
     speculation: list[Speculation] = field(default_factory=list)  # one per row that speculated
+    steps: int = 0  # forwards whose tokens this output carries (forward_ns is their sum)
 
     @property
     def request_ids(self) -> list[int]:
@@ -225,12 +227,14 @@ class StepOutput:
             self.kv_cache,
             self.guided_mask_ns,
             self.speculation,
+            self.steps,
         )
 
     @classmethod
     def merged(cls, outputs: Sequence[StepOutput]) -> StepOutput:
-        """One output answering every request of `outputs` (forward time summed: at most one
-        of them ran a forward, see BatchManager.run_ahead; the KV cache as the last left it)."""
+        """One output answering every request of `outputs`, in their order (several steps'
+        tokens for a request stay in the order of the outputs); forward time and steps summed,
+        the KV cache as the last left it."""
         states = [o.kv_cache for o in outputs if o.kv_cache is not None]
         return cls(
             [g for o in outputs for g in o.generations],
@@ -241,6 +245,7 @@ class StepOutput:
             kv_cache=states[-1] if states else None,
             guided_mask_ns=sum(o.guided_mask_ns for o in outputs),
             speculation=[s for o in outputs for s in o.speculation],
+            steps=sum(o.steps for o in outputs),
         )
 
 

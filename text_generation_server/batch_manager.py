@@ -29,6 +29,12 @@ read by the next run ahead (after launching the one after it) or by the call tha
 What a call prunes is dropped from the step in flight when it is read; requests that join
 beside a step in flight are answered as pending until a step covers them.
 
+Several steps per call (NextToken's `steps`): the call's step is followed by more steps on
+the batch it leaves cached, each taken as a step run ahead is (rows that had max_new_tokens
+leave first), their tokens answered together, so that one round trip with the router carries
+several tokens per request. A step that fails there is reported by the next call, as a step
+that failed ahead; the tokens before it are answered.
+
 After every call (and ClearCache) the manager tells the engine which requests left its batches
 (`engine.release`): finished and cancelled ones pruned, rows that failed, batches dropped as
 stale or lost with a failed step, the health check's request. What an engine keeps for a
@@ -257,11 +263,13 @@ class BatchManager:
 
     def _generate(self, batch: Batch) -> tuple[StepOutput, Batch | None]:
         try:
-            return self.engine.generate_token(batch, self._token_budget)
+            output, survivor = self.engine.generate_token(batch, self._token_budget)
         except Exception as exc:
             if self._on_step_failure is not None:
                 self._on_step_failure(exc)
             raise
+        output.steps = 1
+        return output, survivor
 
     def prefill(
         self,
@@ -292,12 +300,17 @@ class BatchManager:
         return self._with_kv_state(output)
 
     def next_token(
-        self, refs: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
+        self,
+        refs: Sequence[CachedBatchRef],
+        token_budget: int = 0,
+        join: NewBatch | None = None,
+        steps: int = 1,
     ) -> StepOutput | None:
         """Prune and merge the referenced batches and run one decode step (or deliver the step
         run ahead on them); `token_budget` as in prefill. `join` (engines with chunked prefill):
         new requests merged in after them without a forward of their own: their prompts are
-        computed in this step, or answered as pending when the step was run ahead.
+        computed in this step, or answered as pending when the step was run ahead. `steps`:
+        up to that many steps in all, answered together (module docstring).
 
         Returns None when every referenced request had completed and none joined. Cached batches
         that are not referenced are stale (the router no longer tracks them) and are dropped.
@@ -317,9 +330,41 @@ class BatchManager:
         self._token_budget = token_budget
         try:
             output = self._next_token(refs, join)
+            if output is not None and steps > 1:
+                output = self._more_steps(output, steps - 1)
         finally:
             self._settle(join.requests if join is not None else ())
         return self._with_kv_state(output) if output is not None else None
+
+    def _more_steps(self, output: StepOutput, steps: int) -> StepOutput:
+        """`output` followed by up to `steps` more steps of the batch it left cached, while any
+        of its requests may generate; their tokens merged in step order."""
+        batch_id = output.batch_id
+        outputs = [output]
+        while batch_id is not None and len(outputs) <= steps:
+            cached = self._cache.get(batch_id)
+            if cached is None or isinstance(cached, Ahead) or not self._may_step(cached):
+                break
+            del self._cache[batch_id]
+            if isinstance(cached, InFlight):
+                ahead = self._read(cached, launch_next=True)
+            else:
+                done = cached.done_ids()
+                batch = cached.prune(done) if done else cached
+                assert batch is not None, "a batch that may step has a request that may generate"
+                ahead = self._step_ahead(batch)
+            if ahead.error is not None:  # reported by the next call that references the batch
+                self._cache[batch_id] = ahead
+                break
+            outputs.append(ahead.output)
+            carried = ahead.carried()
+            if carried is None:
+                batch_id = None
+            else:
+                self._cache[batch_id] = carried
+        merged = StepOutput.merged(outputs)
+        merged.batch_id = batch_id
+        return merged
 
     def _check_join(self, join: NewBatch, refs: Sequence[CachedBatchRef]) -> None:
         if not self.engine.info.chunked_prefill:
@@ -397,6 +442,8 @@ class BatchManager:
             outputs = [self.engine.finish(launched) for launched in flight.launched]
         except Exception as exc:
             return self._failed_ahead(exc)
+        for one in outputs:
+            one.steps = 1
         output = StepOutput.merged(outputs)
         if flight.dropped:
             output = output.without(flight.dropped)

@@ -173,6 +173,7 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
             refs,
             request.token_budget,
             join,
+            max(1, request.steps),
             then_run_ahead=self.config.run_ahead,
         )
         if output is None:

@@ -90,7 +90,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_batch_inference_failure", "counter", "Shard calls that failed", method=METHODS, reason=CALL_FAILURES),
     _spec("tgi_batch_inference_batch_size", "histogram", "Requests per shard call", "1 .. max_batch_size", method=METHODS),
     _spec("tgi_batch_inference_duration", "histogram", "Whole shard call incl. RPC (s)", DURATION, method=METHODS, makeup=MAKEUPS),
-    _spec("tgi_batch_inference_forward_duration", "histogram", "Model forward time reported by the shard (s)", DURATION, method=METHODS, makeup=MAKEUPS),
+    _spec("tgi_batch_inference_forward_duration", "histogram", "Model forward time reported by the shard (s), one observation per forward (a call of several steps: each at their mean)", DURATION, method=METHODS, makeup=MAKEUPS),
     _spec("tgi_batch_inference_guided_mask_duration", "histogram", "Guided-decoding mask and matcher time of a call with constrained requests, reported by the shard (s)", DURATION, method=METHODS),
     _spec("tgi_batch_inference_tokproc_duration", "histogram", "Router token processing per call (s)", DURATION, method=METHODS, makeup=MAKEUPS),
     _spec("tgi_batch_next_tokens", "histogram", "Tokens of each prefill batch incl. padding", "default"),
@@ -251,12 +251,21 @@ class Metrics:
             self.observe("tgi_batch_next_tokens", prefill_tokens)
 
     def shard_call_succeeded(
-        self, method: str, duration_s: float, forward_s: float, tokproc_s: float, guided_s: float = 0.0
+        self,
+        method: str,
+        duration_s: float,
+        forward_s: float,
+        tokproc_s: float,
+        guided_s: float = 0.0,
+        steps: int = 1,
     ) -> None:
+        """A call that ran `steps` forwards in `forward_s` (observed once per forward, each
+        at their mean)."""
         self.inc("tgi_batch_inference_success", method=method)
         labels = {"method": method, "makeup": "single_only"}
         self.observe("tgi_batch_inference_duration", duration_s, **labels)
-        self.observe("tgi_batch_inference_forward_duration", forward_s, **labels)
+        for _ in range(max(1, steps)):
+            self.observe("tgi_batch_inference_forward_duration", forward_s / max(1, steps), **labels)
         self.observe("tgi_batch_inference_tokproc_duration", tokproc_s, **labels)
         if guided_s > 0:
             self.observe("tgi_batch_inference_guided_mask_duration", guided_s, method=method)

@@ -28,6 +28,13 @@ The batcher is the one owner of model calls: the /health deep check's one-token 
 (`probe`) runs between the loop's own calls, so every shard (every tensor-parallel rank) sees
 all calls in one order.
 
+Several steps per call: while no request waits in the queue (nor a health check), every running
+request has had its first token and none joins, a NextToken asks the shard for up to
+MAX_DECODE_STEPS steps, as many as fit in MAX_DECODE_CALL_MS by the forward time per step of
+the last calls (an average); their tokens come back in one answer. Each call costs both
+processes a message and its wake-ups, which at small batches is a large share of a step on a
+CPU; a request that arrives meanwhile waits at most that long more to join.
+
 Decode steps overlap with token processing: as soon as step k's tokens arrive, step k+1 is
 sent, and step k's tokens are decoded, checked and streamed while the shard computes. Requests
 that surely finish with step k (max_new_tokens reached, cancelled, deadline passed) are pruned
@@ -63,6 +70,7 @@ logger = logging.getLogger(__name__)
 # ShardCallError.reason -> what the requests of the failed call report
 CALL_FAILURES = {"connection": Failure.SHARD_UNAVAILABLE, "oom": Failure.OUT_OF_MEMORY}
 MISSING_ANSWER = "the shard returned neither a token nor an error for this request"
+STEP_TIME_WEIGHT = 0.25  # of the last call in the average forward time per step
 
 
 @dataclass(slots=True)
@@ -114,11 +122,14 @@ class Batcher:
         join_in_step: bool = False,
         eager_joins: bool = False,
         pacing: StreamPacing = ONE_PER_TOKEN,
+        max_decode_steps: int = 1,
+        max_decode_call_s: float = 0.0,
     ) -> None:
         """`join_in_step`: new requests join in decode steps (the engine chunks prompts);
         `eager_joins`: the shard's decode-only steps replay captured graphs, its steps with
         prompt chunks do not; `pacing`: the streams' tokens per message, adapted here at every
-        decode step when adaptive."""
+        decode step when adaptive; `max_decode_steps`, `max_decode_call_s`: the most decode
+        steps one call may ask for, and the longest their forwards may take (module docstring)."""
         self.client = client
         self.queue = queue
         self.detokenizer = detokenizer
@@ -128,6 +139,9 @@ class Batcher:
         self.join_in_step = join_in_step
         self.eager_joins = eager_joins
         self.pacing = pacing
+        self.max_decode_steps = max_decode_steps
+        self.max_decode_call_s = max_decode_call_s
+        self.step_s: float | None = None  # forward time per decode step, averaged over calls
         metrics.set("tgi_stream_interval", pacing.interval)
         self.generation_healthy: bool | None = None  # None until a first step ran
         self.running = False  # the loop is alive (liveness)
@@ -254,11 +268,13 @@ class Batcher:
         if self.pacing.step():
             self.metrics.set("tgi_stream_interval", self.pacing.interval)
         entries = [e for b in group for e in b.live()] + (join or [])
+        steps = self._steps(entries)
         started = time.monotonic()
         self.metrics.shard_call("next_token", len(entries))
         if join:
             self.metrics.inc("tgi_batch_concatenation_count")
-        call = asyncio.ensure_future(self.client.next_token([b.ref() for b in group], self.token_budget, new))
+        refs = [b.ref() for b in group]
+        call = asyncio.ensure_future(self.client.next_token(refs, self.token_budget, new, steps))
         # The call's send is scheduled; one turn of the loop runs it before the hand-out below
         # wakes every stream of the batch. Otherwise the request waits behind all of their
         # writes: router send -> shard receive was 5.6 ms of a 48 ms step at 32 streams.
@@ -274,6 +290,10 @@ class Batcher:
             call.cancel()  # only matters when this coroutine itself is cancelled
         self._answered(output)
         call_s = time.monotonic() - started
+        if output is not None and output.steps:
+            per_step = output.forward_ns / output.steps / 1e9
+            last = self.step_s if self.step_s is not None else per_step
+            self.step_s = last + STEP_TIME_WEIGHT * (per_step - last)
         if output is None:  # every request had completed: the shard dropped the batch
             self.metrics.shard_call_succeeded("next_token", call_s, 0.0, 0.0)
             return None, None
@@ -284,6 +304,15 @@ class Batcher:
         batch = RunningBatch(output.batch_id, [e for e in entries if e.id in rows])
         batch.completed.extend(self._late_finishers(late, batch))
         return batch, step
+
+    def _steps(self, entries: Sequence[Entry]) -> int:
+        """The decode steps the next call over `entries` asks for (module docstring)."""
+        if self.max_decode_steps <= 1 or self.step_s is None or len(self.queue) or self._probes:
+            return 1
+        if any(e.last_token_at is None for e in entries):  # joining, or a prompt still computed
+            return 1
+        fit = int(self.max_decode_call_s / self.step_s) if self.step_s > 0 else self.max_decode_steps
+        return max(1, min(self.max_decode_steps, fit))
 
     @staticmethod
     def _late_finishers(finished: Sequence[int], batch: RunningBatch) -> list[int]:
@@ -437,6 +466,11 @@ class Batcher:
                     entry.fail_detokenization(str(exc) or type(exc).__name__)
             finished[entry.id] = None
         self.metrics.shard_call_succeeded(
-            method, step.call_s, output.forward_ns / 1e9, time.monotonic() - now, output.guided_mask_ns / 1e9
+            method,
+            step.call_s,
+            output.forward_ns / 1e9,
+            time.monotonic() - now,
+            output.guided_mask_ns / 1e9,
+            output.steps,
         )
         return list(finished)

@@ -70,13 +70,18 @@ class ShardClient(Protocol):
     ) -> StepOutput: ...
 
     def next_token(
-        self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
+        self,
+        batches: Sequence[CachedBatchRef],
+        token_budget: int = 0,
+        join: NewBatch | None = None,
+        steps: int = 1,
     ) -> Awaitable[StepOutput | None]:
-        """Start one decode step; await the result. Its send goes at the loop's next turn once
+        """Start one decode call; await the result. Its send goes at the loop's next turn once
         the returned awaitable runs as a task (the batcher makes it one and yields once, so the
         send is not queued behind the streams it wakes next). `token_budget`: most
         prompt tokens of pending requests to compute (chunked prefill); 0 = all. `join`: new
-        requests that join the batch in this step (engines with chunked prefill)."""
+        requests that join the batch in this step (engines with chunked prefill). `steps`: most
+        decode steps to run, their tokens answered together (NextTokenRequest.steps)."""
         ...
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int: ...
@@ -205,12 +210,17 @@ class GrpcShardClient:
         return convert.result_from_pb(reply.result, reply.input_tokens)
 
     def next_token(
-        self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
+        self,
+        batches: Sequence[CachedBatchRef],
+        token_budget: int = 0,
+        join: NewBatch | None = None,
+        steps: int = 1,
     ) -> Awaitable[StepOutput | None]:
         request = pb.NextTokenRequest(
             batches=convert.cached_batches_to_pb(batches),
             token_budget=token_budget,
             join=convert.new_batch_to_pb(join) if join is not None else None,
+            steps=steps,
         )
         if len(self._steps) == 1:  # its write starts when the caller's task first runs
             return self._next_token_result([self._steps[0].step(request)])

@@ -211,12 +211,14 @@ def oracle_for(case: EngineCase, engine: ModelEngine, model_dir: Path) -> Oracle
 @dataclass
 class Runner:
     """Runs requests on an engine through a BatchManager like the router: batches join at given
-    steps (pruning the finished requests in the same call), finished requests are pruned at the
-    next call, batches merge; optionally the shard runs ahead after every call."""
+    calls (pruning the finished requests in the same call), finished requests are pruned at the
+    next call, batches merge, tokens past a request's end are dropped; optionally the shard runs
+    ahead after every call, and decode calls run `steps` steps."""
 
     engine: ModelEngine
     run_ahead: bool | None = None  # None: where the engine pipelines steps (they need it), as the server does
     token_budget: int = 0  # prompt tokens per call (engines with chunked prefill)
+    steps: int = 1  # decode steps per NextToken call
     pending_steps: int = 0  # answers that were "pending"
     tokens: dict[int, list[TokenInfo]] = field(default_factory=dict)
     input_tokens: dict[int, tuple[TokenInfo, ...]] = field(default_factory=dict)
@@ -250,7 +252,8 @@ class Runner:
         if output is None:
             return
         for g in output.generations:
-            self.tokens[g.request_id].append(g.token)
+            if not self._finished(g.request_id):  # else past its end: a step run ahead of the prune
+                self.tokens[g.request_id].append(g.token)
         for e in output.errors:
             self.errors[e.request_id] = e.message
         self.pending_steps += len(output.pending)
@@ -269,7 +272,7 @@ class Runner:
     def step(self) -> None:
         refs = self._refs()
         self.cached = {}
-        self._absorb(self.manager.next_token(refs, self.token_budget))
+        self._absorb(self.manager.next_token(refs, self.token_budget, steps=self.steps))
 
     def run(self, schedule: dict[int, list[GenerationRequest]]) -> dict[int, list[int]]:
         """`schedule`: step index -> requests that join at that step. Returns each request's ids."""
@@ -296,6 +299,7 @@ class LocalShard:
         self.manager = BatchManager(engine, MAX_BATCH)
         self.info = engine.info
         self.run_ahead = engine.pipelined
+        self.steps_asked: list[int] = []  # by every NextToken
 
     def _answered(self, output: Any) -> Any:
         if self.run_ahead:
@@ -315,10 +319,15 @@ class LocalShard:
         return self._answered(self.manager.prefill(batch_id, requests, to_prune, token_budget))
 
     def next_token(
-        self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
+        self,
+        batches: Sequence[CachedBatchRef],
+        token_budget: int = 0,
+        join: NewBatch | None = None,
+        steps: int = 1,
     ) -> Awaitable[StepOutput | None]:
+        self.steps_asked.append(steps)
         future = asyncio.get_running_loop().create_future()
-        future.set_result(self._answered(self.manager.next_token(batches, token_budget, join)))
+        future.set_result(self._answered(self.manager.next_token(batches, token_budget, join, steps)))
         return future
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
@@ -361,10 +370,11 @@ async def through_batcher(
     requests: Sequence[tuple[ValidatedRequest, bool]],
     capacity: Capacity,
     metrics: Metrics,
+    decode_steps: int = 1,
     **queue_options: Any,
 ) -> list[list[Output]]:
     """Every output of `requests` (request, stream) run through the router's batcher and queue
-    over `shard`, in request order."""
+    over `shard`, in request order; decode calls ask for up to `decode_steps` steps."""
     info = await shard.model_info()
     queue = RequestQueue(capacity, 8, metrics, **queue_options)
     detokenizer = Detokenizer(tokenizer, seq2seq=info.seq2seq)
@@ -376,6 +386,8 @@ async def through_batcher(
         eos_token_id=info.eos_token_id,
         max_waiting_tokens=2,
         join_in_step=info.chunked_prefill,
+        max_decode_steps=decode_steps,
+        max_decode_call_s=60.0,
     )
     task = asyncio.create_task(batcher.run())
     entries = [Entry(request, stream) for request, stream in requests]

@@ -104,8 +104,10 @@ def test_greedy_matches_the_oracle_alone_and_in_a_batch(subject: Subject) -> Non
     assert Runner(subject.engine).run({0: requests}) == expected
 
 
-@pytest.mark.parametrize("run_ahead", [False, True])
-def test_batch_invariance_across_joins_and_prunes(subject: Subject, run_ahead: bool) -> None:
+@pytest.mark.parametrize(
+    ("run_ahead", "steps"), [(False, 1), (True, 1), (True, 3)], ids=["one-step", "run-ahead", "3-step-calls"]
+)
+def test_batch_invariance_across_joins_and_prunes(subject: Subject, run_ahead: bool, steps: int) -> None:
     first = [
         subject.request(1, 0, 6),
         subject.request(2, 1, 9, params=sampled(7, top_k=20)),
@@ -115,7 +117,7 @@ def test_batch_invariance_across_joins_and_prunes(subject: Subject, run_ahead: b
         subject.request(4, 3, 5, params=sampled(3, top_p=0.9, temperature=0.7)),
         subject.request(5, 1, 2),
     ]
-    together = Runner(subject.engine, run_ahead=run_ahead).run({0: first, 2: joining})
+    together = Runner(subject.engine, run_ahead=run_ahead, steps=steps).run({0: first, 2: joining})
     assert together == {r.id: alone(subject.engine, r) for r in first + joining}
 
 
@@ -216,12 +218,16 @@ def test_truncation_keeps_the_last_tokens(subject: Subject) -> None:
 
 
 async def router_outputs(
-    subject: Subject, requests: list[tuple[ValidatedRequest, bool]]
+    subject: Subject, requests: list[tuple[ValidatedRequest, bool]], shard: LocalShard | None = None
 ) -> list[list[Output]]:
-    shard = LocalShard(subject.engine)
+    """The outputs of `requests` through the router's batcher, whose decode calls run up to 4
+    steps once every request has its first token."""
+    shard = shard or LocalShard(subject.engine)
     info = await shard.model_info()
     metrics = Metrics(max_batch_size=8)
-    return await through_batcher(shard, subject.tokenizer, requests, capacity_for(info, 1.0), metrics)
+    return await through_batcher(
+        shard, subject.tokenizer, requests, capacity_for(info, 1.0), metrics, decode_steps=4
+    )
 
 
 def validated(subject: Subject, prompt: int, max_new: int, stop: tuple[str, ...] = ()) -> ValidatedRequest:
@@ -229,9 +235,11 @@ def validated(subject: Subject, prompt: int, max_new: int, stop: tuple[str, ...]
 
 
 async def test_stream_equals_unary_and_stop_sequences_cut(subject: Subject) -> None:
+    shard = LocalShard(subject.engine)
     unary, streamed = await router_outputs(
-        subject, [(validated(subject, 0, 10), False), (validated(subject, 0, 10), True)]
+        subject, [(validated(subject, 0, 10), False), (validated(subject, 0, 10), True)], shard
     )
+    assert max(shard.steps_asked) == 4  # several tokens per call, the stream cut out of them
     (answer,) = unary
     assert "".join(o.text for o in streamed) == answer.text
     assert [t.token_id for o in streamed for t in o.tokens] == [t.token_id for t in answer.tokens]

@@ -5,7 +5,9 @@ request's next token with a script function, batches cached by id, pruning by co
 merging on NextToken, and a log of every call so tests can assert the protocol the batcher
 speaks. Failures and latency can be injected. With `chunked_prefill`, it computes at most the
 call's token budget of prompt tokens per step and reports the requests whose prompts are not
-done as pending; `forget` makes it answer a request with nothing at all (a broken shard).
+done as pending; `forget` makes it answer a request with nothing at all (a broken shard). A
+NextToken that asks for several steps runs them as the real shard does (a request leaves once
+it has max_new_tokens), each reported as `forward_ns` of forward time.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Call:
     batch_id: int | None = None
     request_ids: list[int] = field(default_factory=list)
     refs: list[CachedBatchRef] = field(default_factory=list)
+    steps: int = 1  # NextToken: the steps asked for
 
 
 @dataclass
@@ -66,6 +69,7 @@ class FakeShard:
     computed: dict[int, int] = field(default_factory=dict)  # request id -> prompt tokens computed
     forget: set[int] = field(default_factory=set)  # request ids answered with nothing (and dropped)
     budgets: list[int] = field(default_factory=list)  # token_budget of every call
+    forward_ns: int = 1_000_000  # reported per step
     peak_live: int = 0  # most requests cached at once, over every call
     in_flight: int = 0  # model calls under way (the batcher must never overlap two)
     _called: asyncio.Event = field(default_factory=asyncio.Event)
@@ -109,7 +113,7 @@ class FakeShard:
 
     def _step(self, batch_id: int, rows: list[GenerationRequest], token_budget: int) -> StepOutput:
         self.budgets.append(token_budget)
-        output = StepOutput(batch_id=batch_id)
+        output = StepOutput(batch_id=batch_id, forward_ns=self.forward_ns, steps=1)
         live = []
         budget = token_budget or sum(len(r.input_ids) for r in rows)
         for request in rows:
@@ -169,12 +173,16 @@ class FakeShard:
         ]
 
     async def next_token(
-        self, batches: Sequence[CachedBatchRef], token_budget: int = 0, join: NewBatch | None = None
+        self,
+        batches: Sequence[CachedBatchRef],
+        token_budget: int = 0,
+        join: NewBatch | None = None,
+        steps: int = 1,
     ) -> StepOutput | None:
         """`join` (the batcher's join_in_step): new rows stepped with the others at once."""
         joined = list(join.requests) if join is not None else []
         self._record(
-            Call("next_token", join.batch_id if join else None, [r.id for r in joined], list(batches))
+            Call("next_token", join.batch_id if join else None, [r.id for r in joined], list(batches), steps)
         )
         kept = self._prune(batches)
         assert not self.batches, f"stale batches left in the shard: {sorted(self.batches)}"
@@ -188,7 +196,20 @@ class FakeShard:
         batch_id = kept[0][0] if kept else join.batch_id  # type: ignore[union-attr]
         output = self._step(batch_id, [r for _, rows in kept for r in rows] + joined, token_budget)
         output.input_tokens = self._input_tokens(joined)
-        return output
+        outputs = [output]
+        for _ in range(steps - 1):
+            if output.batch_id is None:
+                break
+            rows = self.batches.pop(batch_id)
+            rows = [r for r in rows if self.generated.get(r.id, 0) < r.max_new_tokens]
+            if not rows:
+                output.batch_id = None
+                break
+            output = self._step(batch_id, rows, token_budget)
+            outputs.append(output)
+        merged = StepOutput.merged(outputs)
+        merged.batch_id = output.batch_id
+        return merged
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
         raise ShardCallError("error", f'prefix id "{prefix_id}" not found')

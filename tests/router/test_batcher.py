@@ -117,6 +117,8 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
         max_prefill_tokens: int = 0,
         eager_joins: bool = False,
         pacing: StreamPacing = ONE_PER_TOKEN,
+        max_decode_steps: int = 1,
+        max_decode_call_s: float = 1.0,
     ):
         shard = shard or FakeShard()
         capacity = WeightCapacity(BatchWeights.from_model(shard.memory, padded=True), padding)
@@ -138,6 +140,8 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
             join_in_step=shard.chunked_prefill,  # as the router does for engines that chunk prompts
             eager_joins=eager_joins,
             pacing=pacing,
+            max_decode_steps=max_decode_steps,
+            max_decode_call_s=max_decode_call_s,
         )
         tasks.append(asyncio.create_task(batcher.run()))
         return Harness(shard, queue, batcher)
@@ -458,13 +462,19 @@ async def test_a_request_the_shard_does_not_answer_fails_instead_of_vanishing(ma
     assert (await h.final(ok)).generated_tokens == 6
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 async def test_no_live_request_disappears_without_a_token_or_an_error(make_harness, seed: int) -> None:
-    """Invariant: whatever mix of chunked prompts, joins, per-request errors, cancels and
-    missing answers, every request ends with all its tokens, or an error, or its cancel."""
+    """Invariant: whatever mix of chunked prompts, joins, per-request errors, cancels, missing
+    answers and calls of several steps, every request ends with all its tokens, or an error, or
+    its cancel."""
     rng = random.Random(seed)
     shard = FakeShard(chunked_prefill=rng.random() < 0.7, latency_s=0.0005)
-    h = make_harness(shard, max_batch_size=6, max_prefill_tokens=rng.choice([5, 12, 40]))
+    h = make_harness(
+        shard,
+        max_batch_size=6,
+        max_prefill_tokens=rng.choice([5, 12, 40]),
+        max_decode_steps=1 if seed < 3 else rng.choice([2, 5]),
+    )
     entries = []
     for _ in range(24):
         entries.append(h.submit(make_request(prompt_len=rng.randint(1, 30), max_new=rng.randint(1, 8))))
@@ -571,3 +581,43 @@ async def test_adaptive_pacing_raises_the_streams_interval_while_the_loop_is_sat
     assert "".join(o.text for o in outputs) == "".join(o.text for o in each) and len(outputs) < len(each)
     await h.final(h.submit(make_request(max_new=1), stream=True))
     assert pacing.interval == 1  # restarted, and one token needs no decode step
+
+
+# --- several decode steps per call -------------------------------------------------------------
+
+
+async def test_calls_run_several_steps_while_nothing_waits_and_tokens_stay_in_order(
+    make_harness, detokenizer
+) -> None:
+    h = make_harness(FakeShard(latency_s=0.001), max_decode_steps=4)
+    streamed = h.submit(make_request(max_new=11), stream=True)
+    unary = h.submit(make_request(max_new=7))
+    outs = await h.all_outputs(streamed)
+    out = await h.final(unary)
+    assert out.generated_tokens == 7 and outs[-1].generated_tokens == 11
+    assert "".join(o.text for o in outs) == detokenizer.decode(list(range(600, 611)))
+    decodes = [c.steps for c in h.shard.calls if c.method == "next_token"]
+    # the first decode call knows no step time yet; then 4 steps a call, fewer asked for none
+    # (the shard stops where every request ends): tokens 2-11 in 1 + 4 + 4 + 1 steps
+    assert decodes[:3] == [1, 4, 4] and len(decodes) <= 5
+    assert h.batcher.step_s == pytest.approx(0.001)
+
+
+async def test_the_call_budget_bounds_the_steps(make_harness) -> None:
+    h = make_harness(FakeShard(forward_ns=4_000_000), max_decode_steps=8, max_decode_call_s=0.01)
+    assert (await h.final(h.submit(make_request(max_new=12)))).generated_tokens == 12
+    assert {c.steps for c in h.shard.calls if c.method == "next_token"} == {1, 2}  # 10 ms / 4 ms
+
+
+async def test_a_call_is_one_step_while_a_request_waits_or_joins(make_harness) -> None:
+    shard = FakeShard(chunked_prefill=True, latency_s=0.002)
+    h = make_harness(shard, max_prefill_tokens=64, max_decode_steps=4)
+    first = h.submit(make_request(max_new=40))
+    await h.until(lambda: any(c.steps == 4 for c in shard.calls))
+    second = h.submit(make_request(prompt_len=3, max_new=3))
+    assert (await h.final(second)).generated_tokens == 3
+    assert (await h.final(first)).generated_tokens == 40
+    join = next(i for i, c in enumerate(shard.calls) if c.request_ids == [second.id])
+    assert shard.calls[join].steps == 1  # the join, then its first token handed out: one step
+    assert shard.calls[join + 1].steps == 1
+    assert any(c.steps == 4 for c in shard.calls[join + 2 :])  # then several again

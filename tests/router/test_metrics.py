@@ -50,6 +50,20 @@ def test_every_label_combination_starts_at_zero() -> None:
     assert counts == {("prefill", "single_only"): 0.0, ("next_token", "single_only"): 0.0}
 
 
+def test_a_call_of_several_steps_observes_each_forward_at_their_mean() -> None:
+    metrics = Metrics()
+    metrics.shard_call_succeeded("next_token", 0.05, 0.03, 0.001, steps=3)
+    (histogram,) = families(metrics)["tgi_batch_inference_forward_duration"]
+    got = {
+        s.name.rsplit("_", 1)[-1]: s.value for s in histogram.samples if s.labels["method"] == "next_token"
+    }
+    assert got["count"] == 3 and got["sum"] == pytest.approx(0.03)
+    (calls,) = families(metrics)["tgi_batch_inference_duration"]
+    assert [
+        s.value for s in calls.samples if s.name.endswith("_count") and s.labels["method"] == "next_token"
+    ] == [1]
+
+
 def test_counter_twins_move_together() -> None:
     metrics = Metrics()
     metrics.inc("tgi_request_failure", 2, err="validation")

@@ -34,6 +34,11 @@ class Batch(ABC):
     def remaining(self) -> int:
         """The most tokens any request of the batch may still generate (0: all are done)."""
 
+    @abstractmethod
+    def done_ids(self) -> set[int]:
+        """The requests that have had every token they may take (max_new_tokens): a step past
+        them would write K/V beyond the length their request was admitted with."""
+
     @property
     @abstractmethod
     def request_ids(self) -> list[int]:

@@ -139,6 +139,10 @@ class PaddedBatch(Batch):
         generated = self.chooser.generated
         return max((self.requests[i].max_new_tokens - generated[i] for i in rows), default=0)
 
+    def done_ids(self) -> set[int]:
+        generated = self.chooser.generated
+        return {r.id for r, g in zip(self.requests, generated, strict=True) if g >= r.max_new_tokens}
+
     @property
     def wants_input_logits(self) -> bool:
         """Some request wants details of its prompt tokens (needs logits at every position)."""

@@ -185,6 +185,10 @@ class RaggedBatch(Batch):
         running = [r.max_new_tokens - g for r, g in zip(self.requests, generated, strict=True)]
         return max(running + [p.request.max_new_tokens for p in self.prefilling], default=0)
 
+    def done_ids(self) -> set[int]:
+        generated = self.chooser.generated if self.chooser is not None else []
+        return {r.id for r, g in zip(self.requests, generated, strict=True) if g >= r.max_new_tokens}
+
     @property
     def pending_ids(self) -> list[int]:
         return [p.request.id for p in self.prefilling]

@@ -468,15 +468,11 @@ class TgisNativeEngine(ModelEngine):
         assert isinstance(batch, RaggedBatch)
         if not self.pipelined or self.speculator is not None or self._guided(batch):
             return None
-        chooser = batch.chooser
-        if chooser is not None:
-            done = {
-                r.id for r, g in zip(batch.requests, chooser.generated, strict=True) if g >= r.max_new_tokens
-            }
-            if done:
-                pruned = batch.prune(done)
-                assert pruned is not None, "launch needs a batch with tokens still to generate"
-                batch = pruned
+        done = batch.done_ids()
+        if done:
+            pruned = batch.prune(done)
+            assert pruned is not None, "launch needs a batch with tokens still to generate"
+            batch = pruned
         with torch.inference_mode():
             return self._launch(batch, token_budget, ahead=True)
 
