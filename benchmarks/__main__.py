@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import datetime
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -443,8 +444,13 @@ def run_best(cfg: BenchConfig, vllm_dtype: str | None) -> dict[str, Path]:
     return {"markdown": best["best_markdown"], **best, **paths}
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds, so the servers the run started are stopped on the way
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
