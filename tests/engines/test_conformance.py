@@ -121,8 +121,10 @@ def test_batch_invariance_across_joins_and_prunes(subject: Subject, run_ahead: b
     assert together == {r.id: alone(subject.engine, r) for r in first + joining}
 
 
-@pytest.mark.parametrize("run_ahead", [False, True])
-def test_chunked_prefill_gives_the_same_tokens(subject: Subject, run_ahead: bool) -> None:
+@pytest.mark.parametrize(
+    ("run_ahead", "steps"), [(False, 1), (True, 1), (True, 3)], ids=["one-step", "run-ahead", "3-step-calls"]
+)
+def test_chunked_prefill_gives_the_same_tokens(subject: Subject, run_ahead: bool, steps: int) -> None:
     if not subject.engine.info.chunked_prefill:
         pytest.skip("the engine computes whole prompts (no chunked prefill)")
     details = RequestedDetails(input_tokens=True, logprobs=True)
@@ -131,7 +133,7 @@ def test_chunked_prefill_gives_the_same_tokens(subject: Subject, run_ahead: bool
         3: [subject.request(3, 3, 5), subject.request(4, 1, 3, details=details)],
     }
     whole = Runner(subject.engine, run_ahead=False)  # no step ahead: no answer is pending
-    chunked = Runner(subject.engine, run_ahead=run_ahead, token_budget=7)
+    chunked = Runner(subject.engine, run_ahead=run_ahead, token_budget=7, steps=steps)
     assert chunked.run(schedule) == whole.run(schedule)
     assert chunked.pending_steps > 0 and whole.pending_steps == 0
     assert chunked.input_tokens.keys() == whole.input_tokens.keys() == {1, 4}
