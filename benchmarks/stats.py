@@ -241,16 +241,12 @@ def server_breakdown(before: Scrape, after: Scrape, duration: float) -> dict[str
         entry: dict[str, float] = {"calls": calls}
         if calls:
             entry["mean_batch_size"] = delta(f"{BREAKDOWN_HISTOGRAMS['batch_size']}_sum", labels) / calls
+            forwards = delta(f"{BREAKDOWN_HISTOGRAMS['forward']}_count", labels) or calls  # one per forward
+            entry["steps_per_call"] = forwards / calls
             for key in ("call", "forward", "tokproc", "guided"):
                 total = delta(f"{BREAKDOWN_HISTOGRAMS[key]}_sum", labels)
-                entry[f"mean_{key}_ms"] = 1000.0 * total / calls
+                entry[f"mean_{key}_ms"] = 1000.0 * total / (forwards if key == "forward" else calls)
                 entry[f"{key}_share"] = total / duration if duration > 0 else 0.0
-            forwards = delta(f"{BREAKDOWN_HISTOGRAMS['forward']}_count", labels)  # one per forward
-            if forwards:
-                entry["mean_forward_ms"] = (
-                    1000.0 * delta(f"{BREAKDOWN_HISTOGRAMS['forward']}_sum", labels) / forwards
-                )
-                entry["steps_per_call"] = forwards / calls
         out[method] = entry
     queued = delta(f"{QUEUE_HISTOGRAM}_count")
     out["mean_queue_ms"] = 1000.0 * delta(f"{QUEUE_HISTOGRAM}_sum") / queued if queued else 0.0

@@ -264,8 +264,9 @@ class Metrics:
         self.inc("tgi_batch_inference_success", method=method)
         labels = {"method": method, "makeup": "single_only"}
         self.observe("tgi_batch_inference_duration", duration_s, **labels)
-        for _ in range(max(1, steps)):
-            self.observe("tgi_batch_inference_forward_duration", forward_s / max(1, steps), **labels)
+        forwards = max(1, steps)
+        for _ in range(forwards):
+            self.observe("tgi_batch_inference_forward_duration", forward_s / forwards, **labels)
         self.observe("tgi_batch_inference_tokproc_duration", tokproc_s, **labels)
         if guided_s > 0:
             self.observe("tgi_batch_inference_guided_mask_duration", guided_s, method=method)
