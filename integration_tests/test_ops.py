@@ -181,6 +181,15 @@ def test_metrics_after_a_scripted_workload(metrics_server: Server) -> None:
     assert m[("tgi_queue_size", ())] == 0 and m[("tgi_batch_max_remaining_tokens", ())] == 0
 
 
+def test_the_router_knows_when_it_shares_the_shards_cpus(metrics_server: Server) -> None:
+    """A shard computing on the CPU reports its CPUs (ModelInfo.compute_cpus); the router, on the
+    same CPUs here, says so at start (its CPU time slows the forward: stream pacing can read it)."""
+    log = metrics_server.log()
+    on_cpu = re.search(r"INFO text_generation_server\.engines\.loading: loading .*; cpu\)", log)
+    shared = "the shard computes on CPUs this router also runs on" in log
+    assert shared == bool(on_cpu), log[-3000:]
+
+
 def test_grpc_health_reflection_and_probes(metrics_server: Server) -> None:
     s = metrics_server
     channel = grpc.insecure_channel(s.address)

@@ -78,8 +78,9 @@ max_stream_interval = click.option(
     type=click.IntRange(min=0),
     default=0,
     help="Above --stream-interval: while the router's event loop is saturated (the engine waits "
-    "for it), those streams' messages carry up to this many tokens, one more per 0.1 s of "
-    "saturation and one fewer once the load falls; 0 = --stream-interval, fixed "
+    "for it), or, where the shard computes on the router's CPUs, while the router takes more "
+    "than 5 percent of a core from its forward, those streams' messages carry up to this many tokens, "
+    "one more per 0.1 s of it and one fewer once the load falls; 0 = --stream-interval, fixed "
     "[env MAX_STREAM_INTERVAL].",
 )
 max_decode_steps = click.option(

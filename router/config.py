@@ -55,7 +55,8 @@ class RouterConfig:
     # a streamed request's messages after its first: one per this many tokens (gRPC, OpenAI doors)
     stream_interval: int = 1
     # above stream_interval: messages carry up to this many tokens while the event loop is
-    # saturated (router/core/pacing.py); 0 = stream_interval, fixed
+    # saturated or the router's CPU slows a forward on its CPUs (router/core/pacing.py);
+    # 0 = stream_interval, fixed
     max_stream_interval: int = 0
     # while nothing waits: decode steps one shard call may run (their tokens answered together),
     # and the longest their forwards may take (router/scheduling/batcher.py); 1 = one per call

@@ -34,7 +34,7 @@ from router.config import RouterConfig
 from router.core.capacity import CapacityError, capacity_for
 from router.core.detokenizer import Detokenizer
 from router.core.metrics import CONTENT_TYPE, Metrics
-from router.core.pacing import IdleTimingSelector, StreamPacing
+from router.core.pacing import CPU_HIGH, IdleTimingSelector, StreamPacing, shares_cpus
 from router.core.tokenizer import TokenizerPool, load_tokenizer
 from router.core.validation import PrefixLengths, Validator
 from router.grpc.grpc_server import GenerationServicer
@@ -178,7 +178,8 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         max_prefill_tokens=config.max_batch_prefill_tokens,
         chunked_prefill=info.chunked_prefill,
     )
-    pacing = StreamPacing(config.stream_interval, config.max_stream_interval, loop_idle_s)
+    cpu_s = time.process_time if shares_cpus(info.compute_cpus) else None  # the forward's CPUs are ours
+    pacing = StreamPacing(config.stream_interval, config.max_stream_interval, loop_idle_s, cpu_s=cpu_s)
     batcher = Batcher(
         client,
         queue,
@@ -341,12 +342,20 @@ def _log_serving(router: Router) -> None:
     if pacing.adaptive:
         logger.info(
             "gRPC and OpenAI streams: one message per %d token(s), up to %d while the event loop is "
-            "saturated (MAX_STREAM_INTERVAL)",
+            "saturated%s (MAX_STREAM_INTERVAL)",
             pacing.least,
             pacing.most,
+            f" or the router takes more than {CPU_HIGH:.0%} of a core from the CPUs the shard computes on"
+            if pacing.shares_cpus
+            else "",
         )
     elif pacing.least > 1:
         logger.info("gRPC and OpenAI streams: one message per %d tokens (STREAM_INTERVAL)", pacing.least)
+    if pacing.shares_cpus:
+        logger.info(
+            "the shard computes on CPUs this router also runs on: the router's CPU time slows the forward%s",
+            "" if pacing.adaptive else " (MAX_STREAM_INTERVAL would pace streams by it)",
+        )
     auth = config.auth
     if auth.enabled:
         ways = [f"{len(auth.api_keys)} API key(s)"] if auth.api_keys else []

@@ -159,6 +159,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         max_sequence_length=info.max_sequence_length,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
+        compute_cpus=info.compute_cpus,
     )
     capacity = info.capacity
     if isinstance(capacity, KvBlocks):
@@ -267,6 +268,7 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         eager_joins=info.eager_joins,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
+        compute_cpus=tuple(info.compute_cpus),
     )
 
 

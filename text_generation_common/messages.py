@@ -303,3 +303,6 @@ class ModelInfo:
     dtype_reason: str = ""  # why that dtype ("the CPU has AMX-BF16", "asked for ...")
     chunked_prefill: bool = False  # the engine honours a per-step prompt-token budget
     eager_joins: bool = False  # decode-only steps replay CUDA graphs, steps with prompt chunks do not
+    # the CPUs the forward computes on (the shard's affinity) when the engine runs on the CPU;
+    # empty where an accelerator computes: a router on the same CPUs slows the forward it waits for
+    compute_cpus: tuple[int, ...] = ()

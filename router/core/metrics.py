@@ -112,7 +112,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_request_time_to_first_token_duration", "histogram", "Receipt to first generated token (s)", DURATION, False),
     _spec("tgi_request_inter_token_duration", "histogram", "Time between consecutive tokens of a request (s); tokens taken in one step (speculative decoding) arrive together, 0 s apart", DURATION, False),
     _spec("tgi_batch_capacity_usage", "gauge", "Used share of the running batch's tighter limit: weight (memory) or size", "", False),
-    _spec("tgi_stream_interval", "gauge", "Tokens per message of the gRPC and OpenAI streams now: STREAM_INTERVAL, or up to MAX_STREAM_INTERVAL while the router's event loop is saturated", "", False),
+    _spec("tgi_stream_interval", "gauge", "Tokens per message of the gRPC and OpenAI streams now: STREAM_INTERVAL, or up to MAX_STREAM_INTERVAL while the router's event loop is saturated (or, sharing a CPU shard's CPUs, its CPU time is more than 5 % of a core)", "", False),
     _spec("tgi_queue_rejected", "counter", "Requests refused before queueing: over the concurrency limit (or a tenant over its own), draining, or too much text waiting for tokenization", "", False, reason=REJECTIONS),
     _spec("tgi_request_cancellation", "counter", "Requests whose client went away, by where they were", "", False, phase=PHASES),
     _spec("tgi_kv_cache_usage", "gauge", "Share of the paged KV cache's blocks that live requests hold (tgis_native)", "", False),

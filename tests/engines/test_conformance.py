@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,8 @@ def test_the_engine_reports_what_its_registry_entry_says(subject: Subject) -> No
     assert info.capacity.kind is spec.capabilities.capacity
     assert info.chunked_prefill == spec.capabilities.chunked_prefill
     assert spec.capabilities.seq2seq or not info.seq2seq
+    if not torch.cuda.is_available():  # computing on the CPU: the router learns on which CPUs
+        assert info.compute_cpus == tuple(sorted(os.sched_getaffinity(0)))
     adapters = subject.engine.adapters
     assert (adapters is not None) == spec.capabilities.prompt_tuning
     # GPT-BigCode sharded on our own layers takes no LoRA yet

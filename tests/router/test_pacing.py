@@ -1,32 +1,48 @@
-"""Stream pacing (MAX_STREAM_INTERVAL): the interval follows how busy the event loop is, within
-its bounds, judged over whole windows; the loop's selector counts the time it waits."""
+"""Stream pacing (MAX_STREAM_INTERVAL): the interval follows how busy the event loop is (and,
+where the engine computes on the router's CPUs, how much CPU the router takes), within its
+bounds, judged over whole windows; the loop's selector counts the time it waits."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
 
 from router.config import RouterConfig
-from router.core.pacing import BUSY_HIGH, BUSY_LOW, WINDOW_S, IdleTimingSelector, StreamPacing
+from router.core.pacing import (
+    BUSY_HIGH,
+    BUSY_LOW,
+    CPU_HIGH,
+    CPU_LOW,
+    WINDOW_S,
+    IdleTimingSelector,
+    StreamPacing,
+    shares_cpus,
+)
 
 
 class LoopClock:
-    """A fake clock and idle counter: `run(busy)` passes one window at that busy fraction."""
+    """A fake clock, idle counter and CPU counter: `run(busy, cpu)` passes one window at that
+    busy fraction of the loop, the router using `cpu` of a core."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self.idle = 0.0
+        self.cpu = 0.0
 
-    def run(self, busy: float, seconds: float = WINDOW_S * 1.001) -> None:
+    def run(self, busy: float, seconds: float = WINDOW_S * 1.001, cpu: float = 0.0) -> None:
         self.now += seconds
         self.idle += seconds * (1.0 - busy)
+        self.cpu += seconds * cpu
 
 
-def paced(least: int, most: int) -> tuple[StreamPacing, LoopClock]:
+def paced(least: int, most: int, shares_cpus: bool = False) -> tuple[StreamPacing, LoopClock]:
     clock = LoopClock()
-    pacing = StreamPacing(least, most, lambda: clock.idle, clock=lambda: clock.now)
+    cpu_s = (lambda: clock.cpu) if shares_cpus else None
+    pacing = StreamPacing(least, most, lambda: clock.idle, clock=lambda: clock.now, cpu_s=cpu_s)
+    assert pacing.shares_cpus is shares_cpus
     assert not pacing.step()  # the first step opens a window
     return pacing, clock
 
@@ -66,6 +82,42 @@ def test_steps_within_a_window_change_nothing_and_restart_goes_back_to_the_least
     assert pacing.interval == 1
     clock.run(busy=1.0, seconds=10 * WINDOW_S)  # the idle time between busy periods is not judged
     assert not pacing.step() and pacing.interval == 1
+
+
+def test_sharing_the_forwards_cpus_the_routers_cpu_share_raises_and_holds_the_interval() -> None:
+    """A CPU shard on the router's cores: a loop far from saturated but a router taking more
+    than CPU_HIGH of a core (what the forward loses) paces like a saturated loop; the interval
+    comes down only when both the loop and the router's CPU are light."""
+    pacing, clock = paced(1, 4, shares_cpus=True)
+    for expected in (2, 3, 4, 4):
+        clock.run(busy=0.2, cpu=CPU_HIGH * 1.5)
+        pacing.step()
+        assert pacing.interval == expected
+    clock.run(busy=0.2, cpu=(CPU_HIGH + CPU_LOW) / 2)  # between the bounds: held
+    assert not pacing.step() and pacing.interval == 4
+    clock.run(busy=BUSY_HIGH + 0.1, cpu=0.0)  # the loop alone still counts
+    assert not pacing.step() and pacing.interval == 4
+    clock.run(busy=(BUSY_HIGH + BUSY_LOW) / 2, cpu=0.0)  # a light router but a busy loop: held
+    assert not pacing.step() and pacing.interval == 4
+    for expected in (3, 2, 1, 1):
+        clock.run(busy=0.2, cpu=CPU_LOW / 2)
+        pacing.step()
+        assert pacing.interval == expected
+
+
+def test_without_sharing_the_routers_cpu_is_not_read() -> None:
+    """A GPU shard (or one on other cores): only the loop's saturation paces."""
+    pacing, clock = paced(1, 4)
+    for _ in range(3):
+        clock.run(busy=0.2, cpu=1.0)
+        assert not pacing.step()
+    assert pacing.interval == 1
+
+
+def test_sharing_means_a_cpu_in_both_sets() -> None:
+    mine = os.sched_getaffinity(0)
+    assert shares_cpus(tuple(mine)) and shares_cpus((min(mine), max(mine) + 64))
+    assert not shares_cpus(()) and not shares_cpus((max(mine) + 1, max(mine) + 2))
 
 
 def test_fixed_pacing_never_changes_and_adaptive_pacing_needs_the_loop() -> None:

@@ -25,6 +25,7 @@ from text_generation_server.engines.base import ModelEngine
 from text_generation_server.engines.step import ForwardTimer, choose_tokens, drop_failed
 from text_generation_server.memory import MemoryFacts, estimate
 from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
+from text_generation_server.utils.cpu import compute_cpus
 
 
 class PaddedEngine(ModelEngine):
@@ -57,6 +58,7 @@ class PaddedEngine(ModelEngine):
             chunked_prefill=False,
             dtype=dtype_name,
             dtype_reason=self.dtype_reason,
+            compute_cpus=compute_cpus(self.device),
         )
 
     def new_batch(

@@ -10,6 +10,7 @@ its prefill from 24 to 17 ms, with oneDNN-packed weights in both dtypes.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -57,3 +58,10 @@ def emulated_dtype(dtype: torch.dtype, flags: frozenset[str]) -> str | None:
             "slower than in float32 (decode steps read half the bytes and can be faster)"
         )
     return None
+
+
+def compute_cpus(device: torch.device) -> tuple[int, ...]:
+    """The CPUs a forward on `device` computes on: this process's affinity for the CPU (its
+    OpenMP team runs there), none for an accelerator. The router reads them (ModelInfo) to know
+    whether its own CPU time slows the forward."""
+    return tuple(sorted(os.sched_getaffinity(0))) if device.type == "cpu" else ()

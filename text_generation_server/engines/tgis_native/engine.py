@@ -105,6 +105,7 @@ from text_generation_server.memory import cuda_available_bytes, host_available_b
 from text_generation_server.sampling.token_details import input_token_infos
 from text_generation_server.speculation import Lookahead, Speculator, Target, speculator_for
 from text_generation_server.speculation.gate import SpeculationGate
+from text_generation_server.utils.cpu import compute_cpus
 from text_generation_server.utils.hub import resolve_model_dir
 from text_generation_server.utils.transfer import to_device
 
@@ -235,6 +236,7 @@ class TgisNativeEngine(ModelEngine):
             chunked_prefill=True,
             dtype=loaded.dtype_name,
             dtype_reason=loaded.dtype_reason,
+            compute_cpus=compute_cpus(self.device),
         )
         if self.device.type == "cuda" and config.cuda_graphs:
             if config.world_size > 1:  # NOTE: collectives inside a capture are not tried yet
