@@ -349,8 +349,7 @@ class BatchManager:
             if isinstance(cached, InFlight):
                 ahead = self._read(cached, launch_next=True)
             else:
-                done = cached.done_ids()
-                batch = cached.prune(done) if done else cached
+                batch = cached.without_done()
                 assert batch is not None, "a batch that may step has a request that may generate"
                 ahead = self._step_ahead(batch)
             if ahead.error is not None:  # reported by the next call that references the batch

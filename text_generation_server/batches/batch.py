@@ -39,6 +39,12 @@ class Batch(ABC):
         """The requests that have had every token they may take (max_new_tokens): a step past
         them would write K/V beyond the length their request was admitted with."""
 
+    def without_done(self) -> Self | None:
+        """This batch without its `done_ids` rows (itself when there are none); None when no
+        row is left. What a step taken before the router's next call runs on."""
+        done = self.done_ids()
+        return self.prune(done) if done else self
+
     @property
     @abstractmethod
     def request_ids(self) -> list[int]:

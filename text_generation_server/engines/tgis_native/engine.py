@@ -470,13 +470,10 @@ class TgisNativeEngine(ModelEngine):
         assert isinstance(batch, RaggedBatch)
         if not self.pipelined or self.speculator is not None or self._guided(batch):
             return None
-        done = batch.done_ids()
-        if done:
-            pruned = batch.prune(done)
-            assert pruned is not None, "launch needs a batch with tokens still to generate"
-            batch = pruned
+        live = batch.without_done()
+        assert live is not None, "launch needs a batch with tokens still to generate"
         with torch.inference_mode():
-            return self._launch(batch, token_budget, ahead=True)
+            return self._launch(live, token_budget, ahead=True)
 
     def finish(self, launched: Launched) -> StepOutput:
         assert isinstance(launched, LaunchedStep)
