@@ -16,6 +16,7 @@ import click
 
 from router import config as defaults
 from router.api.auth import AuthConfig, parse_api_keys
+from router.core.pacing import CPU_HIGH
 
 max_concurrent_requests = click.option(
     "--max-concurrent-requests",
@@ -79,7 +80,7 @@ max_stream_interval = click.option(
     default=0,
     help="Above --stream-interval: while the router's event loop is saturated (the engine waits "
     "for it), or, where the shard computes on the router's CPUs, while the router takes more "
-    "than 5 percent of a core from its forward, those streams' messages carry up to this many tokens, "
+    f"than {CPU_HIGH:.0%} of a core from its forward, those streams' messages carry up to this many tokens, "
     "one more per 0.1 s of it and one fewer once the load falls; 0 = --stream-interval, fixed "
     "[env MAX_STREAM_INTERVAL].",
 )
