@@ -7,7 +7,10 @@ dim 64), FFN 8192, vocabulary 8192, untied, about 1.0 B parameters (2 GB in bflo
 tiny-gpt2-512x8, tiny-gpt-bigcode-512x8 (multi-query), tiny-gpt-neox-512x8: the same widths (hidden
 512, 8 layers, 8 heads, FFN 1376, vocabulary 8192) in the LayerNorm architectures, for the C++
 decoder stack's other op (`python -m benchmarks.engine_step --compare cpu-forward --reference ...`).
-All have random weights drawn from a fixed seed and saved in bfloat16 (exact in float32 too),
+tiny-llama-512x8-stdlib: tiny-llama-512x8's shape and initial weights, trained on the standard
+library's sources (reference_training.py, about 20 minutes on two cores): a small code model
+whose outputs have structure, for measuring speculation's acceptance (`--reference`).
+All start from random weights drawn from a fixed seed and are saved in bfloat16 (exact in float32 too),
 and a byte-level BPE tokenizer trained on this Python's standard-library sources, with the
 training recipe of the tiny test models (text_generation_server/testing/tiny_models.py) at
 vocabulary 8192.
@@ -27,25 +30,30 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from benchmarks.reference_training import TrainingRecipe
 
 logger = logging.getLogger(__name__)
 
 NAME = "tiny-llama-512x8"  # the default
 RECIPE_VERSION = 1  # bump when the recipe changes: cached builds are then rebuilt
 # the config.json fields of each reference model; "architecture" is its model_type (llama if absent)
+TINY_LLAMA: dict[str, Any] = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 1376,
+    "vocab_size": 8192,
+    "max_position_embeddings": 2048,
+}
 SHAPES: dict[str, dict[str, Any]] = {
-    NAME: {
-        "hidden_size": 512,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "intermediate_size": 1376,
-        "vocab_size": 8192,
-        "max_position_embeddings": 2048,
-    },
+    NAME: TINY_LLAMA,
+    f"{NAME}-stdlib": TINY_LLAMA,  # trained (TRAINED)
     "llama-1b": {
         "hidden_size": 2048,
         "num_hidden_layers": 16,
@@ -85,6 +93,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 2048,
     },
 }
+# the reference models trained after their random initialisation (reference_training.py)
+TRAINED: dict[str, TrainingRecipe] = {f"{NAME}-stdlib": TrainingRecipe()}
 SEED = 1234
 INIT_STD = 0.02
 SAVED_DTYPE = "bfloat16"
@@ -132,6 +142,11 @@ def build(out: Path, name: str = NAME) -> dict[str, Any]:
             else:
                 param.zero_()
     params = sum(p.numel() for p in model.parameters())
+    training = None
+    if name in TRAINED:
+        from benchmarks.reference_training import train
+
+        training = train(model, out / "tokenizer.json", tiny_models.EOS_ID, TRAINED[name])
     model.to(getattr(torch, SAVED_DTYPE)).save_pretrained(out)
     (out / "chat_template.jinja").unlink(missing_ok=True)
     stamp = {
@@ -143,6 +158,7 @@ def build(out: Path, name: str = NAME) -> dict[str, Any]:
         "saved_dtype": SAVED_DTYPE,
         "seed": SEED,
         "init_std": INIT_STD,
+        **({"training": training} if training else {}),
         "tokenizer": "byte-level BPE trained on the Python standard library",
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -157,9 +173,11 @@ def is_built(path: Path, name: str = NAME) -> bool:
         stamp = json.loads((path / STAMP_FILE).read_text())
     except (OSError, ValueError):
         return False
+    trained = name not in TRAINED or stamp.get("training", {}).get("recipe") == asdict(TRAINED[name])
     return bool(
         stamp.get("recipe_version") == RECIPE_VERSION
         and stamp.get("name") == name
+        and trained
         and (path / "config.json").exists()
     )
 

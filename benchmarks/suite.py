@@ -107,6 +107,7 @@ class BenchConfig:
     prefill_budgets: tuple[int, ...] = ()  # --max-batch-prefill-tokens per variant; () = default
     adapters: tuple[int, ...] = ()  # LoRA adapters per variant, named by requests in turn; () = none
     speculate: tuple[int, ...] = ()  # --speculate per variant; () = off
+    speculator: str = ""  # --speculator-name of the variants that speculate; "" = n-gram lookup
     adapter_targets: tuple[str, ...] = ("q_proj", "v_proj")  # the modules they adapt (PEFT's Llama default)
     guided_json: bool = False  # our gRPC requests carry a JSON schema (clients.GUIDED_SCHEMA)
     vllm_dtype: str | None = None  # None: the dtype our server resolved
@@ -472,7 +473,7 @@ class Run:
         maker = PromptMaker(model_dir)
         plans = plan_points(cfg, maker)
         variants = plan_variants(
-            cfg.engines, cfg.prefix_cache, cfg.prefill_budgets, cfg.adapters, cfg.speculate
+            cfg.engines, cfg.prefix_cache, cfg.prefill_budgets, cfg.adapters, cfg.speculate, cfg.speculator
         )
         mix = cfg.workload.kind == LONG_MIX
         meta = self.results["metadata"]

@@ -41,6 +41,7 @@ class ServerVariant:
     prefill_budget: int | None = None  # --max-batch-prefill-tokens; None: the router's default
     adapters: int = 0  # LoRA adapters in the server's store; requests name them in turn
     speculate: int = 0  # --speculate: candidate tokens per row and step (0 = off)
+    speculator: str = ""  # --speculator-name where speculate > 0 (else n-gram lookup)
 
     @property
     def adapter_ids(self) -> list[str]:
@@ -53,6 +54,8 @@ class ServerVariant:
             args += ("--max-batch-prefill-tokens", str(self.prefill_budget))
         if self.speculate:
             args += ("--speculate", str(self.speculate))
+            if self.speculator:
+                args += ("--speculator-name", self.speculator)
         return args
 
     def env(self) -> dict[str, str]:
@@ -69,6 +72,7 @@ class ServerVariant:
             "prefill_budget": "default" if self.prefill_budget is None else self.prefill_budget,
             "adapters": self.adapters,
             "speculate": self.speculate,
+            "speculator": self.speculator if self.speculate else "",
         }
 
 
@@ -109,10 +113,12 @@ def plan_variants(
     budgets: Sequence[int] = (),
     adapters: Sequence[int] = (),
     speculate: Sequence[int] = (),
+    speculator: str = "",
 ) -> list[ServerVariant]:
     """Every combination of engine x prefix caching x budget x adapter count x SPECULATE, in that
     order. Prefix-cache settings apply to engines that cache prefixes, and speculation to engines
-    that speculate; the others run once with their default."""
+    that speculate; the others run once with their default. `speculator` (a directory) is the
+    speculator model of the variants that speculate."""
     if prefix_cache not in PREFIX_CACHE_MODES:
         raise ValueError(f"prefix cache mode must be one of {', '.join(PREFIX_CACHE_MODES)}")
     settings: dict[str, tuple[bool | None, ...]] = {
@@ -149,7 +155,7 @@ def plan_variants(
         if len(speculate_choices) > 1 or lookahead:
             parts.append(f"speculate={lookahead}")
         key = f"{OURS}[{','.join(parts)}]" if parts else OURS
-        variants.append(ServerVariant(key, engine, cache, budget, count, lookahead))
+        variants.append(ServerVariant(key, engine, cache, budget, count, lookahead, speculator))
     return variants
 
 

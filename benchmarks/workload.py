@@ -12,6 +12,10 @@ Workloads (`build_workload`):
   mixed          lengths drawn uniformly from [len·(1−r), len·(1+r)], r = range_ratio
   shared-prefix  prompts of input_len whose first prefix_len tokens are one of num_prefixes
                  common prefixes (prefix caches can reuse them)
+  code           every prompt input_len in / output_len out, cut from a source file of this
+                 Python's standard library (the files reference_training.py holds out) at a
+                 line start: code completion, whose outputs may repeat their prompts (n-gram
+                 speculation's case)
   long-prompt-mix  `streams` decode streams of input_len in / output_len out, and `long_count`
                  long prompts of long_len in / long_output_len out sent while they decode
                  (`build_long_mix`; driven by longmix.py, not by the closed loop)
@@ -27,7 +31,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-WORKLOADS = ("fixed", "mixed", "shared-prefix", "long-prompt-mix")
+from benchmarks.reference_training import held_out_files
+
+WORKLOADS = ("fixed", "mixed", "shared-prefix", "code", "long-prompt-mix")
 LONG_MIX = "long-prompt-mix"
 DEFAULT_OUTPUT_LEN = {LONG_MIX: 256}  # the others: 128
 MAX_FIX_STEPS = 400
@@ -88,6 +94,8 @@ class WorkloadSpec:
             return f"{base} (±{self.range_ratio:.0%})"
         if self.kind == "shared-prefix":
             return f"{base} ({self.num_prefixes} prefix(es) of {self.shared_prefix_len} tokens)"
+        if self.kind == "code":
+            return f"{base} (standard-library source)"
         if self.kind == LONG_MIX:
             return (
                 f"{self.kind}: {self.streams} streams of {self.input_len} in / {self.output_len} out, "
@@ -119,6 +127,7 @@ class PromptMaker:
         self.tokenizer = Tokenizer.from_file(str(path))
         self.special_count = len(self.tokenizer.encode("").ids)
         self.pieces = self._clean_pieces()
+        self._sources: list[str] | None = None  # the code workload's files, read when first asked
 
     def _clean_pieces(self) -> list[str]:
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -158,6 +167,23 @@ class PromptMaker:
             text = cut if len(cut) > len(head) else head
         raise RuntimeError(f"could not make a prompt of exactly {n} tokens")
 
+    def code(self, n: int, rng: random.Random) -> Prompt:
+        """`n` tokens of standard-library source from a random line of a random held-out file."""
+        if self._sources is None:
+            self._sources = [Path(f).read_text(encoding="utf-8", errors="replace") for f in held_out_files()]
+        for _ in range(MAX_FIX_STEPS):
+            lines = rng.choice(self._sources).splitlines(keepends=True)
+            start = rng.randrange(len(lines))
+            text = "".join(lines[start : start + 4 * n])  # more than n tokens, unless the file ends
+            encoding = self.tokenizer.encode(text)
+            if len(encoding.ids) < n:
+                continue
+            cut = text[: encoding.offsets[n - 1][1]]
+            ids = self.encode(cut)
+            if len(ids) == n:
+                return Prompt(cut, tuple(ids), 0)
+        raise RuntimeError(f"could not cut a source prompt of exactly {n} tokens")
+
 
 def _lengths(rng: random.Random, base: int, ratio: float, low: int) -> int:
     if ratio == 0.0:
@@ -188,6 +214,9 @@ def build_workload(maker: PromptMaker, spec: WorkloadSpec, count: int, salt: str
             prefix = prefixes[i % len(prefixes)]
             out = spec.output_len
             prompt = maker.exact(spec.input_len, rng, head=prefix.text, head_ids=prefix.ids)
+        elif spec.kind == "code":
+            out = spec.output_len
+            prompt = maker.code(spec.input_len, rng)
         else:
             out = spec.output_len
             prompt = maker.exact(spec.input_len, rng)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,6 +28,13 @@ from tokenizers import Tokenizer
 from benchmarks import baselines, longmix, report
 from benchmarks.__main__ import build_parser, config_from_args
 from benchmarks.reference_model import SHAPES
+from benchmarks.reference_training import (
+    TrainingRecipe,
+    corpus_files,
+    held_out_files,
+    held_out_mean_loss,
+    train,
+)
 from benchmarks.server import DTYPE_LOG
 from benchmarks.stats import METRICS, POINT_FIELDS, RequestResult, summarize
 from benchmarks.suite import BenchConfig, fit_context, gpu_names
@@ -192,7 +200,31 @@ def test_prompts_have_exact_token_counts(tiny_model: Callable[..., Path], kind: 
         assert {(p.input_len, p.output_len) for p in prompts} == {(40, 10)}
     if kind == "shared-prefix":
         assert prompts[0].ids[:20] == prompts[2].ids[:20] != prompts[1].ids[:20]
+    if kind == "code":  # cut from the sources training holds out, at a line start
+        sources = [Path(f).read_text(encoding="utf-8", errors="replace") for f in held_out_files()]
+        for prompt in prompts:
+            assert any(("\n" + prompt.text) in "\n" + source for source in sources)
+        assert len({p.text for p in prompts}) == len(prompts)
     assert build_workload(maker, spec, 12) == prompts  # deterministic
+
+
+def test_training_a_reference_model_lowers_its_held_out_loss(tiny_model: Callable[..., Path]) -> None:
+    import torch
+    import transformers
+
+    model_dir = tiny_model("llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    recipe = TrainingRecipe(steps=40, batch=4, seq_len=64, lr=1e-2, warmup=4)
+    assert recipe.lr_at(0) == pytest.approx(1e-2 / 4) and recipe.lr_at(3) == pytest.approx(1e-2)
+    assert recipe.lr_at(39) == pytest.approx(1e-3, rel=0.1)  # cosine down to a tenth
+    held_out = set(held_out_files(recipe))
+    assert held_out and held_out < set(corpus_files())
+    uniform = math.log(model.config.vocab_size)  # the loss of a uniform guess
+    ids = [4 + i % (model.config.vocab_size - 4) for i in range(64 * 32)]
+    assert held_out_mean_loss(model, ids, 32) > uniform  # random weights: worse than a uniform guess
+    stamp = train(model, model_dir / "tokenizer.json", 2, recipe)
+    assert stamp["held_out_loss"] < uniform - 0.5, stamp  # on text it never saw
+    assert stamp["recipe"]["steps"] == 40 and stamp["held_out_tokens"] > 10_000
 
 
 def test_summarize_uses_vllm_definitions() -> None:
@@ -239,6 +271,8 @@ def test_engine_prefix_cache_and_budget_options() -> None:
 def test_reference_option_names_the_model_to_build() -> None:
     assert _config().reference == "tiny-llama-512x8"
     assert _config("--reference", "llama-1b").reference == "llama-1b"
+    assert _config("--reference", "tiny-llama-512x8-stdlib").reference == "tiny-llama-512x8-stdlib"
+    assert SHAPES["tiny-llama-512x8-stdlib"] == SHAPES["tiny-llama-512x8"]  # same step, trained weights
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--reference", "llama-70b"])
     shape = SHAPES["llama-1b"]
@@ -309,6 +343,7 @@ def test_variants_name_only_what_varies() -> None:
         "prefill_budget": 256,
         "adapters": 0,
         "speculate": 0,
+        "speculator": "",
     }
     budgets = plan_variants(("tgis_native",), "default", (256, 100000))
     assert [v.key for v in budgets] == ["ours[budget=256]", "ours[budget=100000]"]
@@ -320,6 +355,12 @@ def test_variants_name_only_what_varies() -> None:
     ]
     assert speculating[2].launcher_args()[-2:] == ("--speculate", "4")
     assert "--speculate" not in speculating[1].launcher_args()
+    off, mlp = plan_variants(("tgis_native",), speculate=(0, 3), speculator="/s")
+    assert mlp.launcher_args()[-4:] == ("--speculate", "3", "--speculator-name", "/s")
+    assert "--speculator-name" not in off.launcher_args() and off.describe()["speculator"] == ""
+    assert _config("--speculate", "0,3", "--speculator", "/s").speculator == "/s"
+    with pytest.raises(ValueError, match="--speculator needs a --speculate value above 0"):
+        _config("--speculator", "/s")
     assert baseline_key("engine_only", "tgis_native", ("tgis_native",)) == "engine_only"
     assert (
         baseline_key("engine_only", "tgis_native", ("hf_transformers", "tgis_native"))
