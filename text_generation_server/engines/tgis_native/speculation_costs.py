@@ -3,12 +3,13 @@ the engine itself at start-up (speculation/gate.py weighs it against the tokens 
 
 At each row count of `measured_rows` (powers of two up to SPECULATOR_MAX_BATCH_SIZE) a batch of
 that many requests (PROMPT_TOKENS of a repeated random pattern, greedy) is prefilled, then steps
-through the engine's own `generate_token`: WARM_STEPS + TIMED_STEPS without candidates, then as
-many with the full lookahead on every row (the speculator's own proposal, padded to the limit
-where it proposes fewer, so that the step verifies as many rows as a speculating step may). The
-ratio of the median step times is the cost. The requests are released after each count (their
-KV blocks return to the pool, the speculator forgets them), prefix caching is off meanwhile,
-so the engine serves as it would have without the measurement.
+through the engine's own `generate_token`, WARM_STEPS + TIMED_STEPS pairs of a step without
+candidates and a step with the full lookahead on every row (the speculator's own proposal, padded
+to the limit where it proposes fewer, so that the step verifies as many rows as a speculating
+step may). The ratio of the median step times is the cost: the two kinds alternate, so that a
+machine whose speed drifts (a shared host, frequency steps) moves both alike. The requests are
+released after each count (their KV blocks return to the pool, the speculator forgets them),
+prefix caching is off meanwhile, so the engine serves as it would have without the measurement.
 """
 
 from __future__ import annotations
@@ -139,36 +140,35 @@ def _measuring(engine: TgisNativeEngine) -> Iterator[None]:
 def _time_steps(
     engine: TgisNativeEngine, requests: list[GenerationRequest], steps: int
 ) -> tuple[float, float]:
-    """Median seconds of a step of `requests` without, then with candidates on every row (`steps`
-    of each, the first WARM_STEPS not timed)."""
+    """Median seconds of a step of `requests` without and with candidates on every row (`steps`
+    of each, alternated, the first WARM_STEPS of each not timed)."""
     batch, errors = engine.new_batch(BATCH_ID, requests)
     assert batch is not None and not errors, f"measuring speculation: {errors}"
     try:
         while batch.prefilling:
             batch = _step(engine, batch)
-        engine.gate = SpeculationGate(0)  # no step speculates
-        plain, batch = _median_step(engine, batch, steps, full=False)
-        engine.gate = SpeculationGate(len(requests))
-        speculating, batch = _median_step(engine, batch, steps, full=True)
+        seconds: tuple[list[float], list[float]] = ([], [])  # plain, speculating
+        for step in range(steps):
+            for full in (False, True):
+                batch, elapsed = _timed_step(engine, batch, full)
+                if step >= WARM_STEPS:
+                    seconds[full].append(elapsed)
     finally:
         engine.release([r.id for r in requests])
-    return plain, speculating
+    return statistics.median(seconds[0]), statistics.median(seconds[1])
 
 
-def _median_step(
-    engine: TgisNativeEngine, batch: RaggedBatch, steps: int, full: bool
-) -> tuple[float, RaggedBatch]:
-    """The median seconds of the steps after WARM_STEPS, and the batch after them."""
-    seconds = []
-    for step in range(steps):
-        if full:  # every row asks its most (no pause after a miss)
-            for state in batch.states.values():
-                state.lookahead = Lookahead(engine.speculate)
-        start = time.perf_counter()
-        batch = _step(engine, batch)
-        if step >= WARM_STEPS:
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), batch
+def _timed_step(engine: TgisNativeEngine, batch: RaggedBatch, full: bool) -> tuple[RaggedBatch, float]:
+    """One step, plain or with every row asking its most candidates, and its seconds."""
+    if full:  # every row asks its most (no pause after a miss)
+        engine.gate = SpeculationGate(len(batch.states))
+        for state in batch.states.values():
+            state.lookahead = Lookahead(engine.speculate)
+    else:
+        engine.gate = SpeculationGate(0)  # no step speculates
+    start = time.perf_counter()
+    batch = _step(engine, batch)
+    return batch, time.perf_counter() - start
 
 
 def _step(engine: TgisNativeEngine, batch: RaggedBatch) -> RaggedBatch:
