@@ -16,14 +16,14 @@ minutes on two cores.
 
 from __future__ import annotations
 
-import glob
 import logging
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from text_generation_server.testing.tiny_models import stdlib_sources
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +49,10 @@ class TrainingRecipe:
         return self.lr * (self.final_lr_ratio + (1.0 - self.final_lr_ratio) * cosine)
 
 
-def corpus_files() -> list[str]:
-    stdlib = os.path.dirname(os.__file__)
-    files = sorted(f for f in glob.glob(os.path.join(stdlib, "*.py")) if os.path.isfile(f))
-    if not files:
-        raise RuntimeError(f"no standard-library sources found in {stdlib}")
-    return files
-
-
 def held_out_files(recipe: TrainingRecipe | None = None) -> list[str]:
     """The source files training never sees (the code workload's prompts come from them)."""
     every = (recipe or TrainingRecipe()).held_out_every
-    return [f for i, f in enumerate(corpus_files()) if i % every == every - 1]
+    return [f for i, f in enumerate(stdlib_sources()) if i % every == every - 1]
 
 
 def corpus_ids(tokenizer_json: Path, eos_id: int, recipe: TrainingRecipe) -> tuple[list[int], list[int]]:
@@ -71,7 +63,7 @@ def corpus_ids(tokenizer_json: Path, eos_id: int, recipe: TrainingRecipe) -> tup
     train: list[int] = []
     held_out: list[int] = []
     excluded = set(held_out_files(recipe))
-    for path in corpus_files():
+    for path in stdlib_sources():
         text = Path(path).read_text(encoding="utf-8", errors="replace")
         ids = [*tokenizer.encode(text, add_special_tokens=False).ids, eos_id]
         (held_out if path in excluded else train).extend(ids)

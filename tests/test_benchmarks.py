@@ -30,7 +30,6 @@ from benchmarks.__main__ import build_parser, config_from_args
 from benchmarks.reference_model import SHAPES
 from benchmarks.reference_training import (
     TrainingRecipe,
-    corpus_files,
     held_out_files,
     held_out_mean_loss,
     train,
@@ -41,6 +40,7 @@ from benchmarks.suite import BenchConfig, fit_context, gpu_names
 from benchmarks.variants import baseline_key, plan_variants
 from benchmarks.workload import WORKLOADS, Prompt, PromptMaker, WorkloadSpec, build_long_mix, build_workload
 from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK
+from text_generation_server.testing.tiny_models import stdlib_sources
 from text_generation_server.utils.cpu import cpu_flags, default_cpu_dtype
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -218,7 +218,7 @@ def test_training_a_reference_model_lowers_its_held_out_loss(tiny_model: Callabl
     assert recipe.lr_at(0) == pytest.approx(1e-2 / 4) and recipe.lr_at(3) == pytest.approx(1e-2)
     assert recipe.lr_at(39) == pytest.approx(1e-3, rel=0.1)  # cosine down to a tenth
     held_out = set(held_out_files(recipe))
-    assert held_out and held_out < set(corpus_files())
+    assert held_out and held_out < set(stdlib_sources())
     uniform = math.log(model.config.vocab_size)  # the loss of a uniform guess
     ids = [4 + i % (model.config.vocab_size - 4) for i in range(64 * 32)]
     assert held_out_mean_loss(model, ids, 32) > uniform  # random weights: worse than a uniform guess

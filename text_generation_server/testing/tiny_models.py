@@ -97,12 +97,17 @@ GRANITE_MULTIPLIERS: dict[str, Any] = {
 RANDOM_BIAS_ARCHITECTURES = frozenset({"gpt_bigcode", "granite", "qwen2"})
 
 
-def _corpus_files() -> list[str]:
+def stdlib_sources() -> list[str]:
+    """This Python's top-level standard-library sources, sorted by name."""
     stdlib = os.path.dirname(os.__file__)
     files = sorted(f for f in glob.glob(os.path.join(stdlib, "*.py")) if os.path.isfile(f))
     if not files:
         raise RuntimeError(f"no standard-library sources found in {stdlib}")
-    return files[:NUM_CORPUS_FILES]
+    return files
+
+
+def _corpus_files() -> list[str]:
+    return stdlib_sources()[:NUM_CORPUS_FILES]
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,6 +11,7 @@
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include <immintrin.h>
+#define TGIS_VECTORS_AVX2 1  // native vectors are AVX2 registers: some operations spelled out
 #endif
 
 namespace tgis_cpu {
@@ -89,7 +90,7 @@ inline vn load_native(const float* p) { return LoadsNative::of(p); }
 // the generic vectors from per-lane moves (3 bf16 heads of 8,192 x 512 on speculator_cpu.cpp's dot
 // products, 1 row, 2-core AVX2 EPYC: 1.1-1.5 ms per chain before, 0.5-0.8 ms after, alternated).
 inline vn load_native(const c10::BFloat16* p) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(TGIS_VECTORS_AVX2)
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
   vn v;
@@ -127,7 +128,7 @@ inline float sum(vf v) {
 }
 
 inline float sum_native(vn v) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(TGIS_VECTORS_AVX2)
   __m256 x;
   std::memcpy(&x, &v, sizeof x);
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
