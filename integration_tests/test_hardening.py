@@ -205,10 +205,10 @@ def test_fuzz_ends_in_allowed_statuses_and_leaves_the_server_as_it_was(server: S
     )
     before = stub.Generate(probe)
     started = time.monotonic()
-    tally = fuzz.run(server.address)
+    tally = fuzz.run(server.address, structured=3_200, raw=800)  # longer: make fuzz-soak
     logger.info("fuzz: %.0f s\n%s", time.monotonic() - started, tally.summary())
     assert not tally.bad, "\n".join(tally.bad[:20])
-    assert tally.calls == 10_000
+    assert tally.calls == 4_000
     # The server answers the same request identically, and every permit came back: as many
     # concurrent inputs as the limit allows all succeed.
     assert stub.Generate(probe) == before
