@@ -41,7 +41,7 @@ from text_generation_server.engines.step import choose_speculated, choose_tokens
 from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.kv.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
 from text_generation_server.sampling.chooser import TokenChooser
-from text_generation_server.speculation import Lookahead, Speculator, Target
+from text_generation_server.speculation import Lookahead, Speculator, Target, best_lookahead
 from text_generation_server.speculation.draft import DraftSpeculator
 from text_generation_server.speculation.mlp import (
     MlpSpeculatorConfig,
@@ -113,6 +113,48 @@ def test_a_request_whose_candidates_keep_missing_pauses_longer_each_time() -> No
     assert pauses == [0, 2, 4, 8, 8, 8, 8, 8]
     look.taken(1, 1)  # a hit ends the misses
     assert (look.misses, look.pause, look.limit) == (0, 0, 2)
+
+
+def test_the_best_lookahead_pays_most_tokens_per_step_time() -> None:
+    flat = (1.3, 1.3, 1.3)  # verifying more rows is free: every candidate that may be taken pays
+    assert [best_lookahead(p, flat) for p in (0.2, 0.5, 0.9)] == [0, 3, 3]
+    steep = (1.2, 1.5, 1.8)  # each verified row costs 0.3 of a plain step
+    # slow reference: tokens 1 + p + ... + p^k per cost, the first of the best
+    for p in [i / 20 for i in range(21)]:
+        rates = [1.0] + [sum(p**j for j in range(k + 1)) / c for k, c in enumerate(steep, start=1)]
+        assert best_lookahead(p, steep) == rates.index(max(rates)), p
+    assert [best_lookahead(p, steep) for p in (0.1, 0.5, 0.7, 1.0)] == [0, 1, 2, 3]
+    assert best_lookahead(1.0, (2.0, 3.0)) == 0  # ties go to fewer candidates: 2 tokens for 2.0
+
+
+def test_with_measured_costs_a_request_asks_what_its_acceptance_pays_for() -> None:
+    steep = (1.2, 1.5, 1.8)
+    look = Lookahead(3, steep)
+    assert look.acceptance == 0.75 and look.limit == 2  # the prior
+    for _ in range(4):
+        look.taken(look.ask(), look.limit)  # all taken
+    assert look.acceptance > 0.9 and look.limit == 3
+    limits, pauses = [], []
+    for _ in range(10):  # misses: the estimate falls, fewer are asked, then none pays
+        look.taken(look.limit, 0)
+        limits.append(look.limit)
+        pauses.append(look.pause)
+        asked = [look.ask() for _ in range(look.pause + 1)]
+        assert asked == [0] * pauses[-1] + [look.limit]  # paused, then one candidate again
+    assert limits == sorted(limits, reverse=True) and limits[0] == 3 and limits[-1] == 1, limits
+    first = pauses.index(2)  # where 1 + p no longer pays for 1.2: then 2, 4, 8, 8 ... steps
+    assert look.acceptance < 0.2 and pauses[first:] == [min(2 ** (i + 1), 8) for i in range(10 - first)]
+    assert not any(pauses[:first])
+    for _ in range(3):
+        look.taken(look.limit, look.limit)  # taken again: the pause ends, the lookahead grows
+    assert (look.misses, look.pause) == (0, 0) and look.limit >= 2
+    # where every verified row is free, a request keeps asking its most while it takes some
+    flat = Lookahead(3, (1.1, 1.1, 1.1))
+    for accepted in (0, 1, 0, 2, 0, 1):
+        flat.taken(3, accepted)
+        assert flat.limit == 3 and flat.pause == 0
+    with pytest.raises(ValueError, match="a lookahead of 3 needs 3 costs"):
+        Lookahead(3, (1.0, 1.0))
 
 
 def test_speculation_is_refused_with_one_line_where_it_cannot_run() -> None:

@@ -104,11 +104,21 @@ def test_the_engine_measures_the_cost_and_is_left_as_it_was(tiny_model, caplog) 
     costs = engine.gate.costs
     assert costs is not None and costs.rows == (1, 2, 4)
     assert all(0.2 < r < 50 for r in costs.ratios), costs  # timed: loose bounds, a sane ratio
+    # at 1 row also with 1 candidate; 2 between 1 and 3 on a line, never falling
+    one, two, three = costs.lookahead
+    assert 0.2 < one <= three and three == max(one, costs.ratios[0]), costs
+    assert two == pytest.approx((one + three) / 2)
     assert "speculating step / plain step, measured: at 1 / 2 / 4 rows" in caplog.text
+    assert "at 1 row with 1 / 2 / 3 candidates" in caplog.text
     assert engine.kv.pool.free == engine.kv.pool.num_blocks and not engine.allocations.reserved_blocks
     assert engine.prefix_caching and engine.prefix_query_tokens == engine.prefix_hit_tokens == 0
     assert engine.speculator is not None and type(engine.speculator).__name__ == "NgramSpeculator"
     assert engine.gate.steps == 0  # the measurement's own steps do not count as served ones
+    # requests ask by them (a new batch looks its prompt up in the prefix cache: checked above)
+    request = GenerationRequest(99, tuple(range(60, 80)), 10)
+    batch, _ = engine.new_batch(99, [request])
+    assert batch is not None and batch.states[99].lookahead.costs == costs.lookahead  # type: ignore[union-attr]
+    engine.release([99])
 
     # the engine serves as one that measured nothing
     requests = [GenerationRequest(i, tuple(range(30 + i, 50 + i)), 10) for i in range(3)]

@@ -11,8 +11,9 @@ tokens of a row.
                                                its one chain
     Speculator.release(request ids)         what it keeps for finished requests is dropped
     Lookahead                               per request: how many candidates to ask for next,
-                                            after how many of the last ones were taken (and a
-                                            pause after repeated misses)
+                                            by how many of its last ones were taken and what
+                                            a step with more candidates costs (and a pause
+                                            after repeated misses)
 
 Speculators:
   - IBM's MLP speculator (SPECULATOR_NAME, mlp.py): small heads over the target's last hidden
@@ -95,22 +96,56 @@ class Speculator(ABC):
 
 
 MAX_PAUSE = 8  # most steps a request that keeps missing waits between tries
+ACCEPT_DECAY = 0.7  # per verification: the weight left to a request's earlier ones (~3 count)
+PRIOR = (1.5, 2.0)  # candidates taken / tried that a request's estimate starts from (0.75)
+
+
+def best_lookahead(taken: float, costs: Sequence[float]) -> int:
+    """The candidates k (0..len(costs)) that give the most tokens per unit of step time, when
+    each is taken with probability `taken` while the ones before it were: 1 + taken + ... +
+    taken^k tokens for costs[k - 1] (a step with k candidates / a plain step; 1 token for 1
+    without any); the fewest of equal ones."""
+    best, best_rate, tokens, term = 0, 1.0, 1.0, 1.0
+    for k, cost in enumerate(costs, start=1):
+        term *= taken
+        tokens += term
+        if tokens / cost > best_rate * (1 + 1e-9):
+            best, best_rate = k, tokens / cost
+    return best
 
 
 @dataclass(slots=True)
 class Lookahead:
-    """How many candidates a request asks for: one more than it took last time (up to `most`),
-    or one more than it was offered when it took them all. A request whose candidates keep
-    missing (none taken twice in a row and more) pauses: 2, 4, ... up to MAX_PAUSE steps without
-    candidates, until one is taken again; a row that cannot be predicted costs little."""
+    """How many candidates a request asks for (at most `most`), and when it pauses: asks for none
+    for 2, 4, ... up to MAX_PAUSE steps, then for one again, so that a row that cannot be
+    predicted costs little.
+
+    With `costs` (what a one-row step with 1..most candidates costs against a plain one, measured
+    at start-up: SPECULATOR_BATCH_GATE=measured) the number that pays best (best_lookahead) at
+    the request's recent acceptance, the share of the candidates it tried that were taken (a
+    decaying mean over its last few verifications; a position counts as tried up to the first
+    one refused); it pauses where none pays. Without costs: one more than it took last time, or
+    one more than it was offered when it took them all; it pauses after two verifications in a
+    row that took none."""
 
     most: int
+    costs: tuple[float, ...] = ()
     limit: int = 0
-    misses: int = 0  # verifications in a row that took no candidate
+    misses: int = 0  # verifications in a row that took no candidate (with costs: after which none paid)
     pause: int = 0  # steps still to go without candidates
+    hits: float = PRIOR[0]  # decaying counts of candidates taken / tried
+    tries: float = PRIOR[1]
 
     def __post_init__(self) -> None:
-        self.limit = self.limit or self.most
+        if self.costs and len(self.costs) != self.most:
+            raise ValueError(f"a lookahead of {self.most} needs {self.most} costs, got {self.costs}")
+        if not self.limit:
+            self.limit = max(1, best_lookahead(self.acceptance, self.costs)) if self.costs else self.most
+
+    @property
+    def acceptance(self) -> float:
+        """Recent share of tried candidates that were taken."""
+        return self.hits / self.tries
 
     def ask(self) -> int:
         """The candidates to ask for at this step (0 while paused)."""
@@ -120,6 +155,15 @@ class Lookahead:
         return self.limit
 
     def taken(self, proposed: int, accepted: int) -> None:
+        self.hits = self.hits * ACCEPT_DECAY + accepted
+        self.tries = self.tries * ACCEPT_DECAY + accepted + (accepted < proposed)
+        if self.costs:
+            best = best_lookahead(self.acceptance, self.costs)
+            self.limit = max(1, best)
+            self.misses = 0 if best else self.misses + 1
+            if self.misses:
+                self.pause = min(2**self.misses, MAX_PAUSE)
+            return
         grown = proposed + 1 if accepted == proposed else accepted + 1
         self.limit = max(1, min(self.most, grown))
         self.misses = self.misses + 1 if accepted == 0 else 0

@@ -32,10 +32,13 @@ HYSTERESIS = 0.05  # relative margin around a cost before P moves past it
 
 @dataclass(frozen=True, slots=True)
 class StepCosts:
-    """Speculating / plain step time, measured at each of `rows` decoding rows (ascending)."""
+    """Speculating / plain step time, measured at each of `rows` decoding rows (ascending), every
+    row with its most candidates; `lookahead`: at one row, with 1, 2, ... up to the most
+    candidates (a request's Lookahead chooses by them; empty: not measured)."""
 
     rows: tuple[int, ...]
     ratios: tuple[float, ...]
+    lookahead: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.rows or len(self.rows) != len(self.ratios) or list(self.rows) != sorted(set(self.rows)):
@@ -51,7 +54,11 @@ class StepCosts:
 
     def describe(self) -> str:
         rows = " / ".join(map(str, self.rows))
-        return f"at {rows} rows " + " / ".join(f"{x:.2f}x" for x in self.ratios)
+        text = f"at {rows} rows " + " / ".join(f"{x:.2f}x" for x in self.ratios)
+        if len(self.lookahead) > 1:
+            counts = " / ".join(str(k) for k in range(1, len(self.lookahead) + 1))
+            text += f", at 1 row with {counts} candidates " + " / ".join(f"{x:.2f}x" for x in self.lookahead)
+        return text
 
 
 class SpeculationGate:

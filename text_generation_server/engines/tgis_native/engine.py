@@ -429,7 +429,10 @@ class TgisNativeEngine(ModelEngine):
                 keys = self._prefix_keys(item)
                 sequence = self.allocations.open(request.id, keys, len(item.prompt) + request.max_new_tokens)
                 item.computed = sequence.length  # prefix-cache hit: those blocks are not prefilled
-                lookahead = Lookahead(self.speculate) if self.speculator is not None else None
+                lookahead = None
+                if self.speculator is not None:
+                    costs = self.gate.costs.lookahead if self.gate.costs is not None else ()
+                    lookahead = Lookahead(self.speculate, costs)
                 batch.states[request.id] = RequestState(sequence, found.loras.get(request.id), lookahead)
                 if keys:
                     self.prefix_query_tokens += len(keys) * self.block_size

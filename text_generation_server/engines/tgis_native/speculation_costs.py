@@ -3,11 +3,14 @@ the engine itself at start-up (speculation/gate.py weighs it against the tokens 
 
 At each row count of `measured_rows` (powers of two up to SPECULATOR_MAX_BATCH_SIZE) a batch of
 that many requests (PROMPT_TOKENS of a repeated random pattern, greedy) is prefilled, then steps
-through the engine's own `generate_token`, WARM_STEPS + TIMED_STEPS pairs of a step without
+through the engine's own `generate_token`, WARM_STEPS + TIMED_STEPS rounds of a step without
 candidates and a step with the full lookahead on every row (the speculator's own proposal, padded
 to the limit where it proposes fewer, so that the step verifies as many rows as a speculating
-step may). The ratio of the median step times is the cost: the two kinds alternate, so that a
-machine whose speed drifts (a shared host, frequency steps) moves both alike. The requests are
+step may), at 1 row also a step with one candidate. The ratio of the median step times is the
+cost: the kinds alternate, so that a machine whose speed drifts (a shared host, frequency steps)
+moves them alike. The costs at 1 row of 2 .. most - 1 candidates lie on the line between those of
+1 and of the most (each verified row costs the same), never below 1 candidate's: they decide how
+many candidates a request asks for (speculation.Lookahead). The requests are
 released after each count (their KV blocks return to the pool, the speculator forgets them),
 prefix caching is off meanwhile, so the engine serves as it would have without the measurement.
 """
@@ -87,9 +90,11 @@ def measure(engine: TgisNativeEngine, most_rows: int) -> StepCosts | None:
     """The cost of a speculating step at each measured row count that the KV cache holds, 1 row at
     least (None: MAX_NEW_TOKENS or the sequence length leave too few steps to time)."""
     speculate = engine.speculate
-    # a plain step takes one token, a speculating one up to 1 + speculate: within MAX_NEW_TOKENS
-    steps = min(WARM_STEPS + TIMED_STEPS, (engine.context.max_new_tokens - 1) // (2 + speculate))
-    new_tokens = steps * (2 + speculate) + 1
+    first = (0, 1, speculate) if speculate > 1 else (0, speculate)  # candidates per row, at 1 row
+    # a plain step takes one token, a speculating one up to 1 + its candidates: within MAX_NEW_TOKENS
+    per_round = sum(1 + k for k in first)
+    steps = min(WARM_STEPS + TIMED_STEPS, (engine.context.max_new_tokens - 1) // per_round)
+    new_tokens = steps * per_round + 1
     prompt_tokens = min(PROMPT_TOKENS, engine.context.max_sequence_length - new_tokens - 1)
     if steps <= WARM_STEPS or prompt_tokens < MIN_PROMPT_TOKENS:
         return None
@@ -103,6 +108,7 @@ def measure(engine: TgisNativeEngine, most_rows: int) -> StepCosts | None:
     counts: list[int] = []
     plain: list[float] = []
     speculating: list[float] = []
+    one_candidate = 0.0
     with _measuring(engine):
         for rows in measured_rows(most_rows):
             if rows > 1 and rows * per_sequence > engine.kv.pool.free - engine.allocations.reserved_blocks:
@@ -111,15 +117,23 @@ def measure(engine: TgisNativeEngine, most_rows: int) -> StepCosts | None:
                 )
                 break
             requests = [GenerationRequest(-(i + 1), prompt, new_tokens) for i in range(rows)]
-            times = _time_steps(engine, requests, steps)
+            times = _time_steps(engine, requests, steps, first if rows == 1 else (0, speculate))
             counts.append(rows)
             plain.append(times[0])
-            speculating.append(times[1])
-    # every rank of a sharded model must speculate at the same steps: the largest of their costs
-    ratios = (round(s / p * RATIO_SCALE) for p, s in zip(plain, speculating, strict=True))
-    return StepCosts(
-        tuple(counts), tuple(distributed.agree_max(r, engine.device) / RATIO_SCALE for r in ratios)
-    )
+            speculating.append(times[-1])
+            if rows == 1:
+                one_candidate = times[1]
+
+    def agreed(ratio: float) -> float:
+        """Every rank of a sharded model must speculate at the same steps, and its requests ask
+        for as many candidates: the largest of their costs."""
+        return distributed.agree_max(round(ratio * RATIO_SCALE), engine.device) / RATIO_SCALE
+
+    ratios = tuple(agreed(s / p) for p, s in zip(plain, speculating, strict=True))
+    low, high = agreed(one_candidate / plain[0]), ratios[0]
+    high = max(low, high)
+    slope = (high - low) / (speculate - 1) if speculate > 1 else 0.0
+    return StepCosts(tuple(counts), ratios, tuple(low + slope * k for k in range(speculate)))
 
 
 @contextmanager
@@ -138,32 +152,32 @@ def _measuring(engine: TgisNativeEngine) -> Iterator[None]:
 
 
 def _time_steps(
-    engine: TgisNativeEngine, requests: list[GenerationRequest], steps: int
-) -> tuple[float, float]:
-    """Median seconds of a step of `requests` without and with candidates on every row (`steps`
-    of each, alternated, the first WARM_STEPS of each not timed)."""
+    engine: TgisNativeEngine, requests: list[GenerationRequest], steps: int, kinds: Sequence[int]
+) -> list[float]:
+    """Median seconds of a step of `requests` with each of `kinds` candidates on every row (0:
+    plain; `steps` of each, in turn, the first WARM_STEPS of each not timed)."""
     batch, errors = engine.new_batch(BATCH_ID, requests)
     assert batch is not None and not errors, f"measuring speculation: {errors}"
     try:
         while batch.prefilling:
             batch = _step(engine, batch)
-        seconds: tuple[list[float], list[float]] = ([], [])  # plain, speculating
+        seconds: list[list[float]] = [[] for _ in kinds]
         for step in range(steps):
-            for full in (False, True):
-                batch, elapsed = _timed_step(engine, batch, full)
+            for kind, candidates in enumerate(kinds):
+                batch, elapsed = _timed_step(engine, batch, candidates)
                 if step >= WARM_STEPS:
-                    seconds[full].append(elapsed)
+                    seconds[kind].append(elapsed)
     finally:
         engine.release([r.id for r in requests])
-    return statistics.median(seconds[0]), statistics.median(seconds[1])
+    return [statistics.median(times) for times in seconds]
 
 
-def _timed_step(engine: TgisNativeEngine, batch: RaggedBatch, full: bool) -> tuple[RaggedBatch, float]:
-    """One step, plain or with every row asking its most candidates, and its seconds."""
-    if full:  # every row asks its most (no pause after a miss)
+def _timed_step(engine: TgisNativeEngine, batch: RaggedBatch, candidates: int) -> tuple[RaggedBatch, float]:
+    """One step, plain (0) or with every row asking `candidates`, and its seconds."""
+    if candidates:  # every row asks them (no pause after a miss)
         engine.gate = SpeculationGate(len(batch.states))
         for state in batch.states.values():
-            state.lookahead = Lookahead(engine.speculate)
+            state.lookahead = Lookahead(candidates)
     else:
         engine.gate = SpeculationGate(0)  # no step speculates
     start = time.perf_counter()
