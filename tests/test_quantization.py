@@ -61,11 +61,11 @@ def with_way(monkeypatch, way: str) -> None:
 WAYS = [int8.EIGHT_BIT, int8.EXACT, int8.SPLIT]
 
 
-def w8a8(x: torch.Tensor, ints: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def w8a8(x: torch.Tensor, ints: torch.Tensor, scales: torch.Tensor, lowest: int = -128) -> torch.Tensor:
     """W8A8's definition in float64: each token's integers round(x / (max |x| / 127.5)), halves to
-    even, clamped to [-128, 127], times the integer weights, scaled back."""
+    even, clamped to [lowest, 127] (-128: the definition's), times the integer weights, scaled back."""
     steps = x.float().abs().amax(1, keepdim=True).clamp(min=int8.TINY) / 127.5
-    integers = torch.round(x.float() / steps).clamp(-128, 127).double()
+    integers = torch.round(x.float() / steps).clamp(lowest, 127).double()
     return (integers @ ints.double().t()) * (scales.double() * steps.double())
 
 
@@ -75,7 +75,8 @@ def test_every_way_computes_w8a8s_integer_products(monkeypatch, way) -> None:
     float products' rounding): large integers against large weights, which saturate 8-bit
     products on CPUs without VNNI, a token far larger than the others, one of zeros; the exact
     kernel's and the split's rounding is the definition's even at a token's negative extreme
-    (-127.5 steps: -128), the 8-bit kernel's gives -127 there (not asked of it)."""
+    (-127.5 steps: -128), the 8-bit kernel's may give -127 there (it does on a 2-core Zen 4 EPYC
+    with AVX512-VNNI), and the seed's third token meets it."""
     with_way(monkeypatch, way)
     gen = torch.Generator().manual_seed(7)
     ints = torch.randint(-127, 128, (40, 256), generator=gen)
@@ -90,8 +91,13 @@ def test_every_way_computes_w8a8s_integer_products(monkeypatch, way) -> None:
     if way != int8.EIGHT_BIT:
         x[5, 9] = -x[5].abs().max() - 1.0  # the negative extreme
     expected = w8a8(x, ints, scales)
-    y = layer(x)
-    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    y = layer(x).double()
+    if way == int8.EIGHT_BIT:  # each token as the definition has it, or with -127 at its negative extreme
+        either = w8a8(x, ints, scales, lowest=-127)
+        close = ((y - expected).abs() <= 1e-6 * expected.abs().max() + 1e-5 * expected.abs()).all(1)
+        y = torch.where(close.unsqueeze(1), expected, y)
+        expected = torch.where(close.unsqueeze(1), expected, either)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
