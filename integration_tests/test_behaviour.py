@@ -167,9 +167,20 @@ def test_deadline_expiring_in_the_queue(server) -> None:
             for i in range(8)
         ]
         busy_tasks = [asyncio.ensure_future(b) for b in busy]
-        await asyncio.sleep(0.1)
-        late = await stub.Generate(
-            pb.BatchedGenerationRequest(requests=[{"text": "Hello there"}], params=long_params(30))
+        await asyncio.sleep(0.05)  # admitted: the batch is full for their 169 steps
+
+        async def streamed() -> list[pb.GenerationResponse]:
+            request = pb.SingleGenerationRequest(request={"text": "Hello there"}, params=long_params(30))
+            return [m async for m in stub.GenerateStream(request)]
+
+        # both wait at once, so that both deadlines pass within the busy requests' run even where
+        # it is short (on a 2-core Zen 4 EPYC a stream sent after the unary request's answer was
+        # admitted once the batch ended and took a token)
+        late, messages = await asyncio.gather(
+            stub.Generate(
+                pb.BatchedGenerationRequest(requests=[{"text": "Hello there"}], params=long_params(30))
+            ),
+            streamed(),
         )
         r = late.responses[0]
         assert (r.stop_reason, r.generated_token_count, r.input_token_count, r.text) == (
@@ -178,12 +189,6 @@ def test_deadline_expiring_in_the_queue(server) -> None:
             5,
             "",
         )
-        messages = [
-            m
-            async for m in stub.GenerateStream(
-                pb.SingleGenerationRequest(request={"text": "Hello there"}, params=long_params(30))
-            )
-        ]
         assert messages[0].input_token_count == 5
         assert messages[-1].stop_reason == pb.TIME_LIMIT and messages[-1].generated_token_count == 0
         for reply in await asyncio.gather(*busy_tasks):
