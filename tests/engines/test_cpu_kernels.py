@@ -182,12 +182,15 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 32, 97, 200])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_panel_linear_equals_torch_linear(kernel, rows: int, with_bias: bool) -> None:
-    """Row counts cover each tile of 1-6 rows, whole tiles, and blocks of 96 prompt rows."""
+@pytest.mark.parametrize("inputs", [37, 38])
+def test_panel_linear_equals_torch_linear(kernel, rows: int, with_bias: bool, inputs: int) -> None:
+    """Row counts cover each tile of 1-6 rows, whole tiles, and blocks of 96 prompt rows; input
+    widths no vector divides, odd (bfloat16 panels of single inputs) and even (in pairs, where
+    the CPU has AVX512-BF16)."""
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(48, 37, generator=gen)  # 3 panels; an input width no vector divides
-    bias = torch.randn(48, generator=gen) if with_bias else None
-    x = torch.randn(rows, 37, generator=gen)
+    weight = torch.randn(80, inputs, generator=gen)  # 5 panels: a group of 4 and one alone
+    bias = torch.randn(80, generator=gen) if with_bias else None
+    x = torch.randn(rows, inputs, generator=gen)
     torch.testing.assert_close(_product(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
     # bfloat16: the float32 sums of the same (bfloat16) numbers, rounded once
     x16, weight16 = x.bfloat16(), weight.bfloat16()

@@ -27,6 +27,14 @@
 // passes through at::Tensor::to (two dispatches that cost a decode step's linear 10-15 us).
 // Elsewhere plain loops (the layout is only offered where AVX2 and FMA are).
 //
+// With AVX512-BF16, bfloat16 weights of an even input width are packed in pairs instead (panel p,
+// pair q: output channel j's weights for inputs 2q and 2q + 1 side by side, 64 bytes a pair), and
+// every product takes vdpbf16ps: 16 outputs x 2 inputs an instruction from the stored halves, x's
+// two bfloat16 values broadcast as one 32-bit lane (no widening of x or of the weights). Each sum
+// then runs pair by pair, in the instruction's own order within a pair, the bias last, on every
+// path (1-3 rows through groups of panels, tiles of up to 6 rows, prompt slices, whose widths are
+// even): a row's outputs still do not depend on the rows beside it.
+//
 // Built with the other CPU kernels by text_generation_server/kernels/cpu_kernels.py as
 // torch.ops.tgis_cpu.*.
 
@@ -37,6 +45,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -45,13 +54,41 @@
 #include <immintrin.h>
 #define TGIS_PANELS_AVX2 1
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define TGIS_PANELS_PAIRS 1
+#endif
 
 namespace {
 
 constexpr int64_t kPanel = 16;     // output channels a panel
-constexpr int64_t kTile = 6;       // rows of x a register tile
+constexpr int kTile = 6;           // rows of x a register tile
 constexpr int64_t kRowBlock = 96;  // rows of x every panel passes through before the next block
 constexpr int64_t kSlice = 256;    // input channels of a panel (16 KiB) kept in L1 while a block's rows pass
+
+// group(std::integral_constant<int, G>{}, p) for panels [begin, end) G at a time, then
+// group(std::integral_constant<int, 1>{}, p) for each one left
+template <int G, typename Group>
+inline void over_groups(int64_t begin, int64_t end, Group group) {
+  int64_t p = begin;
+  for (; p + G <= end; p += G) group(std::integral_constant<int, G>{}, p);
+  for (; p < end; ++p) group(std::integral_constant<int, 1>{}, p);
+}
+
+// tile(std::integral_constant<int, R>{}, r) for rows [first, last): tiles of kTile rows from r = first,
+// then one of the rows left (R < kTile)
+template <typename Tile>
+inline void over_tiles(int64_t first, int64_t last, Tile tile) {
+  int64_t r = first;
+  for (; r + kTile <= last; r += kTile) tile(std::integral_constant<int, kTile>{}, r);
+  switch (last - r) {
+    case 5: tile(std::integral_constant<int, 5>{}, r); break;
+    case 4: tile(std::integral_constant<int, 4>{}, r); break;
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
 
 #if defined(TGIS_PANELS_AVX2)
 
@@ -185,34 +222,19 @@ inline void tile_group(const float* x, int64_t ldx, const W* panel, int64_t in, 
 template <int R, typename W, typename Y>
 void few_rows_through(const float* x, int64_t in, const W* panels, int64_t begin, int64_t end, const float* bias,
                       Y* y, int64_t out) {
-  constexpr int G = R == 1 ? 4 : 2;
-  int64_t p = begin;
-  for (; p + G <= end; p += G) {
-    tile_group<R, G>(x, in, panels + p * in * kPanel, in, bias != nullptr ? bias + p * kPanel : nullptr,
-                     y + p * kPanel, out);
-  }
-  for (; p < end; ++p) {
-    tile_group<R, 1>(x, in, panels + p * in * kPanel, in, bias != nullptr ? bias + p * kPanel : nullptr,
-                     y + p * kPanel, out);
-  }
+  over_groups<R == 1 ? 4 : 2>(begin, end, [&](auto group, int64_t p) {
+    tile_group<R, decltype(group)::value>(x, in, panels + p * in * kPanel, in,
+                                          bias != nullptr ? bias + p * kPanel : nullptr, y + p * kPanel, out);
+  });
 }
 
 // Rows [first, last) of x through input channels [k0, k1) of one panel.
 template <typename W, typename Y>
 void rows_through_panel(const float* x, int64_t in, const W* panel, int64_t k0, int64_t k1, const float* bias,
                         Y* y, int64_t out, int64_t first, int64_t last) {
-  int64_t r = first;
-  for (; r + kTile <= last; r += kTile) tile<6>(x + r * in, in, panel, k0, k1, in, bias, y + r * out, out);
-  const float* xr = x + r * in;
-  Y* yr = y + r * out;
-  switch (last - r) {
-    case 5: tile<5>(xr, in, panel, k0, k1, in, bias, yr, out); break;
-    case 4: tile<4>(xr, in, panel, k0, k1, in, bias, yr, out); break;
-    case 3: tile<3>(xr, in, panel, k0, k1, in, bias, yr, out); break;
-    case 2: tile<2>(xr, in, panel, k0, k1, in, bias, yr, out); break;
-    case 1: tile<1>(xr, in, panel, k0, k1, in, bias, yr, out); break;
-    default: break;
-  }
+  over_tiles(first, last, [&](auto rows, int64_t r) {
+    tile<decltype(rows)::value>(x + r * in, in, panel, k0, k1, in, bias, y + r * out, out);
+  });
 }
 
 #else
@@ -244,6 +266,165 @@ void few_rows_through(const float* x, int64_t in, const W* panels, int64_t begin
 
 #endif
 
+// Whether bfloat16 weights of `in` input channels are packed in pairs (AVX512-BF16, even widths).
+bool in_pairs(at::ScalarType dtype, int64_t in) {
+#if defined(TGIS_PANELS_PAIRS)
+  return dtype == at::kBFloat16 && in % 2 == 0;
+#else
+  (void)dtype, (void)in;
+  return false;
+#endif
+}
+
+#if defined(TGIS_PANELS_PAIRS)
+
+using Half = c10::BFloat16;
+constexpr int kTileGroup = 4;  // panels a tile of up to 6 rows takes side by side: 24 independent sums
+
+// x[k] and x[k + 1] (k even) in every 32-bit lane
+inline __m512bh x_pair(const Half* x, int64_t k) {
+  int32_t bits;
+  std::memcpy(&bits, x + k, sizeof bits);
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// a panel's pair of inputs k, k + 1 (k even): 16 outputs x 2 weights
+inline __m512bh w_pair(const Half* panel, int64_t k) {
+  return (__m512bh)_mm512_loadu_si512(panel + k * kPanel);
+}
+
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+
+inline void store16(Half* y, __m512 v) {  // rounded to nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// R <= 3 rows of x (row stride ldx) through G panels side by side, all `in` input channels; the
+// bias (or zero) added to every sum, then stored.
+template <int R, int G, typename Y>
+inline void pair_group(const Half* x, int64_t ldx, const Half* panel, int64_t in, const float* bias, Y* y,
+                       int64_t ldy) {
+  __m512 acc[G][R];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < in; k += 2) {
+    __m512bh a[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) a[r] = x_pair(x + r * ldx, k);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512bh w = w_pair(panel + g * in * kPanel, k);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_dpbf16_ps(acc[g][r], a[r], w);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const __m512 d = bias != nullptr ? _mm512_loadu_ps(bias + g * kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) store16(y + r * ldy + g * kPanel, _mm512_add_ps(acc[g][r], d));
+  }
+}
+
+// R <= 3 rows through panels [begin, end): 8 panels at a time for one row, 4 for two or three
+template <int R, typename Y>
+void few_rows_in_pairs(const Half* x, int64_t in, const Half* panels, int64_t begin, int64_t end, const float* bias,
+                       Y* y, int64_t out) {
+  over_groups<R == 1 ? 8 : 4>(begin, end, [&](auto group, int64_t p) {
+    pair_group<R, decltype(group)::value>(x, in, panels + p * in * kPanel, in,
+                                          bias != nullptr ? bias + p * kPanel : nullptr, y + p * kPanel, out);
+  });
+}
+
+// y[r][16g .. 16g + 15] = x[r] . panel g over inputs [k0, k1) for R <= 6 rows and G panels side by
+// side, going on from the sums the slices before stored (float32 y); the bias (or zero) added as
+// tile<R> adds it.
+template <int R, int G, typename Y>
+inline void pair_tile(const Half* x, int64_t ldx, const Half* panel, int64_t k0, int64_t k1, int64_t in,
+                      const float* bias, Y* y, int64_t ldy) {
+  __m512 acc[G][R];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      if constexpr (std::is_same_v<Y, float>) {
+        acc[g][r] = k0 > 0 ? _mm512_loadu_ps(y + r * ldy + g * kPanel) : _mm512_setzero_ps();
+      } else {
+        acc[g][r] = _mm512_setzero_ps();
+      }
+    }
+  }
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m512bh w[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) w[g] = w_pair(panel + g * in * kPanel, k);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = x_pair(x + r * ldx, k);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[g][r] = _mm512_dpbf16_ps(acc[g][r], a, w[g]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const __m512 d = k1 == in && bias != nullptr ? _mm512_loadu_ps(bias + g * kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) store16(y + r * ldy + g * kPanel, _mm512_add_ps(acc[g][r], d));
+  }
+}
+
+// rows [first, last) of x through inputs [k0, k1) of G panels side by side
+template <int G, typename Y>
+void rows_through_pairs(const Half* x, int64_t in, const Half* panel, int64_t k0, int64_t k1, const float* bias,
+                        Y* y, int64_t out, int64_t first, int64_t last) {
+  over_tiles(first, last, [&](auto rows, int64_t r) {
+    pair_tile<decltype(rows)::value, G>(x + r * in, in, panel, k0, k1, in, bias, y + r * out, out);
+  });
+}
+
+// panel_linear over weights packed in pairs: x [m, in] bfloat16 (contiguous) -> [m, out] bfloat16
+at::Tensor pair_linear(const at::Tensor& rows, const Half* panels, int64_t count, int64_t in, const float* bias) {
+  const int64_t m = rows.size(0), out = count * kPanel;
+  const Half* x = rows.data_ptr<Half>();
+  const int64_t slice = m > kTile && in > 2 * kSlice ? kSlice : in;  // kSlice is even: slices hold whole pairs
+  const bool round_in_tiles = slice == in;
+  at::Tensor y = at::empty({m, out}, rows.options().dtype(round_in_tiles ? at::kBFloat16 : at::kFloat));
+  if (m <= 3) {
+    Half* yh = y.data_ptr<Half>();
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      if (m == 1) few_rows_in_pairs<1>(x, in, panels, begin, end, bias, yh, out);
+      if (m == 2) few_rows_in_pairs<2>(x, in, panels, begin, end, bias, yh, out);
+      if (m == 3) few_rows_in_pairs<3>(x, in, panels, begin, end, bias, yh, out);
+    });
+    return y;
+  }
+  for (int64_t first = 0; first < m; first += kRowBlock) {
+    const int64_t last = std::min(m, first + kRowBlock);
+    // panels [p, p + G) through every slice of the inputs
+    const auto through = [&](auto group, int64_t p) {
+      constexpr int G = decltype(group)::value;
+      const float* bias_p = bias != nullptr ? bias + p * kPanel : nullptr;
+      for (int64_t k0 = 0; k0 < in; k0 += slice) {
+        const int64_t k1 = std::min(in, k0 + slice);
+        if (round_in_tiles) {
+          rows_through_pairs<G>(x, in, panels + p * in * kPanel, k0, k1, bias_p, y.data_ptr<Half>() + p * kPanel, out,
+                                first, last);
+        } else {
+          rows_through_pairs<G>(x, in, panels + p * in * kPanel, k0, k1, bias_p, y.data_ptr<float>() + p * kPanel,
+                                out, first, last);
+        }
+      }
+    };
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) { over_groups<kTileGroup>(begin, end, through); });
+  }
+  return round_in_tiles ? y : y.to(at::kBFloat16);
+}
+
+#endif
+
 // dst[0, n) = src[0, n) widened to float32 (exact)
 void widen(const c10::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -265,6 +446,9 @@ at::Tensor panel_pack(const at::Tensor& weight) {
               "panel_pack: a float32 or bfloat16 [out, in] weight");
   const int64_t out = weight.size(0), in = weight.size(1);
   TORCH_CHECK(out % kPanel == 0, "panel_pack: out_features (", out, ") must be a multiple of ", kPanel);
+  if (in_pairs(weight.scalar_type(), in)) {  // [out, in] -> [out / 16, 16, in / 2, 2] -> [out / 16, in / 2, 16, 2]
+    return weight.reshape({out / kPanel, kPanel, in / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({out / kPanel, in, kPanel});
+  }
   // [out, in] -> [out / 16, 16, in] -> [out / 16, in, 16]
   return weight.reshape({out / kPanel, kPanel, in}).transpose(1, 2).contiguous();
 }
@@ -287,6 +471,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   const int64_t m = rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
+#if defined(TGIS_PANELS_PAIRS)
+  if (in_pairs(panels.scalar_type(), in)) {
+    return pair_linear(rows, panels.data_ptr<c10::BFloat16>(), count, in, b.defined() ? b.data_ptr<float>() : nullptr)
+        .view(shape);
+  }
+#endif
   // bfloat16 rows in float32: a decode step's few rows widened here, a prompt's by at::Tensor::to
   std::vector<float> widened;
   at::Tensor wide;
