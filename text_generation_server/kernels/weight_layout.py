@@ -15,9 +15,11 @@ to 4, and differently on different CPUs, so the engine measures instead of assum
   panels        (float32 or bfloat16, AVX2 + FMA CPUs, outputs a multiple of 16) the weight
                 packed in panels of 16 output channels for our C++ kernel (kernels/csrc/
                 panel_cpu.cpp: register tiles of 6 rows x 16 outputs, bfloat16 weights widened in
-                registers and summed in float32). Measured on a 2-core AMD EPYC without AVX-512,
-                against oneDNN's packed weights: [32, 512] x [512, 2752] 0.78 -> 0.73 ms,
-                [1, 512] x [512, 2752] 0.18 -> 0.08 ms (float32).
+                registers and summed in float32; with AVX512-BF16, bfloat16 weights of even width
+                in pairs of inputs for its dot product). Measured on a 2-core AMD EPYC without
+                AVX-512, against oneDNN's packed weights: [32, 512] x [512, 2752] 0.78 -> 0.73 ms,
+                [1, 512] x [512, 2752] 0.18 -> 0.08 ms (float32); on a 2-core Zen 4 EPYC with
+                AVX512-BF16, bf16 512 x 512 at M = 1 / 32: 19 / 32 us on oneDNN, 9 / 21 us.
 
 GPT-2's `Conv1D` (weight [in, out], x @ W + b) is the same product as a Linear whose weight is
 its transpose: `choose_linear_layouts` first turns each into that Linear (a plain [out, in] copy),
