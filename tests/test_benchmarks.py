@@ -154,7 +154,8 @@ def test_smoke_json_has_every_field_and_sane_numbers(smoke_run: Path) -> None:
         breakdown = point["server_breakdown"]
         assert breakdown["next_token"]["calls"] > 0 and breakdown["prefill"]["calls"] > 0
         assert breakdown["prefill"]["steps_per_call"] == 1 and breakdown["next_token"]["steps_per_call"] >= 1
-        assert breakdown["router_cpu_s"] > 0 and 0 < breakdown["router_cpu_share"] < 2
+        # the router's CPU seconds come in clock ticks (10 ms): a short run on a fast CPU may use none
+        assert breakdown["router_cpu_s"] >= 0 and 0 <= breakdown["router_cpu_share"] < 2
 
     for key in ("engine_only", "hf_generate"):
         baseline = results["baselines"][key]
