@@ -299,54 +299,14 @@ inline void store16(Half* y, __m512 v) {  // rounded to nearest even
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// R <= 3 rows of x (row stride ldx) through G panels side by side, all `in` input channels; the
-// bias (or zero) added to every sum, then stored.
-template <int R, int G, typename Y>
-inline void pair_group(const Half* x, int64_t ldx, const Half* panel, int64_t in, const float* bias, Y* y,
-                       int64_t ldy) {
-  __m512 acc[G][R];
-#pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) {
-#pragma GCC unroll 3
-    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
-  }
-  for (int64_t k = 0; k < in; k += 2) {
-    __m512bh a[R];
-#pragma GCC unroll 3
-    for (int r = 0; r < R; ++r) a[r] = x_pair(x + r * ldx, k);
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      const __m512bh w = w_pair(panel + g * in * kPanel, k);
-#pragma GCC unroll 3
-      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_dpbf16_ps(acc[g][r], a[r], w);
-    }
-  }
-#pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) {
-    const __m512 d = bias != nullptr ? _mm512_loadu_ps(bias + g * kPanel) : _mm512_setzero_ps();
-#pragma GCC unroll 3
-    for (int r = 0; r < R; ++r) store16(y + r * ldy + g * kPanel, _mm512_add_ps(acc[g][r], d));
-  }
-}
-
-// R <= 3 rows through panels [begin, end): 8 panels at a time for one row, 4 for two or three
-template <int R, typename Y>
-void few_rows_in_pairs(const Half* x, int64_t in, const Half* panels, int64_t begin, int64_t end, const float* bias,
-                       Y* y, int64_t out) {
-  over_groups<R == 1 ? 8 : 4>(begin, end, [&](auto group, int64_t p) {
-    pair_group<R, decltype(group)::value>(x, in, panels + p * in * kPanel, in,
-                                          bias != nullptr ? bias + p * kPanel : nullptr, y + p * kPanel, out);
-  });
-}
-
-// y[r][16g .. 16g + 15] = x[r] . panel g over inputs [k0, k1) for R <= 6 rows and G panels side by
-// side, going on from the sums the slices before stored (float32 y); the bias (or zero) added as
-// tile<R> adds it.
+// y[r][16g .. 16g + 15] = x[r] . panel g over inputs [k0, k1) for R <= 6 rows and G <= 8 panels
+// side by side, going on from the sums the slices before stored (float32 y); the bias (or zero)
+// added as tile<R> adds it. Every path of pair_linear takes its sums here.
 template <int R, int G, typename Y>
 inline void pair_tile(const Half* x, int64_t ldx, const Half* panel, int64_t k0, int64_t k1, int64_t in,
                       const float* bias, Y* y, int64_t ldy) {
   __m512 acc[G][R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -359,21 +319,32 @@ inline void pair_tile(const Half* x, int64_t ldx, const Half* panel, int64_t k0,
   }
   for (int64_t k = k0; k < k1; k += 2) {
     __m512bh w[G];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int g = 0; g < G; ++g) w[g] = w_pair(panel + g * in * kPanel, k);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512bh a = x_pair(x + r * ldx, k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int g = 0; g < G; ++g) acc[g][r] = _mm512_dpbf16_ps(acc[g][r], a, w[g]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
     const __m512 d = k1 == in && bias != nullptr ? _mm512_loadu_ps(bias + g * kPanel) : _mm512_setzero_ps();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) store16(y + r * ldy + g * kPanel, _mm512_add_ps(acc[g][r], d));
   }
+}
+
+// R <= 3 rows (a decode step) through panels [begin, end), all inputs: 8 panels at a time for one
+// row, 4 for two or three
+template <int R, typename Y>
+void few_rows_in_pairs(const Half* x, int64_t in, const Half* panels, int64_t begin, int64_t end, const float* bias,
+                       Y* y, int64_t out) {
+  over_groups<R == 1 ? 8 : 4>(begin, end, [&](auto group, int64_t p) {
+    pair_tile<R, decltype(group)::value>(x, in, panels + p * in * kPanel, 0, in, in,
+                                         bias != nullptr ? bias + p * kPanel : nullptr, y + p * kPanel, out);
+  });
 }
 
 // rows [first, last) of x through inputs [k0, k1) of G panels side by side
@@ -392,8 +363,9 @@ at::Tensor pair_linear(const at::Tensor& rows, const Half* panels, int64_t count
   const int64_t slice = m > kTile && in > 2 * kSlice ? kSlice : in;  // kSlice is even: slices hold whole pairs
   const bool round_in_tiles = slice == in;
   at::Tensor y = at::empty({m, out}, rows.options().dtype(round_in_tiles ? at::kBFloat16 : at::kFloat));
+  Half* yh = round_in_tiles ? y.data_ptr<Half>() : nullptr;
+  float* yf = round_in_tiles ? nullptr : y.data_ptr<float>();
   if (m <= 3) {
-    Half* yh = y.data_ptr<Half>();
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
       if (m == 1) few_rows_in_pairs<1>(x, in, panels, begin, end, bias, yh, out);
       if (m == 2) few_rows_in_pairs<2>(x, in, panels, begin, end, bias, yh, out);
@@ -409,12 +381,10 @@ at::Tensor pair_linear(const at::Tensor& rows, const Half* panels, int64_t count
       const float* bias_p = bias != nullptr ? bias + p * kPanel : nullptr;
       for (int64_t k0 = 0; k0 < in; k0 += slice) {
         const int64_t k1 = std::min(in, k0 + slice);
-        if (round_in_tiles) {
-          rows_through_pairs<G>(x, in, panels + p * in * kPanel, k0, k1, bias_p, y.data_ptr<Half>() + p * kPanel, out,
-                                first, last);
+        if (yh != nullptr) {
+          rows_through_pairs<G>(x, in, panels + p * in * kPanel, k0, k1, bias_p, yh + p * kPanel, out, first, last);
         } else {
-          rows_through_pairs<G>(x, in, panels + p * in * kPanel, k0, k1, bias_p, y.data_ptr<float>() + p * kPanel,
-                                out, first, last);
+          rows_through_pairs<G>(x, in, panels + p * in * kPanel, k0, k1, bias_p, yf + p * kPanel, out, first, last);
         }
       }
     };
