@@ -103,8 +103,9 @@ def test_every_way_computes_w8a8s_integer_products(monkeypatch, way) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype) -> None:
     """csrc/w8a8_cpu.cpp against the definition: 1 to 70 rows (passes of 1-4 rows, blocks of 32, a
-    row alone over pairs of tasks), input widths that are not multiples of 16 (the tail), 1 to 64
-    outputs (a task's tail, odd and even numbers of tasks a thread), a row alone giving what it
+    row alone over pairs of tasks or groups of 8 panels), input widths that are not multiples of
+    16 (the tail), 1 to 300 outputs (a task's or a panel's tail, odd and even numbers of tasks a
+    thread, groups of 8, 4, 2 and 1 panels), a row alone giving what it
     gives among others, bfloat16 and float16 outputs that are the float32 ones rounded, weights of
     -128; with identity weights its integers exactly, halves to even (quotients of k + 0.5) and a
     quotient of 127.49999 at the negative extreme (-127, where a reciprocal's product gives -128)."""
@@ -113,7 +114,8 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
     op = torch.ops.tgis_cpu.w8a8_linear
     gen = torch.Generator().manual_seed(3)
     shapes = ((1, 256, 40), (1, 100, 9), (1, 520, 64), (2, 100, 9), (3, 16, 1), (5, 33, 6), (33, 8, 3))
-    shapes += ((70, 520, 13),)
+    # VNNI: a row alone through groups of 8 panels, more rows through groups of 4
+    shapes += ((70, 520, 13), (1, 64, 300), (6, 48, 100))
     for rows, inputs, outputs in shapes:
         ints = torch.randint(-128, 128, (outputs, inputs), generator=gen, dtype=torch.int8)
         ints[0] = -128
@@ -148,15 +150,22 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
 
 
 def test_the_way_follows_the_cpus_int8_products_and_our_kernels(monkeypatch) -> None:
-    """The 8-bit way where int8 products do not saturate, else our exact kernel, else the split."""
+    """oneDNN's 8-bit product on AMX-INT8, else our exact kernel wherever it builds, else the
+    8-bit product where it does not saturate, else the split."""
     way = int8.product_way.__wrapped__
-    monkeypatch.setattr(int8, "products_saturate", lambda: False)
-    assert way() == int8.EIGHT_BIT
-    monkeypatch.setattr(int8, "products_saturate", lambda: True)
-    monkeypatch.setattr(cpu_kernels, "loads", lambda otherwise: True)
-    assert way() == int8.EXACT
-    monkeypatch.setattr(cpu_kernels, "loads", lambda otherwise: False)
-    assert way() == int8.SPLIT
+    for amx, saturate, loads, expected in (
+        (True, False, True, int8.EIGHT_BIT),
+        (False, False, True, int8.EXACT),  # VNNI without AMX: our kernel reads the weights faster
+        (False, True, True, int8.EXACT),
+        (False, False, False, int8.EIGHT_BIT),
+        (False, True, False, int8.SPLIT),
+        (True, True, True, int8.EXACT),
+    ):
+        flags = frozenset({"avx2", "avx512_vnni", "avx512bw"} | ({"amx_int8"} if amx else set()))
+        monkeypatch.setattr(int8, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(int8, "products_saturate", lambda saturate=saturate: saturate)
+        monkeypatch.setattr(cpu_kernels, "loads", lambda otherwise, loads=loads: loads)
+        assert way() == expected, (amx, saturate, loads)
 
 
 def test_the_saturation_probe_follows_the_cpus_int8_instructions() -> None:

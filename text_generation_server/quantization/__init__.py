@@ -185,7 +185,7 @@ def resident_bytes(model: nn.Module) -> int:
 # QUANTIZE=int8's log: which product serves (int8.py's product_way)
 INT8_WAYS = {
     int8.EIGHT_BIT: "oneDNN's int8 kernels",
-    int8.EXACT: "our C++ kernel over the int8 weights, exact in 32 bits: no VNNI or AMX-INT8 here",
+    int8.EXACT: "our C++ kernel over the int8 weights, exact in 32 bits",
     int8.SPLIT: "oneDNN, each token's integers in two 7-bit halves: no VNNI or AMX-INT8 here, no C++ kernels",
 }
 

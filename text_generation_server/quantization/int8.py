@@ -2,10 +2,10 @@
 int8 (W8A8: what QUANTIZE=int8 makes at load, and what compressed-tensors' int-quantized W8A8
 checkpoints hold).
 
-On CPUs with VNNI or AMX-INT8 the weights are packed for oneDNN's int8 matrix kernels through
-torch's dynamic-quantization linear (`quantized::linear_dynamic`, oneDNN engine), which
-quantizes its input at run time with one scale for the whole tensor. A request's output must not
-depend on the requests batched beside it, and each token must be quantized as W8A8 defines it
+On CPUs with AMX-INT8 the weights are packed for oneDNN's int8 matrix kernels through torch's
+dynamic-quantization linear (`quantized::linear_dynamic`, oneDNN engine), which quantizes its
+input at run time with one scale for the whole tensor. A request's output must not depend on
+the requests batched beside it, and each token must be quantized as W8A8 defines it
 (compressed-tensors: symmetric, scale max |x| / 127.5, integers clamped to [-128, 127]), so each
 call first scales every token to max |x| = 1 and appends one row holding +1 and -1: the
 tensor's range is then always [-1, 1], the kernel's scale 2 / 255 and zero point 128, and a
@@ -17,18 +17,26 @@ test_quantized_checkpoints.py). The int32 products are exact; each output row is
 its token's max |x| and rounded to the model's dtype once. Weights take half the bytes of bf16
 (plus 4 bytes per output channel).
 
+Every other CPU multiplies on our C++ kernel (csrc/w8a8_cpu.cpp) over the layer's int8 weights in
+its own layout, each token's W8A8 integers computed there (the definition's rounding, halves to
+even), the sums exact in 32 bits. With AVX512-VNNI (no AMX) it reads the weights faster than
+oneDNN's int8 kernels: on a 2-core AMD EPYC (Zen 4), eight distinct 8192 x 2048 layers in turn,
+0.74-0.82x oneDNN's time at 1 row, 0.69-0.82x at 8, 0.95x at 32, 0.71x at 512 (2048 x 8192:
+0.67x at 1 row, 0.99x at 512; oneDNN's calls also quantize and append the range row); the 1.0 B
+model's decode step 0.82-0.83x at batch 1, 0.86-0.89x at 8.
+
 CPUs without VNNI or AMX-INT8 (AVX2 only, or AVX-512 before Cascade Lake) have no int8 dot
 product: oneDNN sums each pair of u8 x s8 products in 16 bits (vpmaddubsw), which saturates once
 activations near the top of their 8-bit range meet large weights (a token's output off by 13 %
-on a 2-core AMD EPYC with AVX2 only). There (`products_saturate`, probed once per process) the
-layer keeps its int8 weights, interleaved by 4 output channels and 16 inputs (a cache line a
-step), and our C++ kernel multiplies (csrc/w8a8_cpu.cpp: each token's W8A8 integers in 16 bits,
-pairs of products summed into 32 bits by vpmaddwd, exact; the definition's rounding, halves to
-even). On that EPYC, float32 activations, eight distinct layers in turn: 8192 x 2048 0.84 / 1.19
+on a 2-core AMD EPYC with AVX2 only; `products_saturate`, probed once per process). There our
+kernel's weights are interleaved by 4 output channels and 16 inputs (a cache line a step), each
+token's integers are 16-bit and pairs of products are summed into 32 bits by vpmaddwd, exactly.
+On that EPYC, float32 activations, eight distinct layers in turn: 8192 x 2048 0.84 / 1.19
 / 3.16 / 10.8 / 107 ms at 1 / 4 / 16 / 64 / 512 rows against 2.97 / 4.65 / 6.88 / 19.9 / 138 ms
 for float32 weights in oneDNN's layout (at 1 row, 0.78-1.07 ms before the weights were
 interleaved, 0.51-0.61 ms after); 2048 x 2048 0.27x float32's time at 1 row, 0.82x at 64, 1.04x at 512.
-Where our kernels do not build, each token's W8A8 integers a are computed here and split into
+Where our kernels do not build, oneDNN's 8-bit product serves where it does not saturate;
+elsewhere each token's W8A8 integers a are computed here and split into
 a = 2 h + l, h in [-64, 63], l in {0, 1}; the h rows and the l rows go through oneDNN in one
 call at 7-bit activation range (torch's `reduce_range`, whose pairs cannot overflow), with a
 range row of +63 and -64 so that the kernel's scale is 1 and its integers are h and l as given,
@@ -53,6 +61,7 @@ import torch
 from torch import nn
 
 from text_generation_server.kernels import cpu_kernels
+from text_generation_server.utils.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -116,16 +125,32 @@ def products_saturate() -> bool:
 
 @functools.cache
 def product_way() -> str:
-    """How Int8Linear multiplies on this CPU: EIGHT_BIT where oneDNN's int8 products do not
-    saturate, else EXACT where our C++ kernels are here, else SPLIT (module doc); logged once."""
-    if not products_saturate():
+    """How Int8Linear multiplies on this CPU (module doc), logged once: EIGHT_BIT on CPUs with
+    AMX-INT8 (oneDNN's tiles, where its products do not saturate), else EXACT where our C++
+    kernels are here, else EIGHT_BIT where oneDNN's int8 products do not saturate, else SPLIT."""
+    saturate = products_saturate()
+    if "amx_int8" in cpu_flags() and not saturate:
+        logger.info("int8 layers: W8A8 layers multiply on oneDNN's int8 kernels (AMX-INT8)")
         return EIGHT_BIT
-    saturate = "int8 layers: this CPU's int8 products saturate at 8 bits in oneDNN (no VNNI or AMX-INT8)"
-    if cpu_kernels.loads("W8A8 layers split each token's integers into two 7-bit halves through oneDNN"):
-        logger.info("%s: W8A8 layers multiply on our C++ kernel, exact in 32 bits", saturate)
+    fallback = (
+        "oneDNN's int8 kernels" if not saturate else "two 7-bit halves of each token's integers in oneDNN"
+    )
+    if cpu_kernels.loads(f"W8A8 layers multiply on {fallback}"):
+        how = exact_instructions()
+        logger.info("int8 layers: W8A8 layers multiply on our C++ kernel (%s), exact in 32 bits", how)
         return EXACT
-    logger.info("%s: W8A8 layers put each token's integers through oneDNN as two 7-bit halves", saturate)
+    if not saturate:
+        return EIGHT_BIT
+    logger.info("int8 layers: this CPU's int8 products saturate at 8 bits in oneDNN (no VNNI or AMX-INT8)")
     return SPLIT
+
+
+def exact_instructions() -> str:
+    """The instructions our exact kernel sums with on this CPU (it is compiled for it)."""
+    flags = cpu_flags()
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        return "AVX512-VNNI"
+    return "AVX2" if "avx2" in flags else "plain loops"
 
 
 class Int8Linear(nn.Module):
@@ -175,8 +200,8 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:
-        """Bytes this layer's weight takes: int8 values (in our kernel's layout, padded to whole
-        tasks of 4 outputs and 16 inputs) and a float32 scale per output channel."""
+        """Bytes this layer's weight takes: int8 values (in our kernel's layout, padded to its
+        whole panels or tasks) and a float32 scale per output channel."""
         ints = self.ints if self.way == EXACT else None
         values = ints.numel() if isinstance(ints, torch.Tensor) else self.in_features * self.out_features
         return values + 4 * self.out_features

@@ -1,5 +1,6 @@
-// W8A8's product with exact integer sums on CPUs whose int8 instructions cannot give them
-// (quantization/int8.py's Int8Linear where oneDNN's 8-bit products saturate: AVX2 without VNNI).
+// W8A8's product with exact integer sums (quantization/int8.py's Int8Linear, its exact way: every
+// CPU without AMX-INT8, where oneDNN's int8 kernels either saturate (AVX2 without VNNI) or read
+// the weights slower than this kernel does (AVX512-VNNI)).
 //
 // w8a8_pack(ints [out, in] int8) -> the same weights in this kernel's layout (below);
 // w8a8_linear(x [rows, in], packed, scales [out] float32, bias [out] float32 or None)
@@ -7,9 +8,15 @@
 //   [-128, 127] with s = max |x| / 127.5 (compressed-tensors' symmetric per-token rounding, halves
 //   to even as torch.round), y = (sum_k a_k w_k) * scales[n] * s + bias, the sums exact in int32.
 //
-// With AVX2 the integers are 16-bit and vpmaddwd multiplies 16 of them by 16 weights widened from
-// their bytes, summing pairs into 32 bits (no saturation: |a w| <= 2^14): what VNNI computes, at a
-// byte read per weight. Output rows go in tasks of kOuts, whose weights are interleaved by 16
+// With AVX512-VNNI, vpdpbusd multiplies 64 weights by a token's integers 4 at a time, summing each
+// 4 products into 32 bits: the weights lie in panels of 16 outputs, 4 inputs of each side by side
+// (a cache line a step), stored as unsigned bytes w + 128 (the instruction's unsigned operand; a
+// row's 128 sum a is taken off once). A row alone reads 8 panels at once (8 streams of weights);
+// more rows go 4 at a time through groups of 4 panels, whose weights stay in L2 meanwhile.
+//
+// With AVX2 alone the integers are 16-bit and vpmaddwd multiplies 16 of them by 16 weights widened
+// from their bytes, summing pairs into 32 bits (no saturation: |a w| <= 2^14): what VNNI computes,
+// at a byte read per weight. Output rows go in tasks of kOuts, whose weights are interleaved by 16
 // inputs (a cache line a step) and stored one task after the other; the rows of x pass through a
 // task's weights up to 4 at a time (R x N sums in registers) while they stay in L1; prompts go in
 // blocks of kRowBlock rows, whose 16-bit integers stay in L2 while all tasks read them. A row alone
@@ -89,16 +96,15 @@ float quantize_row(const float* x, int64_t in, int64_t padded, int16_t* a) {
   return step;
 }
 
-// w8a8_pack(ints [out, in] int8) -> [tasks, padded / 16, kOuts, 16] int8: task t's chunk c holds
+// task_pack(ints [out, in] int8) -> [tasks, padded / 16, kOuts, 16] int8: task t's chunk c holds
 // inputs 16c .. 16c + 15 of outputs kOuts t .. kOuts t + kOuts - 1, 64 bytes (a cache line), and a
 // task's chunks follow each other, then the next task's: a task is one contiguous stream (with
 // the weights in rows it was 4 streams of a row's bytes each), so a row alone can read two tasks
 // at once as two streams (dot_pair). Zeros pad the inputs to a multiple of 16 and the outputs to
 // a multiple of kOuts.
-at::Tensor w8a8_pack(const at::Tensor& ints) {
-  TORCH_CHECK(ints.dim() == 2 && ints.scalar_type() == at::kChar, "ints: [out, in] int8");
+at::Tensor task_pack(const at::Tensor& ints, int64_t padded) {
   const int64_t out_features = ints.size(0), in = ints.size(1);
-  const int64_t padded = (in + kLanes16 - 1) / kLanes16 * kLanes16, tasks = (out_features + kOuts - 1) / kOuts;
+  const int64_t tasks = (out_features + kOuts - 1) / kOuts;
   return at::constant_pad_nd(ints, {0, padded - in, 0, tasks * kOuts - out_features})
       .view({tasks, kOuts, padded / kLanes16, kLanes16})
       .permute({0, 2, 1, 3})
@@ -199,6 +205,64 @@ void dot(int64_t rows, const int16_t* a, int64_t padded, const int8_t* w, int32_
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define W8A8_VNNI 1
+// AVX512-VNNI's panels (top of the file). |a (w + 128)| <= 128 * 255, 4 a lane a step: 2^16 inputs
+// cannot overflow the 32-bit sums.
+constexpr int64_t kPanel = 16;             // outputs a panel
+constexpr int64_t kQuad = 4;               // inputs a lane sums
+constexpr int64_t kStep = kPanel * kQuad;  // bytes of a panel per 4 inputs
+constexpr int64_t kVnniAhead = 8 * kStep;  // how far ahead in its stream a panel prefetches
+
+// ints [out, in] int8 -> [panels, padded / 4, kPanel, 4] uint8 (w + 128; padding 128: weight 0)
+at::Tensor vnni_pack(const at::Tensor& ints, int64_t padded) {
+  const int64_t out_features = ints.size(0), in = ints.size(1);
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  const at::Tensor shifted = (ints.to(at::kShort) + 128).to(at::kByte);
+  return at::constant_pad_nd(shifted, {0, padded - in, 0, panels * kPanel - out_features}, 128)
+      .view({panels, kPanel, padded / kQuad, kQuad})
+      .permute({0, 2, 1, 3})
+      .contiguous();
+}
+
+// Panels [p, p + G) times R rows of integers (int8 at `a`, stride `padded`) into `sums`
+// [R][G * kPanel]: G streams of weights at once, R x G sums in registers.
+template <int R, int G>
+void vnni_tile(const int8_t* a, int64_t padded, const uint8_t* w, int32_t* sums) {
+  const int64_t panel_bytes = padded * kPanel;
+  __m512i total[R][G];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) total[r][g] = _mm512_setzero_si512();
+  }
+  for (int64_t k = 0; k < padded; k += kQuad, w += kStep) {
+    __m512i x[R];
+    for (int r = 0; r < R; ++r) x[r] = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + r * padded + k));
+    for (int g = 0; g < G; ++g) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + g * panel_bytes + kVnniAhead), _MM_HINT_T0);
+      const __m512i weights = _mm512_loadu_si512(w + g * panel_bytes);
+      for (int r = 0; r < R; ++r) total[r][g] = _mm512_dpbusd_epi32(total[r][g], weights, x[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) _mm512_storeu_si512(sums + (r * G + g) * kPanel, total[r][g]);
+  }
+}
+
+// panels [begin, end) in groups of up to G (8, 4, 2, 1) through `tile<G>(p)`
+template <int G, typename F>
+void over_panels(int64_t begin, int64_t end, const F& tile) {
+  int64_t p = begin;
+  if constexpr (G >= 8) {
+    for (; p + 8 <= end; p += 8) tile(std::integral_constant<int, 8>{}, p);
+  }
+  if constexpr (G >= 4) {
+    for (; p + 4 <= end; p += 4) tile(std::integral_constant<int, 4>{}, p);
+  }
+  for (; p + 2 <= end; p += 2) tile(std::integral_constant<int, 2>{}, p);
+  for (; p < end; ++p) tile(std::integral_constant<int, 1>{}, p);
+}
+#endif
+
 // Rows of y from their integer sums. A row's outputs must not depend on the path that summed
 // them (a row alone or among others): with AVX2 the sums of a task's outputs are scaled in one
 // 4-lane expression, whose rounding is the same wherever it runs (compiled loops were vectorized
@@ -240,6 +304,24 @@ struct Epilogue {
 #endif
   }
 
+#if defined(W8A8_VNNI)
+  // row r of y for panel p's outputs from their sums (vnni_tile's, the row's sum of integers not
+  // yet taken off): one function, not inlined, so that a row's outputs are the same whichever
+  // path summed them (-ffast-math may reorder a product inlined into different loops)
+  __attribute__((noinline)) void store_panel(int64_t p, int64_t r, const int32_t* sums, int32_t row_sum) const {
+    const int64_t n = p * kPanel, count = std::min(kPanel, out_features - n);
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+    const __m512 by = _mm512_maskz_loadu_ps(valid, scale + n);
+    const __m512 plus = offset == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(valid, offset + n);
+    const __m512i total = _mm512_sub_epi32(_mm512_loadu_si512(sums), _mm512_set1_epi32(128 * row_sum));
+    alignas(64) float values[kPanel];
+    _mm512_store_ps(values, _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), by),
+                                                        _mm512_set1_ps(steps[r])),
+                                          plus));
+    put(values, r * out_features + n, count);
+  }
+#endif
+
   // y[at, at + count) = values, in y's dtype
   void put(const float* values, int64_t at, int64_t count) const {
     switch (dtype) {
@@ -265,41 +347,51 @@ void quantize_rows(const T* x, int64_t begin, int64_t end, int64_t in, int64_t p
   }
 }
 
-at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1,
-              "scales: contiguous float32 [out]");
-  TORCH_CHECK(x.dim() == 2, "x: [rows, in]");
-  const int64_t out_features = scales.numel(), in = x.size(1);
-  const int64_t rows = x.size(0), padded = (in + kLanes16 - 1) / kLanes16 * kLanes16;
-  const int64_t tasks = (out_features + kOuts - 1) / kOuts;
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) == tasks && packed.size(1) == padded / kLanes16 && packed.size(2) == kOuts &&
-                  packed.size(3) == kLanes16,
-              "packed: w8a8_pack's int8 weights for ", out_features, " outputs of ", in, " inputs");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                                    bias->numel() == out_features),
-              "bias: contiguous float32 [out]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "x: float32, bfloat16 or float16");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor a = at::empty({rows, padded}, x.options().dtype(at::kShort));
-  at::Tensor steps = at::empty({rows}, x.options().dtype(at::kFloat));
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  int16_t* ap = a.data_ptr<int16_t>();
-  float* sp = steps.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    switch (x.scalar_type()) {
-      case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), begin, end, in, padded, ap, sp); return;
-      case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), begin, end, in, padded, ap, sp); return;
-      default: quantize_rows(xc.data_ptr<float>(), begin, end, in, padded, ap, sp); return;
+#if defined(W8A8_VNNI)
+// y from the rows' integers (int16 at `ap`, stride `padded`) through VNNI's panels: a row alone
+// reads 8 panels at once (8 streams of weights); more rows go 4 at a time through groups of 4
+// panels, whose weights stay in L2 while every row passes.
+void vnni_products(const int16_t* ap, int64_t rows, int64_t padded, const uint8_t* wp, int64_t panels,
+                   const Epilogue& finish) {
+  std::vector<int8_t> a(rows * padded);  // integers in [-128, 127]: exact in a byte
+  std::vector<int32_t> row_sums(rows, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 0; k < padded; ++k) {
+      a[r * padded + k] = static_cast<int8_t>(ap[r * padded + k]);
+      row_sums[r] += ap[r * padded + k];
     }
+  }
+  const int64_t panel_bytes = padded * kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t sums[4 * 8 * kPanel];
+    const auto pass = [&](auto height, auto group, int64_t p, int64_t r0) {
+      constexpr int R = decltype(height)::value, G = decltype(group)::value;
+      vnni_tile<R, G>(a.data() + r0 * padded, padded, wp + p * panel_bytes, sums);
+      for (int r = 0; r < R; ++r) {
+        for (int g = 0; g < G; ++g) finish.store_panel(p + g, r0 + r, sums + (r * G + g) * kPanel, row_sums[r0 + r]);
+      }
+    };
+    if (rows == 1) {
+      over_panels<8>(begin, end, [&](auto group, int64_t p) { pass(std::integral_constant<int, 1>{}, group, p, 0); });
+      return;
+    }
+    over_panels<4>(begin, end, [&](auto group, int64_t p) {
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        switch (std::min<int64_t>(4, rows - r0)) {
+          case 1: pass(std::integral_constant<int, 1>{}, group, p, r0); break;
+          case 2: pass(std::integral_constant<int, 2>{}, group, p, r0); break;
+          case 3: pass(std::integral_constant<int, 3>{}, group, p, r0); break;
+          default: pass(std::integral_constant<int, 4>{}, group, p, r0); break;
+        }
+      }
+    });
   });
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* scale = scales.data_ptr<float>();
-  const float* offset = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+}
+#else
+// y from the rows' integers (int16 at `ap`, stride `padded`) through task_pack's tasks
+void task_products(const int16_t* ap, int64_t rows, int64_t padded, const int8_t* wp, int64_t tasks,
+                   const Epilogue& finish) {
   const int64_t task_bytes = padded * kOuts;
-  const Epilogue finish{y.data_ptr(), y.scalar_type(), scale, sp, offset, out_features};
   for (int64_t block = 0; block < rows; block += kRowBlock) {
     const int64_t block_rows = std::min(kRowBlock, rows - block);
     at::parallel_for(0, tasks, 4, [&](int64_t begin, int64_t end) {
@@ -324,6 +416,65 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       }
     });
   }
+}
+#endif
+
+// w8a8_pack: our layout of the weights, VNNI's panels where the CPU has them, else tasks
+at::Tensor w8a8_pack(const at::Tensor& ints) {
+  TORCH_CHECK(ints.dim() == 2 && ints.scalar_type() == at::kChar, "ints: [out, in] int8");
+  const int64_t padded = (ints.size(1) + kLanes16 - 1) / kLanes16 * kLanes16;
+#if defined(W8A8_VNNI)
+  TORCH_CHECK(padded <= 65536, "w8a8_pack: at most 65536 inputs (32-bit sums)");
+  return vnni_pack(ints, padded);
+#else
+  return task_pack(ints, padded);
+#endif
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1,
+              "scales: contiguous float32 [out]");
+  TORCH_CHECK(x.dim() == 2, "x: [rows, in]");
+  const int64_t out_features = scales.numel(), in = x.size(1);
+  const int64_t rows = x.size(0), padded = (in + kLanes16 - 1) / kLanes16 * kLanes16;
+#if defined(W8A8_VNNI)
+  const bool laid_out = packed.dim() == 4 && packed.scalar_type() == at::kByte &&
+                        packed.size(0) == (out_features + kPanel - 1) / kPanel && packed.size(1) == padded / kQuad &&
+                        packed.size(2) == kPanel && packed.size(3) == kQuad;
+#else
+  const int64_t tasks = (out_features + kOuts - 1) / kOuts;
+  const bool laid_out = packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(0) == tasks &&
+                        packed.size(1) == padded / kLanes16 && packed.size(2) == kOuts && packed.size(3) == kLanes16;
+#endif
+  TORCH_CHECK(laid_out && packed.is_contiguous(),
+              "packed: w8a8_pack's weights for ", out_features, " outputs of ", in, " inputs");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == out_features),
+              "bias: contiguous float32 [out]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x: float32, bfloat16 or float16");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor a = at::empty({rows, padded}, x.options().dtype(at::kShort));
+  at::Tensor steps = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  int16_t* ap = a.data_ptr<int16_t>();
+  float* sp = steps.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    switch (x.scalar_type()) {
+      case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), begin, end, in, padded, ap, sp); return;
+      case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), begin, end, in, padded, ap, sp); return;
+      default: quantize_rows(xc.data_ptr<float>(), begin, end, in, padded, ap, sp); return;
+    }
+  });
+  const float* scale = scales.data_ptr<float>();
+  const float* offset = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const Epilogue finish{y.data_ptr(), y.scalar_type(), scale, sp, offset, out_features};
+#if defined(W8A8_VNNI)
+  vnni_products(ap, rows, padded, packed.data_ptr<uint8_t>(), packed.size(0), finish);
+#else
+  task_products(ap, rows, padded, packed.data_ptr<int8_t>(), tasks, finish);
+#endif
   return y;
 }
 
