@@ -78,7 +78,7 @@ SERVER_FOLDERS = {  # folder -> the shard package's folders it may import (besid
     "onnx": set(),
     "kernels": {"utils"},
     "attention": {"kernels", "kv"},
-    "quantization": {"kernels"},
+    "quantization": {"kernels", "utils"},
     "batches": {"sampling"},
     "engines": {
         "attention",
