@@ -2,7 +2,8 @@
 int8 (W8A8: what QUANTIZE=int8 makes at load, and what compressed-tensors' int-quantized W8A8
 checkpoints hold).
 
-On CPUs with AMX-INT8 the weights are packed for oneDNN's int8 matrix kernels through torch's
+On CPUs with AMX-INT8 (and AVX-VNNI without AVX-512, not measured against our kernel) the
+weights are packed for oneDNN's int8 matrix kernels through torch's
 dynamic-quantization linear (`quantized::linear_dynamic`, oneDNN engine), which quantizes its
 input at run time with one scale for the whole tensor. A request's output must not depend on
 the requests batched beside it, and each token must be quantized as W8A8 defines it
@@ -17,9 +18,10 @@ test_quantized_checkpoints.py). The int32 products are exact; each output row is
 its token's max |x| and rounded to the model's dtype once. Weights take half the bytes of bf16
 (plus 4 bytes per output channel).
 
-Every other CPU multiplies on our C++ kernel (csrc/w8a8_cpu.cpp) over the layer's int8 weights in
-its own layout, each token's W8A8 integers computed there (the definition's rounding, halves to
-even), the sums exact in 32 bits. With AVX512-VNNI (no AMX) it reads the weights faster than
+CPUs with AVX512-VNNI but no AMX, and those whose oneDNN products saturate (below), multiply on
+our C++ kernel (csrc/w8a8_cpu.cpp) over the layer's int8 weights in its own layout, each token's
+W8A8 integers computed there (the definition's rounding, halves to even), the sums exact in 32
+bits. With AVX512-VNNI (no AMX) it reads the weights faster than
 oneDNN's int8 kernels: on a 2-core AMD EPYC (Zen 4), eight distinct 8192 x 2048 layers in turn,
 0.74-0.82x oneDNN's time at 1 row, 0.69-0.82x at 8, 0.95x at 32, 0.71x at 512 (2048 x 8192:
 0.67x at 1 row, 0.99x at 512; oneDNN's calls also quantize and append the range row); the 1.0 B
@@ -125,12 +127,15 @@ def products_saturate() -> bool:
 
 @functools.cache
 def product_way() -> str:
-    """How Int8Linear multiplies on this CPU (module doc), logged once: EIGHT_BIT on CPUs with
-    AMX-INT8 (oneDNN's tiles, where its products do not saturate), else EXACT where our C++
-    kernels are here, else EIGHT_BIT where oneDNN's int8 products do not saturate, else SPLIT."""
+    """How Int8Linear multiplies on this CPU (module doc), logged once: EXACT where oneDNN's int8
+    products saturate, or where the CPU has AVX512-VNNI without AMX (measured faster there), when
+    our C++ kernels are here; else EIGHT_BIT where oneDNN's products do not saturate (AMX-INT8,
+    AVX-VNNI alone); else SPLIT."""
     saturate = products_saturate()
-    if "amx_int8" in cpu_flags() and not saturate:
-        logger.info("int8 layers: W8A8 layers multiply on oneDNN's int8 kernels (AMX-INT8)")
+    flags = cpu_flags()
+    ours_faster = {"avx512_vnni", "avx512bw"} <= flags and "amx_int8" not in flags
+    if not saturate and not ours_faster:
+        logger.info("int8 layers: W8A8 layers multiply on oneDNN's int8 kernels")
         return EIGHT_BIT
     fallback = (
         "oneDNN's int8 kernels" if not saturate else "two 7-bit halves of each token's integers in oneDNN"
