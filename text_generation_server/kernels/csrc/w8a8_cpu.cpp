@@ -1,6 +1,6 @@
-// W8A8's product with exact integer sums (quantization/int8.py's Int8Linear, its exact way: every
-// CPU without AMX-INT8, where oneDNN's int8 kernels either saturate (AVX2 without VNNI) or read
-// the weights slower than this kernel does (AVX512-VNNI)).
+// W8A8's product with exact integer sums (quantization/int8.py's Int8Linear, its exact way: CPUs
+// where oneDNN's int8 kernels saturate (AVX2 without VNNI) or read the weights slower than this
+// kernel does (AVX512-VNNI without AMX)).
 //
 // w8a8_pack(ints [out, in] int8) -> the same weights in this kernel's layout (below);
 // w8a8_linear(x [rows, in], packed, scales [out] float32, bias [out] float32 or None)
