@@ -105,7 +105,7 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
     """csrc/w8a8_cpu.cpp against the definition: 1 to 70 rows (passes of 1-4 rows, blocks of 32, a
     row alone over pairs of tasks or groups of 8 panels), input widths that are not multiples of
     16 (the tail), 1 to 300 outputs (a task's or a panel's tail, odd and even numbers of tasks a
-    thread, groups of 8, 4, 2 and 1 panels), a row alone giving what it
+    thread, groups of 8 or 4 panels and single ones), a row alone giving what it
     gives among others, bfloat16 and float16 outputs that are the float32 ones rounded, weights of
     -128; with identity weights its integers exactly, halves to even (quotients of k + 0.5) and a
     quotient of 127.49999 at the negative extreme (-127, where a reciprocal's product gives -128)."""

@@ -55,7 +55,7 @@ SOURCES = (
     CSRC / "w8a8_cpu.cpp",
     CSRC / "panel_cpu.cpp",
 )
-HEADERS = (CSRC / "float_vectors.h",)
+HEADERS = (CSRC / "float_vectors.h", CSRC / "loops.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")
 
 _loaded: str | None = None  # the library name once loaded in this process

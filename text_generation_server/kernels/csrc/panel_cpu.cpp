@@ -50,6 +50,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "loops.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TGIS_PANELS_AVX2 1
@@ -60,19 +62,12 @@
 
 namespace {
 
+using tgis_cpu::over_groups;
+
 constexpr int64_t kPanel = 16;     // output channels a panel
 constexpr int kTile = 6;           // rows of x a register tile
 constexpr int64_t kRowBlock = 96;  // rows of x every panel passes through before the next block
 constexpr int64_t kSlice = 256;    // input channels of a panel (16 KiB) kept in L1 while a block's rows pass
-
-// group(std::integral_constant<int, G>{}, p) for panels [begin, end) G at a time, then
-// group(std::integral_constant<int, 1>{}, p) for each one left
-template <int G, typename Group>
-inline void over_groups(int64_t begin, int64_t end, Group group) {
-  int64_t p = begin;
-  for (; p + G <= end; p += G) group(std::integral_constant<int, G>{}, p);
-  for (; p < end; ++p) group(std::integral_constant<int, 1>{}, p);
-}
 
 // tile(std::integral_constant<int, R>{}, r) for rows [first, last): tiles of kTile rows from r = first,
 // then one of the rows left (R < kTile)

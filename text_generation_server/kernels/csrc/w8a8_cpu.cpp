@@ -41,11 +41,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "loops.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+using tgis_cpu::over_groups;
 
 constexpr int64_t kOuts = 4;        // output rows a task
 constexpr int64_t kRowBlock = 32;   // rows of x whose integers are read by every task in turn
@@ -248,19 +252,6 @@ void vnni_tile(const int8_t* a, int64_t padded, const uint8_t* w, int32_t* sums)
   }
 }
 
-// panels [begin, end) in groups of up to G (8, 4, 2, 1) through `tile<G>(p)`
-template <int G, typename F>
-void over_panels(int64_t begin, int64_t end, const F& tile) {
-  int64_t p = begin;
-  if constexpr (G >= 8) {
-    for (; p + 8 <= end; p += 8) tile(std::integral_constant<int, 8>{}, p);
-  }
-  if constexpr (G >= 4) {
-    for (; p + 4 <= end; p += 4) tile(std::integral_constant<int, 4>{}, p);
-  }
-  for (; p + 2 <= end; p += 2) tile(std::integral_constant<int, 2>{}, p);
-  for (; p < end; ++p) tile(std::integral_constant<int, 1>{}, p);
-}
 #endif
 
 // Rows of y from their integer sums. A row's outputs must not depend on the path that summed
@@ -372,10 +363,10 @@ void vnni_products(const int16_t* ap, int64_t rows, int64_t padded, const uint8_
       }
     };
     if (rows == 1) {
-      over_panels<8>(begin, end, [&](auto group, int64_t p) { pass(std::integral_constant<int, 1>{}, group, p, 0); });
+      over_groups<8>(begin, end, [&](auto group, int64_t p) { pass(std::integral_constant<int, 1>{}, group, p, 0); });
       return;
     }
-    over_panels<4>(begin, end, [&](auto group, int64_t p) {
+    over_groups<4>(begin, end, [&](auto group, int64_t p) {
       for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         switch (std::min<int64_t>(4, rows - r0)) {
           case 1: pass(std::integral_constant<int, 1>{}, group, p, r0); break;
@@ -395,9 +386,10 @@ void task_products(const int16_t* ap, int64_t rows, int64_t padded, const int8_t
   for (int64_t block = 0; block < rows; block += kRowBlock) {
     const int64_t block_rows = std::min(kRowBlock, rows - block);
     at::parallel_for(0, tasks, 4, [&](int64_t begin, int64_t end) {
-      int32_t sums[4][kOuts], more[4][kOuts];
+      int32_t sums[4][kOuts];
 #if defined(__AVX2__)
       if (block_rows == 1) {  // a thread's tasks from the two halves of its share at once
+        int32_t more[4][kOuts];
         const int64_t half = (end - begin) / 2;
         for (int64_t task = begin; task < begin + half; ++task) {
           dot_pair(ap + block * padded, padded, wp + task * task_bytes, wp + (task + half) * task_bytes, sums, more);
