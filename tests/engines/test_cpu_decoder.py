@@ -5,6 +5,7 @@ generate, and the modules beside it.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -145,6 +146,64 @@ def test_every_weight_layout(tiny_model, layout, arch, dtype) -> None:
     batch = started(engine, [9, 3])
     ours, theirs = both_logits(engine, batch, [7, 11])
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def panels_here() -> None:
+    if not panels_offered(torch.float32, 16):
+        pytest.skip("no panels layout here (it needs AVX2, FMA and our C++ kernels)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_projections_give_the_sums_of_each(tiny_model, arch, dtype) -> None:
+    """q|k|v and gate|up in one product each: the projections' weights become views of the fused
+    panels (no copy kept), and the logits equal, bit for bit, those of one product per
+    projection, at 1 row and at several (3: the split parts are copied out)."""
+    panels_here()
+    engine = TgisNativeEngine(
+        config_for(tiny_model(arch), dtype=dtype, cpu_forward="layers", linear_layout="panels")
+    )
+    decoder = engine.runner.decoder
+    assert decoder is not None and len(decoder.fused) == 4 * len(engine.model.model.layers)
+    layer = engine.model.model.layers[0]
+    qkv = decoder.fused[0]
+    assert qkv is not None and qkv.untyped_storage().data_ptr() == (
+        layer.self_attn.k_proj.packed_weight.untyped_storage().data_ptr()
+    )
+    assert (decoder.fused[1] is not None) == (arch == "qwen2")
+    unfused = dataclasses.replace(decoder, fused=[])
+    batch = started(engine, [5, 17, 40])
+    rng = random.Random(2)
+    for rows in (1, 3, 3):
+        ids = [rng.randrange(3, engine.info.vocab_size) for _ in range(rows)]
+        buffers = engine.runner.buffers
+        buffers.fill([batch.states[r.id].kv for r in batch.requests[:rows]], ids, rows)
+        args = [buffers.ids(rows), buffers.positions(rows), buffers.slots(rows), buffers.tables(rows)]
+        with torch.inference_mode():
+            fused = decoder.decode(*args, buffers.lengths(rows))
+            alone = unfused.decode(*args, buffers.lengths(rows))
+        assert torch.equal(fused, alone)
+
+
+def test_fused_projections_step_apart_for_their_adapters(tiny_model, tmp_path) -> None:
+    """A step whose adapters target k (of q|k|v) and up (of gate|up) multiplies those groups one
+    projection at a time, so each takes its adapter: the modules' tokens."""
+    from tests.adapter_helpers import engine_with_store
+    from tests.engines.conformance import Runner
+    from text_generation_server.testing.tiny_prompts import build_lora
+
+    panels_here()
+    base = tiny_model("llama")
+    build_lora(base, tmp_path / "a", 1, 8, ["k_proj", "up_proj"])
+    requests = [
+        GenerationRequest(i, (5, 17, 42, 99, 7 + i), 8, adapter_id=a) for i, a in enumerate(("a", ""))
+    ]
+    outputs = {}
+    for mode in ("layers", "modules"):
+        engine = engine_with_store("tgis_native", base, tmp_path, cpu_forward=mode, linear_layout="panels")
+        assert mode == "modules" or engine.runner.decoder.fused
+        outputs[mode] = Runner(engine).run({0: requests})
+    assert outputs["layers"] == outputs["modules"]
 
 
 def test_greedy_tokens_equal_the_modules(tiny_model) -> None:

@@ -9,6 +9,10 @@ decode-only steps over the runner's persistent buffers (`decode`), and any other
 chunks, decode rows beside them, soft prompts spliced into the embeddings) from its StepLayout
 (`forward`).
 
+A Llama-family layer whose q, k and v (and gate and up) projections are all panels of one dtype
+multiplies each group as one product (`fuse_panels`: their panels side by side, each projection's
+weight a view of its part): fewer parallel regions a step, the same sums.
+
 Which models: `llama`, `mistral`, `qwen2` and `granite` (their multipliers) with SiLU MLPs and
 full-width rotary embeddings (`decoder_layers`), and the LayerNorm family with fused q|k|v
 projections and GELU (`decoder_layers_ln`): `gpt2` and `gpt_bigcode` (learned positions),
@@ -27,13 +31,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from text_generation_server.attention.layout import StepLayout
-from text_generation_server.kernels.weight_layout import OneDnnLinear, PackedLinear
+from text_generation_server.kernels.weight_layout import OneDnnLinear, PackedLinear, PanelLinear
 from text_generation_server.kv.paged_kv import PagedKVCache
 from text_generation_server.lora import LoraLinear, LoraWeights, step_of
 from text_generation_server.quantization import Int8Linear
@@ -60,6 +64,11 @@ LAYER_NORM_NAMES = {
     ),
 }  # fmt: skip
 LAYER_NORM_NAMES["gpt_bigcode"] = LAYER_NORM_NAMES["gpt2"]
+# the projections decoder_layers multiplies together where their panels are fused (fuse_panels)
+FUSED_GROUPS = (
+    (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj")),
+    (("mlp", "gate_proj"), ("mlp", "up_proj")),
+)
 PROJECTIONS = (
     ("self_attn", "q_proj"),
     ("self_attn", "k_proj"),
@@ -166,6 +175,8 @@ class CpuDecoder:
     activation: str = ""  # layer_norm: gelu_new, gelu_pytorch_tanh or gelu
     position_embeddings: Any = None  # layer_norm: the learned position table (wpe), or None
     rotary: Any = None  # layer_norm: the rotary embedding module (GPT-NeoX), or None
+    # llama: per layer q|k|v's and gate|up's panels and biases where fused (fuse_panels), else empty
+    fused: list[torch.Tensor | None] = field(default_factory=list)
 
     def decode(
         self,
@@ -241,7 +252,7 @@ class CpuDecoder:
         cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
             embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.w8a8,
-            self.grouped, self.grouped_order, self.grouped_out, torch_kernel_rows(), self.caches,
+            self.grouped, self.grouped_order, self.grouped_out, torch_kernel_rows(), self.fused, self.caches,
             slots, decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
             self.eps, self.scale, self.residual_multiplier, self.window,
@@ -315,10 +326,13 @@ def build(
     grouped_order: list[torch.Tensor | None] = []
     grouped_out: list[int] = []
     projections: list[tuple[Any, str]] = []
+    fused: list[torch.Tensor | None] = []
     for layer in layers:
         attention = layer.self_attn
         if any(hasattr(attention, name) for name in ("q_norm", "k_norm")):
             raise Unsupported("its attention normalizes queries and keys")
+        for group in FUSED_GROUPS:
+            fused += fuse_panels([getattr(getattr(layer, owner), name) for owner, name in group])
         params.append(layer.input_layernorm.weight)
         for owner, name in PROJECTIONS:
             holder = getattr(layer, owner)
@@ -356,7 +370,31 @@ def build(
         logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
         block_size=cache.pool.block_size,
         window=window or 0,
+        fused=fused if any(t is not None for t in fused) else [],
     )
+
+
+def fuse_panels(modules: Sequence[Any]) -> list[torch.Tensor | None]:
+    """[panels, bias] of `modules` (projections of the same input) multiplied as one: their
+    panels concatenated, each module's own weight becoming a view of its part, and their biases
+    in float32 (as panel_linear adds them); [None, None] where they are not all panels of one
+    input width and dtype, or only some have a bias. Each output's sum is the one it has alone."""
+    bases = [getattr(module, "base", module) for module in modules]  # a LoRA wrapper: its base
+    if not all(type(base) is PanelLinear for base in bases):
+        return [None, None]
+    packed = [base.packed_weight for base in bases]
+    if len({(p.dtype, p.shape[1]) for p in packed}) != 1:
+        return [None, None]
+    biases = [base.bias for base in bases]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return [None, None]
+    panels = torch.cat(packed)
+    start = 0
+    for base, part in zip(bases, packed, strict=True):
+        base.packed_weight = panels[start : start + part.shape[0]]
+        start += part.shape[0]
+    bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases])
+    return [panels, bias]
 
 
 def _attribute(owner: Any, path: str) -> Any:

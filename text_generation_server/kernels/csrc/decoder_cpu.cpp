@@ -35,6 +35,11 @@
 //              else torch's int4 kernel up to int4_max_rows rows and the product over unpacked
 //              weights beyond), as Int4Linear.forward does; 8-bit ones grouped_cpu.cpp's
 //              int8_group_linear, as Int8GroupLinear.forward does
+//   fused      empty, or 4 per layer: q|k|v's panels and bias, gate|up's panels and bias (None where that
+//              layer's are not fused): the projections' panels side by side in one tensor, of which
+//              their own weight slots hold views (cpu_decoder.py `fuse_panels`). A fused group is one
+//              product, one parallel region instead of 3 or 2 (every output's sum is the one it has
+//              alone); a step whose adapters target one of its projections multiplies them one by one
 //   caches     one per layer: [2, kv_heads, blocks, block_size * head_dim], K blocks transposed
 //   slots      [T] int64            the cache slot of each new token's K/V
 //   decode     [D] int64 or None    the packed index of each single-token row (None with no
@@ -90,6 +95,7 @@ namespace {
 
 constexpr int64_t kParamsPerLayer = 16;
 constexpr int64_t kLinearsPerLayer = 7;
+constexpr int64_t kFusedPerLayer = 4;  // q|k|v panels and bias, gate|up panels and bias
 
 enum Param : int64_t {
   kInputNorm = 0, kQ = 1, kK = 3, kV = 5, kO = 7, kPostNorm = 9, kGate = 10, kUp = 12, kDown = 14
@@ -263,6 +269,15 @@ struct Lora {
   std::vector<double> scales;
   int64_t adapters = 0;
 
+  // whether an adapter of the step targets one of projections [first, first + count)
+  bool targets(int64_t first, int64_t count) const {
+    if (!slots.has_value()) return false;
+    for (int64_t i = first * adapters; i < (first + count) * adapters; ++i) {
+      if (a.get(i).has_value()) return true;
+    }
+    return false;
+  }
+
   // y += each token's adapter applied to x, for projection `index` (layer * 7 + which)
   void apply(at::Tensor& y, const at::Tensor& x, int64_t index) const {
     if (!slots.has_value()) return;
@@ -341,7 +356,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T>
 at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::Tensor& sin_t,
                const c10::List<std::optional<at::Tensor>>& params, const std::vector<bool>& onednn,
-               const Int8& int8, const Grouped& grouped,
+               const Int8& int8, const Grouped& grouped, const c10::List<std::optional<at::Tensor>>& fused,
                const std::vector<at::Tensor>& caches, const at::Tensor& slots, const Attention& attention,
                const Lora& lora, int64_t heads,
                int64_t kv_heads, double eps, double residual_multiplier) {
@@ -369,12 +384,28 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     lora.apply(y, x, projection);
     return y;
   };
+  // the layer's q|k|v (part 0) or gate|up (part 1) panels in one product, where they are fused and
+  // no adapter of the step targets them: one parallel region instead of 3 or 2
+  auto joined = [&](int64_t layer, int64_t part, int64_t first, int64_t count) -> std::optional<at::Tensor> {
+    if (fused.empty()) return std::nullopt;
+    const std::optional<at::Tensor> weights = fused.get(layer * kFusedPerLayer + 2 * part);
+    if (!weights.has_value() || lora.targets(layer * kLinearsPerLayer + first, count)) return std::nullopt;
+    return linear(normed, weights, fused.get(layer * kFusedPerLayer + 2 * part + 1), false);
+  };
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   for (int64_t layer = 0; layer < layers; ++layer) {
     add_norm<T>(data<T>(residual), delta.defined() ? data<T>(delta) : nullptr, data<T>(*param(layer, kInputNorm)),
                 data<T>(normed), rows, size, e, m);
-    at::Tensor q = project(normed, layer, kQ, 0);
-    at::Tensor k = project(normed, layer, kK, 1);
-    at::Tensor v = project(normed, layer, kV, 2);
+    at::Tensor q, k, v;
+    if (const std::optional<at::Tensor> qkv = joined(layer, 0, 0, 3)) {
+      q = qkv->narrow(1, 0, q_size).contiguous();
+      k = qkv->narrow(1, q_size, kv_size).contiguous();
+      v = qkv->narrow(1, q_size + kv_size, kv_size).contiguous();
+    } else {
+      q = project(normed, layer, kQ, 0);
+      k = project(normed, layer, kK, 1);
+      v = project(normed, layer, kV, 2);
+    }
     rotate<T>(data<T>(q), data<T>(cos_t), data<T>(sin_t), rows, heads, dim);
     rotate<T>(data<T>(k), data<T>(cos_t), data<T>(sin_t), rows, kv_heads, dim);
     const at::Tensor& cache = caches[layer];
@@ -385,8 +416,15 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     delta = project(attended.view({rows, heads * dim}), layer, kO, 3);
     add_norm<T>(data<T>(residual), data<T>(delta), data<T>(*param(layer, kPostNorm)), data<T>(normed), rows, size, e,
                 m);
-    at::Tensor gate = project(normed, layer, kGate, 4);
-    at::Tensor up = project(normed, layer, kUp, 5);
+    at::Tensor gate, up;
+    if (const std::optional<at::Tensor> gate_up = joined(layer, 1, 4, 2)) {
+      const int64_t inner = gate_up->size(1) / 2;
+      gate = gate_up->narrow(1, 0, inner).contiguous();
+      up = gate_up->narrow(1, inner, inner);
+    } else {
+      gate = project(normed, layer, kGate, 4);
+      up = project(normed, layer, kUp, 5);
+    }
     at::silu_(gate).mul_(up);  // transformers' act_fn(gate) * up: the same two roundings
     delta = project(gate, layer, kDown, 6);
   }
@@ -586,7 +624,8 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
                           const c10::List<std::optional<at::Tensor>>& w8a8,
                           const c10::List<std::optional<at::Tensor>>& grouped,
                           const c10::List<std::optional<at::Tensor>>& grouped_order, at::IntArrayRef grouped_out,
-                          int64_t int4_max_rows, at::TensorList caches,
+                          int64_t int4_max_rows, const c10::List<std::optional<at::Tensor>>& fused,
+                          at::TensorList caches,
                           const at::Tensor& slots, const std::optional<at::Tensor>& decode,
                           const std::optional<at::Tensor>& tables, const std::optional<at::Tensor>& lengths,
                           at::IntArrayRef piece_bounds, const c10::List<std::optional<at::Tensor>>& piece_blocks,
@@ -604,12 +643,22 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   TORCH_CHECK(static_cast<int64_t>(grouped.size()) == layers * kLinearsPerLayer && grouped_order.size() == grouped.size() &&
                   grouped_out.size() == grouped.size(),
               "7 grouped entries, orders and output sizes per layer");
+  TORCH_CHECK(fused.empty() || static_cast<int64_t>(fused.size()) == layers * kFusedPerLayer,
+              "no fused projections or 4 entries per layer");
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "embeddings must be [tokens, hidden], contiguous");
   const int64_t rows = embeddings.size(0);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && sin.sizes() == cos.sizes(), "cos/sin must be [tokens, head_dim]");
   TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= 512, "the head dim must be even, at most 512");
   TORCH_CHECK(cos.scalar_type() == embeddings.scalar_type() && sin.scalar_type() == embeddings.scalar_type(),
               "cos/sin must have the embeddings' dtype");
+  for (int64_t i = 0; i < static_cast<int64_t>(fused.size()); i += 2) {
+    const std::optional<at::Tensor> panels = fused.get(i);
+    if (!panels.has_value()) continue;
+    const int64_t outputs = panels->dim() == 3 ? panels->size(0) * panels->size(2) : -1;
+    const int64_t head_dim = cos.size(1);
+    TORCH_CHECK(i % kFusedPerLayer == 0 ? outputs == (heads + 2 * kv_heads) * head_dim : outputs % 2 == 0,
+                "fused panels must hold q|k|v or gate|up, outputs side by side");
+  }
   const Attention attention = attention_of(rows, caches, kv_heads, cos.size(1), slots, decode, tables, lengths,
                                            piece_bounds, piece_blocks, piece_masks, block_size, scale, window,
                                            embeddings.scalar_type());
@@ -619,7 +668,7 @@ at::Tensor decoder_layers(const at::Tensor& embeddings, const at::Tensor& cos, c
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot_ids = slots.contiguous();
   return by_dtype(embeddings.scalar_type(), "decoder_layers", [&](auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
-    return run<T>(embeddings, c, s, params, flags, Int8{int8, w8a8}, Grouped{grouped, grouped_order, grouped_out, int4_max_rows}, layer_caches,
+    return run<T>(embeddings, c, s, params, flags, Int8{int8, w8a8}, Grouped{grouped, grouped_order, grouped_out, int4_max_rows}, fused, layer_caches,
                   slot_ids, attention, lora, heads, kv_heads, eps, residual_multiplier);
   });
 }
@@ -630,7 +679,7 @@ TORCH_LIBRARY_FRAGMENT(tgis_cpu, m) {
   m.def(
       "decoder_layers(Tensor embeddings, Tensor cos, Tensor sin, Tensor?[] params, bool[] onednn, "
       "__torch__.torch.classes.quantized.LinearPackedParamsBase?[] int8, Tensor?[] w8a8, Tensor?[] grouped, Tensor?[] grouped_order, "
-      "int[] grouped_out, int int4_max_rows, Tensor[] caches, "
+      "int[] grouped_out, int int4_max_rows, Tensor?[] fused, Tensor[] caches, "
       "Tensor slots, Tensor? decode, Tensor? tables, Tensor? lengths, int[] piece_bounds, Tensor?[] piece_blocks, "
       "Tensor?[] piece_masks, Tensor? lora_slots, Tensor?[] lora_a, Tensor?[] lora_bt, float[] lora_scales, "
       "int block_size, int heads, int kv_heads, float eps, float scale, "
