@@ -228,16 +228,20 @@ def test_panel_linear_on_a_model_sized_product_and_leading_dimensions(kernel) ->
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inputs", [512, 1100])
+@pytest.mark.parametrize("outputs", [80, 272])
 def test_panel_linear_gives_a_row_the_same_outputs_whatever_rows_go_with_it(
-    kernel, dtype, inputs: int
+    kernel, dtype, inputs: int, outputs: int
 ) -> None:
     """A decode row alone, in a batch, or among a prompt's rows taken in slices of the inputs: the
-    same sums in the same order, bit for bit (speculative decoding's exactness rests on it)."""
+    same sums in the same order, bit for bit (speculative decoding's exactness rests on it). 5
+    panels: groups of 2-4 and a tail; 17: a thread's 8 or more also take a group of 8."""
     gen = torch.Generator().manual_seed(inputs)
-    weight = (torch.randn(80, inputs, generator=gen) / inputs**0.5).to(dtype)  # 5 panels: groups and a tail
-    bias = torch.randn(80, generator=gen).to(dtype)
+    weight = (torch.randn(outputs, inputs, generator=gen) / inputs**0.5).to(dtype)
+    bias = torch.randn(outputs, generator=gen).to(dtype)
     x = torch.randn(200, inputs, generator=gen).to(dtype)
     alone = torch.cat([_product(x[i : i + 1], weight, bias) for i in range(13)])
+    exact = torch.nn.functional.linear(x[:13].float(), weight.float(), bias.float())
+    torch.testing.assert_close(alone.float(), exact, rtol=1e-2, atol=1e-2)
     for rows in (2, 3, 4, 6, 7, 13, 200):
         assert torch.equal(_product(x[:rows], weight, bias)[:13], alone[:rows]), rows
 
