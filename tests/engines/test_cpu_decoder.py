@@ -17,7 +17,12 @@ import torch
 from tests.engines.test_tgis_native import config_for
 from text_generation_common.messages import GenerationRequest, RequestedDetails
 from text_generation_server.engines.tgis_native import TgisNativeEngine
-from text_generation_server.engines.tgis_native.cpu_decoder import CpuDecoder, build, decoder_for
+from text_generation_server.engines.tgis_native.cpu_decoder import (
+    CpuDecoder,
+    build,
+    decoder_for,
+    rotary_table,
+)
 from text_generation_server.kernels import cpu_kernels
 from text_generation_server.kernels.weight_layout import OneDnnLinear, PanelLinear, panels_offered
 
@@ -204,6 +209,42 @@ def test_fused_projections_step_apart_for_their_adapters(tiny_model, tmp_path) -
         assert mode == "modules" or engine.runner.decoder.fused
         outputs[mode] = Runner(engine).run({0: requests})
     assert outputs["layers"] == outputs["modules"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotary_rows_come_from_a_table_of_the_modules_values(tiny_model, dtype) -> None:
+    """The cos and sin of a step's positions: rows of a table the rotary module computed at load,
+    equal to what it computes for those positions; a position past the table asks the module."""
+    engine = TgisNativeEngine(config_for(tiny_model("llama"), dtype=dtype, cpu_forward="layers"))
+    decoder = engine.runner.decoder
+    assert decoder is not None and decoder.rotary_table is not None
+    cos_table, _ = decoder.rotary_table
+    assert (
+        cos_table.shape[0] == engine.context.max_sequence_length + 16
+        and cos_table.dtype == engine.model.dtype
+    )
+    rotary = engine.model.model.rotary_emb
+    embeddings = torch.zeros(4, engine.model.config.hidden_size, dtype=engine.model.dtype)
+    for positions in ([0, 1, 2, 3], [7, 50, 90, 143], [3, 140, 143, 500]):  # 500: past the table
+        at = torch.tensor(positions)
+        cos, sin = decoder._rotary(embeddings, at)
+        want_cos, want_sin = rotary(embeddings.unsqueeze(0), at.unsqueeze(0))
+        torch.testing.assert_close(cos, want_cos[0], rtol=0, atol=0)
+        torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=0)
+
+
+def test_rotary_embeddings_that_change_with_the_length_are_not_tabled(tiny_model) -> None:
+    engine = TgisNativeEngine(config_for(tiny_model("llama"), cpu_forward="layers"))
+    rotary = engine.model.model.rotary_emb
+    rotary.rope_type = "dynamic"
+    assert rotary_table(engine.model, 64) is None
+    rotary.rope_type = "default"
+    cos, sin = rotary_table(engine.model, 64)
+    assert (
+        cos.shape
+        == sin.shape
+        == (64, engine.model.config.hidden_size // engine.model.config.num_attention_heads)
+    )
 
 
 def test_greedy_tokens_equal_the_modules(tiny_model) -> None:

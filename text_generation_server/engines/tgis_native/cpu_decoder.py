@@ -11,7 +11,8 @@ chunks, decode rows beside them, soft prompts spliced into the embeddings) from 
 
 A Llama-family layer whose q, k and v (and gate and up) projections are all panels of one dtype
 multiplies each group as one product (`fuse_panels`: their panels side by side, each projection's
-weight a view of its part): fewer parallel regions a step, the same sums.
+weight a view of its part): fewer parallel regions a step, the same sums. Its rotary cos and
+sin are rows of a table the model's rotary module computed once (`rotary_table`).
 
 Which models: `llama`, `mistral`, `qwen2` and `granite` (their multipliers) with SiLU MLPs and
 full-width rotary embeddings (`decoder_layers`), and the LayerNorm family with fused q|k|v
@@ -177,6 +178,8 @@ class CpuDecoder:
     rotary: Any = None  # layer_norm: the rotary embedding module (GPT-NeoX), or None
     # llama: per layer q|k|v's and gate|up's panels and biases where fused (fuse_panels), else empty
     fused: list[torch.Tensor | None] = field(default_factory=list)
+    # llama: the rotary embedding's cos and sin of positions 0 .. n - 1 (rotary_table), or None
+    rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def decode(
         self,
@@ -249,15 +252,33 @@ class CpuDecoder:
             return out
         if self.embedding_multiplier != 1.0:
             embeddings = embeddings * self.embedding_multiplier
-        cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
+        cos, sin = self._rotary(embeddings, positions)
         hidden: torch.Tensor = torch.ops.tgis_cpu.decoder_layers(
-            embeddings.contiguous(), cos[0], sin[0], self.params, self.onednn, self.int8, self.w8a8,
+            embeddings.contiguous(), cos, sin, self.params, self.onednn, self.int8, self.w8a8,
             self.grouped, self.grouped_order, self.grouped_out, torch_kernel_rows(), self.fused, self.caches,
             slots, decode, tables, lengths, bounds, blocks, masks, lora.slots, lora.a, lora.bt, lora.scales,
             self.block_size, self.heads, self.kv_heads,
             self.eps, self.scale, self.residual_multiplier, self.window,
         )  # fmt: skip
         return hidden
+
+    def table_rotary(self, positions: int) -> None:
+        """Look the rotary cos and sin of positions 0 .. `positions` - 1 up in a table from now on
+        (rotary_table; Llama family: the LayerNorm family's rotary is GPT-NeoX's own module)."""
+        if self.family == "llama":
+            self.rotary_table = rotary_table(self.model, positions)
+
+    def _rotary(self, embeddings: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] of `positions`: rows of the table where it holds them, else
+        the model's rotary module."""
+        if self.rotary_table is not None:
+            cos, sin = self.rotary_table
+            try:
+                return cos.index_select(0, positions), sin.index_select(0, positions)
+            except IndexError:  # a position past the table
+                pass
+        cos, sin = self.model.model.rotary_emb(embeddings.unsqueeze(0), positions.unsqueeze(0))
+        return cos[0], sin[0]
 
     def lora_for(
         self, loras: Sequence[LoraWeights | None], repeats: Sequence[int], kernel: bool
@@ -372,6 +393,21 @@ def build(
         window=window or 0,
         fused=fused if any(t is not None for t in fused) else [],
     )
+
+
+def rotary_table(model: Any, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The cos and sin [positions, head_dim] the model's rotary module gives positions 0 ..
+    positions - 1 (its own computation, once), so that a step looks its rows up instead of
+    running the module's ~10 small operations; None for rotary embeddings that change with the
+    sequence's length (dynamic NTK, LongRoPE: the module recomputes their frequencies)."""
+    rotary = model.model.rotary_emb
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if positions <= 0 or "dynamic" in rope_type or rope_type == "longrope":
+        return None
+    with torch.inference_mode():
+        probe = torch.empty(0, dtype=model.dtype, device=model.device)
+        cos, sin = rotary(probe, torch.arange(positions, device=model.device).unsqueeze(0))
+    return cos[0].contiguous(), sin[0].contiguous()
 
 
 def fuse_panels(modules: Sequence[Any]) -> list[torch.Tensor | None]:

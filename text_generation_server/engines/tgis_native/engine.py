@@ -115,6 +115,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gpt_neox", "gpt2", "gpt_bigcode", "granite", "qwen2")
+# positions past MAX_SEQUENCE_LENGTH whose rotary embedding the C++ decoder stack tables too (a
+# speculating step's candidates); a step past them runs the model's rotary module
+ROTARY_SPARE_POSITIONS = 16
 
 
 def sliding_window(hf_config: Any) -> int | None:
@@ -193,6 +196,8 @@ class TgisNativeEngine(ModelEngine):
         self.runner.decoder = decoder_for(
             config.cpu_forward, self.model, self.kv, self.backend.name, config.world_size, self.window
         )
+        if self.runner.decoder is not None:
+            self.runner.decoder.table_rotary(max_length + ROTARY_SPARE_POSITIONS)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.gate = SpeculationGate(config.speculator_max_batch_size)  # measured below, where asked
