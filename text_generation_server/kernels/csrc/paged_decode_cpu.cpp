@@ -78,14 +78,30 @@ inline void softmax_block(Heads& h, int64_t g, float* s, int64_t lo, int64_t hi)
   h.total[g] += sum;
 }
 
+// The cache lines of `bytes` from p on their way to the caches.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 3);
+}
+
 // Calls visit(kt, vb, lo, hi) for each block holding keys [first, length) of a sequence: its K
 // block (transposed, [dim][block_size]), its V block ([block_size][dim]) and the slots in use.
+// The next block's K and V are prefetched while one is visited: blocks lie anywhere in the cache,
+// where the CPU's own prefetchers cannot guess them (32 sequences of 200 keys over 8 layers'
+// caches of 6.5 MB each, bfloat16, 2-core Zen 4: 338-358 us a layer before, 165-173 us with this
+// and the next task's first block prefetched).
 template <typename T, typename Visit>
 void each_block(
     const T* keys, const T* values, const int64_t* table, int64_t first, int64_t length, int64_t block_size,
     int64_t dim, Visit&& visit) {
+  const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
   for (int64_t start = first - first % block_size; start < length; start += block_size) {
     const int64_t block = table[start / block_size];
+    if (start + block_size < length) {
+      const int64_t next = table[start / block_size + 1];
+      prefetch(keys + next * block_size * dim, block_bytes);
+      prefetch(values + next * block_size * dim, block_bytes);
+    }
     const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(block_size, length - start);
     visit(keys + block * block_size * dim, values + block * block_size * dim, lo, hi);
   }
@@ -160,6 +176,16 @@ void decode(
       const int64_t seq = task / kv_heads, head = task % kv_heads;
       const int64_t length = lengths[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      if (task + 1 < end) {  // the next task's first block on its way meanwhile
+        const int64_t next_seq = (task + 1) / kv_heads, next_length = lengths[next_seq];
+        if (next_length > 0) {
+          const int64_t next_first = window > 0 ? std::max<int64_t>(0, next_length - window) : 0;
+          const T* next_keys = cache + ((task + 1) % kv_heads) * head_stride +
+                               tables[next_seq * width + next_first / block_size] * block_size * dim;
+          prefetch(next_keys, block_size * dim * static_cast<int64_t>(sizeof(T)));
+          prefetch(next_keys + values_offset, block_size * dim * static_cast<int64_t>(sizeof(T)));
+        }
+      }
       const T* q_in = query + (seq * heads + head * groups) * dim;
       for (int64_t i = 0; i < groups * dim; ++i) q[i] = scalar(q_in[i]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
