@@ -45,6 +45,10 @@ using namespace tgis_cpu;
 
 constexpr int64_t kRowBlock = 4;  // states whose dot products share one load of a weight chunk
 constexpr int64_t kCols = 4;      // weight rows in flight (independent sums: the FMAs pipeline)
+// ... for one state (a decode row's chain): 8 sums hide the dot product's latency (3 heads of
+// 8,192 x 512, bfloat16, 2-core Zen 4, against 3 panel products as a control timed beside it:
+// 0.83x -> 0.73x of it warm, 1.22x -> 0.95-0.97x with the caches swept first)
+constexpr int64_t kColsAlone = 8;
 constexpr float kEps = 1e-6f;
 
 // From this many rows the vocabulary projection is one matrix product (at::linear: on AMX's tile
@@ -124,10 +128,16 @@ void dots(const T* weight, const S* states, int64_t count, int64_t in, float* do
 // states from r0: dot[r] = weight[o] . states[r0 + r]; kCols weight rows at a time
 template <typename T, typename S, typename Fn>
 void for_dots(const T* weight, int64_t begin, int64_t end, int64_t in, const S* states, int64_t rows, Fn fn) {
-  float dot[kCols * kRowBlock];
+  float dot[kColsAlone * kRowBlock];
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
     const int64_t count = std::min(kRowBlock, rows - r0);
     int64_t o = begin;
+    if (count == 1) {
+      for (; o + kColsAlone <= end; o += kColsAlone) {
+        dots_of<kColsAlone, 1>(weight + o * in, states + r0 * in, in, dot);
+        for (int64_t c = 0; c < kColsAlone; ++c) fn(o + c, r0, count, dot + c * kRowBlock);
+      }
+    }
     for (; o + kCols <= end; o += kCols) {
       dots<kCols>(weight + o * in, states + r0 * in, count, in, dot);
       for (int64_t c = 0; c < kCols; ++c) fn(o + c, r0, count, dot + c * kRowBlock);
