@@ -9,12 +9,11 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#include <immintrin.h>
-#define TGIS_VECTORS_AVX2 1  // native vectors are AVX2 registers: some operations spelled out
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the loads spelled out below
 #endif
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define TGIS_VECTORS_AVX2 1  // native vectors are AVX2 registers: some operations spelled out
 #endif
 
 namespace tgis_cpu {

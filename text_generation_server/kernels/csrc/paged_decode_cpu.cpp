@@ -78,10 +78,14 @@ inline void softmax_block(Heads& h, int64_t g, float* s, int64_t lo, int64_t hi)
   h.total[g] += sum;
 }
 
-// The cache lines of `bytes` from p on their way to the caches.
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 3);
+// The cache lines of a K block and a V block of `elements` values each on their way to the caches.
+template <typename T>
+inline void prefetch_block(const T* key_block, const T* value_block, int64_t elements) {
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(T));
+  for (const T* block : {key_block, value_block}) {
+    const char* c = reinterpret_cast<const char*>(block);
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 3);
+  }
 }
 
 // Calls visit(kt, vb, lo, hi) for each block holding keys [first, length) of a sequence: its K
@@ -94,13 +98,11 @@ template <typename T, typename Visit>
 void each_block(
     const T* keys, const T* values, const int64_t* table, int64_t first, int64_t length, int64_t block_size,
     int64_t dim, Visit&& visit) {
-  const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
   for (int64_t start = first - first % block_size; start < length; start += block_size) {
     const int64_t block = table[start / block_size];
     if (start + block_size < length) {
       const int64_t next = table[start / block_size + 1];
-      prefetch(keys + next * block_size * dim, block_bytes);
-      prefetch(values + next * block_size * dim, block_bytes);
+      prefetch_block(keys + next * block_size * dim, values + next * block_size * dim, block_size * dim);
     }
     const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(block_size, length - start);
     visit(keys + block * block_size * dim, values + block * block_size * dim, lo, hi);
@@ -169,22 +171,20 @@ void decode(
   const int64_t head_stride = num_blocks * block_size * dim;  // one KV head of K (or V)
   const int64_t values_offset = kv_heads * head_stride;      // V after K
   const bool vector = block_size % kLanes == 0 && dim % kLanes == 0;
+  // the first key a sequence of `length` keys attends (sliding window: its last `window`)
+  const auto first_key = [&](int64_t length) { return window > 0 ? std::max<int64_t>(0, length - window) : 0; };
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(groups * dim), acc(groups * dim), top(groups), total(groups);
     std::vector<float> scores(std::max<int64_t>(groups, 8) * block_size);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / kv_heads, head = task % kv_heads;
       const int64_t length = lengths[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-      if (task + 1 < end) {  // the next task's first block on its way meanwhile
-        const int64_t next_seq = (task + 1) / kv_heads, next_length = lengths[next_seq];
-        if (next_length > 0) {
-          const int64_t next_first = window > 0 ? std::max<int64_t>(0, next_length - window) : 0;
-          const T* next_keys = cache + ((task + 1) % kv_heads) * head_stride +
-                               tables[next_seq * width + next_first / block_size] * block_size * dim;
-          prefetch(next_keys, block_size * dim * static_cast<int64_t>(sizeof(T)));
-          prefetch(next_keys + values_offset, block_size * dim * static_cast<int64_t>(sizeof(T)));
-        }
+      const int64_t first = first_key(length);
+      if (task + 1 < end && lengths[(task + 1) / kv_heads] > 0) {  // the next task's first block meanwhile
+        const int64_t next_seq = (task + 1) / kv_heads;
+        const int64_t block = tables[next_seq * width + first_key(lengths[next_seq]) / block_size];
+        const T* next_keys = cache + ((task + 1) % kv_heads) * head_stride + block * block_size * dim;
+        prefetch_block(next_keys, next_keys + values_offset, block_size * dim);
       }
       const T* q_in = query + (seq * heads + head * groups) * dim;
       for (int64_t i = 0; i < groups * dim; ++i) q[i] = scalar(q_in[i]) * scale;

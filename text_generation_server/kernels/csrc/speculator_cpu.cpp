@@ -124,28 +124,31 @@ void dots(const T* weight, const S* states, int64_t count, int64_t in, float* do
   }
 }
 
+// fn(o, r0, count, dot) for weight rows o from `o`, kColumns at a time while they fill kColumns
+// before `end`, with dot[c * kRowBlock + r] = weight[o + c] . states[r0 + r]; returns the first
+// row left
+template <int64_t kColumns, typename T, typename S, typename Fn>
+int64_t dots_by(const T* weight, int64_t o, int64_t end, int64_t in, const S* states, int64_t r0, int64_t count,
+                float* dot, Fn& fn) {
+  for (; o + kColumns <= end; o += kColumns) {
+    dots<kColumns>(weight + o * in, states + r0 * in, count, in, dot);
+    for (int64_t c = 0; c < kColumns; ++c) fn(o + c, r0, count, dot + c * kRowBlock);
+  }
+  return o;
+}
+
 // fn(o, r0, count, dot) for every weight row o of [begin, end) and each block of up to kRowBlock
-// states from r0: dot[r] = weight[o] . states[r0 + r]; kCols weight rows at a time
+// states from r0: dot[r] = weight[o] . states[r0 + r]; kCols weight rows at a time (kColsAlone
+// for a single state), the rows left one by one
 template <typename T, typename S, typename Fn>
 void for_dots(const T* weight, int64_t begin, int64_t end, int64_t in, const S* states, int64_t rows, Fn fn) {
   float dot[kColsAlone * kRowBlock];
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
     const int64_t count = std::min(kRowBlock, rows - r0);
     int64_t o = begin;
-    if (count == 1) {
-      for (; o + kColsAlone <= end; o += kColsAlone) {
-        dots_of<kColsAlone, 1>(weight + o * in, states + r0 * in, in, dot);
-        for (int64_t c = 0; c < kColsAlone; ++c) fn(o + c, r0, count, dot + c * kRowBlock);
-      }
-    }
-    for (; o + kCols <= end; o += kCols) {
-      dots<kCols>(weight + o * in, states + r0 * in, count, in, dot);
-      for (int64_t c = 0; c < kCols; ++c) fn(o + c, r0, count, dot + c * kRowBlock);
-    }
-    for (; o < end; ++o) {
-      dots<1>(weight + o * in, states + r0 * in, count, in, dot);
-      fn(o, r0, count, dot);
-    }
+    if (count == 1) o = dots_by<kColsAlone>(weight, o, end, in, states, r0, count, dot, fn);
+    o = dots_by<kCols>(weight, o, end, in, states, r0, count, dot, fn);
+    dots_by<1>(weight, o, end, in, states, r0, count, dot, fn);
   }
 }
 
