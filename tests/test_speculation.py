@@ -52,6 +52,7 @@ from text_generation_server.speculation.mlp import (
 )
 from text_generation_server.speculation.ngram import NgramSpeculator
 from text_generation_server.speculation.train import main as train_main
+from text_generation_server.speculation.train import prompt_lengths
 from text_generation_server.testing.tiny_models import build_tiny_model
 
 CPU = torch.device("cpu")
@@ -911,8 +912,18 @@ def trained(tiny_model, tmp_path_factory) -> Path:
     """A speculator for the tiny Llama, made by the training command (seconds)."""
     out = tmp_path_factory.mktemp("speculator") / "llama-accelerator"
     args = ["--model", str(tiny_model("llama")), "--out", str(out), "--prompts", "12", "--length", "24"]
-    assert train_main([*args, "--prompt-len", "8", "--epochs", "1"]) == 0
+    assert train_main([*args, "--prompt-len", "6-12", "--epochs", "1"]) == 0
     return out
+
+
+def test_training_prompts_spread_over_the_asked_lengths(capsys) -> None:
+    assert prompt_lengths(32, 256) == [32, 64, 96, 128, 160, 192, 224, 256]
+    assert prompt_lengths(6, 12) == [6, 7, 8, 9, 10, 11, 12]  # fewer where the range holds fewer
+    assert prompt_lengths(8, 8) == [8]
+    for bad in ("0", "9-8", "a-b", "4-"):
+        with pytest.raises(SystemExit):
+            train_main(["--model", "m", "--out", "o", "--prompt-len", bad])
+        assert "--prompt-len" in capsys.readouterr().err
 
 
 def test_the_training_command_writes_a_speculator_and_its_report(
@@ -920,6 +931,8 @@ def test_the_training_command_writes_a_speculator_and_its_report(
 ) -> None:
     report = json.loads((trained / "train.json").read_text())
     assert report["sequences"] == 12 and len(report["held_out_top1"]) == 3
+    assert report["options"]["prompt_len"] == [6, 12]
+    assert report["positions"] == 12 * (24 - 3)  # every sequence from its own prompt's end
     config = MlpSpeculatorConfig.read(trained)
     assert (config.emb_dim, config.n_predict, config.tie_weights) == (64, 3, True)
     wider = tmp_path / "wider"  # a speculator made for another model: refused at load, one line
