@@ -39,6 +39,7 @@ from text_generation_common.speculate import refusal
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.step import choose_speculated, choose_tokens
 from text_generation_server.engines.tgis_native import TgisNativeEngine
+from text_generation_server.kernels.weight_layout import PanelLinear, panels_offered
 from text_generation_server.kv.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
 from text_generation_server.sampling.chooser import TokenChooser
 from text_generation_server.speculation import Lookahead, Speculator, Target, best_lookahead
@@ -768,6 +769,25 @@ def kernel_speculator(emb: int, inner: int, vocab: int, tie: bool, scale_input: 
     return model.eval()
 
 
+def assert_top_guesses(
+    reference: MlpSpeculatorModel,
+    state: torch.Tensor,
+    last: torch.Tensor,
+    chains: torch.Tensor,
+    tolerance: float,
+) -> None:
+    """Along each row's chain, each guess is within `tolerance` of the logits' spread from the
+    top of `reference`'s head (fms-extras' formulas in float64)."""
+    rows, steps = chains.shape
+    for r in range(rows):
+        guesses = [int(last[r]), *chains[r].tolist()]
+        with torch.no_grad():
+            heads = reference_heads(reference, state[r].double(), guesses[:steps])
+        for i, logits in enumerate(heads):
+            spread = float(logits.max() - logits.min())
+            assert float(logits[guesses[i + 1]]) >= float(logits.max()) - tolerance * spread, (rows, r, i)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("emb", "inner", "vocab", "tie", "scale_input"),
@@ -791,14 +811,41 @@ def test_the_cpu_kernels_chains_take_each_heads_top_token(
         last = torch.randint(0, vocab, (rows,))
         chains = model.chain(state, last, steps)
         assert chains.shape == (rows, steps) and chains.dtype == torch.long
-        for r in range(rows):
-            guesses = [int(last[r]), *chains[r].tolist()]
-            with torch.no_grad():
-                heads = reference_heads(reference, state[r].double(), guesses[:steps])
-            for i, logits in enumerate(heads):
-                spread = float(logits.max() - logits.min())
-                assert float(logits[guesses[i + 1]]) >= float(logits.max()) - tolerance * spread, (rows, r, i)
+        assert_top_guesses(reference, state, last, chains, tolerance)
         if dtype == torch.float32:  # no rounding between heads: the tensor form's chain, token for token
+            model.kernel = False
+            assert torch.equal(model.chain(state, last, steps), chains)
+            model.kernel = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_cpu_kernels_chains_read_heads_of_the_targets_lm_head_in_panels(
+    dtype: torch.dtype, tie: bool
+) -> None:
+    """A head whose weights are the values of the target's LM head (packed in panels) reads the
+    panels instead: tied heads all of them, untied ones the head that matches; panels of other
+    values or of another shape, none. Its guesses are the top tokens of the LM head's own
+    product (rounded to the weights' dtype, as the target rounds its logits), token for token the
+    tensor form's chain in float32."""
+    model = kernel_speculator(32, 64, 160, tie, False).to(dtype)
+    model.use_cpu_kernel()
+    if not panels_offered(dtype, 160):
+        pytest.skip("no panels layout for these weights here")
+    reference = copy.deepcopy(model).double()
+    pack = torch.ops.tgis_cpu.panel_pack
+    assert model.read_lm_head(pack(torch.randn(160, 64).to(dtype))) == 0
+    assert model.read_lm_head(pack(model.head[1].weight.detach()[:128].clone())) == 0
+    panels = pack(model.head[1].weight.detach().clone())
+    assert model.read_lm_head(panels) == (4 if tie else 1)
+    assert model._weights[4][1] is panels
+    tolerance = 1e-4 if dtype == torch.float32 else 0.03
+    for rows, steps in ((1, 4), (3, 3)):
+        state = torch.randn(rows, 32).to(dtype)
+        last = torch.randint(0, 160, (rows,))
+        chains = model.chain(state, last, steps)
+        assert_top_guesses(reference, state, last, chains, tolerance)
+        if dtype == torch.float32:
             model.kernel = False
             assert torch.equal(model.chain(state, last, steps), chains)
             model.kernel = True
@@ -965,6 +1012,9 @@ def test_the_mlp_speculator_leaves_the_output_unchanged(
     spec = TgisNativeEngine(config)
     assert spec.speculate == 3 and spec.runner.capturing
     assert spec.speculator.n_candidates == (tree[0] if tree else 1)
+    # the trained heads are the LM head's frozen copy: chains on the kernel read the model's panels
+    shares = not tree and isinstance(spec.model.get_output_embeddings(), PanelLinear)
+    assert ("3 of its heads read the model's LM head" in spec.speculator.name) == shares
     verified = recorded(spec)
     for seed, budget in ((0, 0), (1, 6)):
         schedule = workload(seed)

@@ -90,6 +90,12 @@ class Speculator(ABC):
         proposed = self.propose(requests, histories, limits, hidden)
         return [[chain] if chain else [] for chain in proposed]
 
+    def share_lm_head(self, panels: torch.Tensor) -> int:
+        """The target's LM head, packed in panels for our CPU kernel (kernels/weight_layout.py
+        PanelLinear): a speculator whose own output layers hold the same values may read it
+        instead of its copy. How many of its output layers do (0: none)."""
+        return 0
+
     def release(self, request_ids: Iterable[int]) -> None:
         """These requests are gone: drop what is kept for them (a draft model's KV blocks)."""
         return None

@@ -184,6 +184,24 @@ class MlpSpeculatorModel(nn.Module):
         )
         return True
 
+    def read_lm_head(self, panels: torch.Tensor) -> int:
+        """Chains on the CPU kernel: every head whose weights are the values of the target's LM
+        head `panels` (kernels/weight_layout.py PanelLinear's packed weight: a self-distilled
+        speculator's frozen copy, train.py) reads those panels instead, memory the target's
+        step has just read (speculator_cpu.cpp). How many heads do (0 without the kernel)."""
+        if not self.kernel:
+            return 0
+        heads = self._weights[4]
+        same: dict[int, bool] = {}  # tied heads are one tensor: packed and compared once
+        for i, weight in enumerate(heads):
+            if id(weight) not in same:
+                shape = (panels.shape[0] * panels.shape[2], panels.shape[1])
+                fits = weight.dtype == panels.dtype and tuple(weight.shape) == shape
+                same[id(weight)] = fits and torch.equal(torch.ops.tgis_cpu.panel_pack(weight), panels)
+            if same[id(weight)]:
+                heads[i] = panels
+        return sum(1 for weight in heads if weight is panels)
+
     @torch.inference_mode()
     def chain(self, state: torch.Tensor, last: torch.Tensor, steps: int) -> torch.Tensor:
         """The most likely continuation: `state` [R, emb], `last` [R] the token after it ->
@@ -363,6 +381,12 @@ class MlpSpeculator(Speculator):
             shape += "; chains on the CPU kernel"
         self.name = f"MLP speculator {path} ({shape})"
 
+    def share_lm_head(self, panels: torch.Tensor) -> int:
+        shared = self.model.read_lm_head(panels)
+        if shared:
+            self.name += f"; {shared} of its heads read the model's LM head (the same values)"
+        return shared
+
     def propose(
         self,
         requests: Sequence[int],
@@ -386,12 +410,14 @@ class MlpSpeculator(Speculator):
         if not rows or hidden is None:
             return out
         device = hidden.device
-        index = torch.tensor(rows, device=device)
         last = torch.tensor([histories[row][-1] for row in rows], device=device)
         steps = min(self.heads, max(limits[row] for row in rows))
         trees = any(several[row] for row in rows)
         top_k = self.top_k[:steps] if trees else (1,) * steps
-        state = hidden.index_select(0, index).to(self.dtype)
+        # the rows that ask (all of them at c = 1: the states as they are, no copy)
+        if len(rows) < len(limits):
+            hidden = hidden.index_select(0, torch.tensor(rows, device=device))
+        state = hidden.to(self.dtype)
         found = self.model.candidates(state, last, top_k, self.n_candidates if trees else 1).tolist()
         for row, chains in zip(rows, found, strict=True):
             out[row] = [chain[: limits[row]] for chain in (chains if several[row] else chains[:1])]

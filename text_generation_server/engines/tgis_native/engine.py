@@ -93,7 +93,7 @@ from text_generation_server.engines.tgis_native.graphs import (
     cuda_capture,
 )
 from text_generation_server.engines.tgis_native.runner import ModelRunner, StepPiece
-from text_generation_server.kernels.weight_layout import LinearLayout, choose_linear_layouts
+from text_generation_server.kernels.weight_layout import LinearLayout, PanelLinear, choose_linear_layouts
 from text_generation_server.kv.paged_kv import (
     BlockPool,
     KVAllocations,
@@ -220,6 +220,9 @@ class TgisNativeEngine(ModelEngine):
             if lay_out and self.speculator.network is not None:
                 layout = LinearLayout(config.linear_layout)
                 choose_linear_layouts(self.speculator.network, config.speculator_max_batch_size, layout)
+            lm_head = self.model.get_output_embeddings()
+            if isinstance(lm_head, PanelLinear) and lm_head.bias is None:
+                self.speculator.share_lm_head(lm_head.packed_weight)
             logger.info(
                 "speculative decoding: %s, up to %d candidate tokens per row, while at most %d rows decode",
                 self.speculator.name,
