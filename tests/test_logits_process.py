@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 from transformers.generation import logits_process as hf
@@ -121,10 +123,17 @@ PIPELINE_PROMPTS = [[5, 6, 7], [8, 9, 9, 10], [11], [12, 13, 14, 15, 16], [EOS, 
 def transformers_process(chooser: TokenChooser, scores: torch.Tensor) -> torch.Tensor:
     """Each row of `scores` through its own transformers processor list, for the chooser's
     current histories (prompt: PIPELINE_PROMPTS)."""
+    return transformers_process_for(chooser, scores, PIPELINE_PROMPTS)
+
+
+def transformers_process_for(
+    chooser: TokenChooser, scores: torch.Tensor, prompts: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """transformers_process with the rows' own prompts."""
     rows = []
     for i, p in enumerate(chooser.params):
         ids = torch.tensor([chooser.histories[i]])
-        n_in = len(PIPELINE_PROMPTS[i])
+        n_in = len(prompts[i])
         procs: list = []
         if p.min_new_tokens and chooser.generated[i] < p.min_new_tokens:
             procs.append(hf.MinNewTokensLengthLogitsProcessor(n_in, p.min_new_tokens, EOS))
@@ -161,6 +170,25 @@ def test_chooser_pipeline_matches_transformers_in_tgis_order() -> None:
     chooser = TokenChooser(PIPELINE_PARAMS, histories, generated, generators, EOS, VOCAB, torch.device("cpu"))
     scores = random_scores(len(PIPELINE_PARAMS), seed=6)
     torch.testing.assert_close(chooser.process(scores.clone()), transformers_process(chooser, scores))
+
+
+@pytest.mark.parametrize(
+    "generated", [[0, 1], [4, 2], [5, 3], [6, 9]], ids=["all held", "all held, last", "none", "past"]
+)
+def test_min_new_tokens_holds_every_row_or_none_as_transformers(generated: list[int]) -> None:
+    """Where every row (or none) is held by min_new_tokens, the host counts decide it without a
+    mask (one fill of the EOS column, or nothing); the same scores as transformers'."""
+    rows = [2, 5]  # min_new_tokens 5 and 3, the second with a length penalty from 1
+    params = [PIPELINE_PARAMS[i] for i in rows]
+    histories = [PIPELINE_PROMPTS[i] + list(range(30, 30 + n)) for i, n in zip(rows, generated, strict=True)]
+    generators = [None if p.greedy else torch.Generator().manual_seed(0) for p in params]
+    chooser = TokenChooser(params, histories, generated, generators, EOS, VOCAB, torch.device("cpu"))
+    scores = random_scores(len(rows), seed=8)
+    got = chooser.process(scores.clone())
+    expected = transformers_process_for(chooser, scores, [PIPELINE_PROMPTS[i] for i in rows])
+    torch.testing.assert_close(got, expected)
+    held = [g < p.min_new_tokens for g, p in zip(generated, params, strict=True)]
+    assert (got[:, EOS] == float("-inf")).tolist() == held
 
 
 def test_the_chooser_keeps_matching_over_steps_and_copies_nothing_to_the_device(monkeypatch) -> None:

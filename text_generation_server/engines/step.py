@@ -75,7 +75,8 @@ class Chosen:
 
     next_ids: torch.Tensor
     scores: torch.Tensor
-    host: torch.Tensor
+    nan: torch.Tensor  # [B] bool: rows whose logits hold NaN
+    host: torch.Tensor | None  # on CUDA: the ids, then the NaN flags, on their way to pinned memory
     ready: Any  # torch.cuda.Event | None
     histories: list[list[int]]
     matchers: list[Any]
@@ -89,16 +90,29 @@ def start_choice(logits: torch.Tensor, chooser: TokenChooser) -> Chosen:
     before this one is read back; `end_choice` records the ids on the host."""
     nan = torch.isnan(logits.amax(dim=-1))  # amax propagates NaN; 15x cheaper than any()
     next_ids, scores = chooser.choose(logits)
-    both = torch.cat((next_ids, nan.to(next_ids.dtype)))
-    ready = None
-    if both.device.type == "cuda":
+    host = ready = None
+    if next_ids.device.type == "cuda":
+        both = torch.cat((next_ids, nan.to(next_ids.dtype)))
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        both = host
     chooser.advance_on_device(next_ids)
-    return Chosen(next_ids, scores, both, ready, chooser.histories, chooser.matchers, chooser.guided_ns)
+    return Chosen(next_ids, scores, nan, host, ready, chooser.histories, chooser.matchers, chooser.guided_ns)
+
+
+def read_ids(
+    ids: torch.Tensor, nan: torch.Tensor, host: torch.Tensor | None = None
+) -> tuple[list[int], Sequence[int]]:
+    """The chosen ids and the NaN flags (true: NaN) on the host: from `host` (both, copied there
+    before), else one copy of both from a GPU, or read as they are on CPU (no copy to join them
+    for: two operations fewer)."""
+    if host is None and ids.device.type == "cuda":
+        host = torch.cat((ids, nan.to(ids.dtype)))
+    if host is None:
+        return ids.tolist(), nan.tolist()
+    both = host.tolist()
+    return both[: len(ids)], both[len(ids) :]
 
 
 def end_choice(chosen: Chosen, requests: Sequence[GenerationRequest]) -> StepOutput:
@@ -107,9 +121,7 @@ def end_choice(chosen: Chosen, requests: Sequence[GenerationRequest]) -> StepOut
     if chosen.ready is not None:
         chosen.ready.synchronize()
     # NOTE: the step's one device-to-host copy, read: the chosen ids and the NaN rows
-    host = chosen.host.tolist()
-    count = len(requests)
-    next_list, nan_rows = host[:count], host[count:]
+    next_list, nan_rows = read_ids(chosen.next_ids, chosen.nan, chosen.host)
     infos = generated_token_infos(chosen.scores, next_list, [r.details for r in requests])
     guided_ns = chosen.guided_ns + TokenChooser.record(chosen.histories, chosen.matchers, next_list)
     output = StepOutput(guided_mask_ns=guided_ns)
@@ -157,11 +169,7 @@ def choose_speculated(
     states = chooser.generator_states(speculating)
     nan = torch.isnan(logits.amax(dim=-1))
     chosen_t, scores = expanded.choose(logits)
-    if chosen_t.device.type == "cuda":  # one device-to-host copy
-        host = torch.cat((chosen_t, nan.to(chosen_t.dtype))).tolist()
-        chosen, nan_rows = host[: len(chosen_t)], host[len(chosen_t) :]
-    else:  # no copy to make: two fewer operations
-        chosen, nan_rows = chosen_t.tolist(), nan.tolist()
+    chosen, nan_rows = read_ids(chosen_t, nan)
     taken: list[list[int]] = []
     accepted: list[int] = []
     winners: list[int] = []

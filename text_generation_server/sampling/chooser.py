@@ -197,7 +197,10 @@ class TokenChooser:
         masked_t: torch.Tensor | None = None
         if self.any_min_new:
             assert self.generated_t is not None and self.min_new_t is not None
-            if any(g < p.min_new_tokens for g, p in zip(self.generated, self.params, strict=True)):
+            held = [g < p.min_new_tokens for g, p in zip(self.generated, self.params, strict=True)]
+            if all(held):  # the host counts are the device's: no mask to compute
+                scores[:, eos] = lp.NEG_INF
+            elif any(held):
                 masked_t = self.generated_t < self.min_new_t
                 scores = lp.apply_min_new_tokens(scores, eos, masked_t)
         if self.any_length_penalty and self._length_penalty_applies():
