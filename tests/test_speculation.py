@@ -42,7 +42,7 @@ from text_generation_server.engines.tgis_native import TgisNativeEngine
 from text_generation_server.kernels.weight_layout import PanelLinear, panels_offered
 from text_generation_server.kv.paged_kv import BlockPool, PagedKVCache, SequenceKV, prefix_keys
 from text_generation_server.sampling.chooser import TokenChooser
-from text_generation_server.speculation import Lookahead, Speculator, Target, best_lookahead
+from text_generation_server.speculation import Lookahead, Speculator, Target, best_lookahead, mlp
 from text_generation_server.speculation.draft import DraftSpeculator
 from text_generation_server.speculation.mlp import (
     MlpSpeculatorConfig,
@@ -821,7 +821,7 @@ def test_the_cpu_kernels_chains_take_each_heads_top_token(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tie", [True, False])
 def test_the_cpu_kernels_chains_read_heads_of_the_targets_lm_head_in_panels(
-    dtype: torch.dtype, tie: bool
+    dtype: torch.dtype, tie: bool, monkeypatch
 ) -> None:
     """A head whose weights are the values of the target's LM head (packed in panels) reads the
     panels instead: tied heads all of them, untied ones the head that matches; panels of other
@@ -834,8 +834,12 @@ def test_the_cpu_kernels_chains_read_heads_of_the_targets_lm_head_in_panels(
         pytest.skip("no panels layout for these weights here")
     reference = copy.deepcopy(model).double()
     pack = torch.ops.tgis_cpu.panel_pack
+    monkeypatch.setattr(mlp, "PACKED_ROWS_COMPARED", 32)  # compared in 5 parts
     assert model.read_lm_head(pack(torch.randn(160, 64).to(dtype))) == 0
     assert model.read_lm_head(pack(model.head[1].weight.detach()[:128].clone())) == 0
+    last_row_differs = model.head[1].weight.detach().clone()
+    last_row_differs[-1, 0] += 1.0
+    assert model.read_lm_head(pack(last_row_differs)) == 0
     panels = pack(model.head[1].weight.detach().clone())
     assert model.read_lm_head(panels) == (4 if tie else 1)
     assert model._weights[4][1] is panels

@@ -110,6 +110,24 @@ class ScaledNorm(nn.Module):
         return x
 
 
+PACKED_ROWS_COMPARED = 1024  # rows of a weight packed at a time to compare it with panels
+
+
+def _packs_to(weight: torch.Tensor, panels: torch.Tensor) -> bool:
+    """Whether `weight` [out, in] packed in panels (panel_cpu.cpp's panel_pack, 16 rows a
+    panel) is `panels`: packed and compared PACKED_ROWS_COMPARED rows at a time (no second
+    copy of a large vocabulary's head; the first differing rows end it)."""
+    out = panels.shape[0] * panels.shape[2]
+    if weight.dtype != panels.dtype or tuple(weight.shape) != (out, panels.shape[1]):
+        return False
+    for start in range(0, out, PACKED_ROWS_COMPARED):
+        end = min(out, start + PACKED_ROWS_COMPARED)
+        part = torch.ops.tgis_cpu.panel_pack(weight[start:end].contiguous())
+        if not torch.equal(part, panels[start // 16 : end // 16]):
+            return False
+    return True
+
+
 class MlpSpeculatorModel(nn.Module):
     def __init__(self, config: MlpSpeculatorConfig) -> None:
         super().__init__()
@@ -192,12 +210,10 @@ class MlpSpeculatorModel(nn.Module):
         if not self.kernel:
             return 0
         heads = self._weights[4]
-        same: dict[int, bool] = {}  # tied heads are one tensor: packed and compared once
+        same: dict[int, bool] = {}  # tied heads are one tensor: compared once
         for i, weight in enumerate(heads):
             if id(weight) not in same:
-                shape = (panels.shape[0] * panels.shape[2], panels.shape[1])
-                fits = weight.dtype == panels.dtype and tuple(weight.shape) == shape
-                same[id(weight)] = fits and torch.equal(torch.ops.tgis_cpu.panel_pack(weight), panels)
+                same[id(weight)] = _packs_to(weight, panels)
             if same[id(weight)]:
                 heads[i] = panels
         return sum(1 for weight in heads if weight is panels)
