@@ -137,16 +137,16 @@ void add_norm(T* residual, const T* delta, const T* weight, T* out, int64_t rows
 }
 
 // x [rows, heads, dim] rotated in place: x * cos + rotate_half(x) * sin, each product and the sum
-// rounded to T.
+// rounded to T. `stride`: elements from one row to the next (0: heads * dim, rows side by side).
 template <typename T>
-void rotate(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t dim) {
-  const int64_t half = dim / 2;
+void rotate(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t dim, int64_t stride = 0) {
+  const int64_t half = dim / 2, step = stride > 0 ? stride : heads * dim;
   each_row(rows, heads * dim, [&](int64_t r) {
     float row[512];  // a head's values (head dims up to 512: checked by decoder_layers)
     const T* c = cos + r * dim;
     const T* s = sin + r * dim;
     for (int64_t h = 0; h < heads; ++h) {
-      T* v = x + (r * heads + h) * dim;
+      T* v = x + r * step + h * dim;
       for (int64_t i = 0; i < dim; ++i) row[i] = f(v[i]);
       for (int64_t i = 0; i < dim; ++i) {
         const float other = i < half ? -row[i + half] : row[i - half];
@@ -157,16 +157,17 @@ void rotate(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64
 }
 
 // The new K [rows, kv_heads, dim] and V into one layer's cache at `slots` (K blocks transposed).
+// `stride`: elements from one row of K (and of V) to the next (0: kv_heads * dim).
 template <typename T>
 void write_kv(T* cache, const T* key, const T* value, const int64_t* slots, int64_t rows, int64_t kv_heads,
-              int64_t num_blocks, int64_t block_size, int64_t dim) {
-  const int64_t head_stride = num_blocks * block_size * dim;
+              int64_t num_blocks, int64_t block_size, int64_t dim, int64_t stride = 0) {
+  const int64_t head_stride = num_blocks * block_size * dim, step = stride > 0 ? stride : kv_heads * dim;
   T* values = cache + kv_heads * head_stride;
   each_row(rows, kv_heads * dim, [&](int64_t r) {
     const int64_t slot = slots[r], block = slot / block_size, offset = slot % block_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const T* k = key + (r * kv_heads + h) * dim;
-      const T* v = value + (r * kv_heads + h) * dim;
+      const T* k = key + r * step + h * dim;
+      const T* v = value + r * step + h * dim;
       T* kb = cache + h * head_stride + block * block_size * dim;  // [dim, block_size]
       for (int64_t i = 0; i < dim; ++i) kb[i * block_size + offset] = k[i];
       T* vb = values + h * head_stride + slot * dim;
@@ -397,20 +398,24 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     add_norm<T>(data<T>(residual), delta.defined() ? data<T>(delta) : nullptr, data<T>(*param(layer, kInputNorm)),
                 data<T>(normed), rows, size, e, m);
     at::Tensor q, k, v;
+    int64_t kv_stride = 0;  // rows of K and V side by side
     if (const std::optional<at::Tensor> qkv = joined(layer, 0, 0, 3)) {
+      // K and V stay rows of the product (rotated and written from there: no copies at several
+      // rows); Q is copied out, the decode attention reads its rows side by side
       q = qkv->narrow(1, 0, q_size).contiguous();
-      k = qkv->narrow(1, q_size, kv_size).contiguous();
-      v = qkv->narrow(1, q_size + kv_size, kv_size).contiguous();
+      k = qkv->narrow(1, q_size, kv_size);
+      v = qkv->narrow(1, q_size + kv_size, kv_size);
+      kv_stride = qkv->stride(0);
     } else {
       q = project(normed, layer, kQ, 0);
       k = project(normed, layer, kK, 1);
       v = project(normed, layer, kV, 2);
     }
     rotate<T>(data<T>(q), data<T>(cos_t), data<T>(sin_t), rows, heads, dim);
-    rotate<T>(data<T>(k), data<T>(cos_t), data<T>(sin_t), rows, kv_heads, dim);
+    rotate<T>(data<T>(k), data<T>(cos_t), data<T>(sin_t), rows, kv_heads, dim, kv_stride);
     const at::Tensor& cache = caches[layer];
     write_kv<T>(data<T>(cache), data<T>(k), data<T>(v), slots.data_ptr<int64_t>(), rows, kv_heads, cache.size(2),
-                block_size, dim);
+                block_size, dim, kv_stride);
     at::Tensor attended = attend(q.view({rows, heads, dim}), k.view({rows, kv_heads, dim}),
                                  v.view({rows, kv_heads, dim}), cache, attention);
     delta = project(attended.view({rows, heads * dim}), layer, kO, 3);
@@ -419,13 +424,14 @@ at::Tensor run(const at::Tensor& embeddings, const at::Tensor& cos_t, const at::
     at::Tensor gate, up;
     if (const std::optional<at::Tensor> gate_up = joined(layer, 1, 4, 2)) {
       const int64_t inner = gate_up->size(1) / 2;
-      gate = gate_up->narrow(1, 0, inner).contiguous();
+      gate = at::silu(gate_up->narrow(1, 0, inner));  // read from the product's rows, no copy first
       up = gate_up->narrow(1, inner, inner);
     } else {
       gate = project(normed, layer, kGate, 4);
+      at::silu_(gate);
       up = project(normed, layer, kUp, 5);
     }
-    at::silu_(gate).mul_(up);  // transformers' act_fn(gate) * up: the same two roundings
+    gate.mul_(up);  // transformers' act_fn(gate) * up: the same two roundings
     delta = project(gate, layer, kDown, 6);
   }
   add_norm<T>(data<T>(residual), data<T>(delta), data<T>(*params.get(layers * kParamsPerLayer)), data<T>(normed), rows,
