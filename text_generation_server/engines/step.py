@@ -92,7 +92,7 @@ def start_choice(logits: torch.Tensor, chooser: TokenChooser) -> Chosen:
     next_ids, scores = chooser.choose(logits)
     host = ready = None
     if next_ids.device.type == "cuda":
-        both = torch.cat((next_ids, nan.to(next_ids.dtype)))
+        both = _joined(next_ids, nan)
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
         ready = torch.cuda.Event()
@@ -101,14 +101,20 @@ def start_choice(logits: torch.Tensor, chooser: TokenChooser) -> Chosen:
     return Chosen(next_ids, scores, nan, host, ready, chooser.histories, chooser.matchers, chooser.guided_ns)
 
 
+def _joined(ids: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
+    """The ids, then the NaN flags as ids' dtype: one tensor, so one device-to-host copy (read_ids
+    splits it)."""
+    return torch.cat((ids, nan.to(ids.dtype)))
+
+
 def read_ids(
     ids: torch.Tensor, nan: torch.Tensor, host: torch.Tensor | None = None
 ) -> tuple[list[int], Sequence[int]]:
-    """The chosen ids and the NaN flags (true: NaN) on the host: from `host` (both, copied there
-    before), else one copy of both from a GPU, or read as they are on CPU (no copy to join them
-    for: two operations fewer)."""
+    """The chosen ids and the NaN flags (true: NaN) on the host: from `host` (both, `_joined` and
+    copied there before), else one copy of both from a GPU, or read as they are on CPU (no copy to
+    join them for: two operations fewer)."""
     if host is None and ids.device.type == "cuda":
-        host = torch.cat((ids, nan.to(ids.dtype)))
+        host = _joined(ids, nan)
     if host is None:
         return ids.tolist(), nan.tolist()
     both = host.tolist()

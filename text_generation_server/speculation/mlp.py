@@ -110,20 +110,21 @@ class ScaledNorm(nn.Module):
         return x
 
 
-PACKED_ROWS_COMPARED = 1024  # rows of a weight packed at a time to compare it with panels
+PACKED_ROWS_COMPARED = 1024  # rows of a weight packed at a time to compare it with panels (whole panels)
 
 
 def _packs_to(weight: torch.Tensor, panels: torch.Tensor) -> bool:
     """Whether `weight` [out, in] packed in panels (panel_cpu.cpp's panel_pack, 16 rows a
     panel) is `panels`: packed and compared PACKED_ROWS_COMPARED rows at a time (no second
     copy of a large vocabulary's head; the first differing rows end it)."""
-    out = panels.shape[0] * panels.shape[2]
+    size = panels.shape[2]  # outputs per panel
+    out = panels.shape[0] * size
     if weight.dtype != panels.dtype or tuple(weight.shape) != (out, panels.shape[1]):
         return False
     for start in range(0, out, PACKED_ROWS_COMPARED):
         end = min(out, start + PACKED_ROWS_COMPARED)
         part = torch.ops.tgis_cpu.panel_pack(weight[start:end].contiguous())
-        if not torch.equal(part, panels[start // 16 : end // 16]):
+        if not torch.equal(part, panels[start // size : end // size]):
             return False
     return True
 

@@ -279,17 +279,20 @@ at::Tensor chain(const at::Tensor& state, const at::Tensor& last, at::TensorList
     }
     keep(u.data(), rows * inner, s.data());
     width = inner;
+    // the states as a tensor of the head's dtype, for the products below that take tensors
+    const auto states = [&] {
+      return at::from_blob(s.data(), {rows, inner}, at::CPU(c10::CppTypeToScalarType<S>::value))
+          .to(head[i].scalar_type());
+    };
     if (head[i].dim() == 3) {  // the target's LM head, in panels
-      const at::Tensor x = at::from_blob(s.data(), {rows, inner}, at::CPU(c10::CppTypeToScalarType<S>::value));
-      const at::Tensor logits = panel_logits(x.to(head[i].scalar_type()), head[i]);
+      const at::Tensor logits = panel_logits(states(), head[i]);
       if (logits.scalar_type() == at::kFloat) {
         argmax_logits<float>(logits, rows, guess.data());
       } else {
         argmax_logits<c10::BFloat16>(logits, rows, guess.data());
       }
     } else if (rows >= kMatmulRows) {  // the tile unit's product, then the argmax of its logits
-      const at::Tensor x = at::from_blob(s.data(), {rows, inner}, at::CPU(c10::CppTypeToScalarType<S>::value));
-      const at::Tensor best = at::linear(x.to(head[i].scalar_type()), head[i]).argmax(1).contiguous();
+      const at::Tensor best = at::linear(states(), head[i]).argmax(1).contiguous();
       std::copy_n(best.data_ptr<int64_t>(), rows, guess.data());
     } else {
       argmax_rows(head[i].data_ptr<T>(), vocab, inner, s.data(), rows, guess.data());
