@@ -177,6 +177,44 @@ def test_a_call_of_several_steps_reports_them_and_stops_where_every_request_ends
     assert manager.next_token([CachedBatchRef(1, (1, 2))], steps=8) is None and len(manager) == 0
 
 
+def test_end_steps_ends_the_call_it_names_after_its_step_under_way(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 12)], [])
+    manager.end_steps(5)  # before the call starts: it ends after its first step
+    output = manager.next_token([CachedBatchRef(1)], steps=8, call=5)
+    assert output is not None and output.steps == 1 and output.batch_id == 1
+    output = manager.next_token([CachedBatchRef(1)], steps=4, call=6)  # another call runs them all
+    assert output is not None and output.steps == 4
+    inner = engine.generate_token
+
+    def ended_within(batch, token_budget=0):
+        if len(engine.stepped) == 8:  # the third step of call 7
+            manager.end_steps(7)
+        return inner(batch, token_budget)
+
+    engine.generate_token = ended_within  # type: ignore[method-assign]
+    output = manager.next_token([CachedBatchRef(1)], steps=6, call=7)
+    assert output is not None and output.steps == 3 and len(output.generations) == 3
+
+
+def test_no_step_once_every_request_has_ended_nor_one_ahead(engine) -> None:
+    manager = BatchManager(engine, 8)
+    manager.prefill(1, [request(1, 12)], [])
+    inner = engine.generate_token
+
+    def ends_at_third(batch, token_budget=0):
+        output, survivor = inner(batch, token_budget)
+        if len(engine.stepped) == 3 and survivor is not None:  # as if its token were EOS
+            survivor.ended = lambda: True  # type: ignore[method-assign]
+        return output, survivor
+
+    engine.generate_token = ends_at_third  # type: ignore[method-assign]
+    output = manager.next_token([CachedBatchRef(1)], steps=8)
+    assert output is not None and output.steps == 2 and output.batch_id == 1
+    manager.run_ahead()
+    assert len(engine.stepped) == 3  # nothing run ahead either
+
+
 def test_a_step_failing_within_a_call_fails_the_next_call_and_the_tokens_before_it_come(engine) -> None:
     seen: list[Exception] = []
     manager = BatchManager(engine, 8, on_step_failure=seen.append)

@@ -260,6 +260,20 @@ def test_to_device_copies_without_a_sync_on_a_gpu() -> None:
     assert values.tolist() == [[1.0, 2.0], [3.0, 4.0]] and flags.tolist() == [True, False]
 
 
+def test_a_chooser_is_finished_once_every_row_had_max_new_tokens_or_an_eos_that_ends_it() -> None:
+    params = [SamplingParams(), SamplingParams(min_new_tokens=3)]
+    chooser = TokenChooser.create(params, [[1, EOS], [1]], EOS, VOCAB, torch.device("cpu"))
+    assert not chooser.finished([4, 4])  # a prompt ending with EOS is not an end
+    chooser.advance([EOS, 7])
+    assert not chooser.finished([4, 4])  # row 1 goes on
+    assert chooser.finished([4, 1])  # ... unless it had its max_new_tokens
+    chooser.advance([5, EOS])
+    assert not chooser.finished([4, 4])  # row 1's EOS came before its min_new_tokens
+    chooser.advance([6, EOS])
+    assert not chooser.finished([4, 4])  # row 0 went on after its EOS: its last token counts
+    assert chooser.finished([3, 4])
+
+
 def test_sampling_uses_each_rows_generator() -> None:
     """A row's draws depend only on its own seed and scores, not on its neighbours."""
     row_scores = random_scores(1, seed=7)[0]

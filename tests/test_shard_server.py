@@ -347,6 +347,33 @@ def test_health_answers_during_a_long_step(shard, stub) -> None:
     assert answered_s < 5
 
 
+def test_end_steps_ends_the_named_call_after_its_step_under_way(shard, stub) -> None:
+    engine = shard[0]
+    prefill(stub, 1, [make_request(1, [1, 5, 6], MAX_NEW)])
+
+    def tokens_of(call: int, steps: int = 8) -> int:
+        reply = stub.NextToken(pb.NextTokenRequest(batches=[pb.CachedBatch(id=1)], steps=steps, call=call))
+        return len(reply.result.tokens)
+
+    stub.EndSteps(pb.EndStepsRequest(call=99))
+    assert tokens_of(3) == 8  # a call another call's EndSteps named runs all its steps
+    release, entered = threading.Event(), threading.Event()
+
+    def blocked() -> None:  # the step under way (maybe one run ahead of the call) waits
+        entered.set()
+        release.wait(10)
+
+    engine.before_step = blocked
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(tokens_of, 4)
+        assert entered.wait(10)
+        engine.before_step = None
+        stub.EndSteps(pb.EndStepsRequest(call=4), timeout=5)  # answered while the step runs
+        release.set()
+        assert 1 <= pending.result(10) <= 2  # that step (and the one run ahead before it)
+    assert tokens_of(5) == 8
+
+
 def test_a_join_in_next_token_is_refused_by_an_engine_that_does_not_chunk(stub) -> None:
     prefill(stub, 1, [make_request(1, [1, 5, 6], 8)])
     join = pb.Batch(id=2, requests=[make_request(2, [1, 7], 4)])

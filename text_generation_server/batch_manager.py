@@ -31,16 +31,20 @@ beside a step in flight are answered as pending until a step covers them.
 
 Several steps per call (NextToken's `steps`): the call's step is followed by more steps on
 the batch it leaves cached, each taken as a step run ahead is (rows that had max_new_tokens
-leave first), their tokens answered together, so that one round trip with the router carries
+leave first; no step once every request has ended, by max_new_tokens or EOS), their tokens
+answered together, so that one round trip with the router carries
 several tokens per request. A step that fails there is reported by the next call, as a step
-that failed ahead; the tokens before it are answered.
+that failed ahead; the tokens before it are answered. A call the router names (`call`) ends
+after the step it is computing once `end_steps` names it (from the server's event-loop thread:
+a request waits to join), so a join waits for one step, not for the rest of the call.
 
 After every call (and ClearCache) the manager tells the engine which requests left its batches
 (`engine.release`): finished and cancelled ones pruned, rows that failed, batches dropped as
 stale or lost with a failed step, the health check's request. What an engine keeps for a
 request outside its batches (KV blocks) has that one release point.
 
-Not thread-safe: server.py calls it from its single worker thread only.
+Not thread-safe: server.py calls it from its single worker thread only, but for `end_steps`
+(one attribute written, read by the worker between steps).
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ class Ahead:
         return self.output.request_ids
 
     def may_generate(self) -> bool:
-        return self.error is None and self.batch is not None and self.batch.remaining() > 0
+        return self.error is None and self.batch is not None and _may_generate(self.batch)
 
     def prune(self, completed_ids: set[int]) -> Ahead | None:
         """Drop the given requests; None when nothing is left to deliver."""
@@ -129,6 +133,11 @@ class Ahead:
 Cached = Batch | Ahead | InFlight
 
 
+def _may_generate(batch: Batch) -> bool:
+    """A step of `batch` may give a request a token the router keeps."""
+    return batch.remaining() > 0 and not batch.ended()
+
+
 def _batch_of(cached: Cached) -> Batch | None:
     return cached.batch if isinstance(cached, Ahead | InFlight) else cached
 
@@ -148,6 +157,7 @@ class BatchManager:
         self._cache: dict[int, Cached] = {}
         self._token_budget = 0  # of the last call; run-ahead steps use it too
         self._live: set[int] = set()  # request ids of the cached batches after the last call
+        self._ended_call = 0  # the last call named by end_steps
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -305,12 +315,14 @@ class BatchManager:
         token_budget: int = 0,
         join: NewBatch | None = None,
         steps: int = 1,
+        call: int = 0,
     ) -> StepOutput | None:
         """Prune and merge the referenced batches and run one decode step (or deliver the step
         run ahead on them); `token_budget` as in prefill. `join` (engines with chunked prefill):
         new requests merged in after them without a forward of their own: their prompts are
         computed in this step, or answered as pending when the step was run ahead. `steps`:
-        up to that many steps in all, answered together (module docstring).
+        up to that many steps in all, answered together (module docstring); `call` names them
+        for `end_steps` (0: not named).
 
         Returns None when every referenced request had completed and none joined. Cached batches
         that are not referenced are stale (the router no longer tracks them) and are dropped.
@@ -331,17 +343,23 @@ class BatchManager:
         try:
             output = self._next_token(refs, join)
             if output is not None and steps > 1:
-                output = self._more_steps(output, steps - 1)
+                output = self._more_steps(output, steps - 1, call)
         finally:
             self._settle(join.requests if join is not None else ())
         return self._with_kv_state(output) if output is not None else None
 
-    def _more_steps(self, output: StepOutput, steps: int) -> StepOutput:
+    def end_steps(self, call: int) -> None:
+        """End the call named `call` after the step it is computing (or after its first step,
+        when it has not started yet); no effect once it has ended. Any thread."""
+        self._ended_call = call
+
+    def _more_steps(self, output: StepOutput, steps: int, call: int = 0) -> StepOutput:
         """`output` followed by up to `steps` more steps of the batch it left cached, while any
-        of its requests may generate; their tokens merged in step order."""
+        of its requests may generate and `end_steps` has not named `call`; their tokens merged
+        in step order."""
         batch_id = output.batch_id
         outputs = [output]
-        while batch_id is not None and len(outputs) <= steps:
+        while batch_id is not None and len(outputs) <= steps and not (call and call == self._ended_call):
             cached = self._cache.get(batch_id)
             if cached is None or isinstance(cached, Ahead) or not self._may_step(cached):
                 break
@@ -496,4 +514,4 @@ class BatchManager:
             return True  # its step is still to read
         if isinstance(cached, Ahead):
             return cached.may_generate()
-        return cached.remaining() > 0
+        return _may_generate(cached)

@@ -174,6 +174,7 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
             request.token_budget,
             join,
             max(1, request.steps),
+            request.call,
             then_run_ahead=self.config.run_ahead,
         )
         if output is None:
@@ -190,6 +191,13 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
         failure ends the stream with its status."""
         async for request in requests:
             yield await self.NextToken(request, context)
+
+    async def EndSteps(self, request: pb.EndStepsRequest, context: Any) -> pb.EndStepsResponse:
+        """End the named decode call after its step in progress (the worker reads it between
+        steps). The ranks of a sharded model would stop at different steps: they ignore it."""
+        if self.config.world_size == 1:
+            self.batches.end_steps(request.call)
+        return pb.EndStepsResponse()
 
     async def PrefixLookup(self, request: pb.PrefixLookupRequest, context: Any) -> pb.PrefixLookupResponse:
         """Load the soft prompt (or adapter) into the engine's cache and answer its length.

@@ -33,7 +33,11 @@ request has had its first token and none joins, a NextToken asks the shard for u
 MAX_DECODE_STEPS steps, as many as fit in MAX_DECODE_CALL_MS by the forward time per step of
 the last calls (an average); their tokens come back in one answer. Each call costs both
 processes a message and its wake-ups, which at small batches is a large share of a step on a
-CPU; a request that arrives meanwhile waits at most that long more to join.
+CPU. A request (or health check) that arrives meanwhile ends a call of NAMED_CALL_STEPS or more
+after the step the shard is computing (EndSteps names the call; one shard only), so it waits
+one step to join, not the rest of the call; a shorter call is left to end (the wait it would
+save is at most a step, the EndSteps call costs both processes about as much as a step's
+message).
 
 Decode steps overlap with token processing: as soon as step k's tokens arrive, step k+1 is
 sent, and step k's tokens are decoded, checked and streamed while the shard computes. Requests
@@ -66,6 +70,8 @@ from text_generation_common.messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+NAMED_CALL_STEPS = 4  # the fewest steps of a call that a new arrival ends early (EndSteps)
 
 # ShardCallError.reason -> what the requests of the failed call report
 CALL_FAILURES = {"connection": Failure.SHARD_UNAVAILABLE, "oom": Failure.OUT_OF_MEMORY}
@@ -148,6 +154,7 @@ class Batcher:
         self.last_shard_answer = 0.0  # time.monotonic() of the last successful shard call (readiness)
         self._next_batch_id = 1
         self._next_request_id = 1
+        self._calls = 0  # decode calls of several steps named so far (EndSteps)
         self._probes: list[tuple[GenerationRequest, asyncio.Future[bool]]] = []
         self._ended = False  # the loop ran and stopped: nothing will answer a probe
 
@@ -269,19 +276,23 @@ class Batcher:
             self.metrics.set("tgi_stream_interval", self.pacing.interval)
         entries = [e for b in group for e in b.live()] + (join or [])
         steps = self._steps(entries)
+        name = 0
+        if steps >= NAMED_CALL_STEPS:
+            self._calls += 1
+            name = self._calls
         started = time.monotonic()
         self.metrics.shard_call("next_token", len(entries))
         if join:
             self.metrics.inc("tgi_batch_concatenation_count")
         refs = [b.ref() for b in group]
-        call = asyncio.ensure_future(self.client.next_token(refs, self.token_budget, new, steps))
+        call = asyncio.ensure_future(self.client.next_token(refs, self.token_budget, new, steps, name))
         # The call's send is scheduled; one turn of the loop runs it before the hand-out below
         # wakes every stream of the batch. Otherwise the request waits behind all of their
         # writes: router send -> shard receive was 5.6 ms of a 48 ms step at 32 streams.
         await asyncio.sleep(0)
         late = self._hand_out(unprocessed) if unprocessed is not None else []
         try:
-            output = await call
+            output = await (self._ended_on_arrival(call, name) if name else call)
         except ShardCallError as exc:
             running = [e for b in group for e in b.entries if not e.finished]
             self._fail("next_token", running + (join or []), exc)
@@ -304,6 +315,21 @@ class Batcher:
         batch = RunningBatch(output.batch_id, [e for e in entries if e.id in rows])
         batch.completed.extend(self._late_finishers(late, batch))
         return batch, step
+
+    async def _ended_on_arrival(
+        self, call: asyncio.Future[StepOutput | None], name: int
+    ) -> StepOutput | None:
+        """`call`'s answer; should a request or a health check arrive first, the shard is asked
+        to end the call after its step in progress."""
+        arrival = self.queue.arrival()
+        try:
+            if not (len(self.queue) or self._probes):
+                await asyncio.wait((call, arrival), return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                await self.client.end_steps(name)
+            return await call
+        finally:
+            arrival.cancel()
 
     def _steps(self, entries: Sequence[Entry]) -> int:
         """The decode steps the next call over `entries` asks for (module docstring)."""

@@ -67,6 +67,7 @@ class RequestQueue:
         self.busy = False  # the batcher is running requests (set by it): expiry in the queue applies
         self._entries: deque[Entry] = deque()
         self._changed = asyncio.Event()
+        self._arrivals: list[asyncio.Future[None]] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,6 +79,7 @@ class RequestQueue:
         self._entries.extend(entries)
         self._sized()
         self._changed.set()
+        self._arrived()
 
     def remove(self, entry: Entry) -> bool:
         """Take `entry` out if it is still waiting; False once the batcher took it."""
@@ -91,6 +93,19 @@ class RequestQueue:
     def poke(self) -> None:
         """Wake the batcher waiting in `wait` (it has other work: a health probe)."""
         self._changed.set()
+        self._arrived()
+
+    def arrival(self) -> asyncio.Future[None]:
+        """A future done at the next `append` or `poke` (the batcher, while a call runs)."""
+        future = asyncio.get_running_loop().create_future()
+        self._arrivals.append(future)
+        return future
+
+    def _arrived(self) -> None:
+        arrivals, self._arrivals = self._arrivals, []
+        for future in arrivals:
+            if not future.done():
+                future.set_result(None)
 
     async def wait(self) -> None:
         """Until the queue changes (new entries) or is poked."""

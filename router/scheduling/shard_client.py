@@ -6,9 +6,9 @@ sends Prefill / Health / ClearCache to all shards concurrently (tensor-parallel 
 run every step) and uses shard 0's answer; decode steps go as messages of one NextTokens stream
 per shard, opened at the first step and again after a step fails (a unary call per step cost
 the router about twice the CPU of a stream message and the shard three times, over the
-Unix socket); ModelInfo comes from shard 0;
-PrefixLookup goes to all shards with a 5 s timeout. Failures become ShardCallError with TGIS's
-reasons (oom / connection / error) and messages.
+Unix socket); ModelInfo comes from shard 0; EndSteps goes to a single shard only (a sharded
+model's calls run all their steps); PrefixLookup goes to all shards with a 5 s timeout.
+Failures become ShardCallError with TGIS's reasons (oom / connection / error) and messages.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from text_generation_common.pb import generate_pb2_grpc
 logger = logging.getLogger(__name__)
 
 PREFIX_LOOKUP_TIMEOUT_S = 5.0
+END_STEPS_TIMEOUT_S = 1.0
 OOM_MESSAGE = "GPU out of memory"
 CONNECTION_MESSAGE = "Could not connect to Text Generation server"
 # Keepalive pings notice a shard that stopped answering (crashed, frozen) within about two
@@ -75,13 +76,20 @@ class ShardClient(Protocol):
         token_budget: int = 0,
         join: NewBatch | None = None,
         steps: int = 1,
+        call: int = 0,
     ) -> Awaitable[StepOutput | None]:
         """Start one decode call; await the result. Its send goes at the loop's next turn once
         the returned awaitable runs as a task (the batcher makes it one and yields once, so the
         send is not queued behind the streams it wakes next). `token_budget`: most
         prompt tokens of pending requests to compute (chunked prefill); 0 = all. `join`: new
         requests that join the batch in this step (engines with chunked prefill). `steps`: most
-        decode steps to run, their tokens answered together (NextTokenRequest.steps)."""
+        decode steps to run, their tokens answered together (NextTokenRequest.steps); `call`
+        names them for `end_steps` (0: not named)."""
+        ...
+
+    async def end_steps(self, call: int) -> None:
+        """Ask the shard to end decode call `call` after the step it is computing (a request
+        waits to join); best effort, answered at once."""
         ...
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int: ...
@@ -215,12 +223,14 @@ class GrpcShardClient:
         token_budget: int = 0,
         join: NewBatch | None = None,
         steps: int = 1,
+        call: int = 0,
     ) -> Awaitable[StepOutput | None]:
         request = pb.NextTokenRequest(
             batches=convert.cached_batches_to_pb(batches),
             token_budget=token_budget,
             join=convert.new_batch_to_pb(join) if join is not None else None,
             steps=steps,
+            call=call,
         )
         if len(self._steps) == 1:  # its write starts when the caller's task first runs
             return self._next_token_result([self._steps[0].step(request)])
@@ -233,6 +243,16 @@ class GrpcShardClient:
         reply = await self._first_reply(steps, wait_all=True)
         assert isinstance(reply, pb.NextTokenResponse)
         return convert.result_from_pb(reply.result, reply.input_tokens) if reply.HasField("result") else None
+
+    async def end_steps(self, call: int) -> None:
+        """One shard only: the ranks of a sharded model must run the same steps, so their calls
+        run to the end. A failure is left to the call itself to report."""
+        if len(self._stubs) != 1:
+            return
+        try:
+            await self._stubs[0].EndSteps(pb.EndStepsRequest(call=call), timeout=END_STEPS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.debug("EndSteps for call %d failed: %s", call, exc)
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
         """The virtual-token count of soft prompt `prefix_id` (`adapter`: of the adapter stored

@@ -324,11 +324,15 @@ class LocalShard:
         token_budget: int = 0,
         join: NewBatch | None = None,
         steps: int = 1,
+        call: int = 0,
     ) -> Awaitable[StepOutput | None]:
         self.steps_asked.append(steps)
         future = asyncio.get_running_loop().create_future()
-        future.set_result(self._answered(self.manager.next_token(batches, token_budget, join, steps)))
+        future.set_result(self._answered(self.manager.next_token(batches, token_budget, join, steps, call)))
         return future
+
+    async def end_steps(self, call: int) -> None:
+        self.manager.end_steps(call)  # the call has ended: its answer was ready at once
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
         raise ShardCallError("error", f'prefix id "{prefix_id}" not found')

@@ -96,8 +96,8 @@ class WatchedShard(LocalShard):
     async def prefill(self, batch_id, requests, to_prune, token_budget=0):  # type: ignore[no-untyped-def]
         return self._seen(await super().prefill(batch_id, requests, to_prune, token_budget))
 
-    async def next_token(self, batches, token_budget=0, join=None, steps=1):  # type: ignore[no-untyped-def, override]
-        return self._seen(await super().next_token(batches, token_budget, join, steps))
+    async def next_token(self, batches, token_budget=0, join=None, steps=1, call=0):  # type: ignore[no-untyped-def, override]
+        return self._seen(await super().next_token(batches, token_budget, join, steps, call))
 
 
 async def test_the_router_admits_by_blocks_and_no_request_runs_out(engine, tiny_model) -> None:

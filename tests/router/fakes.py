@@ -7,7 +7,9 @@ speaks. Failures and latency can be injected. With `chunked_prefill`, it compute
 call's token budget of prompt tokens per step and reports the requests whose prompts are not
 done as pending; `forget` makes it answer a request with nothing at all (a broken shard). A
 NextToken that asks for several steps runs them as the real shard does (a request leaves once
-it has max_new_tokens), each reported as `forward_ns` of forward time.
+it has max_new_tokens), each reported as `forward_ns` of forward time; with `step_latency_s`
+each step after the first takes that long, and `end_steps` naming the call ends it after the
+step under way.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class Call:
     request_ids: list[int] = field(default_factory=list)
     refs: list[CachedBatchRef] = field(default_factory=list)
     steps: int = 1  # NextToken: the steps asked for
+    name: int = 0  # NextToken: the call's name for end_steps
+    ran: int = 0  # NextToken: the steps run
 
 
 @dataclass
@@ -71,6 +75,8 @@ class FakeShard:
     budgets: list[int] = field(default_factory=list)  # token_budget of every call
     forward_ns: int = 1_000_000  # reported per step
     peak_live: int = 0  # most requests cached at once, over every call
+    step_latency_s: float = 0.0  # each further step of a NextToken of several steps
+    ended: list[int] = field(default_factory=list)  # the calls end_steps named, in order
     in_flight: int = 0  # model calls under way (the batcher must never overlap two)
     _called: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -178,12 +184,14 @@ class FakeShard:
         token_budget: int = 0,
         join: NewBatch | None = None,
         steps: int = 1,
+        call: int = 0,
     ) -> StepOutput | None:
         """`join` (the batcher's join_in_step): new rows stepped with the others at once."""
         joined = list(join.requests) if join is not None else []
-        self._record(
-            Call("next_token", join.batch_id if join else None, [r.id for r in joined], list(batches), steps)
+        record = Call(
+            "next_token", join.batch_id if join else None, [r.id for r in joined], list(batches), steps, call
         )
+        self._record(record)
         kept = self._prune(batches)
         assert not self.batches, f"stale batches left in the shard: {sorted(self.batches)}"
         self.in_flight += 1
@@ -197,19 +205,30 @@ class FakeShard:
         output = self._step(batch_id, [r for _, rows in kept for r in rows] + joined, token_budget)
         output.input_tokens = self._input_tokens(joined)
         outputs = [output]
-        for _ in range(steps - 1):
-            if output.batch_id is None:
-                break
-            rows = self.batches.pop(batch_id)
-            rows = [r for r in rows if self.generated.get(r.id, 0) < r.max_new_tokens]
-            if not rows:
-                output.batch_id = None
-                break
-            output = self._step(batch_id, rows, token_budget)
-            outputs.append(output)
+        self.in_flight += 1
+        try:
+            for _ in range(steps - 1):
+                if self.step_latency_s:
+                    await asyncio.sleep(self.step_latency_s)
+                if output.batch_id is None or (call and call in self.ended):
+                    break
+                rows = [
+                    r for r in self.batches.pop(batch_id) if self.generated.get(r.id, 0) < r.max_new_tokens
+                ]
+                if not rows:
+                    output.batch_id = None
+                    break
+                output = self._step(batch_id, rows, token_budget)
+                outputs.append(output)
+        finally:
+            self.in_flight -= 1
+        record.ran = len(outputs)
         merged = StepOutput.merged(outputs)
         merged.batch_id = output.batch_id
         return merged
+
+    async def end_steps(self, call: int) -> None:
+        self.ended.append(call)
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
         raise ShardCallError("error", f'prefix id "{prefix_id}" not found')

@@ -23,7 +23,7 @@ from router.core.metrics import Metrics
 from router.core.pacing import ONE_PER_TOKEN, WINDOW_S, StreamPacing
 from router.core.stopping import StopReason
 from router.core.validation import ResponseSpec, StoppingSpec, ValidatedRequest
-from router.scheduling.batcher import MISSING_ANSWER, Batcher
+from router.scheduling.batcher import MISSING_ANSWER, NAMED_CALL_STEPS, Batcher
 from router.scheduling.request_queue import RequestQueue
 from router.scheduling.shard_client import ShardCallError
 from tests.router.fakes import EOS, FakeShard
@@ -621,3 +621,40 @@ async def test_a_call_is_one_step_while_a_request_waits_or_joins(make_harness) -
     assert shard.calls[join].steps == 1  # the join, then its first token handed out: one step
     assert shard.calls[join + 1].steps == 1
     assert any(c.steps == 4 for c in shard.calls[join + 2 :])  # then several again
+
+
+async def test_a_request_that_arrives_ends_the_call_after_its_step_under_way(make_harness) -> None:
+    shard = FakeShard(step_latency_s=0.02)
+    h = make_harness(shard, max_decode_steps=8)
+    first = h.submit(make_request(max_new=60))
+    await h.until(lambda: any(c.steps == 8 for c in shard.calls))
+    long_call = next(c for c in shard.calls if c.steps == 8)
+    second = h.submit(make_request(prompt_len=3, max_new=3))
+    assert (await h.final(second)).generated_tokens == 3
+    assert (await h.final(first)).generated_tokens == 60
+    assert shard.ended[0] == long_call.name and long_call.name > 0
+    assert 1 <= long_call.ran <= 2  # the steps before the arrival's EndSteps, not 8
+    prefill = next(c for c in shard.calls if c.method == "prefill" and c.request_ids == [second.id])
+    assert shard.calls.index(prefill) == shard.calls.index(long_call) + 1
+    names = [c.name for c in shard.calls if c.steps > 1]
+    assert len(set(names)) == len(names) and all(names)  # every call of 4 steps or more is named
+    assert all(c.name == 0 for c in shard.calls if c.method == "next_token" and c.steps == 1)
+
+
+async def test_a_call_of_fewer_steps_than_named_ones_runs_them_when_a_request_arrives(make_harness) -> None:
+    shard = FakeShard(step_latency_s=0.02)
+    h = make_harness(shard, max_decode_steps=NAMED_CALL_STEPS - 1)
+    first = h.submit(make_request(max_new=20))
+    await h.until(lambda: any(c.steps == NAMED_CALL_STEPS - 1 for c in shard.calls))
+    short_call = next(c for c in shard.calls if c.steps > 1)
+    second = h.submit(make_request(prompt_len=3, max_new=3))
+    assert (await h.final(second)).generated_tokens == 3
+    assert (await h.final(first)).generated_tokens == 20
+    assert not shard.ended and short_call.name == 0 and short_call.ran == NAMED_CALL_STEPS - 1
+
+
+async def test_a_call_that_no_request_interrupts_runs_its_steps(make_harness) -> None:
+    shard = FakeShard(step_latency_s=0.001)
+    h = make_harness(shard, max_decode_steps=4)
+    assert (await h.final(h.submit(make_request(max_new=12)))).generated_tokens == 12
+    assert not shard.ended and [c.ran for c in shard.calls if c.steps == 4][:2] == [4, 4]

@@ -7,7 +7,8 @@ batch id and only ever:
   - drops finished requests             (prune, without recomputing anything),
   - merges several into one             (Batch.concatenate, cached under the first id),
   - hands it to its engine for a step   (ModelEngine.generate_token), also ahead of the router's
-                                        call while some request may still generate (remaining).
+                                        call while some request may still generate (remaining,
+                                        ended).
 Engines define the concrete classes (e.g. left-padded rectangles with a KV cache).
 """
 
@@ -38,6 +39,12 @@ class Batch(ABC):
     def done_ids(self) -> set[int]:
         """The requests that have had every token they may take (max_new_tokens): a step past
         them would write K/V beyond the length their request was admitted with."""
+
+    def ended(self) -> bool:
+        """Every request has had its last token for sure (max_new_tokens, or EOS where it ends
+        the request): a step now is for nothing, as the router drops its tokens. Batch types
+        that cannot tell say False."""
+        return False
 
     def without_done(self) -> Self | None:
         """This batch without its `done_ids` rows (itself when there are none); None when no

@@ -143,6 +143,9 @@ class PaddedBatch(Batch):
         generated = self.chooser.generated
         return {r.id for r, g in zip(self.requests, generated, strict=True) if g >= r.max_new_tokens}
 
+    def ended(self) -> bool:
+        return self.chooser.finished([r.max_new_tokens for r in self.requests])
+
     @property
     def wants_input_logits(self) -> bool:
         """Some request wants details of its prompt tokens (needs logits at every position)."""

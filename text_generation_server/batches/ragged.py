@@ -189,6 +189,11 @@ class RaggedBatch(Batch):
         generated = self.chooser.generated if self.chooser is not None else []
         return {r.id for r, g in zip(self.requests, generated, strict=True) if g >= r.max_new_tokens}
 
+    def ended(self) -> bool:
+        if self.prefilling or self.chooser is None:
+            return False
+        return self.chooser.finished([r.max_new_tokens for r in self.requests])
+
     @property
     def pending_ids(self) -> list[int]:
         return [p.request.id for p in self.prefilling]

@@ -256,6 +256,19 @@ class TokenChooser:
             next_ids.index_copy_(0, self.sample_rows_t, sample(probs, generators))
         return next_ids, scores
 
+    def finished(self, max_new_tokens: Sequence[int]) -> bool:
+        """Every row has had its last token for sure: its `max_new_tokens` (per row), or EOS
+        once its min_new_tokens are out (the router ends the request there). Stop sequences
+        and deadlines are the router's to know."""
+        eos = self.eos_token_id
+        rows = zip(self.histories, self.generated, self.params, max_new_tokens, strict=True)
+        for history, generated, params, most in rows:
+            if generated >= most:
+                continue
+            if generated == 0 or generated < params.min_new_tokens or history[-1] != eos:
+                return False
+        return True
+
     def advance(self, next_ids: Sequence[int], next_ids_t: torch.Tensor | None = None) -> None:
         """Record the tokens just chosen: host-side ids in batch row order, and the same ids as
         the device tensor `choose` returned (None: made from the host ids)."""
