@@ -321,15 +321,11 @@ class Batcher:
     ) -> StepOutput | None:
         """`call`'s answer; should a request or a health check arrive first, the shard is asked
         to end the call after its step in progress."""
-        arrival = self.queue.arrival()
-        try:
-            if not (len(self.queue) or self._probes):
-                await asyncio.wait((call, arrival), return_when=asyncio.FIRST_COMPLETED)
-            if not call.done():
-                await self.client.end_steps(name)
-            return await call
-        finally:
-            arrival.cancel()
+        if not (len(self.queue) or self._probes):
+            await asyncio.wait((call, self.queue.arrival()), return_when=asyncio.FIRST_COMPLETED)
+        if not call.done():
+            await self.client.end_steps(name)
+        return await call
 
     def _steps(self, entries: Sequence[Entry]) -> int:
         """The decode steps the next call over `entries` asks for (module docstring)."""

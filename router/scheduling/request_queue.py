@@ -67,7 +67,7 @@ class RequestQueue:
         self.busy = False  # the batcher is running requests (set by it): expiry in the queue applies
         self._entries: deque[Entry] = deque()
         self._changed = asyncio.Event()
-        self._arrivals: list[asyncio.Future[None]] = []
+        self._arrival: asyncio.Future[None] | None = None  # see `arrival`
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -96,16 +96,15 @@ class RequestQueue:
         self._arrived()
 
     def arrival(self) -> asyncio.Future[None]:
-        """A future done at the next `append` or `poke` (the batcher, while a call runs)."""
-        future = asyncio.get_running_loop().create_future()
-        self._arrivals.append(future)
-        return future
+        """A future done at the next `append` or `poke` (the batcher, while a call runs): one
+        for every caller until then, so waiters await it and never cancel it."""
+        if self._arrival is None or self._arrival.done():
+            self._arrival = asyncio.get_running_loop().create_future()
+        return self._arrival
 
     def _arrived(self) -> None:
-        arrivals, self._arrivals = self._arrivals, []
-        for future in arrivals:
-            if not future.done():
-                future.set_result(None)
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
 
     async def wait(self) -> None:
         """Until the queue changes (new entries) or is poked."""
