@@ -2,7 +2,8 @@
 the transposed-key cache layout it reads, and how CPU_ATTENTION behaves where it cannot build;
 the LoRA kernel (kernels/csrc/lora_cpu.cpp) against a per-token float reference; the float32 and
 bfloat16 linear over panels of 16 outputs (kernels/csrc/panel_cpu.cpp) against torch's linear: every tail
-of its 6-row register tiles, blocks of prompt rows, biases, leading dimensions, what it refuses."""
+of its 6-row register tiles, its AMX tiles, blocks of prompt rows, biases, leading dimensions, what it
+refuses."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from text_generation_server.kernels import cpu_kernels
 from text_generation_server.kernels.weight_layout import panels_offered
 from text_generation_server.kv.paged_kv import BlockPool, PagedKVCache
+from text_generation_server.utils.cpu import cpu_flags
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 LORA_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 2e-3}
@@ -270,6 +272,34 @@ def test_panel_linear_in_bfloat16_rounds_the_float32_sums_once_on_every_path(
     # move a rounding by one step), and equal nearly everywhere (truncating would miss half)
     torch.testing.assert_close(got[1:].float(), exact[1:].float(), rtol=8e-3, atol=1e-5)
     assert (got[1:] == exact[1:]).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("outputs", [80, 272])
+@pytest.mark.parametrize(
+    ("inputs", "rows"),
+    [(64, rows) for rows in (1, 5, 16, 17, 33, 48, 70)] + [(8192, 100)],  # 8192: row blocks of 32
+)
+def test_panel_linear_on_amx_tiles_sums_in_float32_whatever_rows_go_with_a_row(
+    kernel, inputs: int, rows: int, outputs: int
+) -> None:
+    """bfloat16 panels of a width in multiples of 32 multiply on AMX's tiles where the CPU has
+    them, for every number of rows (the tile unit's sums are not `vdpbf16ps`'s bit for bit): one A
+    tile against groups of 4 panels and their tails, pairs of A tiles against pairs of panels, the
+    rows left over in a tile of their own, row blocks of wide inputs. The float32 sums rounded
+    once, the bias last, and each row's outputs the same alone as with the others."""
+    assert torch.ops.tgis_cpu.panel_tiles(inputs) == ({"amx_bf16", "avx512_bf16"} <= cpu_flags())
+    assert not torch.ops.tgis_cpu.panel_tiles(inputs + 2)  # an even width off the tiles' 32: the pairs
+    gen = torch.Generator().manual_seed(inputs + rows)
+    weight = (torch.randn(outputs, inputs, generator=gen) / inputs**0.5).bfloat16()
+    bias = torch.randn(outputs, generator=gen).bfloat16()
+    x = torch.randn(rows, inputs, generator=gen).bfloat16()
+    got = _product(x, weight, bias)
+    exact = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
+    torch.testing.assert_close(got.float(), exact.float(), rtol=8e-3, atol=1e-5)
+    assert (got == exact).float().mean() > 0.97
+    alone = torch.cat([_product(x[i : i + 1], weight, bias) for i in range(rows)])
+    assert torch.equal(got, alone)
 
 
 def test_panel_linear_refuses_what_does_not_fit(kernel) -> None:

@@ -19,7 +19,7 @@ the argmax of its logits.
 
 `panel_linear` (csrc/panel_cpu.cpp) is the float32 / bfloat16 product of weight_layout.py's
 `panels` layout (weights packed in panels of 16 outputs, register tiles of 6 rows x 16 outputs on
-AVX2 + FMA, float32 sums).
+AVX2 + FMA, float32 sums; bfloat16 pairs on `vdpbf16ps`, or on AMX's tiles where the CPU has them).
 
 The library is compiled with `-O3 -march=native` for the CPU it runs on, so its build directory
 (under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) is named after the source and
@@ -55,7 +55,7 @@ SOURCES = (
     CSRC / "w8a8_cpu.cpp",
     CSRC / "panel_cpu.cpp",
 )
-HEADERS = (CSRC / "float_vectors.h", CSRC / "loops.h")
+HEADERS = (CSRC / "float_vectors.h", CSRC / "loops.h", CSRC / "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")
 
 _loaded: str | None = None  # the library name once loaded in this process

@@ -16,10 +16,12 @@ to 4, and differently on different CPUs, so the engine measures instead of assum
                 packed in panels of 16 output channels for our C++ kernel (kernels/csrc/
                 panel_cpu.cpp: register tiles of 6 rows x 16 outputs, bfloat16 weights widened in
                 registers and summed in float32; with AVX512-BF16, bfloat16 weights of even width
-                in pairs of inputs for its dot product). Measured on a 2-core AMD EPYC without
-                AVX-512, against oneDNN's packed weights: [32, 512] x [512, 2752] 0.78 -> 0.73 ms,
-                [1, 512] x [512, 2752] 0.18 -> 0.08 ms (float32); on a 2-core Zen 4 EPYC with
-                AVX512-BF16, bf16 512 x 512 at M = 1 / 32: 19 / 32 us on oneDNN, 9 / 21 us.
+                in pairs of inputs for its dot product; with AMX, those pairs multiplied on the
+                tile unit where the input width is a multiple of 32). Measured on a 2-core AMD
+                EPYC without AVX-512, against oneDNN's packed weights: [32, 512] x [512, 2752]
+                0.78 -> 0.73 ms, [1, 512] x [512, 2752] 0.18 -> 0.08 ms (float32); on a 2-core
+                Zen 4 EPYC with AVX512-BF16, bf16 512 x 512 at M = 1 / 32: 19 / 32 us on oneDNN,
+                9 / 21 us; on a 2-core Xeon with AMX, the same: 22 / 23 us, 10 / 10 us on tiles.
 
 GPT-2's `Conv1D` (weight [in, out], x @ W + b) is the same product as a Linear whose weight is
 its transpose: `choose_linear_layouts` first turns each into that Linear (a plain [out, in] copy),
@@ -123,6 +125,15 @@ def _panel_kernel_here() -> bool:
     """A CPU with AVX2 and FMA (the kernel's vector path) and our C++ kernels built (once per
     process; where they cannot build, one warning says why)."""
     return {"avx2", "fma"} <= cpu_flags() and cpu_kernels.loads("LINEAR_LAYOUT: no `panels` layout")
+
+
+def _on_tiles(choice: Choice) -> bool:
+    """Whether the chosen layout is bfloat16 panels that multiply on AMX's tiles here."""
+    return (
+        choice.layout is LinearLayout.PANELS
+        and choice.dtype == torch.bfloat16
+        and bool(torch.ops.tgis_cpu.panel_tiles(choice.shape[1]))
+    )
 
 
 def panels_offered(dtype: torch.dtype, out_features: int) -> bool:
@@ -272,10 +283,11 @@ def choose_linear_layouts(
     for c in choices.values():
         measured = ", ".join(f"{k.value} {t[0]:.0f}/{t[1]:.0f} us" for k, t in c.times_us.items())
         logger.info(
-            "linear %dx%d %s: %s%s",
+            "linear %dx%d %s: %s%s%s",
             *c.shape,
             str(c.dtype).removeprefix("torch."),
             c.layout.value,
+            " on AMX tiles" if _on_tiles(c) else "",
             f" (M = 1 / {large_m}: {measured})" if measured else "",
         )
     return list(choices.values())

@@ -48,11 +48,7 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512VBMI__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "float_vectors.h"
 
 namespace {
@@ -279,8 +275,12 @@ at::Tensor sliced_product(const at::Tensor& x, int64_t out_features, const std::
 }
 
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512VBMI__)
+#if defined(TGIS_CPU_AMX) && defined(__AVX512VBMI__)
 #define TGIS_AMX 1
+using tgis_cpu::amx_ready;
+using tgis_cpu::configure_tiles;
+using tgis_cpu::load_tiles;
+using tgis_cpu::TileConfig;
 // 4-bit weights on AMX (Intel's tile matrix unit, bf16). Each 32 input channels x 16 output rows
 // of the packed weights become one B tile holding 128 + q per weight (exact in bf16, made by bit
 // operations: no arithmetic per weight), laid out as the tile product wants (an output row's pairs
@@ -301,36 +301,6 @@ constexpr int64_t kAmxRows = 16;          // rows of x per A tile
 constexpr int64_t kAmxBuilt = 128;        // input channels whose B tiles are built at a time
 constexpr float kTileBias = 136.f;        // a tile holds 128 + q where the weight's integer is q - 8
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its reads the tile building prefetches
-
-bool amx_ready() {  // Linux hands out AMX's tile state to processes that ask for it
-  static const bool ready = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// ldtilecfg with the configuration as a memory operand: GCC 12 does not count _tile_loadconfig as
-// reading its argument, and dropped the stores that fill it (the tiles then faulted).
-inline void load_tiles(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
-
-// tiles 0-3: the sums of `rows` (<= 16) rows of x against the block's four sets of 16 output rows
-// (float32); tile 4: those rows of x over 32 channels; tiles 5, 6: 32 channels of 16 output rows'
-// integers
-void configure_tiles(int rows) {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = t < 5 ? rows : 16;
-    config.colsb[t] = 64;
-  }
-  load_tiles(config);
-}
 
 // B tiles of channels [k0, k0 + count) of one packed block: tiles[(c * 4 + j) * 512 ...] is chunk
 // c's tile of output rows 16j..16j+15, row p holding (128 + q[n, 2p], 128 + q[n, 2p + 1]) for its
