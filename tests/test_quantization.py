@@ -103,7 +103,7 @@ def test_every_way_computes_w8a8s_integer_products(monkeypatch, way) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype) -> None:
     """csrc/w8a8_cpu.cpp against the definition: 1 to 70 rows (passes of 1-4 rows, blocks of 32, a
-    row alone over pairs of tasks or groups of 8 panels), input widths that are not multiples of
+    row alone over pairs of tasks or groups of 8 panels, AMX's tiles), input widths that are not multiples of
     16 (the tail), 1 to 300 outputs (a task's or a panel's tail, odd and even numbers of tasks a
     thread, groups of 8 or 4 panels and single ones), a row alone giving what it
     gives among others, bfloat16 and float16 outputs that are the float32 ones rounded, weights of
@@ -116,6 +116,9 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
     shapes = ((1, 256, 40), (1, 100, 9), (1, 520, 64), (2, 100, 9), (3, 16, 1), (5, 33, 6), (33, 8, 3))
     # VNNI: a row alone through groups of 8 panels, more rows through groups of 4
     shapes += ((70, 520, 13), (1, 64, 300), (6, 48, 100))
+    # AMX-INT8: 4 rows or more over inputs in tiles of 64 (one A tile through groups of 4 panels
+    # and their tails, pairs of A tiles through pairs of panels, the rows left over)
+    shapes += ((4, 64, 17), (16, 128, 40), (17, 256, 70), (45, 192, 300), (70, 64, 13))
     for rows, inputs, outputs in shapes:
         ints = torch.randint(-128, 128, (outputs, inputs), generator=gen, dtype=torch.int8)
         ints[0] = -128
@@ -150,11 +153,11 @@ def test_the_exact_kernel_rounds_each_token_as_w8a8_defines_for_any_shape(dtype)
 
 
 def test_the_way_follows_the_cpus_int8_products_and_our_kernels(monkeypatch) -> None:
-    """Our exact kernel where oneDNN's products saturate or the CPU has AVX512-VNNI without AMX,
-    when it builds; else oneDNN's 8-bit product where it does not saturate; else the split."""
+    """Our exact kernel where oneDNN's products saturate or the CPU has AVX512-VNNI (with AMX or
+    without), when it builds; else oneDNN's 8-bit product where it does not saturate; else the split."""
     way = int8.product_way.__wrapped__
     for flags, saturate, loads, expected in (
-        ({"avx512_vnni", "avx512bw", "amx_int8"}, False, True, int8.EIGHT_BIT),
+        ({"avx512_vnni", "avx512bw", "amx_int8"}, False, True, int8.EXACT),  # faster than oneDNN's tiles too
         ({"avx512_vnni", "avx512bw"}, False, True, int8.EXACT),  # ours reads the weights faster
         ({"avx_vnni"}, False, True, int8.EIGHT_BIT),  # AVX-VNNI alone: not measured against ours
         ({"avx2"}, True, True, int8.EXACT),

@@ -2,8 +2,8 @@
 int8 (W8A8: what QUANTIZE=int8 makes at load, and what compressed-tensors' int-quantized W8A8
 checkpoints hold).
 
-On CPUs with AMX-INT8 (and AVX-VNNI without AVX-512, not measured against our kernel) the
-weights are packed for oneDNN's int8 matrix kernels through torch's
+On CPUs with AVX-VNNI but not AVX-512 (not measured against our kernel), and where our kernels
+do not build, the weights are packed for oneDNN's int8 matrix kernels through torch's
 dynamic-quantization linear (`quantized::linear_dynamic`, oneDNN engine), which quantizes its
 input at run time with one scale for the whole tensor. A request's output must not depend on
 the requests batched beside it, and each token must be quantized as W8A8 defines it
@@ -18,14 +18,19 @@ test_quantized_checkpoints.py). The int32 products are exact; each output row is
 its token's max |x| and rounded to the model's dtype once. Weights take half the bytes of bf16
 (plus 4 bytes per output channel).
 
-CPUs with AVX512-VNNI but no AMX, and those whose oneDNN products saturate (below), multiply on
-our C++ kernel (csrc/w8a8_cpu.cpp) over the layer's int8 weights in its own layout, each token's
-W8A8 integers computed there (the definition's rounding, halves to even), the sums exact in 32
-bits. With AVX512-VNNI (no AMX) it reads the weights faster than
+CPUs with AVX512-VNNI (with AMX or without), and those whose oneDNN products saturate (below),
+multiply on our C++ kernel (csrc/w8a8_cpu.cpp) over the layer's int8 weights in its own layout,
+each token's W8A8 integers computed there (the definition's rounding, halves to even), the sums
+exact in 32 bits. With AVX512-VNNI (no AMX) it reads the weights faster than
 oneDNN's int8 kernels: on a 2-core AMD EPYC (Zen 4), eight distinct 8192 x 2048 layers in turn,
 0.74-0.82x oneDNN's time at 1 row, 0.69-0.82x at 8, 0.95x at 32, 0.71x at 512 (2048 x 8192:
 0.67x at 1 row, 0.99x at 512; oneDNN's calls also quantize and append the range row); the 1.0 B
-model's decode step 0.82-0.83x at batch 1, 0.86-0.89x at 8.
+model's decode step 0.82-0.83x at batch 1, 0.86-0.89x at 8. With AMX-INT8, calls of 4 rows or
+more over inputs in multiples of 64 sum the same integers on AMX's tiles (the kernel's panels are
+its B tiles as they lie): on a 2-core Xeon with AMX, eight distinct layers in turn, 0.44-0.51x
+oneDNN's time at 1 row, 0.43-0.54x at 32, 0.51-0.82x at 128, 0.61-0.82x at 512 (2048 x 2048,
+8192 x 2048, 2048 x 8192); the 1.0 B model's decode step 50.1 -> 35.0 ms at batch 1 and 72.5 ->
+44.4 ms at batch 8, its prompts of 64 tokens 122 -> 87 ms alone and 951 -> 566 ms eight at once.
 
 CPUs without VNNI or AMX-INT8 (AVX2 only, or AVX-512 before Cascade Lake) have no int8 dot
 product: oneDNN sums each pair of u8 x s8 products in 16 bits (vpmaddubsw), which saturates once
@@ -46,10 +51,11 @@ and y = 2 y_h + y_l: the same integer products, exactly, for twice the rows (10x
 time at 1 row on that EPYC).
 `product_way` says which of the three ways serves.
 
-Measured on a 2-core Xeon with AMX (bf16 oneDNN linears = 1): distinct 4096-wide weights in turn
-0.41x at 1 token, 0.49x at 32, 0.56x at 512 without the range row; 2048-wide about 0.8x at 1
-token; 512-wide slower than bf16 (per-call overhead). The C++ decoder stack (CPU_FORWARD) runs
-these layers the same way (kernels/csrc/decoder_cpu.cpp's int8_linear and w8a8_linear).
+oneDNN's int8 product, measured on a 2-core Xeon with AMX (bf16 oneDNN linears = 1): distinct
+4096-wide weights in turn 0.41x at 1 token, 0.49x at 32, 0.56x at 512 without the range row;
+2048-wide about 0.8x at 1 token; 512-wide slower than bf16 (per-call overhead). The C++ decoder
+stack (CPU_FORWARD) runs these layers the same way (kernels/csrc/decoder_cpu.cpp's int8_linear
+and w8a8_linear).
 """
 
 from __future__ import annotations
@@ -128,12 +134,12 @@ def products_saturate() -> bool:
 @functools.cache
 def product_way() -> str:
     """How Int8Linear multiplies on this CPU (module doc), logged once: EXACT where oneDNN's int8
-    products saturate, or where the CPU has AVX512-VNNI without AMX (measured faster there), when
-    our C++ kernels are here; else EIGHT_BIT where oneDNN's products do not saturate (AMX-INT8,
-    AVX-VNNI alone); else SPLIT."""
+    products saturate, or where the CPU has AVX512-VNNI (with AMX-INT8 or without: measured faster
+    on both), when our C++ kernels are here; else EIGHT_BIT where oneDNN's products do not saturate
+    (AVX-VNNI alone); else SPLIT."""
     saturate = products_saturate()
     flags = cpu_flags()
-    ours_faster = {"avx512_vnni", "avx512bw"} <= flags and "amx_int8" not in flags
+    ours_faster = {"avx512_vnni", "avx512bw"} <= flags
     if not saturate and not ours_faster:
         logger.info("int8 layers: W8A8 layers multiply on oneDNN's int8 kernels")
         return EIGHT_BIT
@@ -153,6 +159,8 @@ def product_way() -> str:
 def exact_instructions() -> str:
     """The instructions our exact kernel sums with on this CPU (it is compiled for it)."""
     flags = cpu_flags()
+    if {"avx512_vnni", "avx512bw", "amx_int8"} <= flags:
+        return "AVX512-VNNI; AMX-INT8 tiles for 4 rows or more over inputs in multiples of 64"
     if {"avx512_vnni", "avx512bw"} <= flags:
         return "AVX512-VNNI"
     return "AVX2" if "avx2" in flags else "plain loops"

@@ -41,7 +41,7 @@
 // and each sum gets the bias and is rounded once. Up to 16 rows take 4 panels (C tiles 0-3 against
 // one A tile), more go as pairs of A tiles against pairs of panels (half the tile loads per
 // product), the rows left over in a tile of their own; prompts go in row blocks whose x stays in
-// L2 (kAmxBlockBytes) while the panels stream by once. The tile unit's sums are not vdpbf16ps's
+// L2 (amx.h's tile_products) while the panels stream by once. The tile unit's sums are not vdpbf16ps's
 // bit for bit (it rounds differently inside a product), so which unit multiplies depends only on
 // the weight's width and the CPU, never on the rows: a row's outputs stay the same whatever rows
 // go with it. On a 2-core Xeon with AMX, one weight timed warm, µs at 1 / 32 / 160 / 1,024 rows:
@@ -372,140 +372,26 @@ void rows_through_pairs(const Half* x, int64_t in, const Half* panel, int64_t k0
 
 #if defined(TGIS_PANELS_AMX)
 
-constexpr int64_t kAmxInputs = 32;     // inputs a tile product takes: 16 pairs, one B tile of a panel
-constexpr int kAmxRows = 16;           // rows of x an A tile holds
-constexpr int kAmxGroup = 4;           // panels a task multiplies side by side (C tiles 0-3)
-// rows of x every panel passes through before the next block: as many as keep the block's x
-// within this many bytes (in L2 while the weights stream by once), in pairs of A tiles
-constexpr int64_t kAmxBlockBytes = int64_t{512} << 10;
+constexpr int64_t kAmxInputs = tgis_cpu::kTileBytes / sizeof(Half);  // inputs of a B tile: 16 pairs
 
 // Whether a product over `in` inputs of bfloat16 pairs runs on the tile unit: a property of the
 // weight and the CPU, never of the call's rows, so a row's outputs stay the same however many
 // rows go with it (the tile unit's sums are not the vector instruction's, bit for bit).
 bool on_tiles(int64_t in) { return in % kAmxInputs == 0 && tgis_cpu::amx_ready(); }
 
-// y[r][16g .. 16g + 15] = x[r] . panel g (+ bias) for the rows of one A tile (as configured,
-// <= 16; x row stride `in`) and G <= 4 panels: tiles 0..G-1 sum x (tile 4) times each panel's
-// 32 inputs (tiles 5, 6 in turn) over all inputs, in order; the bias is added in float32 and each
-// sum rounded once.
-template <int G>
-void tile_panels(const Half* x, int64_t in, int rows, const Half* panel, const float* bias, Half* y, int64_t out) {
-  const int64_t stride = in * kPanel;  // one panel to the next
-  _tile_zero(0);
-  if constexpr (G > 1) _tile_zero(1);
-  if constexpr (G > 2) _tile_zero(2);
-  if constexpr (G > 3) _tile_zero(3);
-  for (int64_t k = 0; k < in; k += kAmxInputs) {
-    _tile_loadd(4, x + k, in * sizeof(Half));
-    _tile_loadd(5, panel + k * kPanel, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (G > 1) {
-      _tile_loadd(6, panel + stride + k * kPanel, 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if constexpr (G > 2) {
-      _tile_loadd(5, panel + 2 * stride + k * kPanel, 64);
-      _tile_dpbf16ps(2, 4, 5);
-    }
-    if constexpr (G > 3) {
-      _tile_loadd(6, panel + 3 * stride + k * kPanel, 64);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-  }
-  alignas(64) float sums[kAmxRows][kAmxGroup * kPanel];
-  constexpr int64_t kSumsStride = sizeof sums[0];
-  _tile_stored(0, sums[0], kSumsStride);
-  if constexpr (G > 1) _tile_stored(1, sums[0] + kPanel, kSumsStride);
-  if constexpr (G > 2) _tile_stored(2, sums[0] + 2 * kPanel, kSumsStride);
-  if constexpr (G > 3) _tile_stored(3, sums[0] + 3 * kPanel, kSumsStride);
-  for (int g = 0; g < G; ++g) {
-    const __m512 d = bias != nullptr ? _mm512_loadu_ps(bias + g * kPanel) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) store16(y + r * out + g * kPanel, _mm512_add_ps(_mm512_load_ps(sums[r] + g * kPanel), d));
-  }
-}
-
-// tile_panels for two A tiles of 16 rows (x, x + 16 rows: tiles 4, 5) and two panels (tiles 6, 7):
-// four sums (tiles 0-3) from two A and two B loads, where the one-tile form loads four B tiles
-// for as many products (prompts: the panels' inputs stream from L2 once per pair of A tiles).
-// Every sum runs as tile_panels runs it.
-void tile_panels_2x2(const Half* x, int64_t in, const Half* panel, int64_t panels, const float* bias, Half* y,
-                     int64_t out) {
-  const int64_t stride = in * kPanel, lda = in * sizeof(Half);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t k = 0; k < in; k += kAmxInputs) {
-    _tile_loadd(4, x + k, lda);
-    _tile_loadd(6, panel + k * kPanel, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(5, x + kAmxRows * in + k, lda);
-    _tile_dpbf16ps(2, 5, 6);
-    if (panels > 1) {
-      _tile_loadd(7, panel + stride + k * kPanel, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  alignas(64) float sums[2 * kAmxRows][2 * kPanel];
-  constexpr int64_t kSumsStride = sizeof sums[0];
-  _tile_stored(0, sums[0], kSumsStride);
-  _tile_stored(2, sums[kAmxRows], kSumsStride);
-  if (panels > 1) {
-    _tile_stored(1, sums[0] + kPanel, kSumsStride);
-    _tile_stored(3, sums[kAmxRows] + kPanel, kSumsStride);
-  }
-  for (int64_t g = 0; g < panels; ++g) {
-    const __m512 d = bias != nullptr ? _mm512_loadu_ps(bias + g * kPanel) : _mm512_setzero_ps();
-    for (int r = 0; r < 2 * kAmxRows; ++r) {
-      store16(y + r * out + g * kPanel, _mm512_add_ps(_mm512_load_ps(sums[r] + g * kPanel), d));
-    }
-  }
-}
-
-// pair_linear on the tile unit: x [m, in] bfloat16 (contiguous, in a multiple of 32) -> [m, out]
+// pair_linear on the tile unit (amx.h's tile_products): x [m, in] bfloat16 (contiguous, in a
+// multiple of 32) -> [m, out]; each float32 sum gets the bias and is rounded once
 at::Tensor amx_linear(const at::Tensor& rows, const Half* panels, int64_t count, int64_t in, const float* bias) {
   const int64_t m = rows.size(0), out = count * kPanel;
-  const Half* x = rows.data_ptr<Half>();
   at::Tensor result = at::empty({m, out}, rows.options().dtype(at::kBFloat16));
   Half* y = result.data_ptr<Half>();
-  const int64_t tasks = (count + kAmxGroup - 1) / kAmxGroup;
-  const int64_t block = std::max<int64_t>(1, kAmxBlockBytes / (in * sizeof(Half) * 2 * kAmxRows)) * 2 * kAmxRows;
-  for (int64_t first = 0; first < m; first += block) {
-    const int64_t last = std::min(m, first + block);
-    const int64_t whole = first + (last - first) / kAmxRows * kAmxRows;  // rows in whole A tiles
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      // the block's whole tiles of 16 rows, then the rows left, each with its own configuration
-      for (const auto& [from, to] : {std::pair{first, whole}, std::pair{whole, last}}) {
-        if (from == to) continue;
-        const int tile_rows = static_cast<int>(std::min<int64_t>(kAmxRows, to - from));
-        tgis_cpu::configure_tiles(tile_rows);
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t p = task * kAmxGroup;
-          const Half* panel = panels + p * in * kPanel;
-          const float* bias_p = bias != nullptr ? bias + p * kPanel : nullptr;
-          int64_t r = from;
-          for (; tile_rows == kAmxRows && r + 2 * kAmxRows <= to; r += 2 * kAmxRows) {  // pairs of A tiles
-            for (int64_t q = p; q < std::min(count, p + kAmxGroup); q += 2) {
-              tile_panels_2x2(x + r * in, in, panels + q * in * kPanel, std::min<int64_t>(2, count - q),
-                              bias != nullptr ? bias + q * kPanel : nullptr, y + r * out + q * kPanel, out);
-            }
-          }
-          for (; r < to; r += tile_rows) {
-            const Half* xr = x + r * in;
-            Half* yr = y + r * out + p * kPanel;
-            switch (std::min<int64_t>(kAmxGroup, count - p)) {
-              case 4: tile_panels<4>(xr, in, tile_rows, panel, bias_p, yr, out); break;
-              case 3: tile_panels<3>(xr, in, tile_rows, panel, bias_p, yr, out); break;
-              case 2: tile_panels<2>(xr, in, tile_rows, panel, bias_p, yr, out); break;
-              default: tile_panels<1>(xr, in, tile_rows, panel, bias_p, yr, out); break;
-            }
-          }
-        }
-      }
-      _tile_release();
-    });
-  }
+  const auto finish = [&](int64_t p, int64_t r, const float* sums) {
+    const __m512 d = bias != nullptr ? _mm512_loadu_ps(bias + p * kPanel) : _mm512_setzero_ps();
+    store16(y + r * out + p * kPanel, _mm512_add_ps(_mm512_load_ps(sums), d));
+  };
+  tgis_cpu::tile_products<tgis_cpu::Bf16Products, float>(reinterpret_cast<const char*>(rows.data_ptr<Half>()),
+                                                         in * sizeof(Half), m, in / kAmxInputs,
+                                                         reinterpret_cast<const char*>(panels), count, finish);
   return result;
 }
 

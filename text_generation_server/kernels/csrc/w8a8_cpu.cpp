@@ -1,6 +1,6 @@
 // W8A8's product with exact integer sums (quantization/int8.py's Int8Linear, its exact way: CPUs
-// where oneDNN's int8 kernels saturate (AVX2 without VNNI) or read the weights slower than this
-// kernel does (AVX512-VNNI without AMX)).
+// where oneDNN's int8 kernels saturate (AVX2 without VNNI) or are slower than this kernel
+// (AVX512-VNNI, with AMX or without)).
 //
 // w8a8_pack(ints [out, in] int8) -> the same weights in this kernel's layout (below);
 // w8a8_linear(x [rows, in], packed, scales [out] float32, bias [out] float32 or None)
@@ -13,6 +13,10 @@
 // (a cache line a step), stored as unsigned bytes w + 128 (the instruction's unsigned operand; a
 // row's 128 sum a is taken off once). A row alone reads 8 panels at once (8 streams of weights);
 // more rows go 4 at a time through groups of 4 panels, whose weights stay in L2 meanwhile.
+// With AMX-INT8, calls of kTileFrom rows or more over inputs in multiples of 64 take the tile unit
+// instead (amx.h's tile_products): the panels are its B tiles as they lie, the rows' integers its
+// A tiles, and tdpbsud sums the same integers exactly, so a row's outputs are the same on either
+// path. bfloat16 outputs are rounded as c10::BFloat16 rounds, 16 at once.
 //
 // With AVX2 alone the integers are 16-bit and vpmaddwd multiplies 16 of them by 16 weights widened
 // from their bytes, summing pairs into 32 bits (no saturation: |a w| <= 2^14): what VNNI computes,
@@ -41,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "loops.h"
 
 #if defined(__AVX2__)
@@ -252,6 +257,15 @@ void vnni_tile(const int8_t* a, int64_t padded, const uint8_t* w, int32_t* sums)
   }
 }
 
+#if defined(TGIS_CPU_AMX) && defined(__AMX_INT8__)
+#define W8A8_AMX 1
+// The panels are AMX's B tiles as they lie (16 rows of 4 inputs a lane, 64 inputs a tile) and the
+// rows' integers its A tiles: tdpbsud sums the same integers exactly, so calls of kTileFrom rows
+// or more take the tile unit and a row's outputs are the same on either path.
+constexpr int64_t kTileInputs = tgis_cpu::kTileBytes;  // int8 inputs of a B tile
+constexpr int64_t kTileFrom = 4;
+#endif
+
 #endif
 
 // Rows of y from their integer sums. A row's outputs must not depend on the path that summed
@@ -315,6 +329,18 @@ struct Epilogue {
 
   // y[at, at + count) = values, in y's dtype
   void put(const float* values, int64_t at, int64_t count) const {
+#if defined(W8A8_VNNI)
+    if (dtype == at::kBFloat16) {  // c10::BFloat16's rounding, 16 lanes at once
+      const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+      const __m512 v = _mm512_maskz_loadu_ps(valid, values);
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+      bits = _mm512_mask_set1_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), 0x7FC0);
+      _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(y) + at, valid, _mm512_cvtepi32_epi16(bits));
+      return;
+    }
+#endif
     switch (dtype) {
       case at::kBFloat16: std::copy(values, values + count, static_cast<c10::BFloat16*>(y) + at); return;
       case at::kHalf: std::copy(values, values + count, static_cast<c10::Half*>(y) + at); return;
@@ -346,12 +372,29 @@ void vnni_products(const int16_t* ap, int64_t rows, int64_t padded, const uint8_
                    const Epilogue& finish) {
   std::vector<int8_t> a(rows * padded);  // integers in [-128, 127]: exact in a byte
   std::vector<int32_t> row_sums(rows, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t k = 0; k < padded; ++k) {
-      a[r * padded + k] = static_cast<int8_t>(ap[r * padded + k]);
-      row_sums[r] += ap[r * padded + k];
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int16_t* from = ap + r * padded;
+      int8_t* to = a.data() + r * padded;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < padded; ++k) {
+        to[k] = static_cast<int8_t>(from[k]);
+        sum += from[k];
+      }
+      row_sums[r] = sum;
     }
+  });
+#if defined(W8A8_AMX)
+  if (rows >= kTileFrom && padded % kTileInputs == 0 && tgis_cpu::amx_ready()) {
+    const auto finish_row = [&](int64_t p, int64_t r, const int32_t* sums) {
+      finish.store_panel(p, r, sums, row_sums[r]);
+    };
+    tgis_cpu::tile_products<tgis_cpu::Int8Products, int32_t>(reinterpret_cast<const char*>(a.data()), padded, rows,
+                                                              padded / kTileInputs,
+                                                              reinterpret_cast<const char*>(wp), panels, finish_row);
+    return;
   }
+#endif
   const int64_t panel_bytes = padded * kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t sums[4 * 8 * kPanel];
