@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -337,7 +338,9 @@ struct Epilogue {
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
       __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
       bits = _mm512_mask_set1_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), 0x7FC0);
-      _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(y) + at, valid, _mm512_cvtepi32_epi16(bits));
+      alignas(32) uint16_t halves[kPanel];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(halves), _mm512_cvtepi32_epi16(bits));
+      std::memcpy(static_cast<c10::BFloat16*>(y) + at, halves, count * sizeof(uint16_t));
       return;
     }
 #endif
