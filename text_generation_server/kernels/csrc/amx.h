@@ -1,6 +1,7 @@
 // AMX (Intel's tile matrix unit) for the CPU kernels: the permission to use it, the tile
-// configuration, and the one configuration the kernels share. Included where the compiler
-// targets AMX-TILE (-march=native on a CPU that has it); TGIS_CPU_AMX says so.
+// configuration the kernels share, and their one loop over weights in panels laid out as B tiles
+// (tile_products: panel_cpu.cpp's bf16 pairs, w8a8_cpu.cpp's int8 quads). Included where the
+// compiler targets AMX-TILE and AMX-BF16 (-march=native on a CPU that has them); TGIS_CPU_AMX says so.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -72,12 +73,15 @@ constexpr int64_t kTileBlockBytes = int64_t{512} << 10;
   inline void Products::dot<c, a, b>() {     \
     op(c, a, b);                             \
   }
-#define TGIS_TILE_DOTS(Products, op)                                                                 \
-  TGIS_TILE_DOT(Products, op, 0, 4, 5)                                                               \
-  TGIS_TILE_DOT(Products, op, 1, 4, 6)                                                               \
-  TGIS_TILE_DOT(Products, op, 2, 4, 5) TGIS_TILE_DOT(Products, op, 3, 4, 6)                          \
-      TGIS_TILE_DOT(Products, op, 0, 4, 6) TGIS_TILE_DOT(Products, op, 2, 5, 6)                      \
-          TGIS_TILE_DOT(Products, op, 1, 4, 7) TGIS_TILE_DOT(Products, op, 3, 5, 7)
+#define TGIS_TILE_DOTS(Products, op) /* one_tile_through's four, then two_tiles_through's */ \
+  TGIS_TILE_DOT(Products, op, 0, 4, 5)                                                      \
+  TGIS_TILE_DOT(Products, op, 1, 4, 6)                                                      \
+  TGIS_TILE_DOT(Products, op, 2, 4, 5)                                                      \
+  TGIS_TILE_DOT(Products, op, 3, 4, 6)                                                      \
+  TGIS_TILE_DOT(Products, op, 0, 4, 6)                                                      \
+  TGIS_TILE_DOT(Products, op, 2, 5, 6)                                                      \
+  TGIS_TILE_DOT(Products, op, 1, 4, 7)                                                      \
+  TGIS_TILE_DOT(Products, op, 3, 5, 7)
 
 struct Bf16Products {  // float32 sums of bf16 pairs
   template <int C, int A, int B>
