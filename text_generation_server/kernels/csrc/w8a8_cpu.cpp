@@ -331,7 +331,10 @@ struct Epilogue {
   // y[at, at + count) = values, in y's dtype
   void put(const float* values, int64_t at, int64_t count) const {
 #if defined(W8A8_VNNI)
-    if (dtype == at::kBFloat16) {  // c10::BFloat16's rounding, 16 lanes at once
+    // bfloat16: c10::BFloat16's rounding, 16 lanes at once. Not float_vectors.h's `store`, which
+    // rounds finite values alike but has no NaN case (a NaN such as 0x7F800001 or 0x7FFFFFFF
+    // comes out there as an infinity or -0; c10 writes 0x7FC0 for every NaN).
+    if (dtype == at::kBFloat16) {
       const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
       const __m512 v = _mm512_maskz_loadu_ps(valid, values);
       const __m512i u = _mm512_castps_si512(v);
