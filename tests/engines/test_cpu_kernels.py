@@ -3,7 +3,8 @@ the transposed-key cache layout it reads, and how CPU_ATTENTION behaves where it
 the LoRA kernel (kernels/csrc/lora_cpu.cpp) against a per-token float reference; the float32 and
 bfloat16 linear over panels of 16 outputs (kernels/csrc/panel_cpu.cpp) against torch's linear: every tail
 of its 6-row register tiles, its AMX tiles, blocks of prompt rows, biases, leading dimensions, what it
-refuses."""
+refuses; the greedy choice's first maxima and NaN flags (kernels/csrc/choice_cpu.cpp) against argmax
+and isnan, and a step's choice with and without it (engines/step.py)."""
 
 from __future__ import annotations
 
@@ -319,3 +320,76 @@ def test_panel_linear_refuses_what_does_not_fit(kernel) -> None:
 def test_panels_are_offered_only_where_they_can_hold_the_weight() -> None:
     assert not panels_offered(torch.float16, 64)
     assert not panels_offered(torch.float32, 40)
+
+
+NAN_BITS = (0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFFC00000, 0xFF800001)
+
+
+FIRST_MAX_SHAPES = [(1, 1), (3, 15), (2, 16), (4, 33), (32, 8192), (2, 40000), (1, 70001)]
+
+
+@pytest.mark.parametrize("rows,vocab", FIRST_MAX_SHAPES)
+def test_first_max_is_argmax_and_finds_every_nan(kernel, rows: int, vocab: int) -> None:
+    """Ties (scores of 7 values: the first of equal maxima, across lanes and across the chunks a
+    long row is split in), rows of -inf, +inf, and NaNs of every kind of bits anywhere."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    for trial in range(12):
+        scores = torch.randint(-3, 4, (rows, vocab), generator=gen).float()
+        if trial % 3 == 1:
+            scores[:, int(torch.randint(0, vocab, (1,), generator=gen))] = float("inf")
+        if trial % 4 == 2:
+            scores[0] = float("-inf")
+        if trial % 2 == 1:
+            row, column = rows - 1, int(torch.randint(0, vocab, (1,), generator=gen))
+            bits = torch.tensor([NAN_BITS[trial % len(NAN_BITS)]], dtype=torch.int64).to(torch.int32)
+            scores[row, column] = bits.view(torch.float32)[0]
+        ids, nan = cpu_kernels.first_max(scores)
+        expected_nan = torch.isnan(scores).any(dim=-1)
+        assert torch.equal(nan, expected_nan)
+        assert ids.dtype == torch.int64 and bool(((ids >= 0) & (ids < vocab)).all())
+        assert torch.equal(ids[~expected_nan], scores.argmax(dim=-1)[~expected_nan])
+    wide = torch.randn(rows, vocab + 5, generator=gen)[:, :vocab]  # rows apart in memory
+    assert torch.equal(cpu_kernels.first_max(wide)[0], wide.argmax(dim=-1))
+
+
+def test_first_max_refuses_what_it_cannot_read(kernel) -> None:
+    with pytest.raises(RuntimeError, match="float32 scores"):
+        cpu_kernels.first_max(torch.randn(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"scores \[rows, vocab\]"):
+        cpu_kernels.first_max(torch.randn(8))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.first_max(torch.randn(8, 2).t())
+
+
+def test_a_step_chooses_on_the_kernel_what_it_chooses_without(kernel, monkeypatch) -> None:
+    """engines/step.py's choice with and without the kernel: the same ids, scores and NaN rows,
+    for a chooser that changes no score and for one whose processors change them (penalties,
+    min_new_tokens, sampling rows; the NaN check reads the logits before they do)."""
+    from text_generation_common.messages import LengthPenalty, SamplingParams
+    from text_generation_server.engines import step
+    from text_generation_server.sampling.chooser import TokenChooser
+
+    vocab, eos = 300, 2
+    plain = [SamplingParams()] * 4
+    processed = [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(min_new_tokens=3, length_penalty=LengthPenalty(0, 1.3)),
+        SamplingParams(temperature=0.8, top_k=20, seed=4),
+    ]
+    prompts = [[5, 6, 7], [8, 9, 9], [11], [12, 13]]
+    for params in (plain, processed):
+        logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(1))
+        logits[1, 40] = float("nan")
+        logits[2, 7] = logits[2, 9] = 30.0  # a tie: the first wins
+        answers = []
+        for on_kernel in (True, False):
+            monkeypatch.setattr(step.cpu_kernels, "loaded", lambda on_kernel=on_kernel: on_kernel)
+            chooser = TokenChooser.create(params, prompts, eos, vocab, torch.device("cpu"))
+            assert chooser.plain == (params is plain)
+            answers.append(step._choose(logits.clone(), chooser))
+        (ids, scores, nan), (ids_aten, scores_aten, nan_aten) = answers
+        assert nan.tolist() == nan_aten.tolist() == [False, True, False, False]
+        healthy = ~nan_aten
+        assert torch.equal(ids[healthy], ids_aten[healthy]) and int(ids[2]) == 7
+        torch.testing.assert_close(scores[healthy], scores_aten[healthy], equal_nan=True)

@@ -3,6 +3,7 @@ each row to the step's output.
 
     logits [B, vocab] fp32 --NaN check--> failed rows (RequestError, TGIS's message)
                            --chooser.choose--> next ids [B], final scores
+       (on CPU the NaN check and the greedy rows' first maxima in one kernel pass: `_choose`)
                            --chooser.advance_on_device--> sampling state moves on (every row)
        (start_choice: all on the device; the ids' copy to the host queued)
                            --token details--> TokenInfo per row (what each request asked for)
@@ -43,7 +44,8 @@ from text_generation_common.messages import (
     StepOutput,
 )
 from text_generation_server.batches.batch import Batch
-from text_generation_server.sampling.chooser import TokenChooser
+from text_generation_server.kernels import cpu_kernels
+from text_generation_server.sampling.chooser import TokenChooser, first_max
 from text_generation_server.sampling.token_details import generated_token_infos
 from text_generation_server.utils.transfer import to_device
 
@@ -88,8 +90,7 @@ def start_choice(logits: torch.Tensor, chooser: TokenChooser) -> Chosen:
     (the ids and the NaN rows) without waiting for it. The chooser moves on at once on the
     device (generated counts, seen tokens: `advance_on_device`), so a next step can be chosen
     before this one is read back; `end_choice` records the ids on the host."""
-    nan = torch.isnan(logits.amax(dim=-1))  # amax propagates NaN; 15x cheaper than any()
-    next_ids, scores = chooser.choose(logits)
+    next_ids, scores, nan = _choose(logits, chooser)
     host = ready = None
     if next_ids.device.type == "cuda":
         both = _joined(next_ids, nan)
@@ -99,6 +100,36 @@ def start_choice(logits: torch.Tensor, chooser: TokenChooser) -> Chosen:
         ready.record()
     chooser.advance_on_device(next_ids)
     return Chosen(next_ids, scores, nan, host, ready, chooser.histories, chooser.matchers, chooser.guided_ns)
+
+
+def _choose(logits: torch.Tensor, chooser: TokenChooser) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chooser.choose(logits)` (next ids, final scores) and the NaN rows of `logits` as they come
+    (read before the chooser's processors change them). On CPU, where our kernels are loaded, the
+    rows' first maxima and NaN flags come from one pass of `first_max`: a chooser that changes no
+    score needs nothing else, others take their greedy rows' first maxima from it too."""
+    if not _on_first_max(logits):
+        nan = torch.isnan(logits.amax(dim=-1))  # amax propagates NaN; 15x cheaper than any()
+        next_ids, scores = chooser.choose(logits)
+        return next_ids, scores, nan
+    ids, nan = cpu_kernels.first_max(logits)
+    if chooser.plain:
+        return ids, logits, nan
+    next_ids, scores = chooser.choose(logits, first_max=_kernel_first_max)
+    return next_ids, scores, nan
+
+
+def _on_first_max(logits: torch.Tensor) -> bool:
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(-1) == 1
+        and cpu_kernels.loaded()
+    )
+
+
+def _kernel_first_max(scores: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.first_max(scores)[0] if _on_first_max(scores) else first_max(scores)
 
 
 def _joined(ids: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
@@ -173,8 +204,7 @@ def choose_speculated(
     expanded = chooser.expand(flat, owners)
     speculating = [row for row, row_chains in enumerate(chains) if any(row_chains)]
     states = chooser.generator_states(speculating)
-    nan = torch.isnan(logits.amax(dim=-1))
-    chosen_t, scores = expanded.choose(logits)
+    chosen_t, scores, nan = _choose(logits, expanded)
     chosen, nan_rows = read_ids(chosen_t, nan)
     taken: list[list[int]] = []
     accepted: list[int] = []

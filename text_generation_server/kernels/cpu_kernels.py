@@ -17,6 +17,9 @@ over the head's weights; 0.18-0.23 ms against 0.33-0.51 ms for the bf16 product 
 512, one row, on the 2-core AMX Xeon); from 8 rows on AMX CPUs the head is one bf16 product and
 the argmax of its logits.
 
+`first_max` (csrc/choice_cpu.cpp) is the greedy choice's two reductions in one pass: each row's
+first maximum and its NaN flag (engines/step.py, where the kernels are loaded already).
+
 `panel_linear` (csrc/panel_cpu.cpp) is the float32 / bfloat16 product of weight_layout.py's
 `panels` layout (weights packed in panels of 16 outputs, register tiles of 6 rows x 16 outputs on
 AVX2 + FMA, float32 sums; bfloat16 pairs on `vdpbf16ps`, or on AMX's tiles where the CPU has them).
@@ -54,6 +57,7 @@ SOURCES = (
     CSRC / "speculator_cpu.cpp",
     CSRC / "w8a8_cpu.cpp",
     CSRC / "panel_cpu.cpp",
+    CSRC / "choice_cpu.cpp",
 )
 HEADERS = (CSRC / "float_vectors.h", CSRC / "loops.h", CSRC / "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")
@@ -125,6 +129,11 @@ def load() -> None:
     logger.info("CPU kernels loaded (%s)", name)
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process already (nothing is built)."""
+    return _loaded is not None
+
+
 def loads(otherwise: str) -> bool:
     """Whether the kernels are loaded here (built on first use); where they cannot be, the warning
     says what runs `otherwise` and why."""
@@ -178,3 +187,10 @@ def lora_apply(
     (token // per_row) has slot s >= 0 in `slots` [rows]; a[s] [r, in] and bt[s] [r, out]
     (None: adapter s does not target this module)."""
     torch.ops.tgis_cpu.lora_apply(y, x, slots, per_row, a, bt, scales)
+
+
+def first_max(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first maximum [rows] int64 and whether the row holds a NaN [rows] bool, in one
+    pass over `scores` [rows, vocab] float32 on the CPU (rows contiguous)."""
+    ids, nan = torch.ops.tgis_cpu.first_max(scores)
+    return ids, nan
