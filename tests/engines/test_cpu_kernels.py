@@ -350,11 +350,17 @@ def test_first_max_is_argmax_and_finds_every_nan(kernel, rows: int, vocab: int) 
         assert torch.equal(ids[~expected_nan], scores.argmax(dim=-1)[~expected_nan])
     wide = torch.randn(rows, vocab + 5, generator=gen)[:, :vocab]  # rows apart in memory
     assert torch.equal(cpu_kernels.first_max(wide)[0], wide.argmax(dim=-1))
+    for dtype in (torch.bfloat16, torch.float16):  # the model's logits as they come
+        narrow = torch.randn(rows, vocab, generator=gen).to(dtype)
+        narrow[0, vocab // 3] = float("nan")
+        ids, nan = cpu_kernels.first_max(narrow)
+        assert nan.tolist() == [True] + [False] * (rows - 1)
+        assert torch.equal(ids[1:], narrow.float().argmax(dim=-1)[1:])
 
 
 def test_first_max_refuses_what_it_cannot_read(kernel) -> None:
-    with pytest.raises(RuntimeError, match="float32 scores"):
-        cpu_kernels.first_max(torch.randn(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 scores"):
+        cpu_kernels.first_max(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"scores \[rows, vocab\]"):
         cpu_kernels.first_max(torch.randn(8))
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -393,3 +399,34 @@ def test_a_step_chooses_on_the_kernel_what_it_chooses_without(kernel, monkeypatc
         healthy = ~nan_aten
         assert torch.equal(ids[healthy], ids_aten[healthy]) and int(ids[2]) == 7
         torch.testing.assert_close(scores[healthy], scores_aten[healthy], equal_nan=True)
+
+
+def test_a_step_skips_the_float32_copy_only_where_nothing_reads_the_scores(kernel, monkeypatch) -> None:
+    """choice_scores: a plain chooser whose rows want no token details chooses on the logits as
+    they come (bfloat16 here), with the ids of the float32 path; details, processors, float32
+    logits that the caller keeps, or no kernel: a float32 copy."""
+    from text_generation_common.messages import GenerationRequest, RequestedDetails, SamplingParams
+    from text_generation_server.engines import step
+    from text_generation_server.sampling.chooser import TokenChooser
+
+    vocab, eos, prompts = 64, 2, [[5, 6], [7, 7]]
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(3)).bfloat16()
+    plain = TokenChooser.create([SamplingParams()] * 2, prompts, eos, vocab, torch.device("cpu"))
+    penalised = TokenChooser.create(
+        [SamplingParams(repetition_penalty=1.2), SamplingParams()], prompts, eos, vocab, torch.device("cpu")
+    )
+    requests = [GenerationRequest(i, (5, 6), 4) for i in range(2)]
+    detailed = [GenerationRequest(0, (5, 6), 4, details=RequestedDetails(logprobs=True)), requests[1]]
+
+    assert step.choice_scores(logits, plain, requests, keep=True) is logits
+    chosen = step.start_choice(logits, plain)
+    assert torch.equal(chosen.next_ids, logits.float().argmax(dim=-1))
+    for chooser, wanting in ((plain, detailed), (penalised, requests)):
+        scores = step.choice_scores(logits, chooser, wanting, keep=False)
+        assert scores.dtype == torch.float32 and torch.equal(scores, logits.float())
+    full = logits.float()
+    assert step.choice_scores(full, plain, requests, keep=True) is full  # nothing changes or reads it
+    assert step.choice_scores(full, penalised, requests, keep=True).data_ptr() != full.data_ptr()
+    assert step.choice_scores(full, penalised, requests, keep=False) is full
+    monkeypatch.setattr(step.cpu_kernels, "loaded", lambda: False)
+    assert step.choice_scores(logits, plain, requests, keep=False).dtype == torch.float32

@@ -22,7 +22,7 @@ from text_generation_common.messages import (
 from text_generation_server.batches.padded import ModelContext, PaddedBatch
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
-from text_generation_server.engines.step import ForwardTimer, choose_tokens, drop_failed
+from text_generation_server.engines.step import ForwardTimer, choice_scores, choose_tokens, drop_failed
 from text_generation_server.memory import MemoryFacts, estimate
 from text_generation_server.sampling.token_details import encoder_input_token_infos, input_token_infos
 from text_generation_server.utils.cpu import compute_cpus
@@ -83,7 +83,8 @@ class PaddedEngine(ModelEngine):
         )
         with applied:
             logits = batch.forward(self.model, all_logits=want_input_logits)
-        last = logits[:, -1, :].to(torch.float32, copy=True)
+        # kept: a prefill's input-token details read the logits as they came
+        last = choice_scores(logits[:, -1, :], batch.chooser, batch.requests, keep=True)
         self.timer.stop()
         next_ids, output = choose_tokens(last, batch.requests, batch.chooser)
         output.forward_ns = self.timer.elapsed_ns()  # after the ids' copy: no sync of its own

@@ -1,7 +1,8 @@
 """The per-step post-processing every engine shares: from the logits of the last position of
 each row to the step's output.
 
-    logits [B, vocab] fp32 --NaN check--> failed rows (RequestError, TGIS's message)
+    logits [B, vocab] fp32 (choice_scores; on CPU the model's dtype where nothing else reads them)
+                           --NaN check--> failed rows (RequestError, TGIS's message)
                            --chooser.choose--> next ids [B], final scores
        (on CPU the NaN check and the greedy rows' first maxima in one kernel pass: `_choose`)
                            --chooser.advance_on_device--> sampling state moves on (every row)
@@ -114,14 +115,29 @@ def _choose(logits: torch.Tensor, chooser: TokenChooser) -> tuple[torch.Tensor, 
     ids, nan = cpu_kernels.first_max(logits)
     if chooser.plain:
         return ids, logits, nan
+    assert logits.dtype == torch.float32, "the chooser's processors work on float32 scores (choice_scores)"
     next_ids, scores = chooser.choose(logits, first_max=_kernel_first_max)
     return next_ids, scores, nan
+
+
+def choice_scores(
+    logits: torch.Tensor, chooser: TokenChooser, requests: Sequence[GenerationRequest], keep: bool
+) -> torch.Tensor:
+    """What a step's choice reads (`start_choice`, `choose_tokens`): `logits` [B, vocab] as they
+    are, in the model's dtype, where our CPU kernel makes the whole choice (a plain chooser) and
+    no row asks for token details (nothing else reads them: no float32 copy of the vocabulary's
+    scores); else a float32 copy, which the chooser's processors change in place. `keep`: copy
+    float32 logits too (the caller reads them again, or its next forward overwrites them)."""
+    if chooser.plain and _on_first_max(logits) and not any(r.details.any_token_detail for r in requests):
+        return logits
+    scores = logits.float()
+    return scores.clone() if keep and scores.data_ptr() == logits.data_ptr() else scores
 
 
 def _on_first_max(logits: torch.Tensor) -> bool:
     return (
         logits.device.type == "cpu"
-        and logits.dtype == torch.float32
+        and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and logits.dim() == 2
         and logits.stride(-1) == 1
         and cpu_kernels.loaded()

@@ -191,6 +191,6 @@ def lora_apply(
 
 def first_max(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's first maximum [rows] int64 and whether the row holds a NaN [rows] bool, in one
-    pass over `scores` [rows, vocab] float32 on the CPU (rows contiguous)."""
+    pass over `scores` [rows, vocab] (float32, bfloat16 or float16) on the CPU (rows contiguous)."""
     ids, nan = torch.ops.tgis_cpu.first_max(scores)
     return ids, nan

@@ -78,6 +78,7 @@ from text_generation_server.engines.loading import load_pretrained, model_contex
 from text_generation_server.engines.step import (
     Chosen,
     Verified,
+    choice_scores,
     choose_speculated,
     drop_failed,
     end_choice,
@@ -512,9 +513,9 @@ class TgisNativeEngine(ModelEngine):
         step = LaunchedStep(batch, list(batch.request_ids), forward_ns, batch.pending_ids, completed)
         if batch.chooser is None:
             return step
-        scores = rows.float()
-        if ahead and scores.data_ptr() == rows.data_ptr():  # a graph's output, rewritten by its next replay
-            scores = scores.clone()
+        # `ahead`: a graph's output is rewritten by its next replay, which may come before this
+        # step is read back
+        scores = choice_scores(rows, batch.chooser, batch.requests, keep=ahead)
         step.requests = list(batch.requests)
         step.chosen = start_choice(scores, batch.chooser)
         if self.runner.capturing:  # an MLP speculator reads each row's hidden state next step

@@ -1,7 +1,8 @@
 // The greedy choice's reductions on CPU, in one pass over the scores: each row's first maximum
 // and whether the row holds a NaN.
 //
-//   scores  [rows, vocab] float32, rows contiguous
+//   scores  [rows, vocab] float32, bfloat16 or float16, each row contiguous (the model's logits as
+//           they come when nothing else reads them: no float32 copy first)
 //   -> ids  [rows] int64: the index of each row's first maximum (the first of equal maxima, as
 //           torch.argmax; a row of -inf only: 0; a row holding a NaN: the first maximum of its
 //           other scores, a placeholder: the caller fails that row)
@@ -30,6 +31,7 @@
 
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -56,7 +58,8 @@ inline vi nan_lanes(vf s) {
   return (bits & kAbs) > kInf;
 }
 
-Found scan(const float* x, int64_t begin, int64_t end) {
+template <typename T>
+Found scan(const T* x, int64_t begin, int64_t end) {
   Found found;
   int64_t v = begin;
   if (end - begin >= kLanes) {  // each lane keeps its first maximum, from its first score on
@@ -84,17 +87,17 @@ Found scan(const float* x, int64_t begin, int64_t end) {
     }
   }
   for (; v < end; ++v) {  // later than every index above: only a greater score replaces
+    const float s = scalar(x[v]);  // widening keeps a NaN a NaN
     uint32_t bits;
-    std::memcpy(&bits, x + v, sizeof bits);
+    std::memcpy(&bits, &s, sizeof bits);
     found.nan |= (bits & kAbs) > kInf;
-    if (found.where < 0 || x[v] > found.top) found.top = x[v], found.where = v;
+    if (found.where < 0 || s > found.top) found.top = s, found.where = v;
   }
   return found;
 }
 
 std::tuple<at::Tensor, at::Tensor> first_max(const at::Tensor& scores) {
   TORCH_CHECK(scores.dim() == 2, "first_max: scores [rows, vocab], not ", scores.sizes());
-  TORCH_CHECK(scores.scalar_type() == at::kFloat, "first_max: float32 scores, not ", scores.scalar_type());
   TORCH_CHECK(scores.stride(1) == 1, "first_max: each row's scores contiguous");
   TORCH_CHECK(scores.size(1) > 0, "first_max: an empty vocabulary");
   TORCH_CHECK(scores.size(1) < (int64_t{1} << 31) - kLanes, "first_max: vocabulary over 2^31");
@@ -104,15 +107,24 @@ std::tuple<at::Tensor, at::Tensor> first_max(const at::Tensor& scores) {
   const int64_t chunks = std::max<int64_t>(1, (vocab + kChunk - 1) / kChunk);
   const int64_t width = (vocab + chunks - 1) / chunks;
   std::vector<Found> parts(rows * chunks);
-  const float* x = scores.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kChunk / std::max<int64_t>(width, 1));
-  at::parallel_for(0, rows * chunks, grain, [&](int64_t first, int64_t last) {
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t row = task / chunks, chunk = task % chunks;
-      const int64_t begin = chunk * width, end = std::min(vocab, begin + width);
-      parts[task] = scan(x + row * stride, begin, end);
-    }
-  });
+  auto run = [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    const T* x = scores.data_ptr<T>();
+    at::parallel_for(0, rows * chunks, grain, [&](int64_t first, int64_t last) {
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t row = task / chunks, chunk = task % chunks;
+        const int64_t begin = chunk * width, end = std::min(vocab, begin + width);
+        parts[task] = scan(x + row * stride, begin, end);
+      }
+    });
+  };
+  switch (scores.scalar_type()) {
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "first_max: float32, bfloat16 or float16 scores, not ", scores.scalar_type());
+  }
   int64_t* id = ids.data_ptr<int64_t>();
   bool* flag = nan.data_ptr<bool>();
   for (int64_t row = 0; row < rows; ++row) {
