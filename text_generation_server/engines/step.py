@@ -123,7 +123,8 @@ def _choose(logits: torch.Tensor, chooser: TokenChooser) -> tuple[torch.Tensor, 
 def choice_scores(
     logits: torch.Tensor, chooser: TokenChooser, requests: Sequence[GenerationRequest], keep: bool
 ) -> torch.Tensor:
-    """What a step's choice reads (`start_choice`, `choose_tokens`): `logits` [B, vocab] as they
+    """What a step's choice reads (`start_choice`, `choose_tokens`, `choose_speculated`: whose
+    expanded chooser is plain where the step's is): `logits` [B, vocab] as they
     are, in the model's dtype, where our CPU kernel makes the whole choice (a plain chooser) and
     no row asks for token details (nothing else reads them: no float32 copy of the vocabulary's
     scores); else a float32 copy, which the chooser's processors change in place. `keep`: copy

@@ -604,7 +604,8 @@ class TgisNativeEngine(ModelEngine):
             assert batch.chooser is not None  # candidates come from decoding rows
             no_chains: list[list[list[int]]] = [[[]] for _ in completed]
             rows_chains = [*chains, *no_chains]  # the chooser's rows: decoding, completed
-            verified = choose_speculated(rows.float(), batch.requests, batch.chooser, rows_chains)
+            scores = choice_scores(rows, batch.chooser, batch.requests, keep=False)
+            verified = choose_speculated(scores, batch.requests, batch.chooser, rows_chains)
             for row, state in enumerate(decoding):
                 if verified.chain[row] and verified.taken[row]:  # the chain that won was written to its fork
                     state.kv.adopt(sequences[row][verified.chain[row]])
