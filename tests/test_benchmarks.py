@@ -707,13 +707,31 @@ def test_logit_error_reports_cosines_of_the_final_logits(tiny_model) -> None:
 
 
 def test_router_load_streams_every_token_through_the_real_router(capsys) -> None:
-    """benchmarks.router_load: the router process over a shard serving the fake engine; every
-    token of every answer arrives, one row per concurrency."""
+    """benchmarks.router_load: the router process over a shard serving the fake engine, then
+    (--bare) the bare gRPC server; every token of every answer arrives from both, one row per
+    server and concurrency, the bare server's without a shard."""
     from benchmarks import router_load
 
-    argv = ["--concurrency", "1,3", "--requests-per-stream", "2", "--output-len", "6", "--step-ms", "1"]
+    argv = [
+        "--concurrency",
+        "1,3",
+        "--requests-per-stream",
+        "2",
+        "--output-len",
+        "6",
+        "--step-ms",
+        "1",
+        "--bare",
+    ]
     points = router_load.main(argv)
-    assert [(p.concurrency, p.tokens, p.errors) for p in points] == [(1, 12, 0), (3, 36, 0)]
+    assert [(p.server, p.concurrency, p.tokens, p.errors) for p in points] == [
+        ("router", 1, 12, 0),
+        ("router", 3, 36, 0),
+        ("bare gRPC", 1, 12, 0),
+        ("bare gRPC", 3, 36, 0),
+    ]
     assert all(0 < p.messages <= p.tokens for p in points)
+    assert [p.shard_cpu_s is None for p in points] == [False, False, True, True]
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
-    assert len(rows) == 1 and rows[0].endswith("| 0 |")
+    assert [row.split(" | ")[1] for row in rows] == ["router", "bare gRPC"]
+    assert all(row.endswith("| 0 |") for row in rows)
