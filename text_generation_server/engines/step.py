@@ -116,7 +116,7 @@ def _choose(logits: torch.Tensor, chooser: TokenChooser) -> tuple[torch.Tensor, 
     if chooser.plain:
         return ids, logits, nan
     assert logits.dtype == torch.float32, "the chooser's processors work on float32 scores (choice_scores)"
-    next_ids, scores = chooser.choose(logits, first_max=_kernel_first_max)
+    next_ids, scores = chooser.choose(logits, first_max=greedy_ids)
     return next_ids, scores, nan
 
 
@@ -145,7 +145,9 @@ def _on_first_max(logits: torch.Tensor) -> bool:
     )
 
 
-def _kernel_first_max(scores: torch.Tensor) -> torch.Tensor:
+def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum of `scores` [B, vocab] (argmax's index where no row holds a NaN):
+    our CPU kernel's one pass where it serves, else ATen's."""
     return cpu_kernels.first_max(scores)[0] if _on_first_max(scores) else first_max(scores)
 
 

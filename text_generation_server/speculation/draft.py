@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from text_generation_server.config import ServerConfig
+from text_generation_server.engines.step import greedy_ids
 from text_generation_server.engines.tgis_native.runner import StepPiece
 from text_generation_server.kv.paged_kv import OutOfBlocks, SequenceKV
 from text_generation_server.speculation import Speculator, Target
@@ -129,14 +130,14 @@ class DraftSpeculator(Speculator):
             for piece in pieces:
                 ends.append((ends[-1] if ends else -1) + len(piece.tokens))
             held = {row: piece.kv for row, piece in zip(rows, pieces, strict=True)}
-            tokens = self.runner.forward(pieces, ends).argmax(dim=-1).tolist()
+            tokens = greedy_ids(self.runner.forward(pieces, ends)).tolist()
             for row, token in zip(rows, tokens, strict=True):
                 out[row].append(token)
             for step in range(1, max(limits[row] for row in rows)):
                 rows = [row for row in rows if limits[row] > step]
                 sequences = [held[row] for row in rows]
                 fed = [out[row][-1] for row in rows]
-                tokens = self.runner.decode(sequences, fed, [None] * len(rows)).argmax(dim=-1).tolist()
+                tokens = greedy_ids(self.runner.decode(sequences, fed, [None] * len(rows))).tolist()
                 for row, last, token in zip(rows, fed, tokens, strict=True):
                     self.written[requests[row]].append(last)
                     out[row].append(token)
