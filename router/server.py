@@ -31,6 +31,7 @@ from router.api.service import ConcurrencyLimiter, GenerationService
 from router.api.tls import TlsConfigError, server_credentials
 from router.api.tracing import Tracing, TracingError
 from router.config import RouterConfig
+from router.core.call_ends import CallEnds
 from router.core.capacity import CapacityError, capacity_for
 from router.core.detokenizer import Detokenizer
 from router.core.metrics import CONTENT_TYPE, Metrics
@@ -202,6 +203,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         max_new_tokens=config.max_new_tokens,
         capacity=capacity,
         grammars=grammars_of(tokenizer.to_str(), info.vocab_size, info.eos_token_id),
+        call_ends=_call_ends(detokenizer, config.max_decode_steps),
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
     service = GenerationService(
@@ -368,6 +370,21 @@ def _log_serving(router: Router) -> None:
             auth.tenant_max_concurrent_requests or "none",
             "need a token" if auth.protect_health else "open",
         )
+
+
+def _call_ends(detokenizer: Detokenizer, max_decode_steps: int) -> CallEnds | None:
+    """The tokens on which a decode call of several steps ends for a request with stop sequences
+    (call_ends.py); None where calls run one step, or where a token's text depends on the next."""
+    if max_decode_steps <= 1:
+        return None
+    texts = detokenizer.token_texts()
+    if texts is None:
+        logger.info(
+            "decode calls of several steps end on stop sequences only when they return: "
+            "this tokenizer's token texts depend on the token after them"
+        )
+        return None
+    return CallEnds(texts)
 
 
 async def _build_and_serve(config: RouterConfig, loop_idle_s: Callable[[], float]) -> None:

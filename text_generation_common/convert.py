@@ -89,6 +89,7 @@ def request_from_pb(r: pb.Request) -> GenerationRequest:
         ),
         prefix_id=r.prefix_id,
         adapter_id=r.adapter_id,
+        call_end_ids=frozenset(r.call_end_ids),
     )
 
 
@@ -207,6 +208,7 @@ def request_to_pb(r: GenerationRequest) -> pb.Request:
         details=pb.RequestedDetails(
             input_tokens=d.input_tokens, logprobs=d.logprobs, ranks=d.ranks, top_n_tokens=d.top_n_tokens
         ),
+        call_end_ids=sorted(r.call_end_ids),
     )
 
 

@@ -89,6 +89,8 @@ class GenerationRequest:
     details: RequestedDetails = field(default_factory=RequestedDetails)
     prefix_id: str = ""  # soft prompt (TGIS); "" = none
     adapter_id: str = ""  # adapter of whatever kind is stored under the id; "" = none
+    # tokens that may complete one of its stop sequences: a call of several steps ends after one
+    call_end_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

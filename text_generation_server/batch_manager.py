@@ -36,7 +36,10 @@ answered together, so that one round trip with the router carries
 several tokens per request. A step that fails there is reported by the next call, as a step
 that failed ahead; the tokens before it are answered. A call the router names (`call`) ends
 after the step it is computing once `end_steps` names it (from the server's event-loop thread:
-a request waits to join), so a join waits for one step, not for the rest of the call.
+a request waits to join), so a join waits for one step, not for the rest of the call. A call
+also ends after a step that gives a request one of its `call_end_ids`, the tokens that may
+complete one of its stop sequences: the router, which finds stop sequences in the text, then
+sees that step's tokens at once instead of after the rest of the call.
 
 After every call (and ClearCache) the manager tells the engine which requests left its batches
 (`engine.release`): finished and cancelled ones pruned, rows that failed, batches dropped as
@@ -158,6 +161,7 @@ class BatchManager:
         self._token_budget = 0  # of the last call; run-ahead steps use it too
         self._live: set[int] = set()  # request ids of the cached batches after the last call
         self._ended_call = 0  # the last call named by end_steps
+        self._call_ends: dict[int, frozenset[int]] = {}  # request id -> its call_end_ids (if any)
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -180,7 +184,20 @@ class BatchManager:
         gone = (self._live | {r.id for r in arrived}) - live
         self._live = live
         if gone:
+            for request_id in gone:
+                self._call_ends.pop(request_id, None)
             self.engine.release(gone)
+
+    def _note_call_ends(self, requests: Sequence[GenerationRequest]) -> None:
+        """Keep the call-ending tokens of arriving requests (until _settle sees them gone)."""
+        for request in requests:
+            if request.call_end_ids:
+                self._call_ends[request.id] = request.call_end_ids
+
+    def _ends_call(self, output: StepOutput) -> bool:
+        """Whether a request got one of its call-ending tokens in `output`."""
+        ends = self._call_ends
+        return bool(ends) and any(g.token.token_id in ends.get(g.request_id, ()) for g in output.generations)
 
     # ---- validation (no side effects) -------------------------------------------------------
 
@@ -298,6 +315,7 @@ class BatchManager:
             for pruned_id, pruned in self._take(to_prune):
                 self._cache[pruned_id] = pruned
             self._settle()  # the pruned requests' blocks are free for the new ones
+            self._note_call_ends(requests)
             batch, errors = self.engine.new_batch(batch_id, requests)
             if batch is None:
                 output = StepOutput(errors=errors)
@@ -355,11 +373,16 @@ class BatchManager:
 
     def _more_steps(self, output: StepOutput, steps: int, call: int = 0) -> StepOutput:
         """`output` followed by up to `steps` more steps of the batch it left cached, while any
-        of its requests may generate and `end_steps` has not named `call`; their tokens merged
-        in step order."""
+        of its requests may generate, `end_steps` has not named `call` and no request got one of
+        its call-ending tokens; their tokens merged in step order."""
         batch_id = output.batch_id
         outputs = [output]
-        while batch_id is not None and len(outputs) <= steps and not (call and call == self._ended_call):
+        while (
+            batch_id is not None
+            and len(outputs) <= steps
+            and not (call and call == self._ended_call)
+            and not self._ends_call(outputs[-1])
+        ):
             cached = self._cache.get(batch_id)
             if cached is None or isinstance(cached, Ahead) or not self._may_step(cached):
                 break
@@ -404,6 +427,7 @@ class BatchManager:
                 raise cached.error  # the referenced batches are lost, as when the step fails now
         errors: list[RequestError] = []
         if join is not None:
+            self._note_call_ends(join.requests)
             joined, errors = self.engine.new_batch(join.batch_id, join.requests)
             if joined is not None:
                 taken.append(joined)

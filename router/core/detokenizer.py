@@ -187,6 +187,20 @@ class Detokenizer:
     def incremental(self) -> IncrementalDecoder:
         return IncrementalDecoder(self)
 
+    def token_texts(self) -> list[str | None] | None:
+        """Every id's text as it reads inside a continuation, after other text ("" for ids that
+        decode to nothing, None where the placeholder did not survive: unknown); None for all
+        where a token's text depends on the token after it (last_token_differs)."""
+        if self.traits.last_token_differs:
+            return None
+        ids = range(len(self._classes))
+        skip = self._skip_special
+        if not self.traits.first_token_differs:
+            return list(self._tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=skip))
+        texts = self._tokenizer.decode_batch([[self._placeholder, i] for i in ids], skip_special_tokens=skip)
+        head = self._placeholder_text
+        return [text[len(head) :] if text.startswith(head) else None for text in texts]
+
     def _id_class(self, token_id: int) -> int:
         """_REAL, _TRANSPARENT (skipped special or unknown id: `tokenizers` drops it) or _BYTE."""
         return self._classes[token_id] if 0 <= token_id < len(self._classes) else _TRANSPARENT

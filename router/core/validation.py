@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from router.core.call_ends import CallEnds
 from router.core.capacity import Capacity, Load
 from router.core.input_bound import min_tokens
 from router.core.metrics import Metrics
@@ -89,6 +90,7 @@ class ValidatedRequest:
     received_at: float  # time.monotonic() at receipt
     deadline: float | None = None  # time.monotonic() after which TIME_LIMIT applies
     adapter_id: str = ""  # adapter of any stored kind (then prefix_id is "")
+    call_end_ids: frozenset[int] = frozenset()  # tokens that may complete a stop sequence (call_ends.py)
 
     @property
     def seed(self) -> int:
@@ -111,6 +113,7 @@ class ValidatedRequest:
             ),
             prefix_id=self.prefix_id,
             adapter_id=self.adapter_id,
+            call_end_ids=self.call_end_ids,
         )
 
 
@@ -248,8 +251,12 @@ class Validator:
         max_new_tokens: int,
         capacity: Capacity | None = None,
         grammars: Grammars | None = None,
+        call_ends: CallEnds | None = None,
     ) -> None:
+        """`call_ends`: where decode calls run several steps, the tokens each request's stop
+        sequences give the shard to end a call on (None: none)."""
         self.tokenizer = tokenizer
+        self.call_ends = call_ends
         self.grammars = grammars  # guided decoding over the model's tokenizer (None: not offered)
         self.capacity = capacity  # refuses requests larger than the whole batch can ever hold
         self.prefixes = prefixes
@@ -383,4 +390,5 @@ class Validator:
             response=p.response,
             received_at=received_at,
             deadline=deadline,
+            call_end_ids=self.call_ends.ids(st.stop_sequences) if self.call_ends is not None else frozenset(),
         )

@@ -1,0 +1,104 @@
+"""Which generated tokens may complete a stop sequence: the shard ends a decode call of several
+steps (MAX_DECODE_STEPS) after a step that gives a request one of its own, so that the router,
+which finds stop sequences in the decoded text (entry.py), sees that step's tokens at once
+instead of after the rest of the call.
+
+A token may complete stop sequence S when S ends inside the token's text for some text before
+it: the text contains S, or it starts with a non-empty suffix of S (what came before supplied
+the rest). Texts are read as inside a continuation (Detokenizer.token_texts). A token whose
+text holds U+FFFD (part of a character, finished by a later token) counts for every stop
+sequence with a character outside ASCII; one whose text is unknown or holds NUL (the separator
+of the texts searched here) counts for every stop sequence. Missing a token only
+costs latency (the router still finds the stop when the call returns, and drops the tokens
+after it); an extra one only ends a call early. A set larger than MAX_CALL_END_IDS (a stop
+sequence of one common character) is not sent: such calls would end at almost every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from router.core.detokenizer import REPLACEMENT_CHAR
+
+logger = logging.getLogger(__name__)
+
+MAX_CALL_END_IDS = 4096
+CACHED_STOP_SETS = 256  # distinct sets of stop sequences remembered (least recently used out)
+_SEPARATOR = "\0"
+
+
+class CallEnds:
+    """The call-ending tokens of sets of stop sequences over one vocabulary's texts (the event
+    loop's only: not thread-safe)."""
+
+    def __init__(self, texts: Sequence[str | None]) -> None:
+        always = []
+        partial = []
+        parts = []
+        starts = []
+        at = 1  # the joined text starts with a separator
+        for token_id, text in enumerate(texts):
+            if text is None or _SEPARATOR in text:
+                always.append(token_id)
+                text = ""
+            elif REPLACEMENT_CHAR in text:
+                partial.append(token_id)
+            starts.append(at)
+            parts.append(text)
+            at += len(text) + 1
+        # every text between separators: a find for S locates the texts that contain S, a find
+        # for separator + suffix those that start with that suffix
+        self._joined = _SEPARATOR + _SEPARATOR.join(parts) + _SEPARATOR
+        self._starts = starts
+        self._longest = max(map(len, parts), default=0)  # no text starts with a longer suffix
+        self._always = frozenset(always)
+        self._partial = frozenset(partial)
+        self._cache: OrderedDict[tuple[str, ...], frozenset[int]] = OrderedDict()
+
+    def ids(self, stop_sequences: Sequence[str]) -> frozenset[int]:
+        """The tokens that may complete one of `stop_sequences` (empty: none, or too many)."""
+        key = tuple(stop_sequences)
+        if not key:
+            return frozenset()
+        found = self._cache.get(key)
+        if found is not None:
+            self._cache.move_to_end(key)
+            return found
+        found = self._compute(key)
+        self._cache[key] = found
+        if len(self._cache) > CACHED_STOP_SETS:
+            self._cache.popitem(last=False)
+        return found
+
+    def _compute(self, stop_sequences: tuple[str, ...]) -> frozenset[int]:
+        ids = set(self._always)
+        if not all(seq.isascii() for seq in stop_sequences):
+            ids |= self._partial
+        for seq in stop_sequences:
+            shortest_suffix = max(1, len(seq) - self._longest)
+            patterns = [_SEPARATOR + seq[k:] for k in range(shortest_suffix, len(seq))]
+            if len(seq) <= self._longest:
+                patterns.append(seq)  # the texts that hold all of it
+            for pattern in patterns:
+                if not self._add_matches(pattern, ids):
+                    logger.debug(
+                        "stop sequences %r: over %d call-ending tokens", stop_sequences, MAX_CALL_END_IDS
+                    )
+                    return frozenset()
+        return frozenset(ids)
+
+    def _add_matches(self, pattern: str, ids: set[int]) -> bool:
+        """Add the texts where `pattern` occurs; False once `ids` passes MAX_CALL_END_IDS."""
+        joined, starts = self._joined, self._starts
+        at = joined.find(pattern)
+        while at >= 0:
+            # the text holding the pattern's first character not a separator
+            token = bisect.bisect_right(starts, at + (pattern[0] == _SEPARATOR)) - 1
+            ids.add(token)
+            if len(ids) > MAX_CALL_END_IDS:
+                return False
+            at = joined.find(pattern, at + 1)
+        return True

@@ -1,0 +1,149 @@
+"""call_ends.py: the tokens that may complete a stop sequence, against the definition over every
+text of real vocabularies; Detokenizer.token_texts against decoding a token after another."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from router.core import call_ends
+from router.core.call_ends import CallEnds
+from router.core.detokenizer import REPLACEMENT_CHAR, Detokenizer
+from router.core.tokenizer import load_tokenizer
+
+STOPS = ("\n\n", "\n", "def ", "return", " the", "ing", "é", ")\n", "zzzz", "x" * 40, "()")
+
+
+def completes(text: str, stop: str) -> bool:
+    """The definition: some text before the token (only a proper prefix of `stop` matters) and
+    the token's text hold `stop`, ending inside the token's text."""
+    return any(stop in stop[:j] + text for j in range(len(stop)))
+
+
+@pytest.fixture(scope="module", params=["byte_level", "metaspace", "wordpiece"])
+def detok(request, tmp_path_factory: pytest.TempPathFactory) -> Detokenizer:
+    from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
+
+    out = tmp_path_factory.mktemp(request.param)
+    write_tokenizer(out, ARCHITECTURES["llama"], kind=request.param)
+    return Detokenizer(load_tokenizer(str(out)))
+
+
+def test_token_texts_read_as_after_another_token(detok: Detokenizer) -> None:
+    texts = detok.token_texts()
+    if texts is None:
+        assert detok.traits.last_token_differs
+        return
+    assert len(texts) == len(detok._classes)
+    rng = random.Random(0)
+    plain = [i for i, text in enumerate(texts) if text and REPLACEMENT_CHAR not in text]
+    assert len(plain) > len(texts) // 2
+    for token in rng.sample(plain, 300):
+        before = rng.choice(plain)
+        head = detok.decode([before])
+        both = detok.decode([before, token])
+        assert both.startswith(head) and both[len(head) :] == texts[token], (before, token)
+
+
+def test_the_ids_are_the_definitions_over_every_text(detok: Detokenizer) -> None:
+    texts = detok.token_texts()
+    if texts is None:
+        pytest.skip("this decoder's token texts depend on the next token")
+    ends = CallEnds(texts)
+    unknown = {i for i, t in enumerate(texts) if t is None or "\0" in t}
+    partial = {i for i, t in enumerate(texts) if t is not None and REPLACEMENT_CHAR in t}
+    for stop in STOPS:
+        always = unknown | (partial if not stop.isascii() else set())
+        expected = {i for i, t in enumerate(texts) if i not in unknown and completes(t, stop)} | always
+        if len(expected) > call_ends.MAX_CALL_END_IDS:
+            assert ends.ids((stop,)) == frozenset(), stop
+        else:
+            assert ends.ids((stop,)) == expected, stop
+    assert ends.ids(("\n\n", "def ")) == ends.ids(("\n\n",)) | ends.ids(("def ",))
+
+
+def test_crafted_texts() -> None:
+    texts = [
+        "",
+        "ab",
+        "b",
+        "xab",
+        "a",
+        "bc",
+        REPLACEMENT_CHAR,
+        None,
+        "a\0b",
+        "abab",
+        "cab",
+        "zz",
+        "b\n",
+        "b\ufffd",
+    ]
+    ends = CallEnds(texts)
+    unknown = {7, 8}  # unknown, a text holding the separator
+    assert ends.ids(("ab",)) == {1, 2, 3, 5, 9, 10, 12, 13} | unknown  # "b..." after "a"
+    assert ends.ids(("b",)) == {1, 2, 3, 5, 9, 10, 12, 13} | unknown
+    assert ends.ids(("zab",)) == {1, 2, 5, 9, 12, 13} | unknown  # "ab..." after "z", "b..." after "za"
+    assert ends.ids(("q" * 50 + "ab",)) == {1, 2, 5, 9, 12, 13} | unknown  # longer than every text
+    assert ends.ids(("zz",)) == {11} | unknown
+    assert ends.ids(("zz", "é")) == {6, 11, 13} | unknown  # parts of characters: beyond ASCII
+    assert ends.ids(()) == frozenset()
+    assert ends.ids(["ab"]) is ends.ids(("ab",))  # cached
+    for stop in ("ab", "b", "zab", "q" * 50 + "ab", "a\n", "cabab"):
+        expected = {i for i, t in enumerate(texts) if i not in unknown and completes(t or "", stop)} | unknown
+        assert ends.ids((stop,)) == expected, stop
+
+
+def test_too_many_ids_are_none(monkeypatch) -> None:
+    monkeypatch.setattr(call_ends, "MAX_CALL_END_IDS", 3)
+    ends = CallEnds(["a", "ba", "ca", "da", "x"])
+    assert ends.ids(("a",)) == frozenset()  # four texts hold it
+    assert ends.ids(("xa",)) == {0}
+    assert ends.ids(("x",)) == {4}
+
+
+def test_the_cache_keeps_the_latest_sets(monkeypatch) -> None:
+    monkeypatch.setattr(call_ends, "CACHED_STOP_SETS", 2)
+    ends = CallEnds(["a", "b", "c"])
+    first = ends.ids(("a",))
+    ends.ids(("b",))
+    assert ends.ids(("a",)) is first  # used again: the latest
+    ends.ids(("c",))  # pushes out ("b",)
+    assert list(ends._cache) == [("a",), ("c",)]
+
+
+def test_the_router_validates_requests_with_their_call_ends(tokenizer_dir: Path) -> None:
+    """ValidatedRequest -> GenerationRequest -> internal protobuf -> the shard's request: the
+    ids travel."""
+    from text_generation_common.convert import request_from_pb, request_to_pb
+
+    detok = Detokenizer(load_tokenizer(str(tokenizer_dir)))
+    texts = detok.token_texts()
+    assert texts is not None
+    ids = CallEnds(texts).ids(("\n\n",))
+    assert any("\n" in (texts[i] or "") for i in ids)
+    validated = _validated(ids)
+    request = validated.shard_request(7)
+    assert request.call_end_ids == ids
+    assert request_from_pb(request_to_pb(request)) == request
+
+
+def _validated(ids: frozenset[int]):
+    from router.core.validation import ResponseSpec, StoppingSpec, ValidatedRequest
+    from text_generation_common.messages import SamplingParams
+
+    return ValidatedRequest(
+        text="",
+        input_ids=(1, 2, 3),
+        input_length=3,
+        truncate_input_tokens=0,
+        prefix_id="",
+        prefix_length=0,
+        sampling=SamplingParams(),
+        stopping=StoppingSpec(10, stop_sequences=("\n\n",)),
+        response=ResponseSpec(),
+        received_at=0.0,
+        call_end_ids=ids,
+    )
