@@ -49,10 +49,12 @@ class CallEnds:
             starts.append(at)
             parts.append(text)
             at += len(text) + 1
-        # every text between separators: a find for S locates the texts that contain S, a find
-        # for separator + suffix those that start with that suffix
+        # every text between separators: one find for S locates the texts that contain S
         self._joined = _SEPARATOR + _SEPARATOR.join(parts) + _SEPARATOR
         self._starts = starts
+        # the texts in order: those that start with a suffix of S lie together (one bisection)
+        self._order = sorted(range(len(parts)), key=parts.__getitem__)
+        self._sorted = [parts[i] for i in self._order]
         self._longest = max(map(len, parts), default=0)  # no text starts with a longer suffix
         self._always = frozenset(always)
         self._partial = frozenset(partial)
@@ -78,27 +80,37 @@ class CallEnds:
         if not all(seq.isascii() for seq in stop_sequences):
             ids |= self._partial
         for seq in stop_sequences:
-            shortest_suffix = max(1, len(seq) - self._longest)
-            patterns = [_SEPARATOR + seq[k:] for k in range(shortest_suffix, len(seq))]
-            if len(seq) <= self._longest:
-                patterns.append(seq)  # the texts that hold all of it
-            for pattern in patterns:
-                if not self._add_matches(pattern, ids):
-                    logger.debug(
-                        "stop sequences %r: over %d call-ending tokens", stop_sequences, MAX_CALL_END_IDS
-                    )
-                    return frozenset()
+            under_cap = len(seq) > self._longest or self._add_holding(seq, ids)
+            under_cap = under_cap and all(self._add_starting(seq[k:], ids) for k in self._suffix_starts(seq))
+            if not under_cap:
+                logger.debug(
+                    "stop sequences %r: over %d call-ending tokens", stop_sequences, MAX_CALL_END_IDS
+                )
+                return frozenset()
         return frozenset(ids)
 
-    def _add_matches(self, pattern: str, ids: set[int]) -> bool:
-        """Add the texts where `pattern` occurs; False once `ids` passes MAX_CALL_END_IDS."""
+    def _suffix_starts(self, seq: str) -> range:
+        """Where the proper suffixes of `seq` that a text may start with begin."""
+        return range(max(1, len(seq) - self._longest), len(seq))
+
+    def _add_holding(self, seq: str, ids: set[int]) -> bool:
+        """Add the texts that contain `seq`; False once `ids` passes MAX_CALL_END_IDS."""
         joined, starts = self._joined, self._starts
-        at = joined.find(pattern)
+        at = joined.find(seq)
         while at >= 0:
-            # the text holding the pattern's first character not a separator
-            token = bisect.bisect_right(starts, at + (pattern[0] == _SEPARATOR)) - 1
-            ids.add(token)
+            ids.add(bisect.bisect_right(starts, at) - 1)  # the text where the match begins
             if len(ids) > MAX_CALL_END_IDS:
                 return False
-            at = joined.find(pattern, at + 1)
+            at = joined.find(seq, at + 1)
+        return True
+
+    def _add_starting(self, suffix: str, ids: set[int]) -> bool:
+        """Add the texts that start with `suffix`; False once `ids` passes MAX_CALL_END_IDS."""
+        texts, order = self._sorted, self._order
+        at = bisect.bisect_left(texts, suffix)
+        while at < len(texts) and texts[at].startswith(suffix):
+            ids.add(order[at])
+            if len(ids) > MAX_CALL_END_IDS:
+                return False
+            at += 1
         return True
