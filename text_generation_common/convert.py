@@ -208,7 +208,7 @@ def request_to_pb(r: GenerationRequest) -> pb.Request:
         details=pb.RequestedDetails(
             input_tokens=d.input_tokens, logprobs=d.logprobs, ranks=d.ranks, top_n_tokens=d.top_n_tokens
         ),
-        call_end_ids=sorted(r.call_end_ids),
+        call_end_ids=r.call_end_ids,
     )
 
 
