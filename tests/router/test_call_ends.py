@@ -114,36 +114,40 @@ def test_the_cache_keeps_the_latest_sets(monkeypatch) -> None:
     assert list(ends._cache) == [("a",), ("c",)]
 
 
-def test_the_router_validates_requests_with_their_call_ends(tokenizer_dir: Path) -> None:
-    """ValidatedRequest -> GenerationRequest -> internal protobuf -> the shard's request: the
-    ids travel."""
+async def test_the_router_validates_requests_with_their_call_ends(
+    tokenizer_pool, tokenizer_dir: Path
+) -> None:
+    """As router/server.py wires it (not where calls run one step): validation gives each request
+    the ids of its stop sequences, and they travel through the internal protocol to the shard."""
+    from router.core.metrics import Metrics
+    from router.core.validation import PrefixLengths, RequestParams, StoppingSpec, Validator
+    from router.server import _call_ends
     from text_generation_common.convert import request_from_pb, request_to_pb
 
     detok = Detokenizer(load_tokenizer(str(tokenizer_dir)))
-    texts = detok.token_texts()
-    assert texts is not None
-    ids = CallEnds(texts).ids(("\n\n",))
-    assert any("\n" in (texts[i] or "") for i in ids)
-    validated = _validated(ids)
-    request = validated.shard_request(7)
-    assert request.call_end_ids == ids
-    assert request_from_pb(request_to_pb(request)) == request
+    assert _call_ends(detok, max_decode_steps=1) is None
+    ends = _call_ends(detok, max_decode_steps=16)
+    assert ends is not None
+    metrics = Metrics(max_sequence_length=128, max_new_tokens=32)
 
+    async def no_prefixes(prefix_id: str, adapter: bool) -> int:
+        raise AssertionError("no prefix here")
 
-def _validated(ids: frozenset[int]):
-    from router.core.validation import ResponseSpec, StoppingSpec, ValidatedRequest
-    from text_generation_common.messages import SamplingParams
-
-    return ValidatedRequest(
-        text="",
-        input_ids=(1, 2, 3),
-        input_length=3,
-        truncate_input_tokens=0,
-        prefix_id="",
-        prefix_length=0,
-        sampling=SamplingParams(),
-        stopping=StoppingSpec(10, stop_sequences=("\n\n",)),
-        response=ResponseSpec(),
-        received_at=0.0,
-        call_end_ids=ids,
+    validator = Validator(
+        tokenizer_pool,
+        PrefixLengths(no_prefixes, metrics),
+        metrics,
+        max_sequence_length=128,
+        max_new_tokens=32,
+        call_ends=ends,
     )
+    stopping = RequestParams(stopping=StoppingSpec(16, stop_sequences=("\n\n", "def ")))
+    with_stops, without = [
+        (await validator.validate(["def f(x):"], params, "", 0.0))[0]
+        for params in (stopping, RequestParams())
+    ]
+    assert with_stops.call_end_ids == ends.ids(("\n\n", "def ")) and with_stops.call_end_ids
+    assert without.call_end_ids == frozenset()
+    request = with_stops.shard_request(7)
+    assert request.call_end_ids == with_stops.call_end_ids
+    assert request_from_pb(request_to_pb(request)) == request
