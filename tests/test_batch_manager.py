@@ -197,11 +197,19 @@ def test_end_steps_ends_the_call_it_names_after_its_step_under_way(engine) -> No
     assert output is not None and output.steps == 3 and len(output.generations) == 3
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_a_call_ends_after_the_step_that_gives_a_request_one_of_its_call_end_ids(engine, ahead) -> None:
+@pytest.fixture(params=["plain", "ahead", "pipelined"])
+def stepping(request) -> tuple[str, Any]:
+    """How a call's steps run: plainly, after a step run ahead, or pipelined (tgis_native)."""
+    if request.param == "pipelined":
+        return request.param, Pipelined(request.getfixturevalue("native_engine"))
+    return request.param, request.getfixturevalue("engine")
+
+
+def test_a_call_ends_after_the_step_that_gives_a_request_one_of_its_call_end_ids(stepping) -> None:
     """A token that may complete a stop sequence (the router's to find) ends a call of several
-    steps after its step, in the call or its first step run ahead; the next call goes on, and the
-    ids leave with their request."""
+    steps after its step, in the call, its first step run ahead, or a step in flight; the next
+    call goes on, and the ids leave with their request."""
+    kind, engine = stepping
     manager = BatchManager(engine, 8)
     manager.prefill(1, [request(1, 12), request(2, 12)], [])
     output = manager.next_token([CachedBatchRef(1)], steps=8)
@@ -213,17 +221,20 @@ def test_a_call_ends_after_the_step_that_gives_a_request_one_of_its_call_end_ids
     ends = frozenset({row[at]})
     first = [request(1, 12), GenerationRequest(2, request(2, 12).input_ids, 12, call_end_ids=ends)]
     manager.prefill(1, first, [])
-    if ahead:
+    if kind != "plain":
         manager.run_ahead()
     output = manager.next_token([CachedBatchRef(1)], steps=8)
-    assert output is not None and output.steps == at + 1
+    assert output is not None and output.steps == at + 1 and output.batch_id == 1
     assert [g.token.token_id for g in output.generations if g.request_id == 2] == row[: at + 1]
-    assert output.batch_id == 1
     assert manager._call_ends == {2: ends}
+    if kind != "plain":
+        manager.run_ahead()
     following = manager.next_token([CachedBatchRef(1)], steps=2)  # unless its token comes again
     assert following is not None and following.steps in (1, 2)
     manager.next_token([CachedBatchRef(1, (1, 2))])
     assert manager._call_ends == {} and len(manager) == 0
+    if kind == "pipelined":
+        assert engine.inner.kv.pool.used == 0  # every request's blocks went back
 
 
 def test_no_step_once_every_request_has_ended_nor_one_ahead(engine) -> None:
