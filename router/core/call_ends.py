@@ -31,8 +31,9 @@ _SEPARATOR = "\0"
 
 
 class CallEnds:
-    """The call-ending tokens of sets of stop sequences over one vocabulary's texts (the event
-    loop's only: not thread-safe)."""
+    """The call-ending tokens of sets of stop sequences over one vocabulary's texts. `compute`
+    only reads what the constructor built (any thread: the router runs it off its event loop);
+    the cache (`cached`, `remember`, `ids`) is the event loop's only."""
 
     def __init__(self, texts: Sequence[str | None]) -> None:
         always = []
@@ -62,20 +63,29 @@ class CallEnds:
 
     def ids(self, stop_sequences: Sequence[str]) -> frozenset[int]:
         """The tokens that may complete one of `stop_sequences` (empty: none, or too many)."""
+        found = self.cached(stop_sequences)
+        if found is None:
+            found = self.compute(stop_sequences)
+            self.remember(stop_sequences, found)
+        return found
+
+    def cached(self, stop_sequences: Sequence[str]) -> frozenset[int] | None:
+        """`ids` of a set seen lately (and of no stop sequence), else None."""
         key = tuple(stop_sequences)
         if not key:
             return frozenset()
         found = self._cache.get(key)
         if found is not None:
             self._cache.move_to_end(key)
-            return found
-        found = self._compute(key)
-        self._cache[key] = found
-        if len(self._cache) > CACHED_STOP_SETS:
-            self._cache.popitem(last=False)
         return found
 
-    def _compute(self, stop_sequences: tuple[str, ...]) -> frozenset[int]:
+    def remember(self, stop_sequences: Sequence[str], ids: frozenset[int]) -> None:
+        self._cache[tuple(stop_sequences)] = ids
+        if len(self._cache) > CACHED_STOP_SETS:
+            self._cache.popitem(last=False)
+
+    def compute(self, stop_sequences: Sequence[str]) -> frozenset[int]:
+        """`ids` without the cache: one scan of the texts per stop sequence."""
         ids = set(self._always)
         if not all(seq.isascii() for seq in stop_sequences):
             ids |= self._partial

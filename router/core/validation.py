@@ -297,13 +297,15 @@ class Validator:
         for ids in encoded:
             self.metrics.observe("tgi_request_raw_input_length", len(ids))
         deadline = received_at + p.stopping.time_limit_ms / 1000 if p.stopping.time_limit_ms else None
+        call_end_ids = await self._call_end_ids(p.stopping.stop_sequences)
         remaining = iter(encoded)
         validated = []
         for text, error in zip(texts, too_long, strict=True):
             if error is not None:
                 raise ValidationError(error)
             ids = next(remaining)
-            validated.append(self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline))
+            finished = self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline)
+            validated.append(replace(finished, call_end_ids=call_end_ids))
         if adapter_id:
             validated = [replace(v, adapter_id=adapter_id) for v in validated]
         for v in validated:
@@ -390,5 +392,16 @@ class Validator:
             response=p.response,
             received_at=received_at,
             deadline=deadline,
-            call_end_ids=self.call_ends.ids(st.stop_sequences) if self.call_ends is not None else frozenset(),
         )
+
+    async def _call_end_ids(self, stop_sequences: Sequence[str]) -> frozenset[int]:
+        """The tokens that may complete one of `stop_sequences` (call_ends.py), found off the
+        event loop the first time a set is seen (a scan of the vocabulary's texts)."""
+        ends = self.call_ends
+        if ends is None:
+            return frozenset()
+        found = ends.cached(stop_sequences)
+        if found is None:
+            found = await asyncio.get_running_loop().run_in_executor(None, ends.compute, stop_sequences)
+            ends.remember(stop_sequences, found)
+        return found

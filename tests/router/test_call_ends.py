@@ -4,6 +4,7 @@ text of real vocabularies; Detokenizer.token_texts against decoding a token afte
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -141,12 +142,21 @@ async def test_the_router_validates_requests_with_their_call_ends(
         max_new_tokens=32,
         call_ends=ends,
     )
+    threads = []
+    compute = ends.compute
+
+    def counted(stop_sequences):
+        threads.append(threading.current_thread())
+        return compute(stop_sequences)
+
+    ends.compute = counted  # type: ignore[method-assign]
     stopping = RequestParams(stopping=StoppingSpec(16, stop_sequences=("\n\n", "def ")))
-    with_stops, without = [
+    with_stops, again, without = [
         (await validator.validate(["def f(x):"], params, "", 0.0))[0]
-        for params in (stopping, RequestParams())
+        for params in (stopping, stopping, RequestParams())
     ]
-    assert with_stops.call_end_ids == ends.ids(("\n\n", "def ")) and with_stops.call_end_ids
+    assert len(threads) == 1 and threads[0] is not threading.current_thread()  # once, off the loop
+    assert with_stops.call_end_ids == again.call_end_ids == compute(("\n\n", "def ")) != frozenset()
     assert without.call_end_ids == frozenset()
     request = with_stops.shard_request(7)
     assert request.call_end_ids == with_stops.call_end_ids
