@@ -58,11 +58,11 @@ def test_the_ids_are_the_definitions_over_every_text(detok: Detokenizer) -> None
     for stop in STOPS:
         always = unknown | (partial if not stop.isascii() else set())
         expected = {i for i, t in enumerate(texts) if i not in unknown and completes(t, stop)} | always
-        if len(expected) > call_ends.MAX_CALL_END_IDS:
+        if len(expected) > ends.cap:
             assert ends.ids((stop,)) == frozenset(), stop
         else:
             assert ends.ids((stop,)) == expected, stop
-    assert ends.ids(("\n\n", "def ")) == ends.ids(("\n\n",)) | ends.ids(("def ",))
+    assert ends.ids(("\n\n", "def(")) == ends.ids(("\n\n",)) | ends.ids(("def(",))
 
 
 def test_crafted_texts() -> None:
@@ -97,9 +97,14 @@ def test_crafted_texts() -> None:
         assert ends.ids((stop,)) == expected, stop
 
 
-def test_too_many_ids_are_none(monkeypatch) -> None:
-    monkeypatch.setattr(call_ends, "MAX_CALL_END_IDS", 3)
-    ends = CallEnds(["a", "ba", "ca", "da", "x"])
+def test_the_cap_is_a_share_of_the_vocabulary() -> None:
+    assert CallEnds(["a"] * 8192).cap == 8192 // call_ends.VOCABULARY_SHARE
+    assert CallEnds(["a"] * 10**6).cap == call_ends.MAX_CALL_END_IDS
+    assert CallEnds(["a"] * 10).cap == call_ends.MIN_CAP
+
+
+def test_too_many_ids_are_none() -> None:
+    ends = CallEnds(["a", "ba", "ca", "da", "x"], cap=3)
     assert ends.ids(("a",)) == frozenset()  # four texts hold it
     assert ends.ids(("xa",)) == {0}
     assert ends.ids(("x",)) == {4}
@@ -150,13 +155,14 @@ async def test_the_router_validates_requests_with_their_call_ends(
         return compute(stop_sequences)
 
     ends.compute = counted  # type: ignore[method-assign]
-    stopping = RequestParams(stopping=StoppingSpec(16, stop_sequences=("\n\n", "def ")))
+    stopping = RequestParams(stopping=StoppingSpec(16, stop_sequences=("\n\n", "return")))
     with_stops, again, without = [
         (await validator.validate(["def f(x):"], params, "", 0.0))[0]
         for params in (stopping, stopping, RequestParams())
     ]
     assert len(threads) == 1 and threads[0] is not threading.current_thread()  # once, off the loop
-    assert with_stops.call_end_ids == again.call_end_ids == compute(("\n\n", "def ")) != frozenset()
+    assert with_stops.call_end_ids == again.call_end_ids == compute(("\n\n", "return")) != frozenset()
+    assert ends.ids(("def ",)) == frozenset()  # every text that starts with a space: over the cap
     assert without.call_end_ids == frozenset()
     request = with_stops.shard_request(7)
     assert request.call_end_ids == with_stops.call_end_ids
