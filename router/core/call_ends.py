@@ -19,6 +19,7 @@ MAX_CALL_END_IDS) is not sent: such calls end on stop sequences only when they r
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 from collections import OrderedDict
@@ -37,8 +38,8 @@ _SEPARATOR = "\0"
 
 class CallEnds:
     """The call-ending tokens of sets of stop sequences over one vocabulary's texts. `compute`
-    only reads what the constructor built (any thread: the router runs it off its event loop);
-    the cache (`cached`, `remember`, `ids`) is the event loop's only."""
+    only reads what the constructor built (any thread); `ids` and its cache are the event
+    loop's."""
 
     def __init__(self, texts: Sequence[str | None], cap: int | None = None) -> None:
         """`cap`: the most ids a set may have (default: a sixteenth of the vocabulary, at least
@@ -71,31 +72,26 @@ class CallEnds:
         self._partial = frozenset(partial)
         self._cache: OrderedDict[tuple[str, ...], frozenset[int]] = OrderedDict()
 
-    def ids(self, stop_sequences: Sequence[str]) -> frozenset[int]:
-        """The tokens that may complete one of `stop_sequences` (empty: none, or too many)."""
-        found = self.cached(stop_sequences)
-        if found is None:
-            found = self.compute(stop_sequences)
-            self.remember(stop_sequences, found)
-        return found
-
-    def cached(self, stop_sequences: Sequence[str]) -> frozenset[int] | None:
-        """`ids` of a set seen lately (and of no stop sequence), else None."""
+    async def ids(self, stop_sequences: Sequence[str]) -> frozenset[int]:
+        """The tokens that may complete one of `stop_sequences` (empty: none, or too many): from
+        the cache for a set seen lately, else computed off the event loop (a scan of the texts)."""
         key = tuple(stop_sequences)
         if not key:
             return frozenset()
         found = self._cache.get(key)
         if found is not None:
             self._cache.move_to_end(key)
-        return found
-
-    def remember(self, stop_sequences: Sequence[str], ids: frozenset[int]) -> None:
-        self._cache[tuple(stop_sequences)] = ids
+            return found
+        found = await asyncio.get_running_loop().run_in_executor(None, self.compute, key)
+        self._cache[key] = found
         if len(self._cache) > CACHED_STOP_SETS:
             self._cache.popitem(last=False)
+        return found
 
     def compute(self, stop_sequences: Sequence[str]) -> frozenset[int]:
         """`ids` without the cache: one scan of the texts per stop sequence."""
+        if not stop_sequences:
+            return frozenset()
         ids = set(self._always)
         if not all(seq.isascii() for seq in stop_sequences):
             ids |= self._partial

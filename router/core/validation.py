@@ -297,7 +297,7 @@ class Validator:
         for ids in encoded:
             self.metrics.observe("tgi_request_raw_input_length", len(ids))
         deadline = received_at + p.stopping.time_limit_ms / 1000 if p.stopping.time_limit_ms else None
-        call_end_ids = await self._call_end_ids(p.stopping.stop_sequences)
+        call_end_ids = await self.call_ends.ids(p.stopping.stop_sequences) if self.call_ends else frozenset()
         remaining = iter(encoded)
         validated = []
         for text, error in zip(texts, too_long, strict=True):
@@ -393,15 +393,3 @@ class Validator:
             received_at=received_at,
             deadline=deadline,
         )
-
-    async def _call_end_ids(self, stop_sequences: Sequence[str]) -> frozenset[int]:
-        """The tokens that may complete one of `stop_sequences` (call_ends.py), found off the
-        event loop the first time a set is seen (a scan of the vocabulary's texts)."""
-        ends = self.call_ends
-        if ends is None:
-            return frozenset()
-        found = ends.cached(stop_sequences)
-        if found is None:
-            found = await asyncio.get_running_loop().run_in_executor(None, ends.compute, stop_sequences)
-            ends.remember(stop_sequences, found)
-        return found

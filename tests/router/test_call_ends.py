@@ -59,10 +59,10 @@ def test_the_ids_are_the_definitions_over_every_text(detok: Detokenizer) -> None
         always = unknown | (partial if not stop.isascii() else set())
         expected = {i for i, t in enumerate(texts) if i not in unknown and completes(t, stop)} | always
         if len(expected) > ends.cap:
-            assert ends.ids((stop,)) == frozenset(), stop
+            assert ends.compute((stop,)) == frozenset(), stop
         else:
-            assert ends.ids((stop,)) == expected, stop
-    assert ends.ids(("\n\n", "def(")) == ends.ids(("\n\n",)) | ends.ids(("def(",))
+            assert ends.compute((stop,)) == expected, stop
+    assert ends.compute(("\n\n", "def(")) == ends.compute(("\n\n",)) | ends.compute(("def(",))
 
 
 def test_crafted_texts() -> None:
@@ -84,17 +84,16 @@ def test_crafted_texts() -> None:
     ]
     ends = CallEnds(texts)
     unknown = {7, 8}  # unknown, a text holding the separator
-    assert ends.ids(("ab",)) == {1, 2, 3, 5, 9, 10, 12, 13} | unknown  # "b..." after "a"
-    assert ends.ids(("b",)) == {1, 2, 3, 5, 9, 10, 12, 13} | unknown
-    assert ends.ids(("zab",)) == {1, 2, 5, 9, 12, 13} | unknown  # "ab..." after "z", "b..." after "za"
-    assert ends.ids(("q" * 50 + "ab",)) == {1, 2, 5, 9, 12, 13} | unknown  # longer than every text
-    assert ends.ids(("zz",)) == {11} | unknown
-    assert ends.ids(("zz", "é")) == {6, 11, 13} | unknown  # parts of characters: beyond ASCII
-    assert ends.ids(()) == frozenset()
-    assert ends.ids(["ab"]) is ends.ids(("ab",))  # cached
+    assert ends.compute(("ab",)) == {1, 2, 3, 5, 9, 10, 12, 13} | unknown  # "b..." after "a"
+    assert ends.compute(("b",)) == {1, 2, 3, 5, 9, 10, 12, 13} | unknown
+    assert ends.compute(("zab",)) == {1, 2, 5, 9, 12, 13} | unknown  # "ab..." after "z", "b..." after "za"
+    assert ends.compute(("q" * 50 + "ab",)) == {1, 2, 5, 9, 12, 13} | unknown  # longer than every text
+    assert ends.compute(("zz",)) == {11} | unknown
+    assert ends.compute(("zz", "é")) == {6, 11, 13} | unknown  # parts of characters: beyond ASCII
+    assert ends.compute(()) == frozenset()
     for stop in ("ab", "b", "zab", "q" * 50 + "ab", "a\n", "cabab"):
         expected = {i for i, t in enumerate(texts) if i not in unknown and completes(t or "", stop)} | unknown
-        assert ends.ids((stop,)) == expected, stop
+        assert ends.compute((stop,)) == expected, stop
 
 
 def test_the_cap_is_a_share_of_the_vocabulary() -> None:
@@ -105,18 +104,20 @@ def test_the_cap_is_a_share_of_the_vocabulary() -> None:
 
 def test_too_many_ids_are_none() -> None:
     ends = CallEnds(["a", "ba", "ca", "da", "x"], cap=3)
-    assert ends.ids(("a",)) == frozenset()  # four texts hold it
-    assert ends.ids(("xa",)) == {0}
-    assert ends.ids(("x",)) == {4}
+    assert ends.compute(("a",)) == frozenset()  # four texts hold it
+    assert ends.compute(("xa",)) == {0}
+    assert ends.compute(("x",)) == {4}
 
 
-def test_the_cache_keeps_the_latest_sets(monkeypatch) -> None:
+async def test_the_cache_keeps_the_latest_sets(monkeypatch) -> None:
     monkeypatch.setattr(call_ends, "CACHED_STOP_SETS", 2)
     ends = CallEnds(["a", "b", "c"])
-    first = ends.ids(("a",))
-    ends.ids(("b",))
-    assert ends.ids(("a",)) is first  # used again: the latest
-    ends.ids(("c",))  # pushes out ("b",)
+    assert await ends.ids(()) == frozenset()
+    first = await ends.ids(("a",))
+    assert await ends.ids(["a"]) is first  # cached, whatever the sequence type
+    await ends.ids(("b",))
+    assert await ends.ids(("a",)) is first  # used again: the latest
+    await ends.ids(("c",))  # pushes out ("b",)
     assert list(ends._cache) == [("a",), ("c",)]
 
 
@@ -162,7 +163,7 @@ async def test_the_router_validates_requests_with_their_call_ends(
     ]
     assert len(threads) == 1 and threads[0] is not threading.current_thread()  # once, off the loop
     assert with_stops.call_end_ids == again.call_end_ids == compute(("\n\n", "return")) != frozenset()
-    assert ends.ids(("def ",)) == frozenset()  # every text that starts with a space: over the cap
+    assert ends.compute(("def ",)) == frozenset()  # every text that starts with a space: over the cap
     assert without.call_end_ids == frozenset()
     request = with_stops.shard_request(7)
     assert request.call_end_ids == with_stops.call_end_ids
