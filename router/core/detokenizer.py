@@ -198,8 +198,7 @@ class Detokenizer:
         if not self.traits.first_token_differs:
             return list(self._tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=skip))
         texts = self._tokenizer.decode_batch([[self._placeholder, i] for i in ids], skip_special_tokens=skip)
-        head = self._placeholder_text
-        return [text[len(head) :] if text.startswith(head) else None for text in texts]
+        return [self._after_placeholder(text) for text in texts]
 
     def _id_class(self, token_id: int) -> int:
         """_REAL, _TRANSPARENT (skipped special or unknown id: `tokenizers` drops it) or _BYTE."""
@@ -219,9 +218,15 @@ class Detokenizer:
 
     def _decode_after_placeholder(self, ids: list[int]) -> str:
         text = self._tokenizer.decode([self._placeholder, *ids], skip_special_tokens=self._skip_special)
-        if not text.startswith(self._placeholder_text):
+        after = self._after_placeholder(text)
+        if after is None:
             raise RuntimeError(f"decoded text {text[:32]!r} lost the placeholder {self._placeholder_text!r}")
-        return text[len(self._placeholder_text) :]
+        return after
+
+    def _after_placeholder(self, text: str) -> str | None:
+        """The text decoded after the placeholder (None: the placeholder did not survive)."""
+        head = self._placeholder_text
+        return text[len(head) :] if text.startswith(head) else None
 
     def _decode_before_placeholder(self, ids: list[int]) -> str:
         text = self._tokenizer.decode([*ids, self._placeholder], skip_special_tokens=self._skip_special)
