@@ -8,7 +8,7 @@ Text handling: streamed requests and requests with stop sequences decode increme
 stop sequences are matched on decoded text, even in the middle of a token); other unary
 requests decode all their ids once at the end (TGIS). Streams hold back text that a later
 stop-sequence cut could remove: with the stop sequence omitted from the output, the longest
-stop sequence's length in bytes.
+stop sequence's length in bytes. output_text.py owns that text.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from router.core.detokenizer import Detokenizer, IncrementalDecoder
+from router.core.detokenizer import Detokenizer
+from router.core.output_text import REPLACEMENT, OutputText
 from router.core.pacing import ONE_PER_TOKEN, StreamPacing
-from router.core.stopping import StopReason, check_stop, find_stop_sequence, held_back
+from router.core.stopping import StopReason, check_stop
 from router.core.validation import ValidatedRequest
 from text_generation_common.messages import TokenInfo
-
-REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) valid UTF-8
 
 
 class Failure(enum.Enum):
@@ -74,10 +73,7 @@ class Entry:
     tokens: list[TokenInfo] = field(default_factory=list)  # unary token details
     input_tokens: list[TokenInfo] | None = None
     stop_reason: StopReason = StopReason.NOT_FINISHED
-    _decoder: IncrementalDecoder | None = None
-    _text: str = ""  # incrementally decoded output so far
-    _sent: int = 0  # characters of _text already streamed
-    _hold_bytes: int = 0
+    _text: OutputText | None = None  # decoded as tokens come: streams and stop sequences
     _due: int = 0  # streams: the generated count from which the next message may go
     _held_tokens: list[TokenInfo] = field(default_factory=list)  # streams: token details not sent yet
 
@@ -100,11 +96,7 @@ class Entry:
         self.started_at = now
         st = self.request.stopping
         if self.stream or st.stop_sequences:
-            self._decoder = detokenizer.incremental()
-        if self.stream and st.stop_sequences:
-            # TGIS: 1 byte when the stop sequence is kept, else the longest stop sequence's bytes.
-            longest = max(len(s.encode()) for s in st.stop_sequences)
-            self._hold_bytes = 1 if st.include_stop_sequence else longest
+            self._text = OutputText(detokenizer.incremental(), st, streamed=self.stream)
 
     def on_input_tokens(self, tokens: list[TokenInfo]) -> None:
         if self.stream:
@@ -122,10 +114,8 @@ class Entry:
         new_chars = 0
         if not is_eos:
             self.token_ids.append(token.token_id)
-            if self._decoder is not None:
-                delta = self._decoder.push(token.token_id)
-                self._text += delta
-                new_chars = len(delta)
+            if self._text is not None:
+                new_chars = self._text.push(token.token_id)
         st = self.request.stopping
         reason = check_stop(
             generated=self.generated,
@@ -138,22 +128,23 @@ class Entry:
             now=now,
         )
         match = None
-        if not reason.finished and st.stop_sequences and self.generated >= st.min_new_tokens and new_chars:
-            match = find_stop_sequence(self._text, new_chars, st.stop_sequences)
+        if (
+            not reason.finished
+            and st.stop_sequences
+            and self.generated >= st.min_new_tokens
+            and new_chars
+            and self._text is not None
+        ):
+            match = self._text.cut_at_stop(new_chars)
             if match is not None:
                 reason = StopReason.STOP_SEQUENCE
-                self._text = self._text[: match.end if st.include_stop_sequence else match.start]
         if want_details and self.stream:
             self._held_tokens.append(token)
         if reason.finished:
             tokens, self._held_tokens = self._held_tokens, []
             self._finish(reason, match.sequence if match else "", tokens, detokenizer)
-        elif self.stream and self.generated >= self._due:
-            end = len(self._text) - held_back(self._text, self._hold_bytes)
-            while end > self._sent and self._text[end - 1] == REPLACEMENT:
-                end -= 1  # a trailing run of U+FFFD is trimmed if the text ends there: keep it back
-            delta = self._text[self._sent : end] if end > self._sent else ""
-            self._sent = max(self._sent, end)
+        elif self.stream and self.generated >= self._due and self._text is not None:
+            delta = self._text.take_delta()
             if delta or self._held_tokens:
                 tokens, self._held_tokens = self._held_tokens, []
                 self.outputs.put_nowait(Output(self.generated, delta, tokens))
@@ -164,15 +155,14 @@ class Entry:
         self, reason: StopReason, stop_sequence: str, tokens: list[TokenInfo], detokenizer: Detokenizer
     ) -> None:
         self.stop_reason = reason
-        if self._decoder is not None:
+        if self._text is not None:
             if reason is not StopReason.STOP_SEQUENCE:
-                self._text += self._decoder.flush()
-            text = self._text
+                self._text.flush()
+            text = self._text.final_unsent() if self.stream else self._text.final()
         else:
-            text = detokenizer.decode(self.token_ids)
-        text = text.rstrip(REPLACEMENT)
+            text = detokenizer.decode(self.token_ids).rstrip(REPLACEMENT)
         if self.stream:
-            out = Output(self.generated, text[self._sent :], tokens, None, reason, stop_sequence)
+            out = Output(self.generated, text, tokens, None, reason, stop_sequence)
         else:
             out = Output(self.generated, text, self.tokens, self.input_tokens, reason, stop_sequence)
         self.outputs.put_nowait(out)

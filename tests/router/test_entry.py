@@ -210,3 +210,71 @@ def test_an_adaptive_interval_changing_mid_stream_keeps_text_and_details(detoken
         assert counts[0] == 1 and counts == sorted(set(counts)), context
         for before, after in itertools.pairwise(counts[:-1]):
             assert after - before >= intervals[before - 1], context  # due as set by the message before
+
+
+def outputs_as_tuples(outputs: list[Output]) -> list[tuple]:
+    return [(o.generated_tokens, o.text, o.stop_reason, o.stop_sequence) for o in outputs]
+
+
+def test_settled_text_gives_the_outputs_of_unsettled_text(detokenizer: Detokenizer, monkeypatch) -> None:
+    """Long answers keep the text no reader looks into again as settled pieces (output_text.py);
+    settling every few characters must give the same messages, cuts and answers as never."""
+    vocab = 2000
+    rng = random.Random(11)
+    cases = []
+    for _ in range(400):
+        ids = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))]
+        full = detokenizer.decode(ids)
+        stops = []
+        for _ in range(rng.randint(0, 3)):
+            if full and rng.random() < 0.7:
+                start = rng.randrange(len(full))
+                stops.append(full[start : start + rng.randint(1, 12)])
+            else:
+                stops.append(rng.choice(["zz", "é", " ", "\ufffd", "a longer stop sequence"]))
+        intervals = [rng.choice([1, 1, 2, 5]) for _ in ids]
+        cases.append((ids, stops, rng.random() < 0.5, intervals))
+
+    def run(settle_at: int) -> tuple[list, int]:
+        monkeypatch.setattr("router.core.output_text.SETTLE_AT", settle_at)
+        results, settled = [], 0
+        for ids, stops, include, intervals in cases:
+            for stream in (False, True):
+                entry = Entry(request(stops, include, len(ids)), stream=stream, pacing=StreamPacing(1))
+                outputs = feed(entry, ids, detokenizer, intervals if stream else None)
+                results.append(outputs_as_tuples(outputs))
+                settled += bool(entry._text is not None and entry._text._pieces)
+        return results, settled
+
+    never, none_settled = run(10**9)
+    often, settled = run(8)
+    assert none_settled == 0 and settled > 300  # the case this test is for happened
+    assert often == never
+
+
+def test_a_long_answer_keeps_a_short_tail(detokenizer: Detokenizer) -> None:
+    """4,000 tokens streamed with a stop sequence: the unsettled text stays near SETTLE_AT (the
+    text is not copied whole at every token) and the messages add up to the unary answer."""
+    from router.core.output_text import SETTLE_AT
+
+    rng = random.Random(3)
+    ids = [rng.randrange(3, 2000) for _ in range(4000)]
+    stops = ["never in this text \u2603"]
+    longest_tail = 0
+    entries = {stream: Entry(request(stops, False, len(ids)), stream=stream) for stream in (False, True)}
+    for entry in entries.values():
+        entry.start(1, detokenizer, time.monotonic())
+        for token in ids:
+            entry.on_token(TokenInfo(token), EOS, detokenizer, time.monotonic())
+            assert entry._text is not None
+            longest_tail = max(longest_tail, len(entry._text._tail))
+    assert longest_tail <= SETTLE_AT + 64
+    texts = {}
+    for stream, entry in entries.items():
+        outputs = []
+        while not entry.outputs.empty():
+            outputs.append(entry.outputs.get_nowait())
+        texts[stream] = "".join(o.text for o in outputs)
+        assert outputs[-1].stop_reason == StopReason.MAX_TOKENS
+    assert texts[True] == texts[False] == detokenizer.decode(ids).rstrip("\ufffd")
+    assert len(texts[True]) > 3 * SETTLE_AT
