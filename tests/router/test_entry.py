@@ -60,19 +60,26 @@ def detokenizer(request, tmp_path_factory) -> Detokenizer:
     return Detokenizer(load_tokenizer(str(path)))
 
 
+def random_case(
+    rng: random.Random, detokenizer: Detokenizer, *, most_tokens: int, stops: range, longest_cut: int
+) -> tuple[list[int], list[str]]:
+    """Random ids and stop sequences, most of them cut from the ids' own text."""
+    ids = [rng.randrange(3, 2000) for _ in range(rng.randint(1, most_tokens))]
+    full = detokenizer.decode(ids)
+    found = []
+    for _ in range(rng.choice(stops)):
+        if full and rng.random() < 0.75:
+            start = rng.randrange(len(full))
+            found.append(full[start : start + rng.randint(1, longest_cut)])
+        else:
+            found.append(rng.choice(["zz", "é", " ", "\ufffd", "a longer stop sequence"]))
+    return ids, found
+
+
 def test_stream_equals_unary_for_random_tokens_and_stop_sequences(detokenizer: Detokenizer) -> None:
-    vocab = 2000
     rng = random.Random(7)
     for _ in range(1500):
-        ids = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 20))]
-        full = detokenizer.decode(ids)
-        stops = []
-        for _ in range(rng.randint(1, 3)):
-            if full and rng.random() < 0.8:
-                start = rng.randrange(len(full))
-                stops.append(full[start : start + rng.randint(1, 6)])
-            else:
-                stops.append(rng.choice(["zz", "é", " ", "\ufffd"]))
+        ids, stops = random_case(rng, detokenizer, most_tokens=20, stops=range(1, 4), longest_cut=6)
         include = rng.random() < 0.5
         (unary,) = feed(Entry(request(stops, include, len(ids)), stream=False), ids, detokenizer)
         streamed = feed(Entry(request(stops, include, len(ids)), stream=True), ids, detokenizer)
@@ -83,7 +90,7 @@ def test_stream_equals_unary_for_random_tokens_and_stop_sequences(detokenizer: D
         counts = [o.generated_tokens for o in streamed]
         assert counts == sorted(set(counts)), context
         if unary.stop_reason is StopReason.MAX_TOKENS:
-            assert unary.text == full, context
+            assert unary.text == detokenizer.decode(ids), context
 
 
 def test_decoding_failure_fails_only_its_request(tmp_path) -> None:
@@ -219,19 +226,10 @@ def outputs_as_tuples(outputs: list[Output]) -> list[tuple]:
 def test_settled_text_gives_the_outputs_of_unsettled_text(detokenizer: Detokenizer, monkeypatch) -> None:
     """Long answers keep the text no reader looks into again as settled pieces (output_text.py);
     settling every few characters must give the same messages, cuts and answers as never."""
-    vocab = 2000
     rng = random.Random(11)
     cases = []
     for _ in range(400):
-        ids = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))]
-        full = detokenizer.decode(ids)
-        stops = []
-        for _ in range(rng.randint(0, 3)):
-            if full and rng.random() < 0.7:
-                start = rng.randrange(len(full))
-                stops.append(full[start : start + rng.randint(1, 12)])
-            else:
-                stops.append(rng.choice(["zz", "é", " ", "\ufffd", "a longer stop sequence"]))
+        ids, stops = random_case(rng, detokenizer, most_tokens=60, stops=range(4), longest_cut=12)
         intervals = [rng.choice([1, 1, 2, 5]) for _ in ids]
         cases.append((ids, stops, rng.random() < 0.5, intervals))
 
