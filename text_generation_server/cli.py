@@ -4,6 +4,7 @@
     text-generation-server download-weights MODEL_NAME [--revision] [--extension] [--auto-convert]
     text-generation-server convert-to-safetensors MODEL_NAME [--revision]
     text-generation-server convert-to-fast-tokenizer MODEL_NAME [--revision] [--output-path]
+    text-generation-server build-cpu-kernels [--target NAME ...] [--output-dir DIR]
 
 Every option can also be set through the environment variable named in its help (TGIS names).
 This module and config.py are the only readers of the environment in this package.
@@ -45,6 +46,7 @@ from text_generation_server.config import (
     LINEAR_LAYOUTS,
     ServerConfig,
 )
+from text_generation_server.kernels import cpu_build
 
 logger = logging.getLogger(__name__)
 
@@ -548,6 +550,34 @@ def convert_to_onnx(
     except (FileNotFoundError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(str(written))
+
+
+@app.command("build-cpu-kernels")
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    type=click.Choice([t.name for t in cpu_build.TARGETS]),
+    help="An instruction-set target to build (repeatable; default: every one).",
+)
+@click.option(
+    "--output-dir",
+    default=None,
+    help="Where to put the libraries (default: lib/tgis-cpu-kernels in this Python environment, "
+    "where the shard looks for them).",
+)
+def build_cpu_kernels(targets: tuple[str, ...], output_dir: str | None) -> None:
+    """Build our C++ CPU kernels ahead of time for CPU families (kernels/cpu_build.py), so that a
+    shard on a CPU of one loads them without a compiler: the container image's way."""
+    known = {t.name: t for t in cpu_build.TARGETS}
+    directory = Path(output_dir) if output_dir else cpu_build.prebuilt_dir()
+    for name in targets or tuple(known):
+        target = known[name]
+        try:
+            path = cpu_build.build(target.march, cpu_build.prebuilt_path(target, directory))
+        except cpu_build.KernelBuildError as exc:
+            raise click.ClickException(f"{name}: {exc}") from exc
+        click.echo(str(path))
 
 
 if __name__ == "__main__":

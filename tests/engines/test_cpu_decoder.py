@@ -44,9 +44,9 @@ def on_the_cpu():
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
     try:
-        cpu_kernels.check_toolchain()
+        cpu_kernels.load()
     except cpu_kernels.KernelBuildError as exc:
-        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
+        pytest.skip(f"the CPU kernels cannot be had here: {exc}")
 
 
 def started(engine: TgisNativeEngine, prompts: list[int], seed: int = 0):

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from text_generation_server.kernels import cpu_kernels
+from text_generation_server.kernels import cpu_build, cpu_kernels
 from text_generation_server.kernels.weight_layout import panels_offered
 from text_generation_server.kv.paged_kv import BlockPool, PagedKVCache
 from text_generation_server.utils.cpu import cpu_flags
@@ -26,10 +26,9 @@ LORA_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 2e-3
 @pytest.fixture(scope="module")
 def kernel() -> None:
     try:
-        cpu_kernels.check_toolchain()
-    except cpu_kernels.KernelBuildError as exc:  # e.g. an image without g++: SDPA serves there
-        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
-    cpu_kernels.load()
+        cpu_kernels.load()
+    except cpu_kernels.KernelBuildError as exc:  # e.g. no g++ and no prebuilt library: SDPA serves
+        pytest.skip(f"the CPU kernels cannot be had here: {exc}")
 
 
 def attention_case(dtype, rows, heads, kv_heads, dim, block_size, window, seed=0):
@@ -173,7 +172,7 @@ def test_cpu_attention_modes(monkeypatch, caplog) -> None:
 def test_the_toolchain_check_names_what_is_missing(monkeypatch) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(cpu_kernels.KernelBuildError, match="'/nonexistent/c\\+\\+' not found"):
-        cpu_kernels.check_toolchain()
+        cpu_build.compiler()
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -24,109 +24,79 @@ first maximum and its NaN flag (engines/step.py, where the kernels are loaded al
 `panels` layout (weights packed in panels of 16 outputs, register tiles of 6 rows x 16 outputs on
 AVX2 + FMA, float32 sums; bfloat16 pairs on `vdpbf16ps`, or on AMX's tiles where the CPU has them).
 
-The library is compiled with `-O3 -march=native` for the CPU it runs on, so its build directory
-(under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) is named after the source and
-the CPU's feature flags: another CPU, or a changed source, builds anew (about 10 s on 2 cores).
-The build needs a C++ compiler (CXX, else c++) and ninja (the `ninja` package provides it).
+The library of this CPU's family is loaded as `build-cpu-kernels` prebuilt it (the container
+image, which has no compiler), else built at first use (cpu_build.py says how and where).
 
-CPU_ATTENTION picks: `kernel` (must build: a failure stops the shard with the compiler's
-reason), `sdpa` (never built) or `auto` (the kernel where it builds, else SDPA, with the reason
-logged as a warning).
+CPU_ATTENTION picks: `kernel` (must load: a failure stops the shard with the reason), `sdpa`
+(never loaded) or `auto` (the kernel where it loads, else SDPA, with the reason logged as a
+warning).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from text_generation_server.kernels.cpu_build import (
+    NATIVE,
+    TARGETS,
+    KernelBuildError,
+    Target,
+    build,
+    library_name,
+    native_dir,
+    prebuilt_dir,
+    prebuilt_path,
+    target_for,
+)
 from text_generation_server.utils.cpu import cpu_flags
+
+__all__ = ["KernelBuildError", "load", "loaded", "loads"]
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = (
-    CSRC / "paged_decode_cpu.cpp",
-    CSRC / "lora_cpu.cpp",
-    CSRC / "decoder_cpu.cpp",
-    CSRC / "grouped_cpu.cpp",
-    CSRC / "speculator_cpu.cpp",
-    CSRC / "w8a8_cpu.cpp",
-    CSRC / "panel_cpu.cpp",
-    CSRC / "choice_cpu.cpp",
-)
-HEADERS = (CSRC / "float_vectors.h", CSRC / "loops.h", CSRC / "amx.h")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17")
-
-_loaded: str | None = None  # the library name once loaded in this process
+_loaded: str | None = None  # how the library was found, once loaded in this process
 
 
-class KernelBuildError(RuntimeError):
-    """The C++ kernels could not be built or loaded here."""
-
-
-def library_name() -> str:
-    """A name unique to the source, the compiler flags and this CPU's features."""
-    digest = hashlib.sha256()
-    for path in (*SOURCES, *HEADERS):
-        digest.update(path.read_bytes())
-    digest.update(" ".join(CFLAGS).encode())
-    digest.update(" ".join(sorted(cpu_flags())).encode())
-    digest.update(torch.__version__.encode())
-    return f"tgis_cpu_{digest.hexdigest()[:16]}"
-
-
-def _find_ninja() -> str | None:
-    found = shutil.which("ninja")
-    if found:
-        return str(Path(found).parent)
-    try:
-        import ninja  # the PyPI package ships the binary
-
-        return str(ninja.BIN_DIR)
-    except ImportError:
-        return None
-
-
-def check_toolchain() -> None:
-    """Raise KernelBuildError unless a C++ compiler and ninja are here; put ninja on PATH."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise KernelBuildError(f"no C++ compiler ({compiler!r} not found; set CXX or install g++)")
-    ninja_dir = _find_ninja()
-    if ninja_dir is None:
-        raise KernelBuildError("ninja not found (pip install ninja)")
-    if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH
-        os.environ["PATH"] = f"{ninja_dir}{os.pathsep}{os.environ.get('PATH', '')}"
-
-
-def load() -> None:
-    """Build (when needed) and load the kernels into this process; raise KernelBuildError."""
+def load(prebuilt: Path | None = None) -> None:
+    """Load the kernels into this process: the library prebuilt for this CPU's target in
+    `prebuilt` (default: cpu_build.prebuilt_dir()) where there is one, else the same library built
+    here (cached; `-march=native` for a CPU that no target serves); raise KernelBuildError where
+    neither can be had."""
     global _loaded
     if _loaded is not None:
         return
-    from torch.utils import cpp_extension
-
-    check_toolchain()
-    name = library_name()
+    flags = cpu_flags()
+    target = target_for(flags)
+    directory = prebuilt_dir() if prebuilt is None else prebuilt
+    if target is not None and prebuilt_path(target, directory).exists():
+        path = prebuilt_path(target, directory)
+        how = f"prebuilt for {target.name}: {path}"
+    else:
+        try:
+            if target is not None:
+                path = build(target.march, native_dir() / prebuilt_path(target, directory).name)
+                how = f"built for {target.name}, this CPU's instruction sets: {path}"
+            else:
+                path = build(NATIVE, native_dir() / f"{library_name(NATIVE, flags)}.so")
+                how = f"built for this CPU (-march=native): {path}"
+        except KernelBuildError as exc:
+            raise KernelBuildError(f"{exc}, and {_no_prebuilt(target, directory)}") from exc
     try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # the compiler's or loader's own message says why
-        reason = str(exc).strip().splitlines()[-1]
-        raise KernelBuildError(f"building the CPU kernels failed: {reason}") from exc
-    _loaded = name
-    logger.info("CPU kernels loaded (%s)", name)
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as exc:
+        raise KernelBuildError(f"loading the CPU kernels ({path}) failed: {exc}") from exc
+    _loaded = how
+    logger.info("CPU kernels loaded (%s)", how)
+
+
+def _no_prebuilt(target: Target | None, directory: Path) -> str:
+    if target is None:
+        names = ", ".join(t.name for t in TARGETS)
+        return f"no prebuilt target ({names}) has this CPU's instruction sets"
+    return f"{directory} holds no library of this version for this CPU's target ({target.name})"
 
 
 def loaded() -> bool:
