@@ -53,8 +53,6 @@ from text_generation_server.kernels.cpu_build import (
 )
 from text_generation_server.utils.cpu import cpu_flags
 
-__all__ = ["KernelBuildError", "load", "loaded", "loads"]
-
 logger = logging.getLogger(__name__)
 
 _loaded: str | None = None  # how the library was found, once loaded in this process
@@ -71,25 +69,26 @@ def load(prebuilt: Path | None = None) -> None:
     flags = cpu_flags()
     target = target_for(flags)
     directory = prebuilt_dir() if prebuilt is None else prebuilt
-    if target is not None and prebuilt_path(target, directory).exists():
-        path = prebuilt_path(target, directory)
-        how = f"prebuilt for {target.name}: {path}"
-    else:
+    march: tuple[str, ...]  # the options to build with here; () = nothing to build
+    if target is None:  # no family: a library of this CPU's own
+        path = native_dir() / f"{library_name(NATIVE, flags)}.so"
+        march, how = NATIVE, "built for this CPU (-march=native)"
+    elif (path := prebuilt_path(target, directory)).exists():
+        march, how = (), f"prebuilt for {target.name}"
+    else:  # the family's library, built here
+        path = native_dir() / path.name
+        march, how = target.march, f"built for {target.name}, this CPU's instruction sets"
+    if march:
         try:
-            if target is not None:
-                path = build(target.march, native_dir() / prebuilt_path(target, directory).name)
-                how = f"built for {target.name}, this CPU's instruction sets: {path}"
-            else:
-                path = build(NATIVE, native_dir() / f"{library_name(NATIVE, flags)}.so")
-                how = f"built for this CPU (-march=native): {path}"
+            build(march, path)
         except KernelBuildError as exc:
             raise KernelBuildError(f"{exc}, and {_no_prebuilt(target, directory)}") from exc
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as exc:
         raise KernelBuildError(f"loading the CPU kernels ({path}) failed: {exc}") from exc
-    _loaded = how
-    logger.info("CPU kernels loaded (%s)", how)
+    _loaded = f"{how}: {path}"
+    logger.info("CPU kernels loaded (%s)", _loaded)
 
 
 def _no_prebuilt(target: Target | None, directory: Path) -> str:
