@@ -569,7 +569,14 @@ def convert_to_onnx(
 def build_cpu_kernels(targets: tuple[str, ...], output_dir: str | None) -> None:
     """Build our C++ CPU kernels ahead of time for CPU families (kernels/cpu_build.py), so that a
     shard on a CPU of one loads them without a compiler: the container image's way."""
+    import platform
+
     known = {t.name: t for t in cpu_build.TARGETS}
+    if platform.machine() not in ("x86_64", "AMD64"):  # the targets are x86-64 families
+        if targets:
+            raise click.ClickException(f"x86-64 targets cannot be built on {platform.machine()}")
+        logger.warning("no targets for %s: a shard builds its kernels at first start", platform.machine())
+        return
     directory = Path(output_dir) if output_dir else cpu_build.prebuilt_dir()
     for name in targets or tuple(known):
         target = known[name]

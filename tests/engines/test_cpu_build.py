@@ -244,3 +244,14 @@ def test_build_cpu_kernels_says_which_target_failed(tmp_path: Path, monkeypatch)
         app, ["build-cpu-kernels", "--target", "v4-vnni", "--output-dir", str(tmp_path)]
     )
     assert result.exit_code == 1 and "v4-vnni: building the CPU kernels failed" in result.output
+
+
+def test_build_cpu_kernels_on_another_architecture_builds_nothing(tmp_path: Path, monkeypatch) -> None:
+    """An arm64 image build goes on without the x86-64 families (its shards build at first start
+    where a compiler is, else run without the kernels)."""
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    monkeypatch.setattr(cpu_build, "build", lambda march, library: pytest.fail("built on aarch64"))
+    result = CliRunner().invoke(app, ["build-cpu-kernels", "--output-dir", str(tmp_path)])
+    assert result.exit_code == 0 and not list(tmp_path.iterdir()), result.output
+    result = CliRunner().invoke(app, ["build-cpu-kernels", "--target", "x86-64-v3"])
+    assert result.exit_code == 1 and "x86-64 targets cannot be built on aarch64" in result.output
