@@ -214,6 +214,13 @@ def test_a_failed_build_names_the_compiler_error_and_leaves_no_library(tmp_path:
     assert not library.exists() and [p.name for p in library.parent.iterdir()] == ["lib.lock"]
 
 
+def test_a_directory_that_cannot_be_written_is_a_build_error(tmp_path: Path, monkeypatch) -> None:
+    fake_compiler(tmp_path, monkeypatch)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(cpu_build.KernelBuildError, match=r"building the CPU kernels in .*/file/sub failed"):
+        cpu_build.build(("-march=x86-64-v3",), tmp_path / "file" / "sub" / "lib.so")
+
+
 def test_build_cpu_kernels_builds_every_target_or_those_named(tmp_path: Path, monkeypatch) -> None:
     built: list[tuple[tuple[str, ...], Path]] = []
 

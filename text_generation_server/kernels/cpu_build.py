@@ -180,39 +180,33 @@ def _run(command: list[str]) -> None:
 def build(march: tuple[str, ...], library: Path) -> Path:
     """Compile the sources with `march` into the shared library `library` (kept if it exists)."""
     cxx = compiler()
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(library.with_suffix(".lock")):
-        if library.exists():
-            return library
-        import torch
-        from torch.utils import cpp_extension
-
-        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        includes = [f"-isystem{path}" for path in cpp_extension.include_paths()]
-        flags = [*CFLAGS, *march, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
-        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-            objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
-            with ThreadPoolExecutor(max_workers=min(len(SOURCES), os.cpu_count() or 1)) as pool:
-                compiled = [
-                    pool.submit(_run, [cxx, *flags, "-c", str(source), "-o", str(obj)])
-                    for source, obj in zip(SOURCES, objects, strict=True)
-                ]
-                for job in compiled:
-                    job.result()
-            libs = [f"-L{path}" for path in cpp_extension.library_paths()]
-            linked = Path(scratch) / library.name
-            _run(
-                [
-                    cxx,
-                    "-shared",
-                    "-fopenmp",
-                    *map(str, objects),
-                    *libs,
-                    "-lc10",
-                    "-ltorch_cpu",
-                    "-o",
-                    str(linked),
-                ]
-            )
-            os.replace(linked, library)
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(library.with_suffix(".lock")):
+            if not library.exists():
+                _compile(cxx, march, library)
+    except OSError as exc:  # a directory that cannot be written (a read-only home, ...)
+        raise KernelBuildError(f"building the CPU kernels in {library.parent} failed: {exc}") from exc
     return library
+
+
+def _compile(cxx: str, march: tuple[str, ...], library: Path) -> None:
+    import torch
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-isystem{path}" for path in cpp_extension.include_paths()]
+    flags = [*CFLAGS, *march, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        objects = [str(Path(scratch) / f"{source.stem}.o") for source in SOURCES]
+        with ThreadPoolExecutor(max_workers=min(len(SOURCES), os.cpu_count() or 1)) as pool:
+            compiled = [
+                pool.submit(_run, [cxx, *flags, "-c", str(source), "-o", obj])
+                for source, obj in zip(SOURCES, objects, strict=True)
+            ]
+            for job in compiled:
+                job.result()
+        libs = [f"-L{path}" for path in cpp_extension.library_paths()]
+        linked = str(Path(scratch) / library.name)
+        _run([cxx, "-shared", "-fopenmp", *objects, *libs, "-lc10", "-ltorch_cpu", "-o", linked])
+        os.replace(linked, library)
