@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
+from tests.engines.conformance import OpenAIPenalties
 from text_generation_common.messages import LengthPenalty, SamplingParams
 from text_generation_server.sampling import logits_process as lp
 from text_generation_server.sampling.chooser import TokenChooser, inverse_transform, sample
@@ -78,6 +79,26 @@ def test_repetition_penalty() -> None:
     torch.testing.assert_close(got, want)
 
 
+def test_additive_penalties() -> None:
+    """Counts of 0-3 per token, both signs, a row with neither penalty: against the slow rule."""
+    penalties = [(0.0, 0.0), (0.5, 0.0), (0.0, 1.5), (-0.7, 0.3), (2.0, -2.0)]  # (presence, frequency)
+    gen = torch.Generator().manual_seed(5)
+    prompt = 4
+    ids = torch.cat(
+        [torch.zeros(len(penalties), prompt, dtype=torch.long), torch.randint(0, 9, (5, 12), generator=gen)],
+        1,
+    )
+    counts = torch.zeros((len(penalties), VOCAB))
+    counts.scatter_add_(1, ids[:, prompt:], torch.ones(len(penalties), 12))
+    assert counts.max() >= 3  # repeats: presence counts once, frequency per time
+    scores = random_scores(len(penalties), seed=7)
+    presence, frequency = (torch.tensor(column) for column in zip(*penalties, strict=True))
+    got = lp.apply_additive_penalties(scores.clone(), counts, presence, frequency)
+    want = per_row(lambda i: OpenAIPenalties(prompt, *penalties[i]), scores, ids)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[0], scores[0])
+
+
 def test_min_new_tokens() -> None:
     scores = random_scores(3)
     masked = torch.tensor([True, False, True])
@@ -111,9 +132,17 @@ def test_length_penalty() -> None:
 
 PIPELINE_PARAMS = [
     SamplingParams(),  # greedy: untouched by warpers
-    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, typical_p=0.8, repetition_penalty=1.3, seed=1),
+    SamplingParams(
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        typical_p=0.8,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        seed=1,
+    ),
     SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5, seed=2),
-    SamplingParams(repetition_penalty=2.0, length_penalty=LengthPenalty(1, 1.7)),
+    SamplingParams(repetition_penalty=2.0, length_penalty=LengthPenalty(1, 1.7), presence_penalty=-0.7),
     SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2), seed=3),
     SamplingParams(min_new_tokens=3, length_penalty=LengthPenalty(1, 1.5)),
 ]
@@ -129,7 +158,8 @@ def transformers_process(chooser: TokenChooser, scores: torch.Tensor) -> torch.T
 def transformers_process_for(
     chooser: TokenChooser, scores: torch.Tensor, prompts: Sequence[Sequence[int]]
 ) -> torch.Tensor:
-    """transformers_process with the rows' own prompts."""
+    """transformers_process with the rows' own prompts (and OpenAI's penalties after the
+    repetition penalty, as vLLM orders them)."""
     rows = []
     for i, p in enumerate(chooser.params):
         ids = torch.tensor([chooser.histories[i]])
@@ -145,6 +175,8 @@ def transformers_process_for(
             )
         if p.repetition_penalty != 1.0:
             procs.append(hf.RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+        if p.presence_penalty or p.frequency_penalty:
+            procs.append(OpenAIPenalties(n_in, p.presence_penalty, p.frequency_penalty))
         if not p.greedy:
             if p.temperature != 1.0:
                 procs.append(hf.TemperatureLogitsWarper(p.temperature))
@@ -241,6 +273,37 @@ def test_choosers_reach_the_device_without_waiting(monkeypatch) -> None:
     assert direct == []
     assert len(expanded) == 2 * rows and both.generated == [3] * rows
     assert both.seen is not None and both.seen[:, [7, 8, 9]].all()
+
+
+def test_generated_token_counts_follow_the_rows_through_every_chooser_operation() -> None:
+    """The counts the additive penalties read, kept on the device through advance, select,
+    concatenate, advance_many and expand, equal the counts of each row's generated ids."""
+    device = torch.device("cpu")
+    penalised = SamplingParams(frequency_penalty=1.0)
+    chooser = TokenChooser.create(PIPELINE_PARAMS, PIPELINE_PROMPTS, EOS, VOCAB, device)
+    plain = TokenChooser.create([SamplingParams()] * 2, [[5], [6, 6]], EOS, VOCAB, device)
+    assert plain.counts is None and chooser.counts is not None and not chooser.plain
+    chooser.advance([40, 41, 40, 42, 43, 44])
+    check_counts(chooser)  # (histories are shared with the choosers made from it: check now)
+    both = TokenChooser.concatenate([chooser.select([3, 1, 0]), plain, chooser.select([5])])
+    both.advance([40, 40, 41, 9, 40, 41])
+    both.advance_many([[41, 41], [], [40], [5, 5, 5], [6], [40, 40, 40]])
+    check_counts(both)
+    check_counts(both.expand([[40, 41], [], [9], [5], [], []]))
+    only_plain = both.select([3, 4])
+    assert only_plain.counts is None and only_plain.plain
+    check_counts(
+        TokenChooser.concatenate([only_plain, TokenChooser.create([penalised], [[8]], EOS, VOCAB, device)])
+    )
+
+
+def check_counts(chooser: TokenChooser) -> None:
+    assert chooser.counts is not None
+    want = torch.zeros_like(chooser.counts)
+    for row, (history, generated) in enumerate(zip(chooser.histories, chooser.generated, strict=True)):
+        for token in history[len(history) - generated :] if generated else []:
+            want[row, token] += 1
+    assert torch.equal(chooser.counts, want)
 
 
 @pytest.mark.gpu

@@ -235,6 +235,8 @@ PARAMS = [
     SamplingParams(temperature=0.9, top_k=8, seed=11),
     SamplingParams(temperature=1.3, top_p=0.8, seed=12, repetition_penalty=1.2),
     SamplingParams(temperature=0.7, typical_p=0.9, seed=13, min_new_tokens=2),
+    SamplingParams(presence_penalty=0.6, frequency_penalty=0.9),
+    SamplingParams(temperature=0.8, seed=14, frequency_penalty=-0.5),
 ]
 DETAILS = RequestedDetails(logprobs=True, ranks=True, top_n_tokens=3)
 
@@ -269,6 +271,8 @@ def stepwise(chooser: TokenChooser, logits: torch.Tensor, drafts: Sequence[Seque
             chooser.generated[row] = sub.generated[k]
         if sub.seen is not None:
             chooser.seen[torch.tensor(live)] = sub.seen
+        if sub.counts is not None:
+            chooser.counts[torch.tensor(live)] = sub.counts
         if chooser.generated_t is not None:
             chooser.generated_t = torch.tensor(chooser.generated)
         still = []
@@ -472,6 +476,7 @@ def workload(seed: int) -> dict[int, list[GenerationRequest]]:
     kinds = [
         SamplingParams(),
         SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=1.0, frequency_penalty=0.5),
         SamplingParams(min_new_tokens=6, length_penalty=LengthPenalty(3, 1.2)),
         SamplingParams(temperature=0.8, top_k=30, seed=5),
         SamplingParams(temperature=1.1, top_p=0.9, seed=6),

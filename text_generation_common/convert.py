@@ -63,6 +63,8 @@ def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
         min_new_tokens=p.min_new_tokens,
         seed=p.seed if p.HasField("seed") else None,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
         length_penalty=(
             LengthPenalty(p.length_penalty.start_index, p.length_penalty.decay_factor)
             if p.HasField("length_penalty")
@@ -182,6 +184,8 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.NextTokenChooserParameters:
         typical_p=p.typical_p,
         min_new_tokens=p.min_new_tokens,
         repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
     )
     if p.seed is not None:
         out.seed = p.seed

@@ -55,6 +55,10 @@ class SamplingParams:
     min_new_tokens: int = 0  # EOS masked while fewer tokens were generated
     seed: int | None = None  # sampling generator seed; the router sets one for every sampling request
     repetition_penalty: float = 1.0  # 1.0 = off
+    # OpenAI's additive penalties over the tokens generated so far (0 = off): a token's score
+    # less frequency_penalty per time it was generated, less presence_penalty once it was
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     length_penalty: LengthPenalty | None = None
     guided: Guided | None = None  # guided decoding: the output must satisfy it
 

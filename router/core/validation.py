@@ -38,6 +38,7 @@ MIN_TEMPERATURE = 0.05
 MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240
 MAX_TOP_N_TOKENS = 10
+MAX_ADDITIVE_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 STOP_SEQUENCES_MESSAGE = (
     f"can specify at most {MAX_STOP_SEQUENCES} non-empty stop sequences, "
     f"each not more than {MAX_STOP_SEQUENCE_BYTES} UTF8 bytes"
@@ -138,11 +139,17 @@ def http_sampling(
     seed: int | None,
     repetition_penalty: float | None,
     guided: Guided | None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
 ) -> SamplingParams:
     """The HTTP doors' sampling parameters (None: not given) -> SamplingParams: greedy unless
-    `sample` (each door decides by its API's rule), every field not given at its neutral value."""
+    `sample` (each door decides by its API's rule), every field not given at its neutral value;
+    the penalties apply to greedy choices too."""
     chosen = SamplingParams(
-        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty, guided=guided
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        presence_penalty=presence_penalty or 0.0,
+        frequency_penalty=frequency_penalty or 0.0,
+        guided=guided,
     )
     if not sample:
         return chosen
@@ -197,6 +204,12 @@ def check_params(p: RequestParams, max_new_tokens: int) -> None:
         raise ValidationError("min_new_tokens must be <= max_new_tokens")
     if not 0.0 < held(s.repetition_penalty) < math.inf:
         raise ValidationError("repetition_penalty must be > 0.0")
+    for name, penalty in (
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+    ):
+        if not -MAX_ADDITIVE_PENALTY <= penalty <= MAX_ADDITIVE_PENALTY:  # the OpenAI door's only
+            raise ValidationError(f"{name} must be >= -2.0 and <= 2.0")
     lp = s.length_penalty
     if lp is not None and not 1.0 <= held(lp.decay_factor) <= 10.0:
         raise ValidationError("length_penalty must be >= 1.0 and <= 10.0")

@@ -4,11 +4,13 @@
 Parameters become RequestParams and go through the same validation as every door (TGIS's
 messages). OpenAI's defaults hold at this door: temperature 1.0 (sampling; 0 = greedy),
 stop sequences left out of the text, max_tokens up to the server's MAX_NEW_TOKENS when unset
-(then capped to fit the context, finish_reason "length"). Extensions as vLLM accepts them:
-`top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos` (the model's EOS is masked until
-max_tokens), `include_stop_str_in_output`. Parameters that would change the answer and are not
-served (penalties, logit_bias, tools, response formats other than text, suffix, best_of > 1)
-are refused with 400; metadata fields (`user`, `metadata`, `store`, ...) are accepted.
+(then capped to fit the context, finish_reason "length"), `presence_penalty` and
+`frequency_penalty` over the tokens generated so far (as vLLM applies them, greedy choices
+too). Extensions as vLLM accepts them: `top_k`, `repetition_penalty`, `min_tokens`,
+`ignore_eos` (the model's EOS is masked until max_tokens), `include_stop_str_in_output`.
+Parameters that would change the answer and are not served (logit_bias, tools, response
+formats other than text, suffix, best_of > 1) are refused with 400; metadata fields (`user`,
+`metadata`, `store`, ...) are accepted.
 
 `n` > 1 and lists of prompts run as separate requests in the same batch (one concurrency
 permit each); their choices stream interleaved, each chunk naming its `index`.
@@ -93,8 +95,8 @@ class _Common(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, description="not served: 0 or unset only")
-    frequency_penalty: float | None = Field(default=None, description="not served: 0 or unset only")
+    presence_penalty: float | None = Field(default=None, description="-2.0 to 2.0; 0 = off")
+    frequency_penalty: float | None = Field(default=None, description="-2.0 to 2.0; 0 = off")
     logit_bias: dict[str, float] | None = Field(default=None, description="not served: empty or unset only")
     best_of: int | None = Field(default=None, description="not served: 1 or unset only")
     user: str | None = None
@@ -145,8 +147,6 @@ class ChatRequest(_Common):
 def unsupported(body: _Common) -> str | None:
     """Why parameters this server does not serve refuse the request, or None."""
     checks: list[tuple[bool, str]] = [
-        (bool(body.presence_penalty), "presence_penalty"),
-        (bool(body.frequency_penalty), "frequency_penalty"),
         (bool(body.logit_bias), "logit_bias"),
         (body.best_of is not None and body.best_of > 1, "best_of > 1"),
     ]
@@ -218,6 +218,8 @@ def request_params(
         top_p=body.top_p,
         seed=body.seed,
         repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
         guided=guided_of(body),
     )
     limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or max_new_tokens

@@ -183,6 +183,23 @@ def transformers_oracle(model_dir: Path, device: str | None = None, dtype: str =
     return generate
 
 
+class OpenAIPenalties:
+    """OpenAI's presence and frequency penalties the slow way, as a logits processor for
+    transformers' `generate` (transformers has none): a token's score less `frequency` per time
+    and `presence` once it appears after the first `start` ids of a row (the prompt, or a
+    decoder's start token)."""
+
+    def __init__(self, start: int, presence: float, frequency: float) -> None:
+        self.start, self.presence, self.frequency = start, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for row in range(scores.shape[0]):
+            generated = input_ids[row, self.start :].tolist()
+            for token in set(generated):
+                scores[row, token] -= self.frequency * generated.count(token) + self.presence
+        return scores
+
+
 def own_reference(engine: ModelEngine) -> Oracle:
     assert isinstance(engine, FakeEngine)
 

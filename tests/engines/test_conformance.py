@@ -28,6 +28,7 @@ from router.core.validation import ValidatedRequest
 from tests.engines.conformance import (
     EngineCase,
     LocalShard,
+    OpenAIPenalties,
     Oracle,
     Runner,
     alone,
@@ -157,6 +158,23 @@ def test_repetition_penalty_matches_the_oracle(subject: Subject) -> None:
         pytest.skip("the fake engine's reference is greedy only (batch invariance covers penalties)")
     request = subject.request(1, 3, 12, params=SamplingParams(repetition_penalty=1.8))
     assert alone(subject.engine, request) == subject.oracle(request.input_ids, 12, repetition_penalty=1.8)
+
+
+def test_openai_penalties_match_the_oracle(subject: Subject) -> None:
+    """presence_penalty and frequency_penalty (the OpenAI door's) against transformers' greedy
+    `generate` with the same penalties as a logits processor. A negative frequency penalty makes
+    the tiny random models repeat tokens (counts past 1), so the answer differs from greedy's."""
+    if subject.case.engine == "fake":
+        pytest.skip("the fake engine's reference is greedy only (batch invariance covers penalties)")
+    from transformers import LogitsProcessorList
+
+    params = SamplingParams(presence_penalty=2.0, frequency_penalty=-6.0)
+    request = subject.request(1, 3, 12, params=params)
+    start = 1 if subject.engine.info.seq2seq else len(request.input_ids)
+    processors = LogitsProcessorList([OpenAIPenalties(start, 2.0, -6.0)])
+    got = alone(subject.engine, request)
+    assert got == subject.oracle(request.input_ids, 12, logits_processor=processors)
+    assert got != subject.oracle(request.input_ids, 12)
 
 
 def test_min_new_tokens_holds_eos_back(subject: Subject) -> None:

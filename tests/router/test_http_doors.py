@@ -202,6 +202,23 @@ def test_tgi_grammar_and_openai_guided_parameters_become_constraints() -> None:
     assert openai_unsupported(refused) == "response_format xml is not supported by this server"
 
 
+def test_openai_penalties_reach_greedy_and_sampled_requests() -> None:
+    for temperature in (0.0, 0.7):
+        body = ChatRequest(
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=temperature,
+            presence_penalty=0.5,
+            frequency_penalty=-1.25,
+        )
+        assert openai_unsupported(body) is None
+        s = openai_request_params(body, max_new_tokens=100, top_n=0, logprobs=False, stream=False).sampling
+        assert s.greedy == (temperature == 0.0)
+        assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.25)
+    plain = ChatRequest(messages=[{"role": "user", "content": "hi"}], presence_penalty=0)
+    s = openai_request_params(plain, max_new_tokens=100, top_n=0, logprobs=False, stream=False).sampling
+    assert (s.presence_penalty, s.frequency_penalty) == (0.0, 0.0)
+
+
 # ---- routes ---------------------------------------------------------------------------------
 
 
@@ -623,10 +640,17 @@ async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
         ("/v1/completions", {"prompt": "hi", "temperature": 0.01}, 400, "temperature must be >= 0.05"),
         (
             "/v1/completions",
-            {"prompt": "hi", "presence_penalty": 1},
+            {"prompt": "hi", "presence_penalty": 2.5},
             400,
-            "presence_penalty is not supported",
+            "presence_penalty must be >= -2.0",
         ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -2.01},
+            400,
+            "frequency_penalty must be >= -2.0 and <= 2.0",
+        ),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 1}}, 400, "logit_bias is not supported"),
         ("/v1/completions", {"prompt": "hi", "bogus": 1}, 400, "bogus: Extra inputs are not permitted"),
         ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
         (

@@ -7,7 +7,8 @@ batch it runs in.
 
 Per step (`choose`), in TGIS order:
   1. EOS masked while fewer than min_new_tokens were generated, else the length penalty;
-  2. repetition penalty over the prompt + generated ids;
+  2. repetition penalty over the prompt + generated ids, then OpenAI's presence and frequency
+     penalties over the generated ids (each row's counts, kept on the device);
   3. guided decoding: each constrained row's grammar masks what it does not allow (guided.py);
   4. if any row samples: temperature -> top-k -> top-p -> typical-p (greedy rows untouched);
   5. greedy rows take the argmax; sampling rows draw from softmax(scores) by inverse transform
@@ -97,6 +98,7 @@ class TokenChooser:
         device: torch.device,
         seen: torch.Tensor | None = None,
         matchers: Sequence[Any | None] | None = None,
+        counts: torch.Tensor | None = None,
     ) -> None:
         self.params = list(params)
         # guided decoding: each row's llguidance matcher (None: free text)
@@ -151,6 +153,16 @@ class TokenChooser:
         self.seen = seen if self.any_repetition_penalty else None
         if self.any_repetition_penalty and self.seen is None:
             self.seen = self._build_seen(self.histories)
+        # OpenAI's penalties: [batch] each, and [batch, vocab] float32 counts of the generated
+        # tokens, kept only while some row has one
+        self.any_additive_penalty = any(p.presence_penalty or p.frequency_penalty for p in self.params)
+        self.presence_t: torch.Tensor | None = None
+        self.frequency_t: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        if self.any_additive_penalty:
+            self.presence_t = to_device([p.presence_penalty for p in self.params], device, torch.float32)
+            self.frequency_t = to_device([p.frequency_penalty for p in self.params], device, torch.float32)
+            self.counts = counts if counts is not None else self._build_counts()
 
     @classmethod
     def create(
@@ -197,6 +209,23 @@ class TokenChooser:
             flat = [t for ids in tokens for t in ids]
             seen[to_device(rows, seen.device), to_device(flat, seen.device)] = True
 
+    def _build_counts(self) -> torch.Tensor:
+        counts = torch.zeros((len(self.params), self.vocab_size), dtype=torch.float32, device=self.device)
+        generated = [
+            h[len(h) - g :] if g else [] for h, g in zip(self.histories, self.generated, strict=True)
+        ]
+        self._count(counts, generated)
+        return counts
+
+    @staticmethod
+    def _count(counts: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
+        """Add one to `counts` at (row, token) for each of `tokens[row]`, repeats included."""
+        rows = [row for row, ids in enumerate(tokens) for _ in ids]
+        if rows:
+            flat = [t for ids in tokens for t in ids]
+            index = (to_device(rows, counts.device), to_device(flat, counts.device))
+            counts.index_put_(index, torch.ones(len(rows), device=counts.device), accumulate=True)
+
     def process(self, scores: torch.Tensor) -> torch.Tensor:
         """Apply every logits processor; `scores` [batch, vocab] float32 is modified in place."""
         eos = self.eos_token_id
@@ -220,6 +249,8 @@ class TokenChooser:
             scores = lp.apply_length_penalty(scores, eos, factors)
         if self.seen is not None and self.penalty is not None:
             scores = lp.apply_repetition_penalty(scores, self.seen, self.penalty)
+        if self.counts is not None and self.presence_t is not None and self.frequency_t is not None:
+            scores = lp.apply_additive_penalties(scores, self.counts, self.presence_t, self.frequency_t)
         if self.any_guided:
             started = time.perf_counter_ns()
             guided.apply_masks(self.matchers, scores, eos)
@@ -255,6 +286,7 @@ class TokenChooser:
             or self.any_min_new
             or self.any_length_penalty
             or self.any_repetition_penalty
+            or self.any_additive_penalty
             or self.any_guided
         )
 
@@ -307,6 +339,9 @@ class TokenChooser:
             self.generated_t += 1
         if self.seen is not None:
             self.seen.scatter_(1, next_ids_t.view(-1, 1), True)
+        if self.counts is not None:
+            ids = next_ids_t.view(-1, 1)
+            self.counts.scatter_add_(1, ids, torch.ones(ids.shape, device=self.counts.device))
 
     @staticmethod
     def record(
@@ -339,6 +374,8 @@ class TokenChooser:
             self.generated_t += to_device([len(ids) for ids in tokens], self.device)
         if self.seen is not None:
             self._mark_seen(self.seen, tokens)
+        if self.counts is not None:
+            self._count(self.counts, tokens)
         self.guided_ns += self._feed_matchers(self.matchers, tokens)
 
     # ---- speculative decoding ---------------------------------------------------------------------
@@ -363,16 +400,19 @@ class TokenChooser:
     def expand(self, drafts: Sequence[Sequence[int]], owners: Sequence[int] | None = None) -> TokenChooser:
         """A chooser with len(drafts[i]) + 1 rows for draft i, of row owners[i] (default: row i):
         its j-th is that row after it took drafts[i][:j] (history, generated count, seen tokens,
-        grammar state; the row's own parameters and generator, so position j draws the row's
-        j-th number). A row may own several drafts (candidate chains) only where it is greedy.
-        Drafts must be trimmed (`trim_drafts`)."""
+        generated-token counts, grammar state; the row's own parameters and generator, so
+        position j draws the row's j-th number). A row may own several drafts (candidate chains)
+        only where it is greedy. Drafts must be trimmed (`trim_drafts`)."""
         owners = list(owners) if owners is not None else list(range(len(drafts)))
         rows = [owner for owner, draft in zip(owners, drafts, strict=True) for _ in range(len(draft) + 1)]
         taken = [draft[:j] for draft in drafts for j in range(len(draft) + 1)]
-        seen = None
+        seen = counts = None
         if self.seen is not None:
             seen = self.seen.index_select(0, to_device(rows, self.device))
             self._mark_seen(seen, taken)
+        if self.counts is not None:
+            counts = self.counts.index_select(0, to_device(rows, self.device))
+            self._count(counts, taken)
         matchers: list[Any | None] = []
         started: set[int] = set()
         for owner, draft in zip(owners, drafts, strict=True):
@@ -391,6 +431,7 @@ class TokenChooser:
             self.device,
             seen,
             matchers,
+            counts,
         )
 
     def generator_states(self, rows: Sequence[int]) -> list[torch.Tensor | None]:
@@ -412,9 +453,11 @@ class TokenChooser:
 
     def select(self, rows: Sequence[int]) -> TokenChooser:
         """A chooser for the given rows (in that order), carrying their state."""
-        seen = None
+        seen = counts = None
         if self.seen is not None:
             seen = self.seen[to_device(rows, self.device)]
+        if self.counts is not None:
+            counts = self.counts[to_device(rows, self.device)]
         return TokenChooser(
             [self.params[i] for i in rows],
             [self.histories[i] for i in rows],
@@ -425,14 +468,17 @@ class TokenChooser:
             self.device,
             seen,
             [self.matchers[i] for i in rows],
+            counts,
         )
 
     @classmethod
     def concatenate(cls, choosers: Sequence[TokenChooser]) -> TokenChooser:
         first = choosers[0]
-        seen = None
+        seen = counts = None
         if any(c.any_repetition_penalty for c in choosers):
             seen = torch.cat([c.seen if c.seen is not None else c._build_seen(c.histories) for c in choosers])
+        if any(c.any_additive_penalty for c in choosers):
+            counts = torch.cat([c.counts if c.counts is not None else c._build_counts() for c in choosers])
         return cls(
             [p for c in choosers for p in c.params],
             [h for c in choosers for h in c.histories],
@@ -443,4 +489,5 @@ class TokenChooser:
             first.device,
             seen,
             [m for c in choosers for m in c.matchers],
+            counts,
         )

@@ -10,11 +10,13 @@ tests/test_logits_process.py checks with `allclose`:
 | apply_min_new_tokens         | MinNewTokensLengthLogitsProcessor                      |
 | apply_length_penalty         | ExponentialDecayLengthPenalty                          |
 | apply_repetition_penalty     | RepetitionPenaltyLogitsProcessor (on a seen-token mask) |
+| apply_additive_penalties     | none: OpenAI's presence / frequency penalties (vLLM's)  |
 | apply_temperature            | TemperatureLogitsWarper                                |
 | apply_top_k / top_p / typical_p | TopK / TopP / Typical LogitsWarper (min_tokens_to_keep=1) |
 
 Callers: sampling/chooser.py (in TGIS order: min-new-tokens or length penalty, repetition
-penalty, then, if any row samples, temperature -> top-k -> top-p -> typical-p).
+penalty, the additive penalties, then, if any row samples, temperature -> top-k -> top-p ->
+typical-p).
 
 The per-row parameters of top-k / top-p / typical-p become device tensors once (`*Plan.of`,
 when a chooser is built): applying a plan every step copies nothing to the device, so a step on
@@ -62,6 +64,17 @@ def apply_repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: 
     p = penalty.unsqueeze(1)
     penalised = torch.where(scores < 0, scores * p, scores / p)
     return torch.where(seen, penalised, scores)
+
+
+def apply_additive_penalties(
+    scores: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI's penalties as vLLM applies them: score -= frequency * count + presence * (count > 0),
+    counts [batch, vocab] float32 = how often each row generated each token; presence and
+    frequency [batch] (0.0 = off)."""
+    scores -= frequency.unsqueeze(1) * counts
+    scores -= presence.unsqueeze(1) * (counts > 0)
+    return scores
 
 
 def apply_temperature(scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
