@@ -201,13 +201,19 @@ class TokenChooser:
         return seen
 
     @staticmethod
-    def _mark_seen(seen: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
-        """Mark `tokens[row]` seen in row `row` of `seen`: one copy of every row's ids, not one
-        per row."""
+    def _positions(tokens: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        """(row, token) of every entry of `tokens[row]`, repeats included, as one index on
+        `device` (one copy of every row's ids, not one per row); None where there are none."""
         rows = [row for row, ids in enumerate(tokens) for _ in ids]
-        if rows:
-            flat = [t for ids in tokens for t in ids]
-            seen[to_device(rows, seen.device), to_device(flat, seen.device)] = True
+        if not rows:
+            return None
+        return to_device(rows, device), to_device([t for ids in tokens for t in ids], device)
+
+    @staticmethod
+    def _mark_seen(seen: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
+        """Mark `tokens[row]` seen in row `row` of `seen`."""
+        if (index := TokenChooser._positions(tokens, seen.device)) is not None:
+            seen[index] = True
 
     def _build_counts(self) -> torch.Tensor:
         counts = torch.zeros((len(self.params), self.vocab_size), dtype=torch.float32, device=self.device)
@@ -220,11 +226,8 @@ class TokenChooser:
     @staticmethod
     def _count(counts: torch.Tensor, tokens: Sequence[Sequence[int]]) -> None:
         """Add one to `counts` at (row, token) for each of `tokens[row]`, repeats included."""
-        rows = [row for row, ids in enumerate(tokens) for _ in ids]
-        if rows:
-            flat = [t for ids in tokens for t in ids]
-            index = (to_device(rows, counts.device), to_device(flat, counts.device))
-            counts.index_put_(index, torch.ones(len(rows), device=counts.device), accumulate=True)
+        if (index := TokenChooser._positions(tokens, counts.device)) is not None:
+            counts.index_put_(index, torch.ones(len(index[0]), device=counts.device), accumulate=True)
 
     def process(self, scores: torch.Tensor) -> torch.Tensor:
         """Apply every logits processor; `scores` [batch, vocab] float32 is modified in place."""
