@@ -18,8 +18,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from router.core.detokenizer import Detokenizer
-from router.core.output_text import REPLACEMENT, OutputText
+from router.core.detokenizer import REPLACEMENT_CHAR, Detokenizer
+from router.core.output_text import OutputText
 from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.core.stopping import StopReason, check_stop
 from router.core.validation import ValidatedRequest
@@ -160,7 +160,7 @@ class Entry:
                 self._text.flush()
             text = self._text.final_unsent() if self.stream else self._text.final()
         else:
-            text = detokenizer.decode(self.token_ids).rstrip(REPLACEMENT)
+            text = detokenizer.decode(self.token_ids).rstrip(REPLACEMENT_CHAR)
         if self.stream:
             out = Output(self.generated, text, tokens, None, reason, stop_sequence)
         else:

@@ -11,11 +11,9 @@ one short string.
 
 from __future__ import annotations
 
-from router.core.detokenizer import IncrementalDecoder
+from router.core.detokenizer import REPLACEMENT_CHAR, IncrementalDecoder
 from router.core.stopping import StopMatch, find_stop_sequence, held_back
 from router.core.validation import StoppingSpec
-
-REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) valid UTF-8
 
 # Characters the unsettled tail may reach before its settled part moves to the pieces: long
 # enough that answers of a few hundred tokens never settle, short enough to copy in a few µs.
@@ -92,7 +90,7 @@ class OutputText:
         character whose other bytes are still to come)."""
         start = self._sent - self._settled
         end = len(self._tail) - held_back(self._tail, self._hold_bytes or 0)
-        while end > start and self._tail[end - 1] == REPLACEMENT:
+        while end > start and self._tail[end - 1] == REPLACEMENT_CHAR:
             end -= 1
         if end <= start:
             return ""
@@ -101,7 +99,7 @@ class OutputText:
 
     def final(self) -> str:
         """The whole answer without a trailing run of U+FFFD (bytes that never completed)."""
-        return ("".join(self._pieces) + self._tail).rstrip(REPLACEMENT)
+        return ("".join(self._pieces) + self._tail).rstrip(REPLACEMENT_CHAR)
 
     def final_unsent(self) -> str:
         """What the stream's last message carries: the final answer past what was sent."""
