@@ -209,7 +209,7 @@ def check_params(p: RequestParams, max_new_tokens: int) -> None:
         ("frequency_penalty", s.frequency_penalty),
     ):
         if not -MAX_ADDITIVE_PENALTY <= penalty <= MAX_ADDITIVE_PENALTY:  # the OpenAI door's only
-            raise ValidationError(f"{name} must be >= -2.0 and <= 2.0")
+            raise ValidationError(f"{name} must be >= {-MAX_ADDITIVE_PENALTY} and <= {MAX_ADDITIVE_PENALTY}")
     lp = s.length_penalty
     if lp is not None and not 1.0 <= held(lp.decay_factor) <= 10.0:
         raise ValidationError("length_penalty must be >= 1.0 and <= 10.0")
