@@ -72,6 +72,18 @@ def test_details_and_sampling(served: Server) -> None:
     assert again.generated_text == answer.generated_text  # a seed makes sampling repeatable
 
 
+def test_frequency_penalty_in_tgis_form(served: Server) -> None:
+    """The client's frequency_penalty reaches the shard (the tokens' log-probabilities, read
+    after the penalty, move; the tiny random model's greedy text may not), streamed as answered."""
+    tgi = client(served)
+    prompt = PROMPTS[1]
+    plain = tgi.generate(prompt, max_new_tokens=16)
+    penalised = tgi.generate(prompt, max_new_tokens=16, frequency_penalty=2.0)
+    assert [t.logprob for t in penalised.details.tokens] != [t.logprob for t in plain.details.tokens]
+    streamed = list(tgi.generate_stream(prompt, max_new_tokens=16, frequency_penalty=2.0))
+    assert "".join(r.token.text for r in streamed) == penalised.generated_text
+
+
 def test_guided_decoding_on_every_door(served: Server) -> None:
     """The gRPC oneof, TGI's grammar and OpenAI's response_format / vLLM's guided_* give the
     same constrained answers; a constraint that does not compile is each door's validation error."""

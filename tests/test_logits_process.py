@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from tests.engines.conformance import OpenAIPenalties
+from tests.engines.conformance import OpenAIPenalties, TGIFrequencyPenalty
 from text_generation_common.messages import LengthPenalty, SamplingParams
 from text_generation_server.sampling import logits_process as lp
 from text_generation_server.sampling.chooser import TokenChooser, inverse_transform, sample
@@ -144,7 +144,12 @@ PIPELINE_PARAMS = [
     SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5, seed=2),
     SamplingParams(repetition_penalty=2.0, length_penalty=LengthPenalty(1, 1.7), presence_penalty=-0.7),
     SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2), seed=3),
-    SamplingParams(min_new_tokens=3, length_penalty=LengthPenalty(1, 1.5)),
+    SamplingParams(
+        min_new_tokens=3,
+        length_penalty=LengthPenalty(1, 1.5),
+        frequency_penalty=-1.5,
+        frequency_by_length=True,
+    ),
 ]
 PIPELINE_PROMPTS = [[5, 6, 7], [8, 9, 9, 10], [11], [12, 13, 14, 15, 16], [EOS, 17], [18, 19]]
 
@@ -159,7 +164,7 @@ def transformers_process_for(
     chooser: TokenChooser, scores: torch.Tensor, prompts: Sequence[Sequence[int]]
 ) -> torch.Tensor:
     """transformers_process with the rows' own prompts (and OpenAI's penalties after the
-    repetition penalty, as vLLM orders them)."""
+    repetition penalty, as vLLM orders them; TGI's frequency penalty there too, as TGI does)."""
     rows = []
     for i, p in enumerate(chooser.params):
         ids = torch.tensor([chooser.histories[i]])
@@ -175,7 +180,9 @@ def transformers_process_for(
             )
         if p.repetition_penalty != 1.0:
             procs.append(hf.RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
-        if p.presence_penalty or p.frequency_penalty:
+        if p.frequency_by_length:
+            procs.append(TGIFrequencyPenalty(p.frequency_penalty))
+        elif p.presence_penalty or p.frequency_penalty:
             procs.append(OpenAIPenalties(n_in, p.presence_penalty, p.frequency_penalty))
         if not p.greedy:
             if p.temperature != 1.0:
@@ -277,7 +284,8 @@ def test_choosers_reach_the_device_without_waiting(monkeypatch) -> None:
 
 def test_generated_token_counts_follow_the_rows_through_every_chooser_operation() -> None:
     """The counts the additive penalties read, kept on the device through advance, select,
-    concatenate, advance_many and expand, equal the counts of each row's generated ids."""
+    concatenate, advance_many and expand, equal the counts of each row's generated ids (of its
+    whole history in TGI's rows, whose length so far is the frequency's divisor)."""
     device = torch.device("cpu")
     penalised = SamplingParams(frequency_penalty=1.0)
     chooser = TokenChooser.create(PIPELINE_PARAMS, PIPELINE_PROMPTS, EOS, VOCAB, device)
@@ -300,10 +308,18 @@ def test_generated_token_counts_follow_the_rows_through_every_chooser_operation(
 def check_counts(chooser: TokenChooser) -> None:
     assert chooser.counts is not None
     want = torch.zeros_like(chooser.counts)
-    for row, (history, generated) in enumerate(zip(chooser.histories, chooser.generated, strict=True)):
-        for token in history[len(history) - generated :] if generated else []:
+    lengths = []
+    rows = zip(chooser.histories, chooser.generated, chooser.params, strict=True)
+    for row, (history, generated, params) in enumerate(rows):
+        counted = history if params.frequency_by_length else history[len(history) - generated :]
+        for token in counted:
             want[row, token] += 1
+        lengths.append(float(len(history)) if params.frequency_by_length else 1.0)
     assert torch.equal(chooser.counts, want)
+    if any(p.frequency_by_length for p in chooser.params):
+        assert chooser.length_t is not None and chooser.length_t.tolist() == lengths
+    else:
+        assert chooser.length_t is None
 
 
 @pytest.mark.gpu

@@ -237,6 +237,8 @@ PARAMS = [
     SamplingParams(temperature=0.7, typical_p=0.9, seed=13, min_new_tokens=2),
     SamplingParams(presence_penalty=0.6, frequency_penalty=0.9),
     SamplingParams(temperature=0.8, seed=14, frequency_penalty=-0.5),
+    SamplingParams(frequency_penalty=-30.0, frequency_by_length=True),
+    SamplingParams(temperature=0.9, seed=15, frequency_penalty=1.2, frequency_by_length=True),
 ]
 DETAILS = RequestedDetails(logprobs=True, ranks=True, top_n_tokens=3)
 
@@ -477,6 +479,7 @@ def workload(seed: int) -> dict[int, list[GenerationRequest]]:
         SamplingParams(),
         SamplingParams(repetition_penalty=1.3),
         SamplingParams(presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(frequency_penalty=-30.0, frequency_by_length=True),
         SamplingParams(min_new_tokens=6, length_penalty=LengthPenalty(3, 1.2)),
         SamplingParams(temperature=0.8, top_k=30, seed=5),
         SamplingParams(temperature=1.1, top_p=0.9, seed=6),

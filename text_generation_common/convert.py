@@ -65,6 +65,7 @@ def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
+        frequency_by_length=p.frequency_by_length,
         length_penalty=(
             LengthPenalty(p.length_penalty.start_index, p.length_penalty.decay_factor)
             if p.HasField("length_penalty")
@@ -186,6 +187,7 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.NextTokenChooserParameters:
         repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
+        frequency_by_length=p.frequency_by_length,
     )
     if p.seed is not None:
         out.seed = p.seed

@@ -59,6 +59,9 @@ class SamplingParams:
     # less frequency_penalty per time it was generated, less presence_penalty once it was
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # TGI's form instead: the counts cover the prompt's tokens as well as the generated ones, and
+    # frequency_penalty is divided by their number (the text's length so far)
+    frequency_by_length: bool = False
     length_penalty: LengthPenalty | None = None
     guided: Guided | None = None  # guided decoding: the output must satisfy it
 

@@ -38,7 +38,7 @@ MIN_TEMPERATURE = 0.05
 MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240
 MAX_TOP_N_TOKENS = 10
-MAX_ADDITIVE_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_ADDITIVE_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's and TGI's range)
 STOP_SEQUENCES_MESSAGE = (
     f"can specify at most {MAX_STOP_SEQUENCES} non-empty stop sequences, "
     f"each not more than {MAX_STOP_SEQUENCE_BYTES} UTF8 bytes"
@@ -141,14 +141,17 @@ def http_sampling(
     guided: Guided | None,
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
+    frequency_by_length: bool = False,
 ) -> SamplingParams:
     """The HTTP doors' sampling parameters (None: not given) -> SamplingParams: greedy unless
     `sample` (each door decides by its API's rule), every field not given at its neutral value;
-    the penalties apply to greedy choices too."""
+    the penalties apply to greedy choices too. `frequency_by_length`: the frequency penalty in
+    TGI's form (SamplingParams)."""
     chosen = SamplingParams(
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         presence_penalty=presence_penalty or 0.0,
         frequency_penalty=frequency_penalty or 0.0,
+        frequency_by_length=frequency_by_length,
         guided=guided,
     )
     if not sample:
@@ -208,7 +211,7 @@ def check_params(p: RequestParams, max_new_tokens: int) -> None:
         ("presence_penalty", s.presence_penalty),
         ("frequency_penalty", s.frequency_penalty),
     ):
-        if not -MAX_ADDITIVE_PENALTY <= penalty <= MAX_ADDITIVE_PENALTY:  # the OpenAI door's only
+        if not -MAX_ADDITIVE_PENALTY <= penalty <= MAX_ADDITIVE_PENALTY:  # the HTTP doors' only
             raise ValidationError(f"{name} must be >= {-MAX_ADDITIVE_PENALTY} and <= {MAX_ADDITIVE_PENALTY}")
     lp = s.length_penalty
     if lp is not None and not 1.0 <= held(lp.decay_factor) <= 10.0:

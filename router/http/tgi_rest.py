@@ -9,9 +9,12 @@ Where TGI and TGIS differ, TGI's behaviour wins at this door:
   - max_new_tokens defaults to 100 (at most the server's MAX_NEW_TOKENS); 0 is refused;
   - stop sequences stay in the generated text; return_full_text puts the prompt in front;
   - stream events carry one token each (ids, logprobs, `special`), the last one the whole
-    text and the details.
-Parameters TGI has and this server does not serve (best_of > 1, watermark, frequency_penalty)
-are refused with 422, never ignored; unknown ones too. `grammar` is guided decoding:
+    text and the details;
+  - frequency_penalty (-2.0 to 2.0) as TGI applies it: each token's score less the penalty
+    times the token's share of the text so far (its count over the prompt and the generated
+    tokens, divided by their number; TGI divides by its padded batch's longest text instead).
+Parameters TGI has and this server does not serve (best_of > 1, watermark) are refused with
+422, never ignored; unknown ones too. `grammar` is guided decoding:
 {"type": "json", "value": <JSON Schema>} or {"type": "regex", "value": <regex>}.
 
 Status codes: 422 validation (error_type "validation"), 429 overloaded (over
@@ -101,7 +104,9 @@ class Parameters(BaseModel):
     decoder_input_details: bool = Field(default=False, description="return the prompt's tokens with logprobs")
     details: bool = Field(default=False, description="return finish reason, token ids, logprobs and seed")
     do_sample: bool = Field(default=False, description="sample instead of greedy decoding")
-    frequency_penalty: float | None = Field(default=None, description="not served: 0 or unset only")
+    frequency_penalty: float | None = Field(
+        default=None, description="-2.0 to 2.0; 0 = off: less this times the token's share of the text"
+    )
     grammar: Grammar | None = Field(default=None, description="guided decoding: a JSON schema or a regex")
     max_new_tokens: int | None = Field(default=None, ge=1, description=f"default {DEFAULT_MAX_NEW_TOKENS}")
     repetition_penalty: float | None = Field(default=None, description="> 0; 1.0 = off")
@@ -142,8 +147,6 @@ def unsupported(p: Parameters) -> str | None:
         return "best_of > 1 is not supported by this server"
     if p.watermark:
         return "watermark is not supported by this server"
-    if p.frequency_penalty:
-        return "frequency_penalty is not supported by this server"
     return None
 
 
@@ -171,6 +174,8 @@ def request_params(p: Parameters, *, stream: bool, max_new_tokens: int) -> Reque
         seed=p.seed,
         repetition_penalty=p.repetition_penalty,
         guided=guided_of(p.grammar),
+        frequency_penalty=p.frequency_penalty,
+        frequency_by_length=bool(p.frequency_penalty),
     )
     top_n = p.top_n_tokens or 0
     tokens = p.details or stream or top_n > 0

@@ -200,6 +200,23 @@ class OpenAIPenalties:
         return scores
 
 
+class TGIFrequencyPenalty:
+    """TGI's frequency penalty the slow way, as a logits processor for transformers' `generate`:
+    a token's score less `penalty` times its share of the row's ids so far (its count over
+    their number, the prompt's included; the scale rounded to float32 as the server holds it)."""
+
+    def __init__(self, penalty: float) -> None:
+        self.penalty = penalty
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for row in range(scores.shape[0]):
+            ids = input_ids[row].tolist()
+            scale = torch.tensor(self.penalty, dtype=torch.float32) / len(ids)
+            for token in set(ids):
+                scores[row, token] -= scale * ids.count(token)
+        return scores
+
+
 def own_reference(engine: ModelEngine) -> Oracle:
     assert isinstance(engine, FakeEngine)
 

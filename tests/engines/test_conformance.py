@@ -31,6 +31,7 @@ from tests.engines.conformance import (
     OpenAIPenalties,
     Oracle,
     Runner,
+    TGIFrequencyPenalty,
     alone,
     engine_cases,
     oracle_for,
@@ -172,6 +173,23 @@ def test_openai_penalties_match_the_oracle(subject: Subject) -> None:
     request = subject.request(1, 3, 12, params=params)
     start = 1 if subject.engine.info.seq2seq else len(request.input_ids)
     processors = LogitsProcessorList([OpenAIPenalties(start, 2.0, -6.0)])
+    got = alone(subject.engine, request)
+    assert got == subject.oracle(request.input_ids, 12, logits_processor=processors)
+    assert got != subject.oracle(request.input_ids, 12)
+
+
+def test_tgi_frequency_penalty_matches_the_oracle(subject: Subject) -> None:
+    """frequency_penalty in TGI's form (the REST door's: counts over the prompt and the
+    generated ids, divided by their number) against transformers' greedy `generate` with the
+    same penalty as a logits processor. A strongly negative one makes the model repeat tokens
+    of the prompt and the output, so the answer differs from greedy's."""
+    if subject.case.engine == "fake":
+        pytest.skip("the fake engine's reference is greedy only (batch invariance covers penalties)")
+    from transformers import LogitsProcessorList
+
+    params = SamplingParams(frequency_penalty=-40.0, frequency_by_length=True)
+    request = subject.request(1, 3, 12, params=params)
+    processors = LogitsProcessorList([TGIFrequencyPenalty(-40.0)])
     got = alone(subject.engine, request)
     assert got == subject.oracle(request.input_ids, 12, logits_processor=processors)
     assert got != subject.oracle(request.input_ids, 12)

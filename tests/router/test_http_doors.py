@@ -160,9 +160,18 @@ def test_parameters_this_server_does_not_serve_are_refused() -> None:
     assert unsupported(Parameters(best_of=1)) is None
     assert unsupported(Parameters(best_of=2)) == "best_of > 1 is not supported by this server"
     assert unsupported(Parameters(watermark=True)) == "watermark is not supported by this server"
-    assert (
-        unsupported(Parameters(frequency_penalty=0.5)) == "frequency_penalty is not supported by this server"
-    )
+    assert unsupported(Parameters(frequency_penalty=0.5)) is None  # served in TGI's form
+
+
+def test_tgi_frequency_penalty_reaches_greedy_and_sampled_requests_in_tgis_form() -> None:
+    for do_sample in (False, True):
+        parameters = Parameters(frequency_penalty=-1.25, do_sample=do_sample, seed=3)
+        s = request_params(parameters, stream=False, max_new_tokens=MAX_NEW).sampling
+        assert s.greedy != do_sample
+        assert (s.frequency_penalty, s.frequency_by_length, s.presence_penalty) == (-1.25, True, 0.0)
+    for unset in (Parameters(), Parameters(frequency_penalty=0.0)):
+        s = request_params(unset, stream=False, max_new_tokens=MAX_NEW).sampling
+        assert (s.frequency_penalty, s.frequency_by_length) == (0.0, False)
 
 
 def test_tgi_grammar_and_openai_guided_parameters_become_constraints() -> None:
@@ -228,6 +237,7 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
     ("/", {"inputs": "hi", "stream": True, "parameters": {"max_new_tokens": 0}}, 422, "rest_stream"),
     ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "rest"),  # not served here
     ("/generate", {"inputs": "hi", "parameters": {"repetition_penalty": 1e308}}, 422, "rest"),  # inf as held
+    ("/generate", {"inputs": "hi", "parameters": {"frequency_penalty": 2.5}}, 422, "rest"),
     ("/generate", {"inputs": "hi", "parameters": {"temperature": 1e39, "do_sample": True}}, 422, "rest"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 500}}, 422, "rest"),  # shared validation
     ("/generate_stream", {"inputs": "hi", "parameters": {"decoder_input_details": True}}, 422, "rest_stream"),
@@ -345,6 +355,10 @@ async def test_tokenize_and_info(stack: Stack, tokenizer_pool) -> None:
         ),
         ({"inputs": "hi", "parameters": {"best_of": 2}}, "best_of > 1 is not supported by this server"),
         ({"inputs": "hi", "parameters": {"watermark": True}}, "watermark is not supported by this server"),
+        (
+            {"inputs": "hi", "parameters": {"frequency_penalty": -2.5}},
+            "frequency_penalty must be >= -2.0 and <= 2.0",
+        ),
         ({"inputs": "hi", "parameters": {"max_new_tokens": 0}}, "parameters.max_new_tokens: "),
         ({"inputs": "hi", "parameters": {"bogus": 1}}, "parameters.bogus: Extra inputs are not permitted"),
         ({"parameters": {}}, "inputs: Field required"),

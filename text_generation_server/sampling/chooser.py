@@ -8,7 +8,8 @@ batch it runs in.
 Per step (`choose`), in TGIS order:
   1. EOS masked while fewer than min_new_tokens were generated, else the length penalty;
   2. repetition penalty over the prompt + generated ids, then OpenAI's presence and frequency
-     penalties over the generated ids (each row's counts, kept on the device);
+     penalties over the generated ids (each row's counts, kept on the device), or TGI's
+     frequency penalty over the prompt + generated ids divided by their number;
   3. guided decoding: each constrained row's grammar masks what it does not allow (guided.py);
   4. if any row samples: temperature -> top-k -> top-p -> typical-p (greedy rows untouched);
   5. greedy rows take the argmax; sampling rows draw from softmax(scores) by inverse transform
@@ -99,6 +100,7 @@ class TokenChooser:
         seen: torch.Tensor | None = None,
         matchers: Sequence[Any | None] | None = None,
         counts: torch.Tensor | None = None,
+        prompt_lengths: Sequence[int] | None = None,
     ) -> None:
         self.params = list(params)
         # guided decoding: each row's llguidance matcher (None: free text)
@@ -107,6 +109,13 @@ class TokenChooser:
         self.guided_ns = 0  # time in guided masks and matchers since the last `choose`
         self.histories = list(histories)  # prompt ids (after truncation) + generated ids, per row
         self.generated = list(generated)  # tokens generated so far, per row
+        # ids of each row's history before its first generated one (the histories may be a token
+        # behind `generated` while a step's ids are read back: engines/step.py)
+        self.prompt_lengths = (
+            list(prompt_lengths)
+            if prompt_lengths is not None
+            else [len(h) - g for h, g in zip(self.histories, self.generated, strict=True)]
+        )
         self.generators = list(generators)  # None for greedy rows
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
@@ -154,15 +163,27 @@ class TokenChooser:
         if self.any_repetition_penalty and self.seen is None:
             self.seen = self._build_seen(self.histories)
         # OpenAI's penalties: [batch] each, and [batch, vocab] float32 counts of the generated
-        # tokens, kept only while some row has one
+        # tokens (of the whole text for TGI's rows), kept only while some row has one
         self.any_additive_penalty = any(p.presence_penalty or p.frequency_penalty for p in self.params)
         self.presence_t: torch.Tensor | None = None
         self.frequency_t: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
+        # TGI's rows: [batch] the text's length so far (1.0 in other rows), the frequency's divisor
+        self.length_t: torch.Tensor | None = None
+        self.by_length_t: torch.Tensor | None = None
         if self.any_additive_penalty:
             self.presence_t = to_device([p.presence_penalty for p in self.params], device, torch.float32)
             self.frequency_t = to_device([p.frequency_penalty for p in self.params], device, torch.float32)
             self.counts = counts if counts is not None else self._build_counts()
+            by_length = [p.frequency_by_length for p in self.params]
+            if any(by_length):
+                lengths = [n + g for n, g in zip(self.prompt_lengths, self.generated, strict=True)]
+                self.length_t = to_device(
+                    [float(n) if b else 1.0 for n, b in zip(lengths, by_length, strict=True)],
+                    device,
+                    torch.float32,
+                )
+                self.by_length_t = to_device([float(b) for b in by_length], device, torch.float32)
 
     @classmethod
     def create(
@@ -216,11 +237,10 @@ class TokenChooser:
             seen[index] = True
 
     def _build_counts(self) -> torch.Tensor:
+        """Each row's counts of its generated ids, of its whole history in TGI's rows."""
         counts = torch.zeros((len(self.params), self.vocab_size), dtype=torch.float32, device=self.device)
-        generated = [
-            h[len(h) - g :] if g else [] for h, g in zip(self.histories, self.generated, strict=True)
-        ]
-        self._count(counts, generated)
+        rows = zip(self.histories, self.prompt_lengths, self.params, strict=True)
+        self._count(counts, [h if p.frequency_by_length else h[n:] for h, n, p in rows])
         return counts
 
     @staticmethod
@@ -253,7 +273,8 @@ class TokenChooser:
         if self.seen is not None and self.penalty is not None:
             scores = lp.apply_repetition_penalty(scores, self.seen, self.penalty)
         if self.counts is not None and self.presence_t is not None and self.frequency_t is not None:
-            scores = lp.apply_additive_penalties(scores, self.counts, self.presence_t, self.frequency_t)
+            frequency = self.frequency_t if self.length_t is None else self.frequency_t / self.length_t
+            scores = lp.apply_additive_penalties(scores, self.counts, self.presence_t, frequency)
         if self.any_guided:
             started = time.perf_counter_ns()
             guided.apply_masks(self.matchers, scores, eos)
@@ -345,6 +366,8 @@ class TokenChooser:
         if self.counts is not None:
             ids = next_ids_t.view(-1, 1)
             self.counts.scatter_add_(1, ids, torch.ones(ids.shape, device=self.counts.device))
+        if self.length_t is not None and self.by_length_t is not None:
+            self.length_t += self.by_length_t
 
     @staticmethod
     def record(
@@ -373,8 +396,12 @@ class TokenChooser:
         for row, ids in enumerate(tokens):
             self.histories[row].extend(ids)
             self.generated[row] += len(ids)
-        if self.generated_t is not None:
-            self.generated_t += to_device([len(ids) for ids in tokens], self.device)
+        if self.generated_t is not None or self.length_t is not None:
+            taken = to_device([len(ids) for ids in tokens], self.device)
+            if self.generated_t is not None:
+                self.generated_t += taken
+            if self.length_t is not None and self.by_length_t is not None:
+                self.length_t += self.by_length_t * taken
         if self.seen is not None:
             self._mark_seen(self.seen, tokens)
         if self.counts is not None:
@@ -435,6 +462,7 @@ class TokenChooser:
             seen,
             matchers,
             counts,
+            [self.prompt_lengths[i] for i in rows],
         )
 
     def generator_states(self, rows: Sequence[int]) -> list[torch.Tensor | None]:
@@ -472,6 +500,7 @@ class TokenChooser:
             seen,
             [self.matchers[i] for i in rows],
             counts,
+            [self.prompt_lengths[i] for i in rows],
         )
 
     @classmethod
@@ -493,4 +522,5 @@ class TokenChooser:
             seen,
             [m for c in choosers for m in c.matchers],
             counts,
+            [n for c in choosers for n in c.prompt_lengths],
         )
