@@ -162,6 +162,25 @@ def test_openai_completions_give_the_grpc_answer(served: Server, prompt: str) ->
     assert chunks[-1].usage.completion_tokens == expected.generated_token_count
 
 
+def test_openai_logit_bias_bans_and_raises_tokens(served: Server) -> None:
+    """logit_bias by token id (ids read from the TGI door's details): -100 bans the greedy
+    answer's first token, +100 makes another one every token of the answer."""
+    plain = client(served).generate(PROMPTS[0], max_new_tokens=6)
+    first, later = plain.details.tokens[0], plain.details.tokens[3]
+    openai_api = openai_client(served)
+    (model,) = openai_api.models.list().data
+
+    def tokens(bias: dict[str, int]) -> list[str]:
+        answer = openai_api.completions.create(
+            model=model.id, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=0, logit_bias=bias
+        )
+        return answer.choices[0].logprobs.tokens
+
+    assert tokens({})[0] == first.text
+    assert tokens({str(first.id): -100})[0] != first.text
+    assert tokens({str(later.id): 100}) == [later.text] * 6
+
+
 def test_openai_chat_and_errors(served: Server) -> None:
     client = openai_client(served)
     (model,) = client.models.list().data
@@ -179,6 +198,8 @@ def test_openai_chat_and_errors(served: Server) -> None:
     assert len(sampled.choices) == 2 and all(len(c.logprobs.content) for c in sampled.choices)
     with pytest.raises(openai.BadRequestError, match=r"temperature must be >= 0\.05"):
         client.completions.create(model=model.id, prompt="x", temperature=0.01)
+    with pytest.raises(openai.BadRequestError, match="logit_bias token id 1000000 is not in the vocabulary"):
+        client.completions.create(model=model.id, prompt="x", logit_bias={"1000000": 1})
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="other", prompt="x")
 

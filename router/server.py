@@ -201,6 +201,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         metrics,
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
+        vocab_size=info.vocab_size,
         capacity=capacity,
         grammars=grammars_of(tokenizer.to_str(), info.vocab_size, info.eos_token_id),
         call_ends=_call_ends(detokenizer, config.max_decode_steps),

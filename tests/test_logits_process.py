@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from tests.engines.conformance import OpenAIPenalties, TGIFrequencyPenalty
+from tests.engines.conformance import LogitBias, OpenAIPenalties, TGIFrequencyPenalty
 from text_generation_common.messages import LengthPenalty, SamplingParams
 from text_generation_server.sampling import logits_process as lp
 from text_generation_server.sampling.chooser import TokenChooser, inverse_transform, sample
@@ -141,8 +141,13 @@ PIPELINE_PARAMS = [
         frequency_penalty=0.4,
         seed=1,
     ),
-    SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5, seed=2),
-    SamplingParams(repetition_penalty=2.0, length_penalty=LengthPenalty(1, 1.7), presence_penalty=-0.7),
+    SamplingParams(temperature=1.3, top_p=0.5, min_new_tokens=5, seed=2, logit_bias=((EOS, 3.0), (7, -2.5))),
+    SamplingParams(
+        repetition_penalty=2.0,
+        length_penalty=LengthPenalty(1, 1.7),
+        presence_penalty=-0.7,
+        logit_bias=((13, 4.0), (31, -1.0), (299, 0.5)),
+    ),
     SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2), seed=3),
     SamplingParams(
         min_new_tokens=3,
@@ -169,7 +174,7 @@ def transformers_process_for(
     for i, p in enumerate(chooser.params):
         ids = torch.tensor([chooser.histories[i]])
         n_in = len(prompts[i])
-        procs: list = []
+        procs: list = [LogitBias(p.logit_bias)] if p.logit_bias else []
         if p.min_new_tokens and chooser.generated[i] < p.min_new_tokens:
             procs.append(hf.MinNewTokensLengthLogitsProcessor(n_in, p.min_new_tokens, EOS))
         elif p.length_penalty is not None:

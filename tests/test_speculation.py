@@ -239,6 +239,7 @@ PARAMS = [
     SamplingParams(temperature=0.8, seed=14, frequency_penalty=-0.5),
     SamplingParams(frequency_penalty=-30.0, frequency_by_length=True),
     SamplingParams(temperature=0.9, seed=15, frequency_penalty=1.2, frequency_by_length=True),
+    SamplingParams(logit_bias=((EOS, -100.0), (7, 2.0)), repetition_penalty=1.3),
 ]
 DETAILS = RequestedDetails(logprobs=True, ranks=True, top_n_tokens=3)
 

@@ -66,6 +66,7 @@ def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         frequency_by_length=p.frequency_by_length,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
         length_penalty=(
             LengthPenalty(p.length_penalty.start_index, p.length_penalty.decay_factor)
             if p.HasField("length_penalty")
@@ -189,6 +190,7 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.NextTokenChooserParameters:
         frequency_penalty=p.frequency_penalty,
         frequency_by_length=p.frequency_by_length,
     )
+    out.logit_bias.update(dict(p.logit_bias))
     if p.seed is not None:
         out.seed = p.seed
     if p.length_penalty is not None:

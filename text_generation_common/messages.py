@@ -62,6 +62,8 @@ class SamplingParams:
     # TGI's form instead: the counts cover the prompt's tokens as well as the generated ones, and
     # frequency_penalty is divided by their number (the text's length so far)
     frequency_by_length: bool = False
+    # OpenAI's logit_bias: (token id, added to its logit before any other processing), ids unique
+    logit_bias: tuple[tuple[int, float], ...] = ()
     length_penalty: LengthPenalty | None = None
     guided: Guided | None = None  # guided decoding: the output must satisfy it
 

@@ -39,6 +39,7 @@ MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240
 MAX_TOP_N_TOKENS = 10
 MAX_ADDITIVE_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's and TGI's range)
+MAX_LOGIT_BIAS = 100.0  # |a logit_bias value| (OpenAI's range)
 STOP_SEQUENCES_MESSAGE = (
     f"can specify at most {MAX_STOP_SEQUENCES} non-empty stop sequences, "
     f"each not more than {MAX_STOP_SEQUENCE_BYTES} UTF8 bytes"
@@ -188,8 +189,9 @@ def held(value: float) -> float:
     return math.copysign(math.inf, value) if abs(value) > FLOAT32_MAX else value
 
 
-def check_params(p: RequestParams, max_new_tokens: int) -> None:
-    """Checks 1-11 of tgis-api §9.1, in order, then the guided-decoding extension."""
+def check_params(p: RequestParams, max_new_tokens: int, vocab_size: int) -> None:
+    """Checks 1-11 of tgis-api §9.1, in order, with the HTTP doors' own parameters among them
+    (`vocab_size`: the model's logits, which logit_bias ids must be in)."""
     s, st, r = p.sampling, p.stopping, p.response
     # NOTE: comparisons are written so that NaN and infinities fail them (TGIS lets NaN through).
     temperature = held(s.temperature)
@@ -213,6 +215,13 @@ def check_params(p: RequestParams, max_new_tokens: int) -> None:
     ):
         if not -MAX_ADDITIVE_PENALTY <= penalty <= MAX_ADDITIVE_PENALTY:  # the HTTP doors' only
             raise ValidationError(f"{name} must be >= {-MAX_ADDITIVE_PENALTY} and <= {MAX_ADDITIVE_PENALTY}")
+    for token, bias in s.logit_bias:  # the OpenAI door's only
+        if not 0 <= token < vocab_size:
+            raise ValidationError(
+                f"logit_bias token id {token} is not in the vocabulary (0 to {vocab_size - 1})"
+            )
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValidationError(f"logit_bias values must be >= {-MAX_LOGIT_BIAS} and <= {MAX_LOGIT_BIAS}")
     lp = s.length_penalty
     if lp is not None and not 1.0 <= held(lp.decay_factor) <= 10.0:
         raise ValidationError("length_penalty must be >= 1.0 and <= 10.0")
@@ -265,12 +274,13 @@ class Validator:
         *,
         max_sequence_length: int,
         max_new_tokens: int,
+        vocab_size: int,
         capacity: Capacity | None = None,
         grammars: Grammars | None = None,
         call_ends: CallEnds | None = None,
     ) -> None:
-        """`call_ends`: where decode calls run several steps, the tokens each request's stop
-        sequences give the shard to end a call on (None: none)."""
+        """`vocab_size`: the model's logits; `call_ends`: where decode calls run several steps,
+        the tokens each request's stop sequences give the shard to end a call on (None: none)."""
         self.tokenizer = tokenizer
         self.call_ends = call_ends
         self.grammars = grammars  # guided decoding over the model's tokenizer (None: not offered)
@@ -279,6 +289,7 @@ class Validator:
         self.metrics = metrics
         self.max_sequence_length = max_sequence_length
         self.max_new_tokens = max_new_tokens
+        self.vocab_size = vocab_size
 
     async def validate(
         self,
@@ -291,7 +302,7 @@ class Validator:
         """`prefix_id` (TGIS) names a soft prompt; `adapter_id` an adapter of any stored kind.
         Both may be set only to the same id, which then counts as an adapter id."""
         p = params or RequestParams()
-        check_params(p, self.max_new_tokens)
+        check_params(p, self.max_new_tokens, self.vocab_size)
         if p.sampling.guided is not None:
             await self._check_guided(p.sampling.guided)
         if adapter_id and prefix_id:

@@ -8,8 +8,9 @@ stop sequences left out of the text, max_tokens up to the server's MAX_NEW_TOKEN
 `frequency_penalty` over the tokens generated so far (as vLLM applies them, greedy choices
 too). Extensions as vLLM accepts them: `top_k`, `repetition_penalty`, `min_tokens`,
 `ignore_eos` (the model's EOS is masked until max_tokens), `include_stop_str_in_output`.
-Parameters that would change the answer and are not served (logit_bias, tools, response
-formats other than text, suffix, best_of > 1) are refused with 400; metadata fields (`user`,
+`logit_bias` ({token id: -100 to 100}) is added to the logits before any other processing, as
+vLLM does. Parameters that would change the answer and are not served (tools, response formats
+other than text, suffix, best_of > 1) are refused with 400; metadata fields (`user`,
 `metadata`, `store`, ...) are accepted.
 
 `n` > 1 and lists of prompts run as separate requests in the same batch (one concurrency
@@ -97,7 +98,9 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, description="-2.0 to 2.0; 0 = off")
     frequency_penalty: float | None = Field(default=None, description="-2.0 to 2.0; 0 = off")
-    logit_bias: dict[str, float] | None = Field(default=None, description="not served: empty or unset only")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id -> -100 to 100, added to its logit before any other processing"
+    )
     best_of: int | None = Field(default=None, description="not served: 1 or unset only")
     user: str | None = None
     # extensions (vLLM's names)
@@ -147,7 +150,6 @@ class ChatRequest(_Common):
 def unsupported(body: _Common) -> str | None:
     """Why parameters this server does not serve refuse the request, or None."""
     checks: list[tuple[bool, str]] = [
-        (bool(body.logit_bias), "logit_bias"),
         (body.best_of is not None and body.best_of > 1, "best_of > 1"),
     ]
     if isinstance(body, CompletionRequest):
@@ -194,6 +196,21 @@ def guided_of(body: _Common) -> Guided | None:
     return found[0] if found else None
 
 
+def logit_bias_of(body: _Common) -> tuple[tuple[int, float], ...]:
+    """The request's logit_bias as (token id, bias) pairs by id (ValidationError for a key that
+    is not a token id; validation checks the ids against the vocabulary and the biases' range)."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValidationError(f"logit_bias keys must be token ids, not {key[:40]!r}") from None
+        pairs.append((token, bias))
+    if len({token for token, _ in pairs}) < len(pairs):  # "7" and "07"
+        raise ValidationError("logit_bias names a token id more than once")
+    return tuple(sorted(pairs))
+
+
 def _text_content(message: ChatMessage) -> Any:
     """A message's content for the template: text parts joined; other parts refused."""
     if not isinstance(message.content, list):
@@ -222,6 +239,7 @@ def request_params(
         frequency_penalty=body.frequency_penalty,
         guided=guided_of(body),
     )
+    sampling = replace(sampling, logit_bias=logit_bias_of(body))
     limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or max_new_tokens
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     tokens = stream or logprobs or top_n > 0

@@ -217,6 +217,19 @@ class TGIFrequencyPenalty:
         return scores
 
 
+class LogitBias:
+    """OpenAI's logit_bias the slow way, as a logits processor for transformers' `generate`:
+    each (token, bias) pair's bias added to the token's score in every row."""
+
+    def __init__(self, biases: Sequence[tuple[int, float]]) -> None:
+        self.biases = list(biases)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for token, bias in self.biases:
+            scores[:, token] += bias
+        return scores
+
+
 def own_reference(engine: ModelEngine) -> Oracle:
     assert isinstance(engine, FakeEngine)
 

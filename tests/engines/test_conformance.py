@@ -28,6 +28,7 @@ from router.core.validation import ValidatedRequest
 from tests.engines.conformance import (
     EngineCase,
     LocalShard,
+    LogitBias,
     OpenAIPenalties,
     Oracle,
     Runner,
@@ -193,6 +194,26 @@ def test_tgi_frequency_penalty_matches_the_oracle(subject: Subject) -> None:
     got = alone(subject.engine, request)
     assert got == subject.oracle(request.input_ids, 12, logits_processor=processors)
     assert got != subject.oracle(request.input_ids, 12)
+
+
+def test_logit_bias_matches_the_oracle(subject: Subject) -> None:
+    """logit_bias (the OpenAI door's) against transformers' greedy `generate` with the same
+    biases as a logits processor: the plain answer's first token banned, another token raised
+    (it then comes back where the model alone would not choose it)."""
+    if subject.case.engine == "fake":
+        pytest.skip("the fake engine's reference is greedy only (batch invariance covers the biases)")
+    from transformers import LogitsProcessorList
+
+    request = subject.request(1, 3, 12)
+    plain = subject.oracle(request.input_ids, 12)
+    raised = next(t for t in range(3, subject.engine.info.vocab_size) if t not in plain)
+    biases = ((plain[0], -100.0), (raised, 12.0))
+    biased = subject.request(1, 3, 12, params=SamplingParams(logit_bias=tuple(sorted(biases))))
+    got = alone(subject.engine, biased)
+    assert got == subject.oracle(
+        request.input_ids, 12, logits_processor=LogitsProcessorList([LogitBias(biases)])
+    )
+    assert got[0] != plain[0] and raised in got
 
 
 def test_min_new_tokens_holds_eos_back(subject: Subject) -> None:

@@ -37,5 +37,6 @@ def service_over(
         metrics,
         max_sequence_length=MAX_SEQUENCE_LENGTH,
         max_new_tokens=max_new_tokens,
+        vocab_size=tokenizer.tokenizer.get_vocab_size(with_added_tokens=True),
     )
     return GenerationService(validator, queue, ConcurrencyLimiter(permits), metrics), batcher

@@ -146,6 +146,7 @@ async def test_the_router_validates_requests_with_their_call_ends(
         metrics,
         max_sequence_length=128,
         max_new_tokens=32,
+        vocab_size=tokenizer_pool.tokenizer.get_vocab_size(with_added_tokens=True),
         call_ends=ends,
     )
     threads = []

@@ -21,7 +21,7 @@ from router.http import http_server
 from router.http.chat_template import load_chat_template
 from router.http.http_app import PROBE_PATHS, build_app
 from router.http.http_server import HealthCheck, HttpServer
-from router.http.openai_api import ChatRequest, OpenAIApi
+from router.http.openai_api import ChatRequest, CompletionRequest, OpenAIApi
 from router.http.openai_api import request_params as openai_request_params
 from router.http.openai_api import unsupported as openai_unsupported
 from router.http.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
@@ -225,7 +225,17 @@ def test_openai_penalties_reach_greedy_and_sampled_requests() -> None:
         assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.25)
     plain = ChatRequest(messages=[{"role": "user", "content": "hi"}], presence_penalty=0)
     s = openai_request_params(plain, max_new_tokens=100, top_n=0, logprobs=False, stream=False).sampling
-    assert (s.presence_penalty, s.frequency_penalty) == (0.0, 0.0)
+    assert (s.presence_penalty, s.frequency_penalty, s.logit_bias) == (0.0, 0.0, ())
+
+
+def test_openai_logit_bias_reaches_greedy_and_sampled_requests_by_token_id() -> None:
+    for temperature in (0.0, 0.7):
+        body = CompletionRequest(
+            prompt="hi", temperature=temperature, logit_bias={"50": -100, "7": 2.5, "12": 0}
+        )
+        assert openai_unsupported(body) is None
+        s = openai_request_params(body, max_new_tokens=100, top_n=0, logprobs=False, stream=False).sampling
+        assert s.logit_bias == ((7, 2.5), (12, 0.0), (50, -100.0))
 
 
 # ---- routes ---------------------------------------------------------------------------------
@@ -248,7 +258,8 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
     ("/v1/completions", {"prompt": "hi", "n": 100}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "n": 100, "stream": True}, 400, "openai_stream"),
     ("/v1/completions", {"prompt": ["hi"] * 9, "n": 2}, 400, "openai"),  # n x prompts over 16
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 2}}, 400, "openai"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "openai"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"the": 1}}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e308}, 400, "openai"),
@@ -664,7 +675,24 @@ async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
             400,
             "frequency_penalty must be >= -2.0 and <= 2.0",
         ),
-        ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 1}}, 400, "logit_bias is not supported"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "logit_bias": {"7": 1, "10000000": -1}},
+            400,
+            "logit_bias token id 10000000 is not in the vocabulary",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"7": 1, "07": -1}},
+            400,
+            "logit_bias names a token id more than once",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "logit_bias": {"x7": 1}},
+            400,
+            "logit_bias keys must be token ids, not 'x7'",
+        ),
         ("/v1/completions", {"prompt": "hi", "bogus": 1}, 400, "bogus: Extra inputs are not permitted"),
         ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
         (

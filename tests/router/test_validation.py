@@ -13,6 +13,7 @@ from router.core.validation import (
     EMPTY_INPUT_MESSAGE,
     STOP_SEQUENCES_MESSAGE,
     PrefixLengths,
+    RequestParams,
     ValidationError,
     Validator,
     check_params,
@@ -21,11 +22,12 @@ from router.core.validation import (
 from router.grpc.grpc_params import convert_params
 from router.pb import generation_pb2 as pb
 from text_generation_common.guided import Grammars
-from text_generation_common.messages import GenerationRequest, Guided, GuidedKind
+from text_generation_common.messages import GenerationRequest, Guided, GuidedKind, SamplingParams
 from text_generation_server.batches.inputs import truncated_input_ids
 
 MAX_SEQ = 200
 MAX_NEW = 169
+VOCAB = 1000
 
 
 def params(**kwargs) -> pb.Parameters:
@@ -57,6 +59,7 @@ def make_validator(pool) -> Validator:
         metrics,
         max_sequence_length=MAX_SEQ,
         max_new_tokens=MAX_NEW,
+        vocab_size=pool.tokenizer.get_vocab_size(with_added_tokens=True),
     )
 
 
@@ -76,7 +79,7 @@ def test_greedy_ignores_sampling_entirely() -> None:
     p = convert_params(
         params(method=pb.GREEDY, sampling=pb.SamplingParameters(temperature=0.01, top_p=-3)), True
     )
-    check_params(p, MAX_NEW)  # no error: the nonsense is ignored
+    check_params(p, MAX_NEW, VOCAB)  # no error: the nonsense is ignored
     assert p.sampling.greedy and p.sampling.top_p == 1.0
 
 
@@ -152,24 +155,43 @@ def test_include_stop_sequence_default_comes_from_the_server() -> None:
 )
 def test_check_messages(p: pb.Parameters, message: str) -> None:
     with pytest.raises(ValidationError) as error:
-        check_params(convert_params(p, True), MAX_NEW)
+        check_params(convert_params(p, True), MAX_NEW, VOCAB)
     assert str(error.value) == message
 
 
 def test_checks_run_in_tgis_order() -> None:
     both = sample(temperature=0.01, top_p=2.0)
     with pytest.raises(ValidationError, match="temperature"):
-        check_params(convert_params(both, True), MAX_NEW)
+        check_params(convert_params(both, True), MAX_NEW, VOCAB)
     stops_then_details = params(
         stopping=pb.StoppingCriteria(stop_sequences=[""]), response=pb.ResponseOptions(token_ranks=True)
     )
     with pytest.raises(ValidationError, match="must request input"):
-        check_params(convert_params(stops_then_details, True), MAX_NEW)
+        check_params(convert_params(stops_then_details, True), MAX_NEW, VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("biases", "message"),
+    [
+        (((VOCAB, 1.0),), f"logit_bias token id {VOCAB} is not in the vocabulary (0 to {VOCAB - 1})"),
+        (((-1, 1.0),), f"logit_bias token id -1 is not in the vocabulary (0 to {VOCAB - 1})"),
+        (((3, 100.5),), "logit_bias values must be >= -100.0 and <= 100.0"),
+        (((3, float("nan")),), "logit_bias values must be >= -100.0 and <= 100.0"),
+        (((3, -1e39),), "logit_bias values must be >= -100.0 and <= 100.0"),
+    ],
+)
+def test_logit_bias_ids_are_in_the_vocabulary_and_biases_in_range(biases, message: str) -> None:
+    check_params(
+        RequestParams(sampling=SamplingParams(logit_bias=((0, -100.0), (VOCAB - 1, 100.0)))), MAX_NEW, VOCAB
+    )
+    with pytest.raises(ValidationError) as error:
+        check_params(RequestParams(sampling=SamplingParams(logit_bias=biases)), MAX_NEW, VOCAB)
+    assert str(error.value) == message
 
 
 def test_text_format_is_no_constraint() -> None:
     p = convert_params(params(decoding=pb.DecodingParameters(format=pb.DecodingParameters.TEXT)), True)
-    check_params(p, MAX_NEW)
+    check_params(p, MAX_NEW, VOCAB)
     assert p.sampling.guided is None
 
 
@@ -206,7 +228,9 @@ async def test_guided_decoding_is_checked_against_the_tokenizer(tokenizer_pool, 
 
 
 def test_max_new_tokens_limit_at_the_boundary() -> None:
-    check_params(convert_params(params(stopping=pb.StoppingCriteria(max_new_tokens=MAX_NEW)), True), MAX_NEW)
+    check_params(
+        convert_params(params(stopping=pb.StoppingCriteria(max_new_tokens=MAX_NEW)), True), MAX_NEW, VOCAB
+    )
 
 
 async def test_length_checks_and_capping(validator: Validator, tokenizer_pool) -> None:
@@ -398,6 +422,7 @@ async def test_a_request_larger_than_the_whole_kv_cache_is_refused(tokenizer_poo
         metrics,
         max_sequence_length=MAX_SEQ,
         max_new_tokens=MAX_NEW,
+        vocab_size=tokenizer_pool.tokenizer.get_vocab_size(with_added_tokens=True),
         capacity=capacity,
     )
     text = "hello " * 10

@@ -5,7 +5,8 @@ batch's life: `select` (prune) and `concatenate` carry every row's generator, ge
 count and token history along, so a seeded request draws the same random numbers whatever
 batch it runs in.
 
-Per step (`choose`), in TGIS order:
+Per step (`choose`), in TGIS order after OpenAI's logit_bias (added to the logits first, as vLLM
+does):
   1. EOS masked while fewer than min_new_tokens were generated, else the length penalty;
   2. repetition penalty over the prompt + generated ids, then OpenAI's presence and frequency
      penalties over the generated ids (each row's counts, kept on the device), or TGI's
@@ -122,6 +123,14 @@ class TokenChooser:
         self.device = device
 
         self.sample_rows = [i for i, p in enumerate(self.params) if not p.greedy]
+        # logit_bias: the (row, token) positions of every row's biases, and the biases, on the device
+        self.bias_index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.bias_values: torch.Tensor | None = None
+        biases = [(row, token, bias) for row, p in enumerate(self.params) for token, bias in p.logit_bias]
+        if biases:
+            rows, tokens, values = zip(*biases, strict=True)
+            self.bias_index = (to_device(list(rows), device), to_device(list(tokens), device))
+            self.bias_values = to_device(list(values), device, torch.float32)
         self.any_min_new = any(p.min_new_tokens > 0 for p in self.params)
         self.any_length_penalty = any(
             p.length_penalty is not None and p.length_penalty.decay_factor != 1.0 for p in self.params
@@ -253,6 +262,8 @@ class TokenChooser:
         """Apply every logits processor; `scores` [batch, vocab] float32 is modified in place."""
         eos = self.eos_token_id
         masked_t: torch.Tensor | None = None
+        if self.bias_index is not None and self.bias_values is not None:
+            scores.index_put_(self.bias_index, self.bias_values, accumulate=True)
         if self.any_min_new:
             assert self.generated_t is not None and self.min_new_t is not None
             held = [g < p.min_new_tokens for g, p in zip(self.generated, self.params, strict=True)]
@@ -307,6 +318,7 @@ class TokenChooser:
         first maximum of its logits as they are."""
         return not (
             self.sample_rows
+            or self.bias_values is not None
             or self.any_min_new
             or self.any_length_penalty
             or self.any_repetition_penalty
