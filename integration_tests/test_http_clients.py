@@ -4,6 +4,7 @@ OpenAI door through the real `openai` client."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -179,6 +180,46 @@ def test_openai_logit_bias_bans_and_raises_tokens(served: Server) -> None:
     assert tokens({})[0] == first.text
     assert tokens({str(first.id): -100})[0] != first.text
     assert tokens({str(later.id): 100}) == [later.text] * 6
+
+
+def test_openai_tool_calls(served: Server) -> None:
+    """A named function and tool_choice "required" through the openai client: the calls come back
+    as message.tool_calls whose arguments satisfy the functions' schemas, unary and streamed; the
+    tools reach the model's chat template (the prompt grows); "auto" is refused."""
+    client = openai_client(served)
+    (model,) = client.models.list().data
+    # closed (else a random model writes on), and short: the servers here take 200 tokens in all
+    city = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": city}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    ask = functools.partial(
+        client.chat.completions.create,
+        model=model.id,
+        messages=messages,
+        max_tokens=60,
+        temperature=0,
+        tools=tools,
+    )
+    plain = client.chat.completions.create(model=model.id, messages=messages, max_tokens=1, temperature=0)
+    weather = ask(tool_choice={"type": "function", "function": {"name": "weather"}})
+    (call,) = weather.choices[0].message.tool_calls
+    assert weather.choices[0].finish_reason == "stop" and call.function.name == "weather"
+    assert set(json.loads(call.function.arguments)) <= {"city"}
+    assert weather.usage.prompt_tokens > plain.usage.prompt_tokens  # the template wrote the tools
+    stream = ask(tool_choice={"type": "function", "function": {"name": "weather"}}, stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    streamed = "".join(t.function.arguments or "" for d in deltas for t in d.tool_calls or [])
+    assert streamed == call.function.arguments
+    required = ask(tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls"
+    for made in required.choices[0].message.tool_calls:
+        assert made.function.name == "weather" and set(json.loads(made.function.arguments)) <= {"city"}
+    with pytest.raises(openai.BadRequestError, match='tool_choice "auto"'):
+        ask()
 
 
 def test_openai_chat_and_errors(served: Server) -> None:

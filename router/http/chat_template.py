@@ -3,7 +3,7 @@
 The template is the tokenizer's own: `chat_template.jinja` beside tokenizer.json, else
 tokenizer_config.json's `chat_template` (a string, or a list of named templates, of which
 "default" is used). It is rendered by Jinja2 in a sandbox with what templates expect from
-transformers: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, the
+transformers: `messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, the
 `raise_exception` and `strftime_now` functions and a `tojson` filter with `indent`.
 
 A rendered prompt that starts with the BOS text loses it when the tokenizer adds BOS itself, so
@@ -69,10 +69,17 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """`tools`: the functions the model may call, as transformers passes them (None: none)."""
         try:
             text = self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

@@ -9,8 +9,9 @@ stop sequences left out of the text, max_tokens up to the server's MAX_NEW_TOKEN
 too). Extensions as vLLM accepts them: `top_k`, `repetition_penalty`, `min_tokens`,
 `ignore_eos` (the model's EOS is masked until max_tokens), `include_stop_str_in_output`.
 `logit_bias` ({token id: -100 to 100}) is added to the logits before any other processing, as
-vLLM does. Parameters that would change the answer and are not served (tools, response formats
-other than text, suffix, best_of > 1) are refused with 400; metadata fields (`user`,
+vLLM does. `tools` with a named `tool_choice` or "required": openai_tools.py. Parameters that
+would change the answer and are not served (tool_choice "auto", response formats other than
+text, suffix, best_of > 1) are refused with 400; metadata fields (`user`,
 `metadata`, `store`, ...) are accepted.
 
 `n` > 1 and lists of prompts run as separate requests in the same batch (one concurrency
@@ -49,6 +50,18 @@ from router.core.validation import (
 )
 from router.http.chat_template import ChatTemplate, ChatTemplateError
 from router.http.http_calls import EventStream, sse, tenant_of, until_disconnected
+from router.http.openai_tools import (
+    TEXT,
+    Tool,
+    ToolChoiceParam,
+    ToolMode,
+    call_id,
+    guided_for,
+    template_message,
+    template_tools,
+    tool_calls,
+    tool_mode,
+)
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind, TokenInfo
 
@@ -138,8 +151,10 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = Field(default=None, description="not served")
-    tool_choice: Any | None = Field(default=None, description="not served: none or unset only")
+    tools: list[Tool] | None = Field(default=None, description="functions the model may call")
+    tool_choice: ToolChoiceParam | None = Field(
+        default=None, description='"none", "required" or {"type": "function", "function": {"name": ...}}'
+    )
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -154,9 +169,6 @@ def unsupported(body: _Common) -> str | None:
     ]
     if isinstance(body, CompletionRequest):
         checks.append((body.suffix is not None, "suffix"))
-    if isinstance(body, ChatRequest):
-        checks.append((bool(body.tools), "tools"))
-        checks.append((body.tool_choice not in (None, "none"), "tool_choice"))
     fmt = (body.response_format or {}).get("type", "text")
     checks.append((fmt not in RESPONSE_FORMATS, f"response_format {fmt}"))
     for refused, what in checks:
@@ -196,6 +208,11 @@ def guided_of(body: _Common) -> Guided | None:
     return found[0] if found else None
 
 
+def tool_mode_of(body: _Common) -> ToolMode:
+    """How a chat's answer is read (openai_tools.py); completions are text."""
+    return tool_mode(body.tools, body.tool_choice) if isinstance(body, ChatRequest) else TEXT
+
+
 def logit_bias_of(body: _Common) -> tuple[tuple[int, float], ...]:
     """The request's logit_bias as (token id, bias) pairs by id (ValidationError for a key that
     is not a token id; validation checks the ids against the vocabulary and the biases' range)."""
@@ -228,6 +245,15 @@ def request_params(
 ) -> RequestParams:
     """OpenAI's parameters -> RequestParams (validated afterwards like every door's)."""
     temperature = 1.0 if body.temperature is None else body.temperature
+    guided = guided_of(body)
+    tools = tool_mode_of(body)
+    if tools.calls:
+        assert isinstance(body, ChatRequest)
+        if guided is not None:
+            raise ValidationError(
+                "a tool_choice that calls tools cannot be combined with response_format or guided_*"
+            )
+        guided = guided_for(body.tools, tools, parallel=body.parallel_tool_calls is not False)
     sampling = http_sampling(
         temperature != 0.0,
         temperature=temperature,
@@ -237,7 +263,7 @@ def request_params(
         repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        guided=guided_of(body),
+        guided=guided,
     )
     sampling = replace(sampling, logit_bias=logit_bias_of(body))
     limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or max_new_tokens
@@ -268,6 +294,7 @@ class _Answer:
     echo: bool
     logprobs: bool
     created: int
+    tools: ToolMode = TEXT
 
     @property
     def object(self) -> str:
@@ -346,9 +373,12 @@ class OpenAIApi:
             raise self.service.refuse(message, param="messages")
         try:
             messages = [
-                {**m.model_dump(exclude_none=True), "content": _text_content(m)} for m in body.messages
+                template_message({**m.model_dump(exclude_none=True), "content": _text_content(m)})
+                for m in body.messages
             ]
-            return self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+            return self.chat_template.render(
+                messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools(body.tools)
+            )
         except ValidationError as exc:
             raise self.service.refuse(str(exc)) from exc
         except ChatTemplateError as exc:
@@ -400,6 +430,7 @@ class OpenAIApi:
             echo=echo,
             logprobs=logprobs,
             created=int(time.time()),
+            tools=tool_mode_of(body),
         )
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -427,7 +458,13 @@ class OpenAIApi:
             text = echoed + output.text
             choice: dict[str, Any] = {"index": index, "finish_reason": _finish(output.stop_reason)}
             if answer.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": text}
+                calls = tool_calls(answer.tools, text) if answer.tools.calls else None
+                if calls is None:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    if answer.tools.kind == "required":
+                        choice["finish_reason"] = "tool_calls"
                 choice["logprobs"] = self._chat_logprobs(output.tokens) if answer.logprobs else None
             else:
                 choice["text"] = text
@@ -459,11 +496,12 @@ class OpenAIApi:
 
         pumps = [asyncio.ensure_future(pump(i, v)) for i, v in enumerate(answer.requests)]
         final: dict[int, Output] = {}
+        held: dict[int, list[Output]] = {}
         offsets = [len(answer.prompts[i]) if answer.echo else 0 for i in range(len(answer.requests))]
         try:
             if answer.kind == "chat":
                 for index in range(len(answer.requests)):
-                    yield _sse(self._chunk(answer, index, {"role": "assistant", "content": ""}, None, None))
+                    yield _sse(self._chunk(answer, index, _opening(answer.tools), None, None))
             elif answer.echo:
                 for index in range(len(answer.requests)):
                     yield _sse(self._chunk(answer, index, answer.prompts[index], None, None))
@@ -478,6 +516,11 @@ class OpenAIApi:
                     break
                 if item.final:
                     final[index] = item
+                if answer.tools.kind == "required":  # one chunk of calls once the list is whole
+                    held.setdefault(index, []).append(item)
+                    if item.final:
+                        yield _sse(self._calls_chunk(answer, index, held.pop(index)))
+                    continue
                 yield _sse(self._delta(answer, index, item, offsets))
                 offsets[index] += len(item.text)
             else:
@@ -497,11 +540,27 @@ class OpenAIApi:
         finish = _finish(output.stop_reason) if output.final else None
         if answer.kind == "chat":
             logprobs = self._chat_logprobs(output.tokens) if answer.logprobs else None
-            return self._chunk(
-                answer, index, {"content": output.text} if output.text or not finish else {}, finish, logprobs
-            )
+            if not output.text and finish:
+                delta: dict[str, Any] = {}
+            elif answer.tools.kind == "named":
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": output.text}}]}
+            else:
+                delta = {"content": output.text}
+            return self._chunk(answer, index, delta, finish, logprobs)
         logprobs = self._completion_logprobs(output.tokens, offsets[index]) if answer.logprobs else None
         return self._chunk(answer, index, output.text, finish, logprobs)
+
+    def _calls_chunk(self, answer: _Answer, index: int, outputs: Sequence[Output]) -> dict[str, Any]:
+        """The one chunk of a choice that answers with a list of calls: the calls, or the text
+        where it is not a whole list (cut by max_tokens); the tokens' logprobs all in it."""
+        text = "".join(o.text for o in outputs)
+        tokens = [t for o in outputs for t in o.tokens]
+        logprobs = self._chat_logprobs(tokens) if answer.logprobs else None
+        calls = tool_calls(answer.tools, text)
+        if calls is None:
+            return self._chunk(answer, index, {"content": text}, _finish(outputs[-1].stop_reason), logprobs)
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        return self._chunk(answer, index, delta, "tool_calls", logprobs)
 
     def _chunk(
         self, answer: _Answer, index: int | None, content: Any, finish: str | None, logprobs: Any
@@ -558,6 +617,17 @@ def _distinct_seeds(requests: list[ValidatedRequest], seed: int | None) -> list[
         r if r.sampling.greedy else replace(r, sampling=replace(r.sampling, seed=(seed + i) % 2**63))
         for i, r in enumerate(requests)
     ]
+
+
+def _opening(tools: ToolMode) -> dict[str, Any]:
+    """A chat choice's first streamed delta: the role, and a named call's id and name."""
+    if tools.kind == "text":
+        return {"role": "assistant", "content": ""}
+    opening: dict[str, Any] = {"role": "assistant", "content": None}
+    if tools.kind == "named":
+        call = {"id": call_id(), "type": "function", "function": {"name": tools.name, "arguments": ""}}
+        opening["tool_calls"] = [{"index": 0, **call}]
+    return opening
 
 
 def _finish(reason: StopReason) -> Literal["stop", "length"]:

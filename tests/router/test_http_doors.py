@@ -27,9 +27,21 @@ from router.http.openai_api import unsupported as openai_unsupported
 from router.http.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
+from text_generation_common.guided import Grammars
 from text_generation_common.messages import GenerationRequest, Guided, GuidedKind
 
 MAX_NEW = 200
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 def free_port() -> int:
@@ -653,9 +665,87 @@ async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
     status, answer = await post(
         stack, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}
     )
-    assert status == 400 and answer["error"]["message"] == "roles must be system, user or assistant"
+    assert status == 400 and answer["error"]["message"] == "roles must be system, user, assistant or tool"
     assert answer["error"]["param"] == "messages"
     await stack.settled()
+
+
+async def test_openai_tool_calls_of_a_named_function_and_of_required(
+    stack: Stack, tokenizer_dir, tokenizer_pool
+) -> None:
+    """tool_choice names a function or asks for calls: the constraint reaches the shard, and the
+    answer (here the fake shard's scripted JSON, then EOS) becomes message.tool_calls, unary and
+    streamed; a list of calls cut by max_tokens stays text."""
+    stack.service.validator.grammars = Grammars((tokenizer_dir / "tokenizer.json").read_text(), 2000, EOS)
+    constraints: list[Guided | None] = []
+
+    def answer_with(text: str) -> None:
+        ids = tokenizer_pool.encode_batch_sync([text])[0][1:]  # without BOS
+
+        def script(request: GenerationRequest, step: int) -> int:
+            constraints.append(request.params.guided)
+            return ids[step] if step < len(ids) else EOS
+
+        stack.shard.script = script
+
+    chat = "/v1/chat/completions"
+    body = {
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "weather"}},
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    arguments = '{"city": "Oslo"}'
+    answer_with(arguments)
+    status, answer = await post(stack, chat, body)
+    assert status == 200, answer
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "weather", "arguments": arguments}
+    parameters = WEATHER["function"]["parameters"]
+    assert constraints[-1] == Guided(GuidedKind.JSON_SCHEMA, json.dumps(parameters))
+    events = await sse_events(stack, {**body, "stream": True}, path=chat)
+    opening = events[0]["choices"][0]["delta"]
+    assert opening["content"] is None and opening["tool_calls"][0]["function"] == {
+        "name": "weather",
+        "arguments": "",
+    }
+    deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas if d) == arguments
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+    calls = '[{"name": "weather", "parameters": {"city": "Rome"}}]'
+    answer_with(calls)
+    required = {**body, "tool_choice": "required"}
+    status, answer = await post(stack, chat, required)
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city": "Rome"}'}
+    ]
+    schema = json.loads(constraints[-1].spec)
+    assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["parameters"] == parameters
+    events = await sse_events(stack, {**required, "stream": True, "logprobs": True}, path=chat)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    (last,) = events[1:-1]  # the calls come in one chunk, every token's logprobs with them
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+    assert len(last["choices"][0]["logprobs"]["content"]) == choice_tokens(tokenizer_pool, calls) + 1
+    status, answer = await post(stack, chat, {**required, "max_tokens": 3})
+    (choice,) = answer["choices"]
+    assert (
+        choice["finish_reason"] == "length"
+        and choice["message"]["content"] == calls[: len(choice["message"]["content"])]
+    )
+    assert "tool_calls" not in choice["message"]
+    await stack.settled()
+
+
+def choice_tokens(tokenizer_pool, text: str) -> int:
+    return len(tokenizer_pool.encode_batch_sync([text])[0]) - 1
 
 
 @pytest.mark.parametrize(
@@ -699,7 +789,23 @@ async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
             400,
-            "tools is not",
+            "tools.0.type: Field required",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]},
+            400,
+            'tool_choice "auto" (the default with tools) is not supported by this server',
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "other"}},
+            },
+            400,
+            "tool_choice names the function 'other', which is not among tools",
         ),
         ("/v1/nope", {}, 404, "no route /v1/nope"),
     ],

@@ -57,11 +57,14 @@ class TokenizerSpec:
 
 # A small chat template in the style of the instruct models' (roles in tags, EOS after each turn);
 # it refuses unknown roles the way real templates do, through raise_exception.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+CHAT_TEMPLATE = (  # tools and an assistant's calls written as JSON, as real templates do
+    "{{ bos_token }}{% if tools %}{{ '<|tools|>\n' + (tools | tojson) + eos_token + '\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('roles must be system, user, assistant or tool') }}{% endif %}"
+    "{% if message['tool_calls'] %}{% set text = message['tool_calls'] | tojson %}"
+    "{% else %}{% set text = message['content'] %}{% endif %}"
+    "{{ '<|' + message['role'] + '|>\n' + text + eos_token + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 
