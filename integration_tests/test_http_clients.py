@@ -218,8 +218,37 @@ def test_openai_tool_calls(served: Server) -> None:
     assert required.choices[0].finish_reason == "tool_calls"
     for made in required.choices[0].message.tool_calls:
         assert made.function.name == "weather" and set(json.loads(made.function.arguments)) <= {"city"}
-    with pytest.raises(openai.BadRequestError, match='tool_choice "auto"'):
+    with pytest.raises(openai.BadRequestError, match=r'tool_choice "auto" .* needs the server started with'):
         ask()
+
+
+@pytest.fixture(scope="module")
+def parsing(tmp_path_factory) -> Iterator[Server]:
+    s = launch("llama", tmp_path_factory.mktemp("tool-parser"), env={"TOOL_CALL_PARSER": "hermes"})
+    yield s
+    s.stop()
+
+
+def test_openai_auto_tool_choice_with_the_models_parser(parsing: Server) -> None:
+    """TOOL_CALL_PARSER turns "auto" on (the default with tools): the tiny random model writes
+    no call, so its free answer comes back as text, unary and streamed alike."""
+    client = openai_client(parsing)
+    (model,) = client.models.list().data
+    tools = [{"type": "function", "function": {"name": "hour"}}]
+    ask = functools.partial(
+        client.chat.completions.create,
+        model=model.id,
+        messages=[{"role": "user", "content": "What time is it?"}],
+        max_tokens=8,
+        temperature=0,
+        tools=tools,
+    )
+    answer = ask()
+    assert (
+        answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in ask(stream=True) if c.choices)
+    assert streamed == answer.choices[0].message.content
 
 
 def test_openai_chat_and_errors(served: Server) -> None:

@@ -338,6 +338,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
 @options.drain_timeout
 @options.otlp_endpoint
 @options.otlp_service_name
+@options.tool_call_parser
 @options.auth_options
 @click.option(
     "--log-level", envvar="LOG_LEVEL", default="info", help="Log level of every process [env LOG_LEVEL]."

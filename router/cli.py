@@ -95,6 +95,7 @@ logger = logging.getLogger(__name__)
 @options.drain_timeout
 @options.otlp_endpoint
 @options.otlp_service_name
+@options.tool_call_parser
 @options.auth_options
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
@@ -124,6 +125,7 @@ def main(
     drain_timeout_s: float,
     otlp_endpoint: str | None,
     otlp_service_name: str,
+    tool_call_parser: str | None,
     log_level: str,
     **auth: Any,
 ) -> None:
@@ -165,6 +167,7 @@ def main(
             drain_timeout_s=drain_timeout_s,
             otlp_endpoint=otlp_endpoint,
             otlp_service_name=otlp_service_name,
+            tool_call_parser=tool_call_parser,
             auth=options.auth_config(auth),
         )
     except ValueError as exc:

@@ -17,6 +17,7 @@ import click
 from router import config as defaults
 from router.api.auth import AuthConfig, parse_api_keys
 from router.core.pacing import CPU_HIGH
+from router.http.tool_parsers import PARSERS
 
 max_concurrent_requests = click.option(
     "--max-concurrent-requests",
@@ -151,6 +152,15 @@ otlp_endpoint = click.option(
     default=None,
     help="Send OpenTelemetry traces to this OTLP/gRPC endpoint "
     "[env OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT].",
+)
+tool_call_parser = click.option(
+    "--tool-call-parser",
+    envvar="TOOL_CALL_PARSER",
+    type=click.Choice(sorted(PARSERS)),
+    default=None,
+    help="The served model's tool call format, read from its answers: turns on the OpenAI chat "
+    'door\'s tool_choice "auto" (OpenAI\'s default when tools are given); unset, "auto" is refused '
+    "[env TOOL_CALL_PARSER].",
 )
 otlp_service_name = click.option(
     "--otlp-service-name",

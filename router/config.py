@@ -75,6 +75,9 @@ class RouterConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: time in-flight requests get to finish
     otlp_endpoint: str | None = None  # OpenTelemetry collector (OTLP/gRPC); None = no tracing
     otlp_service_name: str = DEFAULT_OTLP_SERVICE_NAME
+    # the model's tool call format (router/http/tool_parsers.py), for the OpenAI door's
+    # tool_choice "auto"; None = "auto" refused
+    tool_call_parser: str | None = None
     # API keys / JWT (router/api/auth.py); off by default
     auth: AuthConfig = field(default_factory=AuthConfig)
 

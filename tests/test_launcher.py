@@ -350,10 +350,19 @@ def test_router_command_is_accepted_by_the_router_cli(tiny_model: Callable[..., 
         grpc_port=4321,
         stream_interval=3,
         max_stream_interval=6,
+        tool_call_parser="hermes",
     )
     argv = lc.router_command(config, "/tok")
     params = router_main.make_context("router", argv[argv.index("--tokenizer-path") :]).params
     assert params["tokenizer_path"] == "/tok" and params["master_shard_uds_path"] == config.socket_path(0)
+    assert params["tool_call_parser"] == "hermes"
+    plain = lc.router_command(config_for(tiny_model("llama")), "/tok")
+    assert (
+        router_main.make_context("router", plain[plain.index("--tokenizer-path") :]).params[
+            "tool_call_parser"
+        ]
+        is None
+    )
     assert (params["max_waiting_tokens"], params["port"], params["grpc_port"]) == (7, 1234, 4321)
     assert params["max_batch_prefill_tokens"] == 99 and params["stream_interval"] == 3
     assert params["max_stream_interval"] == 6

@@ -9,10 +9,9 @@ stop sequences left out of the text, max_tokens up to the server's MAX_NEW_TOKEN
 too). Extensions as vLLM accepts them: `top_k`, `repetition_penalty`, `min_tokens`,
 `ignore_eos` (the model's EOS is masked until max_tokens), `include_stop_str_in_output`.
 `logit_bias` ({token id: -100 to 100}) is added to the logits before any other processing, as
-vLLM does. `tools` with a named `tool_choice` or "required": openai_tools.py. Parameters that
-would change the answer and are not served (tool_choice "auto", response formats other than
-text, suffix, best_of > 1) are refused with 400; metadata fields (`user`,
-`metadata`, `store`, ...) are accepted.
+vLLM does. `tools` and `tool_choice`: openai_tools.py. Parameters that would change the answer
+and are not served (response formats other than text, suffix, best_of > 1) are refused with
+400; metadata fields (`user`, `metadata`, `store`, ...) are accepted.
 
 `n` > 1 and lists of prompts run as separate requests in the same batch (one concurrency
 permit each); their choices stream interleaved, each chunk naming its `index`.
@@ -52,16 +51,17 @@ from router.http.chat_template import ChatTemplate, ChatTemplateError
 from router.http.http_calls import EventStream, sse, tenant_of, until_disconnected
 from router.http.openai_tools import (
     TEXT,
+    HeldAnswer,
     Tool,
     ToolChoiceParam,
     ToolMode,
-    call_id,
     guided_for,
+    read,
     template_message,
     template_tools,
-    tool_calls,
     tool_mode,
 )
+from router.http.tool_parsers import ToolCallParser, call_id
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind, TokenInfo
 
@@ -208,9 +208,10 @@ def guided_of(body: _Common) -> Guided | None:
     return found[0] if found else None
 
 
-def tool_mode_of(body: _Common) -> ToolMode:
-    """How a chat's answer is read (openai_tools.py); completions are text."""
-    return tool_mode(body.tools, body.tool_choice) if isinstance(body, ChatRequest) else TEXT
+def tool_mode_of(body: _Common, parser: ToolCallParser | None) -> ToolMode:
+    """How a chat's answer is read (openai_tools.py; `parser`: the model's call format, for
+    "auto"); completions are text."""
+    return tool_mode(body.tools, body.tool_choice, parser) if isinstance(body, ChatRequest) else TEXT
 
 
 def logit_bias_of(body: _Common) -> tuple[tuple[int, float], ...]:
@@ -241,13 +242,19 @@ def _text_content(message: ChatMessage) -> Any:
 
 
 def request_params(
-    body: _Common, *, max_new_tokens: int, top_n: int, logprobs: bool, stream: bool
+    body: _Common,
+    *,
+    max_new_tokens: int,
+    top_n: int,
+    logprobs: bool,
+    stream: bool,
+    tool_parser: ToolCallParser | None = None,
 ) -> RequestParams:
     """OpenAI's parameters -> RequestParams (validated afterwards like every door's)."""
     temperature = 1.0 if body.temperature is None else body.temperature
     guided = guided_of(body)
-    tools = tool_mode_of(body)
-    if tools.calls:
+    tools = tool_mode_of(body, tool_parser)
+    if tools.constrained:
         assert isinstance(body, ChatRequest)
         if guided is not None:
             raise ValidationError(
@@ -313,13 +320,16 @@ class OpenAIApi:
         max_sequence_length: int,
         max_new_tokens: int,
         chat_template: ChatTemplate | None,
+        tool_parser: ToolCallParser | None = None,
     ) -> None:
+        """`tool_parser`: the model's tool call format (TOOL_CALL_PARSER), for tool_choice "auto"."""
         self.service = service
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_sequence_length = max_sequence_length
         self.max_new_tokens = max_new_tokens
         self.chat_template = chat_template
+        self.tool_parser = tool_parser
         self.created = int(time.time())
         self.router = APIRouter(prefix="/v1", tags=["OpenAI"])
         self.router.add_api_route(
@@ -410,6 +420,7 @@ class OpenAIApi:
                     top_n=top_n,
                     logprobs=logprobs,
                     stream=body.stream,
+                    tool_parser=self.tool_parser,
                 )
             except ValidationError as exc:
                 raise self.service.refuse(str(exc)) from exc
@@ -430,7 +441,7 @@ class OpenAIApi:
             echo=echo,
             logprobs=logprobs,
             created=int(time.time()),
-            tools=tool_mode_of(body),
+            tools=tool_mode_of(body, self.tool_parser),
         )
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -458,13 +469,11 @@ class OpenAIApi:
             text = echoed + output.text
             choice: dict[str, Any] = {"index": index, "finish_reason": _finish(output.stop_reason)}
             if answer.kind == "chat":
-                calls = tool_calls(answer.tools, text) if answer.tools.calls else None
-                if calls is None:
-                    choice["message"] = {"role": "assistant", "content": text}
-                else:
-                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                    if answer.tools.kind == "required":
-                        choice["finish_reason"] = "tool_calls"
+                reading = read(answer.tools, text, self.tool_parser)
+                choice["message"] = {"role": "assistant", "content": reading.content}
+                if reading.calls is not None:
+                    choice["message"]["tool_calls"] = reading.calls
+                choice["finish_reason"] = reading.finish or choice["finish_reason"]
                 choice["logprobs"] = self._chat_logprobs(output.tokens) if answer.logprobs else None
             else:
                 choice["text"] = text
@@ -496,7 +505,7 @@ class OpenAIApi:
 
         pumps = [asyncio.ensure_future(pump(i, v)) for i, v in enumerate(answer.requests)]
         final: dict[int, Output] = {}
-        held: dict[int, list[Output]] = {}
+        held: dict[int, HeldAnswer] = {}
         offsets = [len(answer.prompts[i]) if answer.echo else 0 for i in range(len(answer.requests))]
         try:
             if answer.kind == "chat":
@@ -516,10 +525,10 @@ class OpenAIApi:
                     break
                 if item.final:
                     final[index] = item
-                if answer.tools.kind == "required":  # one chunk of calls once the list is whole
-                    held.setdefault(index, []).append(item)
-                    if item.final:
-                        yield _sse(self._calls_chunk(answer, index, held.pop(index)))
+                if answer.tools.kind in ("auto", "required"):  # calls come whole, at the end
+                    held.setdefault(index, HeldAnswer(answer.tools, self.tool_parser))
+                    if (chunk := self._held_chunk(answer, index, held[index], item)) is not None:
+                        yield _sse(chunk)
                     continue
                 yield _sse(self._delta(answer, index, item, offsets))
                 offsets[index] += len(item.text)
@@ -550,17 +559,30 @@ class OpenAIApi:
         logprobs = self._completion_logprobs(output.tokens, offsets[index]) if answer.logprobs else None
         return self._chunk(answer, index, output.text, finish, logprobs)
 
-    def _calls_chunk(self, answer: _Answer, index: int, outputs: Sequence[Output]) -> dict[str, Any]:
-        """The one chunk of a choice that answers with a list of calls: the calls, or the text
-        where it is not a whole list (cut by max_tokens); the tokens' logprobs all in it."""
-        text = "".join(o.text for o in outputs)
-        tokens = [t for o in outputs for t in o.tokens]
-        logprobs = self._chat_logprobs(tokens) if answer.logprobs else None
-        calls = tool_calls(answer.tools, text)
-        if calls is None:
-            return self._chunk(answer, index, {"content": text}, _finish(outputs[-1].stop_reason), logprobs)
-        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-        return self._chunk(answer, index, delta, "tool_calls", logprobs)
+    def _held_chunk(
+        self, answer: _Answer, index: int, held: HeldAnswer, output: Output
+    ) -> dict[str, Any] | None:
+        """The chunk (if any) of a choice whose calls come whole: the content that is text for
+        sure as it comes; at the end the rest, and the calls. Token logprobs go out with the
+        next chunk sent."""
+        held.tokens.extend(output.tokens)
+        content = held.add(output.text)
+        if not output.final:
+            return self._held_send(answer, index, held, {"content": content}, None) if content else None
+        reading = held.end()
+        delta: dict[str, Any] = {}
+        if reading.content or content:
+            delta["content"] = content + (reading.content or "")
+        if reading.calls is not None:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(reading.calls)]
+        return self._held_send(answer, index, held, delta, reading.finish or _finish(output.stop_reason))
+
+    def _held_send(
+        self, answer: _Answer, index: int, held: HeldAnswer, delta: dict[str, Any], finish: str | None
+    ) -> dict[str, Any]:
+        logprobs = self._chat_logprobs(held.tokens) if answer.logprobs else None
+        held.tokens = []
+        return self._chunk(answer, index, delta, finish, logprobs)
 
     def _chunk(
         self, answer: _Answer, index: int | None, content: Any, finish: str | None, logprobs: Any
@@ -621,7 +643,7 @@ def _distinct_seeds(requests: list[ValidatedRequest], seed: int | None) -> list[
 
 def _opening(tools: ToolMode) -> dict[str, Any]:
     """A chat choice's first streamed delta: the role, and a named call's id and name."""
-    if tools.kind == "text":
+    if tools.kind in ("text", "auto"):
         return {"role": "assistant", "content": ""}
     opening: dict[str, Any] = {"role": "assistant", "content": None}
     if tools.kind == "named":

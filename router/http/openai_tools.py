@@ -1,32 +1,33 @@
-"""OpenAI tool calling at the chat door, as vLLM serves it without a model-specific parser.
+"""OpenAI tool calling at the chat door, as vLLM serves it.
 
 `tools` (functions with JSON-Schema parameters) reach the chat template as transformers passes
 them (`tools=[{"type": "function", "function": {...}}, ...]`), and `tool_choice` decides what
 the model may answer:
   - "none" (the default without tools): text, as without tools; the template still sees them;
+  - "auto" (the default with tools): text or calls in the model's own format, read by the
+    parser TOOL_CALL_PARSER names (tool_parsers.py); finish_reason "tool_calls" where it called;
   - {"type": "function", "function": {"name": N}}: one call of N, its arguments constrained by
     guided decoding to N's parameters schema; finish_reason "stop" (OpenAI's, for a forced call);
   - "required": one or more calls (one with parallel_tool_calls false), constrained to a JSON
     array of {"name", "parameters"} objects of the given tools; finish_reason "tool_calls".
-"auto" (OpenAI's default when tools are given) would need a parser of each model family's own
-call format; it is refused with one line. A named call cut by max_tokens keeps its incomplete
-arguments (finish_reason "length"); a list of calls cut before its JSON is complete is returned
-as text, finish_reason "length". Assistant messages that carry `tool_calls` reach the template
+Without a parser, "auto" is refused with one line. A named call cut by max_tokens keeps its
+incomplete arguments (finish_reason "length"); a list of calls cut before its JSON is complete
+is returned as text, finish_reason "length". Assistant messages that carry `tool_calls` reach the template
 with their arguments as objects (templates write them with `tojson`), `tool` messages as they are.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.core.validation import ValidationError
+from router.http.tool_parsers import ToolCallParser, function_call
 from text_generation_common.guided import schema_text
-from text_generation_common.messages import Guided, GuidedKind
+from text_generation_common.messages import Guided, GuidedKind, TokenInfo
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # the arguments of a function without a schema
 
@@ -58,31 +59,47 @@ ToolChoiceParam = Literal["none", "auto", "required"] | NamedToolChoice
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How the answer is read: text, one call of `name`, or a list of calls."""
+    """How the answer is read: text; text or calls in the model's format (auto); one call of
+    `name` (named); a list of calls (required)."""
 
-    kind: Literal["text", "named", "required"]
+    kind: Literal["text", "auto", "named", "required"]
     name: str = ""
 
     @property
-    def calls(self) -> bool:
-        return self.kind != "text"
+    def constrained(self) -> bool:
+        """The answer is a call, or a list of calls, by guided decoding."""
+        return self.kind in ("named", "required")
 
 
 TEXT = ToolMode("text")
 
 
-def tool_mode(tools: list[Tool] | None, choice: ToolChoiceParam | None) -> ToolMode:
+@dataclass(frozen=True)
+class Reading:
+    """An answer as the chat's message: its text (None beside calls that have none), its calls
+    (None: it made none) and the finish_reason its calls give (None: the stop reason's)."""
+
+    content: str | None
+    calls: list[dict[str, Any]] | None = None
+    finish: str | None = None
+
+
+def tool_mode(
+    tools: list[Tool] | None, choice: ToolChoiceParam | None, parser: ToolCallParser | None = None
+) -> ToolMode:
     """The mode `tool_choice` asks for (unset: "auto" with tools, as OpenAI has it, else "none");
-    ValidationError where it cannot be served."""
+    ValidationError where it cannot be served (`parser`: the model's, for "auto")."""
     if choice is None:
         choice = "auto" if tools else "none"
-    if choice == "none":
+    if choice == "none" or (choice == "auto" and not tools):
         return TEXT
     if choice == "auto":
-        raise ValidationError(
-            'tool_choice "auto" (the default with tools) is not supported by this server: '
-            'name a function, or use "required" or "none"'
-        )
+        if parser is None:
+            raise ValidationError(
+                'tool_choice "auto" (the default with tools) needs the server started with '
+                '--tool-call-parser: name a function, or use "required" or "none"'
+            )
+        return ToolMode("auto")
     if not tools:
         raise ValidationError("tool_choice needs tools")
     if choice == "required":
@@ -95,9 +112,9 @@ def tool_mode(tools: list[Tool] | None, choice: ToolChoiceParam | None) -> ToolM
 
 
 def guided_for(tools: list[Tool] | None, mode: ToolMode, parallel: bool = True) -> Guided | None:
-    """The constraint on the answer of a mode that calls tools (None for text); `parallel`: a
-    list of calls may hold more than one."""
-    if not mode.calls:
+    """The constraint on the answer of a mode that is constrained (None for the others);
+    `parallel`: a list of calls may hold more than one."""
+    if not mode.constrained:
         return None
     assert tools is not None
     if mode.kind == "named":
@@ -148,16 +165,21 @@ def _with_object_arguments(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": parsed}}
 
 
-def call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
-
-def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
-    """The calls in an answer of a mode that calls tools, as OpenAI's message.tool_calls: a
-    named call's arguments are the text as it is; None where a list of calls is not complete
-    JSON (cut by max_tokens)."""
+def read(mode: ToolMode, text: str, parser: ToolCallParser | None = None) -> Reading:
+    """A whole answer of `mode` as the chat's message: a named call's arguments are the text as
+    it is; a list of calls that is not complete JSON (cut by max_tokens), or an auto answer
+    whose calls do not parse, is text."""
     if mode.kind == "named":
-        return [_call(mode.name, text)]
+        return Reading(None, [function_call(mode.name, text)])
+    if mode.kind == "required":
+        calls = _listed_calls(text)
+        return Reading(text) if calls is None else Reading(None, calls, "tool_calls")
+    if mode.kind == "auto" and parser is not None and (parsed := parser.parse(text)) is not None:
+        return Reading(parsed.content.strip() or None, parsed.calls, "tool_calls")
+    return Reading(text)
+
+
+def _listed_calls(text: str) -> list[dict[str, Any]] | None:
     try:
         value = json.loads(text)
     except ValueError:
@@ -166,8 +188,37 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
         return None
     if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
         return None
-    return [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+    return [function_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+class HeldAnswer:
+    """One streamed choice of a mode whose calls come whole (auto, required): the text that is
+    content whatever comes next goes out as it comes (auto only), the rest waits for the end."""
+
+    def __init__(self, mode: ToolMode, parser: ToolCallParser | None) -> None:
+        self.mode, self.parser = mode, parser
+        self.text = ""
+        self.sent = 0  # characters of text sent as content
+        self.tokens: list[TokenInfo] = []  # the answer's tokens not yet sent (their logprobs)
+
+    def add(self, text: str) -> str:
+        """The content to send now, of the answer grown by `text`."""
+        self.text += text
+        if self.mode.kind != "auto" or self.parser is None:
+            return ""
+        upto = self.parser.streamable(self.text)
+        if upto <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : upto], upto
+        return out
+
+    def end(self) -> Reading:
+        """The whole answer, less the content already sent."""
+        if self.mode.kind == "auto" and self.parser is not None:
+            parsed = self.parser.parse(self.text)
+            if parsed is None:
+                return Reading(self.text[self.sent :])
+            # what was sent comes before any call: the rest of the text outside the calls
+            return Reading(parsed.content[self.sent :].strip() or None, parsed.calls, "tool_calls")
+        reading = read(self.mode, self.text, self.parser)
+        return reading if reading.calls is not None else Reading(self.text[self.sent :])

@@ -25,6 +25,7 @@ from router.http.openai_api import ChatRequest, CompletionRequest, OpenAIApi
 from router.http.openai_api import request_params as openai_request_params
 from router.http.openai_api import unsupported as openai_unsupported
 from router.http.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
+from router.http.tool_parsers import Hermes
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
 from text_generation_common.guided import Grammars
@@ -51,8 +52,11 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, shard: FakeShard, service: GenerationService, server: HttpServer, port: int) -> None:
+    def __init__(
+        self, shard: FakeShard, service: GenerationService, server: HttpServer, port: int, openai: OpenAIApi
+    ) -> None:
         self.shard, self.service, self.server, self.port = shard, service, server, port
+        self.openai = openai  # the OpenAI door (tests may give it a tool call parser)
         self.url = f"http://127.0.0.1:{port}"
 
     @property
@@ -110,7 +114,7 @@ async def stack(detokenizer, tokenizer_pool, tokenizer_dir, auth):
     port = free_port()
     await server.start("127.0.0.1", port)
     task = asyncio.create_task(batcher.run())
-    yield Stack(shard, service, server, port)
+    yield Stack(shard, service, server, port, openai)
     task.cancel()
     await server.stop()
 
@@ -744,6 +748,50 @@ async def test_openai_tool_calls_of_a_named_function_and_of_required(
     await stack.settled()
 
 
+async def test_openai_auto_tool_calls_in_the_models_format(stack: Stack, tokenizer_pool) -> None:
+    """tool_choice "auto" with the model's parser: free text (no constraint), its calls read out
+    of it, unary and streamed (the text before a call streams as it comes, the calls at the
+    end); an answer without calls is plain text."""
+    stack.openai.tool_parser = Hermes()
+    answer = 'Checking.<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    ids = tokenizer_pool.encode_batch_sync([answer])[0][1:]  # without BOS
+    constraints: list[Guided | None] = []
+
+    def script(request: GenerationRequest, step: int) -> int:
+        constraints.append(request.params.guided)
+        return ids[step] if step < len(ids) else EOS
+
+    stack.shard.script = script
+    chat = "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "max_tokens": 60}
+    status, unary = await post(stack, chat, {**body, "temperature": 0})
+    assert status == 200, unary
+    (choice,) = unary["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    ]
+    assert set(constraints) == {None}
+    events = await sse_events(stack, {**body, "stream": True, "temperature": 0}, path=chat)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    assert all("<" not in d.get("content", "") for d in deltas)
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert (
+        calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+        and calls[0]["index"] == 0
+    )
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    stack.shard.script = lambda request, step: 600 + step
+    status, plain = await post(stack, chat, {**body, "max_tokens": 4})
+    assert (
+        plain["choices"][0]["finish_reason"] == "length"
+        and "tool_calls" not in plain["choices"][0]["message"]
+    )
+    await stack.settled()
+
+
 def choice_tokens(tokenizer_pool, text: str) -> int:
     return len(tokenizer_pool.encode_batch_sync([text])[0]) - 1
 
@@ -795,7 +843,7 @@ def choice_tokens(tokenizer_pool, text: str) -> int:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]},
             400,
-            'tool_choice "auto" (the default with tools) is not supported by this server',
+            'tool_choice "auto" (the default with tools) needs the server started with --tool-call-parser',
         ),
         (
             "/v1/chat/completions",

@@ -1,5 +1,6 @@
-"""OpenAI tool calling at the chat door (router/http/openai_tools.py): which tool_choice is served,
-the constraint each asks for, the calls read back from the answer, and what the template sees."""
+"""OpenAI tool calling at the chat door (router/http/openai_tools.py, tool_parsers.py): which
+tool_choice is served, the constraint each asks for, the calls read back from the answer (whole
+and streamed), each model family's call format, and what the template sees."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ from router.core.validation import ValidationError
 from router.http.chat_template import ChatTemplate
 from router.http.openai_tools import (
     TEXT,
+    HeldAnswer,
     NamedToolChoice,
+    Reading,
     Tool,
     ToolMode,
     guided_for,
+    read,
     template_message,
     template_tools,
-    tool_calls,
     tool_mode,
 )
+from router.http.tool_parsers import Hermes, Llama3Json, parser_named
 from text_generation_common.guided import Grammars
 from text_generation_common.messages import GuidedKind
 
@@ -39,9 +43,19 @@ def test_the_served_tool_choices_and_the_refused_ones() -> None:
     assert tool_mode(None, None) == TEXT and tool_mode(TOOLS, "none") == TEXT
     assert tool_mode(TOOLS, "required") == ToolMode("required")
     assert tool_mode(TOOLS, named("now")) == ToolMode("named", "now")
+    assert tool_mode(TOOLS, None, Hermes()) == tool_mode(TOOLS, "auto", Hermes()) == ToolMode("auto")
+    assert tool_mode(None, "auto") == TEXT  # nothing to call
     for tools, choice, message in [
-        (TOOLS, None, 'tool_choice "auto" (the default with tools) is not supported by this server'),
-        (TOOLS, "auto", 'tool_choice "auto" (the default with tools) is not supported by this server'),
+        (
+            TOOLS,
+            None,
+            'tool_choice "auto" (the default with tools) needs the server started with --tool-call-parser',
+        ),
+        (
+            TOOLS,
+            "auto",
+            'tool_choice "auto" (the default with tools) needs the server started with --tool-call-parser',
+        ),
         (None, "required", "tool_choice needs tools"),
         ([], named("now"), "tool_choice needs tools"),
         (TOOLS, named("later"), "tool_choice names the function 'later', which is not among tools"),
@@ -52,7 +66,7 @@ def test_the_served_tool_choices_and_the_refused_ones() -> None:
 
 
 def test_the_constraints_compile_and_describe_the_calls(tokenizer_dir: Path) -> None:
-    assert guided_for(TOOLS, TEXT) is None
+    assert guided_for(TOOLS, TEXT) is None and guided_for(TOOLS, ToolMode("auto")) is None
     weather = guided_for(TOOLS, ToolMode("named", "weather"))
     now = guided_for(TOOLS, ToolMode("named", "now"))
     required = guided_for(TOOLS, ToolMode("required"))
@@ -72,20 +86,114 @@ def test_the_constraints_compile_and_describe_the_calls(tokenizer_dir: Path) -> 
         grammars.check(constraint)
 
 
+def functions(reading: Reading) -> list[dict] | None:
+    return None if reading.calls is None else [c["function"] for c in reading.calls]
+
+
 def test_the_calls_are_read_back_from_the_answer() -> None:
-    (call,) = tool_calls(ToolMode("named", "weather"), '{"city": "Ro') or []  # cut: kept as it is
+    named_call = read(ToolMode("named", "weather"), '{"city": "Ro')  # cut: kept as it is
+    assert named_call.content is None and named_call.finish is None  # the stop reason's
+    (call,) = named_call.calls or []
     assert call["function"] == {"name": "weather", "arguments": '{"city": "Ro'}
     assert call["type"] == "function" and call["id"].startswith("call_")
     required = ToolMode("required")
     text = '[{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "now", "parameters": {}}]'
-    calls = tool_calls(required, text) or []
-    assert [c["function"] for c in calls] == [
+    listed = read(required, text)
+    assert listed.content is None and listed.finish == "tool_calls"
+    assert functions(listed) == [
         {"name": "weather", "arguments": '{"city": "Oslo"}'},
         {"name": "now", "arguments": "{}"},
     ]
-    assert len({c["id"] for c in calls}) == 2
+    assert len({c["id"] for c in listed.calls or []}) == 2
     for broken in ('[{"name": "weather", "param', "[]", '{"name": "now"}', "[1]", '[{"name": 3}]'):
-        assert tool_calls(required, broken) is None, broken
+        assert read(required, broken) == Reading(broken), broken
+    assert read(TEXT, text) == Reading(text)
+
+
+HERMES_TEXT = (
+    'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+    '<tool_call>{"name": "now", "arguments": "{}"}</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        (Hermes(), HERMES_TEXT, "Let me check.", [("weather", '{"city": "Oslo"}'), ("now", "{}")]),
+        (
+            Hermes(),
+            'x<tool_call>{"name": "now", "arguments": {}}',
+            "x",
+            [("now", "{}")],
+        ),  # cut after the JSON
+        (Hermes(), "no calls here", "no calls here", None),
+        (Hermes(), '<tool_call>{"name": "now", "argu', '<tool_call>{"name": "now", "argu', None),
+        (
+            Hermes(),
+            '<tool_call>{"arguments": {}}</tool_call>',
+            '<tool_call>{"arguments": {}}</tool_call>',
+            None,
+        ),
+        (
+            Llama3Json(),
+            ' {"name": "weather", "parameters": {"city": "Rome"}}',
+            None,
+            [("weather", '{"city": "Rome"}')],
+        ),
+        (
+            Llama3Json(),
+            '<|python_tag|>{"name": "now", "parameters": {}}; {"name": "now", "arguments": {"a": 1}}',
+            None,
+            [("now", "{}"), ("now", '{"a": 1}')],
+        ),
+        (
+            Llama3Json(),
+            'Hello {"name": "now", "parameters": {}}',
+            'Hello {"name": "now", "parameters": {}}',
+            None,
+        ),
+        (
+            Llama3Json(),
+            '{"name": "now", "parameters": {}} and text',
+            '{"name": "now", "parameters": {}} and text',
+            None,
+        ),
+    ],
+)
+def test_each_format_gives_its_calls_and_the_text_around_them(parser, text: str, content, calls) -> None:
+    reading = read(ToolMode("auto"), text, parser)
+    assert reading.content == content
+    if calls is None:
+        assert reading.calls is None and reading.finish is None
+    else:
+        assert functions(reading) == [{"name": n, "arguments": a} for n, a in calls]
+        assert reading.finish == "tool_calls"
+
+
+@pytest.mark.parametrize("parser", [Hermes(), Llama3Json()])
+@pytest.mark.parametrize("pieces", [1, 3, 7])
+def test_a_streamed_answer_sends_only_text_then_the_calls_whole(parser, pieces: int) -> None:
+    """Whatever pieces the answer comes in, the content sent as it comes plus the rest at the end
+    is the whole answer's content, and no part of a call is ever sent as text."""
+    for text in (HERMES_TEXT, "plain words <tool", '{"name": "now", "parameters": {}}', "Hi {x}"):
+        held = HeldAnswer(ToolMode("auto"), parser)
+        sent = "".join(held.add(text[i : i + pieces]) for i in range(0, len(text), pieces))
+        end = held.end()
+        whole = read(ToolMode("auto"), text, parser)
+        assert ("<tool_call>" not in sent and '"name"' not in sent) or whole.calls is None
+        assert (sent + (end.content or "")).strip() == (whole.content or "").strip()
+        assert functions(end) == functions(whole) and end.finish == whole.finish
+
+
+def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
+    held = HeldAnswer(ToolMode("required"), None)
+    text = '[{"name": "now", "parameters": {}}]'
+    assert held.add(text[:5]) == "" and held.add(text[5:]) == ""
+    assert functions(held.end()) == [{"name": "now", "arguments": "{}"}]
+    assert parser_named(None) is None and isinstance(parser_named("hermes"), Hermes)
+    assert isinstance(parser_named("llama3_json"), Llama3Json)
+    with pytest.raises(ValueError, match="unknown tool call parser 'pythonic': one of hermes, llama3_json"):
+        parser_named("pythonic")
 
 
 def test_the_template_sees_the_tools_and_earlier_calls_with_object_arguments() -> None:
