@@ -266,6 +266,13 @@ def test_openai_chat_and_errors(served: Server) -> None:
         model=model.id, messages=messages, max_tokens=8, seed=3, n=2, logprobs=True, top_logprobs=2
     )
     assert len(sampled.choices) == 2 and all(len(c.logprobs.content) for c in sampled.choices)
+    greedy = client.completions.create(model=model.id, prompt="Hello", max_tokens=8, temperature=0)
+    only_top = client.completions.create(  # min_p 1: sampling keeps the likeliest token only
+        model=model.id, prompt="Hello", max_tokens=8, temperature=1.0, seed=5, extra_body={"min_p": 1.0}
+    )
+    assert only_top.choices[0].text == greedy.choices[0].text
+    with pytest.raises(openai.BadRequestError, match=r"min_p must be >= 0\.0 and <= 1\.0"):
+        client.completions.create(model=model.id, prompt="x", extra_body={"min_p": 2})
     with pytest.raises(openai.BadRequestError, match=r"temperature must be >= 0\.05"):
         client.completions.create(model=model.id, prompt="x", temperature=0.01)
     with pytest.raises(openai.BadRequestError, match="logit_bias token id 1000000 is not in the vocabulary"):

@@ -59,6 +59,18 @@ def test_top_p(top_p: list[float]) -> None:
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("min_p", [[0.0, 0.05, 0.3, 1.0], [0.5, 0.5, 0.0, 0.01]])
+def test_min_p(min_p: list[float]) -> None:
+    scores = random_scores(len(min_p), seed=9)
+    plan = lp.RowsPlan.of(min_p, scores.device, off=0.0)
+    assert plan is not None and plan.rows.tolist() == [i for i, m in enumerate(min_p) if m > 0]
+    got = lp.min_p_with(scores.clone(), plan)
+    want = per_row(lambda i: hf.MinPLogitsWarper(min_p[i]) if min_p[i] else None, scores)
+    torch.testing.assert_close(got, want)
+    kept = (got > float("-inf")).sum(dim=-1).tolist()
+    assert all(n >= 1 for n in kept) and kept[min_p.index(max(min_p))] < VOCAB  # the likeliest stays
+
+
 @pytest.mark.parametrize("typical_p", [[1.0, 0.9, 0.5, 0.2], [0.95, 0.1, 1.0, 0.7]])
 def test_typical_p(typical_p: list[float]) -> None:
     scores = random_scores(len(typical_p), seed=2)
@@ -137,6 +149,7 @@ PIPELINE_PARAMS = [
         top_k=20,
         top_p=0.9,
         typical_p=0.8,
+        min_p=0.02,
         repetition_penalty=1.3,
         frequency_penalty=0.4,
         seed=1,
@@ -148,7 +161,7 @@ PIPELINE_PARAMS = [
         presence_penalty=-0.7,
         logit_bias=((13, 4.0), (31, -1.0), (299, 0.5)),
     ),
-    SamplingParams(temperature=0.9, top_k=3, length_penalty=LengthPenalty(0, 1.2), seed=3),
+    SamplingParams(temperature=0.9, min_p=0.2, length_penalty=LengthPenalty(0, 1.2), seed=3),
     SamplingParams(
         min_new_tokens=3,
         length_penalty=LengthPenalty(1, 1.5),
@@ -196,6 +209,8 @@ def transformers_process_for(
                 procs.append(hf.TopKLogitsWarper(p.top_k))
             if p.top_p < 1.0:
                 procs.append(hf.TopPLogitsWarper(p.top_p))
+            if p.min_p:
+                procs.append(hf.MinPLogitsWarper(p.min_p))
             if p.typical_p < 1.0:
                 procs.append(hf.TypicalLogitsWarper(p.typical_p))
         row = scores[i : i + 1].clone()

@@ -240,6 +240,7 @@ PARAMS = [
     SamplingParams(frequency_penalty=-30.0, frequency_by_length=True),
     SamplingParams(temperature=0.9, seed=15, frequency_penalty=1.2, frequency_by_length=True),
     SamplingParams(logit_bias=((EOS, -100.0), (7, 2.0)), repetition_penalty=1.3),
+    SamplingParams(temperature=1.1, min_p=0.2, seed=16),
 ]
 DETAILS = RequestedDetails(logprobs=True, ranks=True, top_n_tokens=3)
 

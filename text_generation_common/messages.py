@@ -52,6 +52,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     typical_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0 = off: tokens less likely than min_p x the likeliest are dropped
     min_new_tokens: int = 0  # EOS masked while fewer tokens were generated
     seed: int | None = None  # sampling generator seed; the router sets one for every sampling request
     repetition_penalty: float = 1.0  # 1.0 = off

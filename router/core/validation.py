@@ -137,6 +137,7 @@ def http_sampling(
     top_k: int | None,
     top_p: float | None,
     typical_p: float | None = None,
+    min_p: float | None = None,
     seed: int | None,
     repetition_penalty: float | None,
     guided: Guided | None,
@@ -163,6 +164,7 @@ def http_sampling(
         top_k=top_k or 0,
         top_p=1.0 if top_p is None else top_p,
         typical_p=1.0 if typical_p is None else typical_p,
+        min_p=min_p or 0.0,
         seed=seed,
     )
 
@@ -201,6 +203,8 @@ def check_params(p: RequestParams, max_new_tokens: int, vocab_size: int) -> None
         raise ValidationError("top_p must be > 0.0 and <= 1.0")
     if held(s.typical_p) > 1.0:
         raise ValidationError("typical_p must be <= 1.0")
+    if not 0.0 <= s.min_p <= 1.0:  # the OpenAI door's only
+        raise ValidationError("min_p must be >= 0.0 and <= 1.0")
     if s.top_k < 0:
         raise ValidationError("top_k must be strictly positive")
     if st.max_new_tokens > max_new_tokens:

@@ -6,7 +6,7 @@ messages). OpenAI's defaults hold at this door: temperature 1.0 (sampling; 0 = g
 stop sequences left out of the text, max_tokens up to the server's MAX_NEW_TOKENS when unset
 (then capped to fit the context, finish_reason "length"), `presence_penalty` and
 `frequency_penalty` over the tokens generated so far (as vLLM applies them, greedy choices
-too). Extensions as vLLM accepts them: `top_k`, `repetition_penalty`, `min_tokens`,
+too). Extensions as vLLM accepts them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos` (the model's EOS is masked until max_tokens), `include_stop_str_in_output`.
 `logit_bias` ({token id: -100 to 100}) is added to the logits before any other processing, as
 vLLM does. `tools` and `tool_choice`: openai_tools.py. Parameters that would change the answer
@@ -118,6 +118,7 @@ class _Common(BaseModel):
     user: str | None = None
     # extensions (vLLM's names)
     top_k: int | None = None
+    min_p: float | None = Field(default=None, description="0 to 1; 0 = off")
     repetition_penalty: float | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
@@ -266,6 +267,7 @@ def request_params(
         temperature=temperature,
         top_k=body.top_k,
         top_p=body.top_p,
+        min_p=body.min_p,
         seed=body.seed,
         repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,

@@ -244,6 +244,17 @@ def test_openai_penalties_reach_greedy_and_sampled_requests() -> None:
     assert (s.presence_penalty, s.frequency_penalty, s.logit_bias) == (0.0, 0.0, ())
 
 
+def test_openai_min_p_reaches_sampled_requests_only() -> None:
+    for temperature, min_p in ((0.7, 0.1), (0.0, 0.0)):  # greedy: no warper at all
+        body = CompletionRequest(prompt="hi", temperature=temperature, min_p=0.1)
+        assert (
+            openai_request_params(
+                body, max_new_tokens=100, top_n=0, logprobs=False, stream=False
+            ).sampling.min_p
+            == min_p
+        )
+
+
 def test_openai_logit_bias_reaches_greedy_and_sampled_requests_by_token_id() -> None:
     for temperature in (0.0, 0.7):
         body = CompletionRequest(

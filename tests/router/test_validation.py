@@ -189,6 +189,15 @@ def test_logit_bias_ids_are_in_the_vocabulary_and_biases_in_range(biases, messag
     assert str(error.value) == message
 
 
+@pytest.mark.parametrize("min_p", [-0.1, 1.01, float("nan"), float("inf")])
+def test_min_p_is_a_share_of_the_likeliest_tokens_probability(min_p: float) -> None:
+    for fine in (0.0, 0.05, 1.0):
+        check_params(RequestParams(sampling=SamplingParams(temperature=1.0, min_p=fine)), MAX_NEW, VOCAB)
+    with pytest.raises(ValidationError) as error:
+        check_params(RequestParams(sampling=SamplingParams(temperature=1.0, min_p=min_p)), MAX_NEW, VOCAB)
+    assert str(error.value) == "min_p must be >= 0.0 and <= 1.0"
+
+
 def test_text_format_is_no_constraint() -> None:
     p = convert_params(params(decoding=pb.DecodingParameters(format=pb.DecodingParameters.TEXT)), True)
     check_params(p, MAX_NEW, VOCAB)

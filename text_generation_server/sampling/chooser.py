@@ -12,7 +12,8 @@ does):
      penalties over the generated ids (each row's counts, kept on the device), or TGI's
      frequency penalty over the prompt + generated ids divided by their number;
   3. guided decoding: each constrained row's grammar masks what it does not allow (guided.py);
-  4. if any row samples: temperature -> top-k -> top-p -> typical-p (greedy rows untouched);
+  4. if any row samples: temperature -> top-k -> top-p -> min-p -> typical-p (transformers'
+     order; greedy rows untouched);
   5. greedy rows take the argmax; sampling rows draw from softmax(scores) by inverse transform
      (`sample`): one uniform number per row from the row's own torch.Generator.
 Then `advance` records the chosen ids and feeds them to the rows' grammar matchers.
@@ -144,6 +145,7 @@ class TokenChooser:
         )
         self.top_k = lp.TopKPlan.of([p.top_k if p else 0 for p in sampling], vocab_size, device)
         self.top_p = lp.RowsPlan.of([p.top_p if p else 1.0 for p in sampling], device, transform=1.0)
+        self.min_p = lp.RowsPlan.of([p.min_p if p else 0.0 for p in sampling], device, off=0.0)
         self.typical_p = lp.RowsPlan.of([p.typical_p if p else 1.0 for p in sampling], device)
         self.sample_rows_t = to_device(self.sample_rows, device) if self.sample_rows else None
         self.penalty = (
@@ -297,6 +299,8 @@ class TokenChooser:
                 scores = lp.top_k_with(scores, self.top_k)
             if self.top_p is not None:
                 scores = lp.top_p_with(scores, self.top_p)
+            if self.min_p is not None:
+                scores = lp.min_p_with(scores, self.min_p)
             if self.typical_p is not None:
                 scores = lp.typical_p_with(scores, self.typical_p)
         return scores

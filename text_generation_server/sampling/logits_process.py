@@ -119,10 +119,13 @@ class RowsPlan:
     values: torch.Tensor  # [n] float32
 
     @classmethod
-    def of(cls, values: Sequence[float], device: torch.device, transform: float = 0.0) -> Self | None:
-        """The rows whose value is < 1.0 (1.0 = off), each parameter as `transform - value`
-        when transform is set (top-p's threshold 1 - p), else the value; None when no row."""
-        rows = [i for i, v in enumerate(values) if v < 1.0]
+    def of(
+        cls, values: Sequence[float], device: torch.device, transform: float = 0.0, off: float = 1.0
+    ) -> Self | None:
+        """The rows whose filter is on (a value below `off` 1.0, as top-p's; above `off` 0.0, as
+        min-p's), each parameter as `transform - value` when transform is set (top-p's threshold
+        1 - p), else the value; None when no row."""
+        rows = [i for i, v in enumerate(values) if (v < off if off else v > off)]
         if not rows:
             return None
         picked = [transform - values[i] if transform else values[i] for i in rows]
@@ -156,6 +159,16 @@ def apply_top_p(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """Nucleus filtering per row; rows with top_p >= 1.0 are untouched."""
     plan = RowsPlan.of(top_p, scores.device, transform=1.0)
     return top_p_with(scores, plan) if plan is not None else scores
+
+
+def min_p_with(scores: torch.Tensor, plan: RowsPlan) -> torch.Tensor:
+    """Min-p filtering of the plan's rows (`values`: min_p): tokens whose probability is below
+    min_p times the likeliest token's are removed (that one never is)."""
+    sub = scores.index_select(0, plan.rows)
+    probs = sub.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * plan.values.to(probs.dtype).unsqueeze(1)
+    scores.index_copy_(0, plan.rows, sub.masked_fill(probs < threshold, NEG_INF))
+    return scores
 
 
 def typical_p_with(scores: torch.Tensor, plan: RowsPlan) -> torch.Tensor:
