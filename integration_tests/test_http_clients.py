@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import jwt
@@ -17,6 +19,7 @@ import pytest
 import text_generation.errors
 from text_generation import Client
 from text_generation.errors import ValidationError
+from text_generation.types import FinishReason
 
 from integration_tests.servers import Server, launch
 from router.pb import generation_pb2 as pb
@@ -42,6 +45,15 @@ def grpc_greedy(s: Server, prompt: str, max_new: int) -> pb.GenerationResponse:
     return s.stub().Generate(request).responses[0]
 
 
+def grpc_tokens(s: Server, max_new: int, min_new: int) -> pb.GenerationResponse:
+    params = pb.Parameters(
+        stopping=pb.StoppingCriteria(max_new_tokens=max_new, min_new_tokens=min_new),
+        response=pb.ResponseOptions(generated_tokens=True),
+    )
+    request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=PROMPTS[0])], params=params)
+    return s.stub().Generate(request).responses[0]
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_every_door_gives_the_same_greedy_answer(served: Server, prompt: str) -> None:
     expected = grpc_greedy(served, prompt, 12)
@@ -53,6 +65,35 @@ def test_every_door_gives_the_same_greedy_answer(served: Server, prompt: str) ->
     assert streamed[-1].generated_text == expected.text
     assert "".join(r.token.text for r in streamed) == expected.text
     assert len(streamed) == expected.generated_token_count
+
+
+def test_every_eos_id_of_the_model_ends_an_answer(served: Server, tmp_path: Path) -> None:
+    """A model whose generation_config.json names several EOS ids (an instruct model ends a turn
+    with one, a text with another): the answer ends at the first of any, as EOS (not in the
+    text), on every door; min_new_tokens holds each back in the shard."""
+    plain = client(served).generate(PROMPTS[0], max_new_tokens=6)
+    ids = [t.id for t in plain.details.tokens]
+    end_of_turn = ids[2]
+    cut = ids.index(end_of_turn)  # its first place
+    model = tmp_path / "models" / "llama"
+    shutil.copytree(served.model_dir, model)
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end_of_turn]}))
+    s = launch(served.name, tmp_path)
+    try:
+        answer = client(s).generate(PROMPTS[0], max_new_tokens=6)
+        assert answer.details.finish_reason == FinishReason.EndOfSequenceToken
+        assert [t.id for t in answer.details.tokens] == ids[: cut + 1]
+        assert answer.generated_text == "".join(t.text for t in plain.details.tokens[:cut])
+        grpc_answer = grpc_greedy(s, PROMPTS[0], 6)
+        assert grpc_answer.stop_reason == pb.EOS_TOKEN and grpc_answer.text == answer.generated_text
+        pieces = [t.text for t in grpc_tokens(served, 6, 0).tokens]  # TGIS's tokens: raw pieces
+        held = grpc_tokens(s, 6, cut + 2)
+        assert held.generated_token_count >= cut + 2
+        assert pieces[cut] not in [t.text for t in held.tokens[: cut + 2]]  # masked in the shard
+        assert [t.text for t in held.tokens[:cut]] == pieces[:cut]
+    finally:
+        s.stop()
 
 
 def test_details_and_sampling(served: Server) -> None:

@@ -188,6 +188,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         detokenizer,
         metrics,
         eos_token_id=info.eos_token_id,
+        extra_eos_token_ids=info.extra_eos_token_ids,
         max_waiting_tokens=config.max_waiting_tokens,
         join_in_step=info.chunked_prefill,
         eager_joins=info.eager_joins,

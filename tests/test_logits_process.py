@@ -373,6 +373,43 @@ def test_a_chooser_is_finished_once_every_row_had_max_new_tokens_or_an_eos_that_
     assert chooser.finished([3, 4])
 
 
+def test_every_eos_id_of_the_model_is_held_back_boosted_and_ends_a_row_as_transformers() -> None:
+    """A model with several EOS ids: min_new_tokens holds every one back and a length penalty
+    boosts every one (transformers' processors given the list), each ends a row, and the
+    choosers made from a chooser keep them."""
+    extra = (7, 9)
+    eos_ids = [EOS, *extra]
+    params = [
+        SamplingParams(min_new_tokens=3),
+        SamplingParams(length_penalty=LengthPenalty(1, 1.6)),
+        SamplingParams(),
+    ]
+    prompts = [[5, 6], [8], [4, 4, 4]]
+    chooser = TokenChooser.create(params, prompts, EOS, VOCAB, torch.device("cpu"), extra_eos_ids=extra)
+    chooser.advance([11, 12, 13])
+    chooser.advance([11, 12, 13])
+    scores = random_scores(3, seed=12)
+    got = chooser.process(scores.clone())
+    held = hf.MinNewTokensLengthLogitsProcessor(2, 5, eos_ids)(
+        torch.tensor([prompts[0] + [11, 11]]), scores[:1].clone()
+    )
+    boosted = hf.ExponentialDecayLengthPenalty((1, 1.6), eos_ids, 1)(
+        torch.tensor([[8, 12, 12]]), scores[1:2].clone()
+    )
+    torch.testing.assert_close(got, torch.cat([held, boosted, scores[2:]]))
+    assert (got[0, eos_ids] == float("-inf")).all()
+    assert not chooser.finished([9, 9, 9])
+    chooser.advance([1, 1, 9])  # row 2 ends on an extra EOS id: not finished while the others go on
+    assert not chooser.finished([9, 9, 9]) and chooser.finished([3, 3, 9])
+    for made in (
+        chooser.select([2, 0]),
+        TokenChooser.concatenate([chooser, chooser]),
+        chooser.expand([[1]] * 3),
+    ):
+        assert made.eos_ids == eos_ids
+    assert chooser.trim_drafts([[4, 9, 5], [7, 7], [2, 7]]) == [[4, 9], [7], [2]]
+
+
 def test_sampling_uses_each_rows_generator() -> None:
     """A row's draws depend only on its own seed and scores, not on its neighbours."""
     row_scores = random_scores(1, seed=7)[0]

@@ -158,6 +158,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
     response = pb.ModelInfoResponse(
         model_type=pb.ModelInfoResponse.SEQ2SEQ_LM if info.seq2seq else pb.ModelInfoResponse.CAUSAL_LM,
         eos_token_id=info.eos_token_id,
+        extra_eos_token_ids=info.extra_eos_token_ids,
         capacity_kind=CAPACITY_TO_PB[info.capacity.kind],
         chunked_prefill=info.chunked_prefill,
         eager_joins=info.eager_joins,
@@ -281,6 +282,7 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
         compute_cpus=tuple(info.compute_cpus),
+        extra_eos_token_ids=tuple(info.extra_eos_token_ids),
     )
 
 

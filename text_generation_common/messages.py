@@ -318,3 +318,5 @@ class ModelInfo:
     # the CPUs the forward computes on (the shard's affinity) when the engine runs on the CPU;
     # empty where an accelerator computes: a router on the same CPUs slows the forward it waits for
     compute_cpus: tuple[int, ...] = ()
+    # the model's other end-of-sequence ids: each ends a request as eos_token_id does
+    extra_eos_token_ids: tuple[int, ...] = ()

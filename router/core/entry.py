@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from router.core.detokenizer import REPLACEMENT_CHAR, Detokenizer
@@ -104,13 +105,16 @@ class Entry:
         else:
             self.input_tokens = tokens
 
-    def on_token(self, token: TokenInfo, eos_token_id: int, detokenizer: Detokenizer, now: float) -> bool:
-        """Account one generated token; returns True when the request is finished."""
+    def on_token(
+        self, token: TokenInfo, eos_token_ids: Collection[int], detokenizer: Detokenizer, now: float
+    ) -> bool:
+        """Account one generated token (`eos_token_ids`: the model's, each an EOS); returns True
+        when the request is finished."""
         self.generated += 1
         want_details = self.request.response.generated_tokens
         if want_details and not self.stream:
             self.tokens.append(token)
-        is_eos = token.token_id == eos_token_id
+        is_eos = token.token_id in eos_token_ids
         new_chars = 0
         if not is_eos:
             self.token_ids.append(token.token_id)
@@ -120,7 +124,7 @@ class Entry:
         reason = check_stop(
             generated=self.generated,
             token_id=token.token_id,
-            eos_token_id=eos_token_id,
+            eos_token_ids=eos_token_ids,
             min_new_tokens=st.min_new_tokens,
             max_new_tokens=st.max_new_tokens,
             capped=st.capped,

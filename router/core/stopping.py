@@ -12,7 +12,7 @@ Callers: router/core/entry.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -69,19 +69,20 @@ def check_stop(
     *,
     generated: int,
     token_id: int,
-    eos_token_id: int,
+    eos_token_ids: Collection[int],
     min_new_tokens: int,
     max_new_tokens: int,
     capped: bool,
     deadline: float | None,
     now: float,
 ) -> StopReason:
-    """Checks 1-4; stop sequences (5) need the decoded text and are the caller's."""
+    """Checks 1-4; stop sequences (5) need the decoded text and are the caller's. Each of
+    `eos_token_ids` (the model's EOS and its other end-of-sequence ids) is an EOS."""
     if deadline is not None and now > deadline:
         return StopReason.TIME_LIMIT
     if generated < min_new_tokens:
         return StopReason.NOT_FINISHED
-    if token_id == eos_token_id:
+    if token_id in eos_token_ids:
         return StopReason.EOS_TOKEN
     if generated >= max_new_tokens:
         return StopReason.TOKEN_LIMIT if capped else StopReason.MAX_TOKENS

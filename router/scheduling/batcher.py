@@ -125,6 +125,7 @@ class Batcher:
         *,
         eos_token_id: int,
         max_waiting_tokens: int,
+        extra_eos_token_ids: Sequence[int] = (),
         join_in_step: bool = False,
         eager_joins: bool = False,
         pacing: StreamPacing = ONE_PER_TOKEN,
@@ -135,12 +136,13 @@ class Batcher:
         `eager_joins`: the shard's decode-only steps replay captured graphs, its steps with
         prompt chunks do not; `pacing`: the streams' tokens per message, adapted here at every
         decode step when adaptive; `max_decode_steps`, `max_decode_call_s`: the most decode
-        steps one call may ask for, and the longest their forwards may take (module docstring)."""
+        steps one call may ask for, and the longest their forwards may take (module docstring);
+        `extra_eos_token_ids`: the model's other EOS ids, each ending a request as EOS does."""
         self.client = client
         self.queue = queue
         self.detokenizer = detokenizer
         self.metrics = metrics
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset((eos_token_id, *extra_eos_token_ids))
         self.max_waiting_tokens = max_waiting_tokens
         self.join_in_step = join_in_step
         self.eager_joins = eager_joins
@@ -479,7 +481,7 @@ class Batcher:
                     self.metrics.observe("tgi_request_inter_token_duration", now - entry.last_token_at)
                 entry.last_token_at = now
                 try:
-                    if not entry.on_token(generation.token, self.eos_token_id, self.detokenizer, now):
+                    if not entry.on_token(generation.token, self.eos_token_ids, self.detokenizer, now):
                         continue
                 except BaseException as exc:  # tokenizers panics are BaseExceptions
                     if isinstance(exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):

@@ -119,6 +119,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
         pacing: StreamPacing = ONE_PER_TOKEN,
         max_decode_steps: int = 1,
         max_decode_call_s: float = 1.0,
+        extra_eos_token_ids: tuple[int, ...] = (),
     ):
         shard = shard or FakeShard()
         capacity = WeightCapacity(BatchWeights.from_model(shard.memory, padded=True), padding)
@@ -136,6 +137,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
             detokenizer,
             metrics,
             eos_token_id=EOS,
+            extra_eos_token_ids=extra_eos_token_ids,
             max_waiting_tokens=max_waiting_tokens,
             join_in_step=shard.chunked_prefill,  # as the router does for engines that chunk prompts
             eager_joins=eager_joins,
@@ -314,6 +316,20 @@ async def test_eos_and_min_new_tokens(make_harness) -> None:
     # EOS is masked by the shard before min_new_tokens; the router does not stop on it either.
     out = await h.final(h.submit(make_request(max_new=10, min_new=3)))
     assert out.stop_reason is StopReason.EOS_TOKEN and out.generated_tokens == 3
+
+
+async def test_each_of_the_models_eos_ids_ends_a_request(make_harness) -> None:
+    """A model with several EOS ids (an instruct model's end of turn beside its end of text):
+    each ends a request as EOS does, and none is part of its text."""
+    end_of_turn = 640
+    script = lambda request, step: end_of_turn if step >= 2 else 600 + step  # noqa: E731
+    h = make_harness(FakeShard(script=script), extra_eos_token_ids=(end_of_turn, 641))
+    out = await h.final(h.submit(make_request(max_new=10)))
+    assert out.stop_reason is StopReason.EOS_TOKEN and out.generated_tokens == 3
+    alone = make_harness(FakeShard(script=script))  # without it, the id is text like any other
+    longer = await alone.final(alone.submit(make_request(max_new=10)))
+    assert longer.stop_reason is StopReason.MAX_TOKENS and longer.text.startswith(out.text)
+    assert len(longer.text) > len(out.text)
 
 
 async def test_streamed_outputs_add_up_to_the_unary_text(make_harness, detokenizer) -> None:

@@ -45,7 +45,7 @@ def feed(
     for step, token in enumerate(ids):
         if intervals is not None:
             entry.pacing.interval = intervals[step]
-        if entry.on_token(TokenInfo(token), EOS, detokenizer, time.monotonic()):
+        if entry.on_token(TokenInfo(token), {EOS}, detokenizer, time.monotonic()):
             break
     outputs = []
     while not entry.outputs.empty():
@@ -263,7 +263,7 @@ def test_a_long_answer_keeps_a_short_tail(detokenizer: Detokenizer) -> None:
     for entry in entries.values():
         entry.start(1, detokenizer, time.monotonic())
         for token in ids:
-            entry.on_token(TokenInfo(token), EOS, detokenizer, time.monotonic())
+            entry.on_token(TokenInfo(token), {EOS}, detokenizer, time.monotonic())
             assert entry._text is not None
             longest_tail = max(longest_tail, len(entry._text._tail))
     assert longest_tail <= SETTLE_AT + 64

@@ -59,7 +59,7 @@ def stop(**overrides) -> StopReason:
     args = {
         "generated": 5,
         "token_id": 7,
-        "eos_token_id": 2,
+        "eos_token_ids": {2},
         "min_new_tokens": 0,
         "max_new_tokens": 10,
         "capped": False,

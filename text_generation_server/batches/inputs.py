@@ -26,6 +26,9 @@ class RequestLimits:
     max_new_tokens: int  # largest max_new_tokens a request may ask for
     # guided decoding over the model's tokenizer (None: the model has no tokenizer.json)
     grammars: Grammars | None = field(default=None, kw_only=True)
+    # the model's other end-of-sequence ids (a list in config.json or generation_config.json, the
+    # tokenizer's EOS): each ends a request as eos_token_id does
+    extra_eos_token_ids: tuple[int, ...] = field(default=(), kw_only=True)
 
 
 UNSEEDED_MESSAGE = "a sampling request needs a seed (the router sets one for every sampling request)"

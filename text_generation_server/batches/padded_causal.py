@@ -85,6 +85,7 @@ class CausalLMBatch(PaddedBatch):
             context.vocab_size,
             device,
             context.grammars,
+            extra_eos_ids=context.extra_eos_token_ids,
         )
         batch = cls(
             batch_id,

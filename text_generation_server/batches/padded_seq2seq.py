@@ -97,6 +97,7 @@ class Seq2SeqLMBatch(PaddedBatch):
             context.vocab_size,
             device,
             context.grammars,
+            extra_eos_ids=context.extra_eos_token_ids,
         )
         batch = cls(
             batch_id,

@@ -147,6 +147,7 @@ class RaggedBatch(Batch):
                 limits.vocab_size,
                 self.device,
                 limits.grammars,
+                extra_eos_ids=limits.extra_eos_token_ids,
             )
             before = [self.chooser] if self.chooser is not None else []
             self.chooser = TokenChooser.concatenate([*before, joined])

@@ -104,6 +104,13 @@ def _first_id(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
+def _ids(value: Any) -> list[int]:
+    """An id or a list of ids (None: none) as a list."""
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)] if value is not None else []
+
+
 @dataclass(slots=True)
 class Loaded:
     """A transformers model loaded for serving, with what the engines need beside it."""
@@ -236,6 +243,14 @@ def build_context(
         eos = _first_id(tokenizer.eos_token_id)
     if eos is None:
         raise ValueError("the model defines no EOS token (config.json or tokenizer)")
+    # every EOS id the model names (instruct models end a turn with one, a text with another),
+    # as transformers' generate and vLLM stop on each
+    named = [
+        *_ids(hf_config.eos_token_id),
+        *_ids(getattr(generation_config, "eos_token_id", None)),
+        *_ids(tokenizer.eos_token_id),
+    ]
+    extra_eos = tuple(dict.fromkeys(i for i in named if i != eos and 0 <= i < vocab_size))
     pad = _first_id(hf_config.pad_token_id)
     if pad is None:
         pad = _first_id(tokenizer.pad_token_id)
@@ -259,6 +274,7 @@ def build_context(
         vocab_size=vocab_size,
         grammars=grammars_for(resolve_model_dir(config.model_name, config.revision), vocab_size, eos),
         eos_token_id=eos,
+        extra_eos_token_ids=extra_eos,
         pad_token_id=pad,
         bos_token_id=bos,
         max_sequence_length=max_sequence_length,

@@ -103,7 +103,10 @@ class TokenChooser:
         matchers: Sequence[Any | None] | None = None,
         counts: torch.Tensor | None = None,
         prompt_lengths: Sequence[int] | None = None,
+        extra_eos_ids: Sequence[int] = (),
     ) -> None:
+        """`extra_eos_ids`: the model's other EOS ids (RequestLimits.extra_eos_token_ids), each
+        ending a row as `eos_token_id` does."""
         self.params = list(params)
         # guided decoding: each row's llguidance matcher (None: free text)
         self.matchers = list(matchers) if matchers is not None else [None] * len(self.params)
@@ -120,6 +123,8 @@ class TokenChooser:
         )
         self.generators = list(generators)  # None for greedy rows
         self.eos_token_id = eos_token_id
+        self.extra_eos_ids = tuple(extra_eos_ids)
+        self.eos_ids = [eos_token_id, *self.extra_eos_ids]  # every id that ends a row
         self.vocab_size = vocab_size
         self.device = device
 
@@ -205,9 +210,10 @@ class TokenChooser:
         vocab_size: int,
         device: torch.device,
         grammars: Grammars | None = None,
+        extra_eos_ids: Sequence[int] = (),
     ) -> TokenChooser:
         """`grammars`: the model's, for rows with guided decoding (inputs.py refused those
-        requests where the model has none)."""
+        requests where the model has none); `extra_eos_ids`: the model's other EOS ids."""
         generators = [None if p.greedy else make_generator(p.seed, device) for p in params]
         matchers = None
         if any(p.guided is not None for p in params):
@@ -222,6 +228,7 @@ class TokenChooser:
             vocab_size,
             device,
             matchers=matchers,
+            extra_eos_ids=extra_eos_ids,
         )
 
     def __len__(self) -> int:
@@ -270,10 +277,10 @@ class TokenChooser:
             assert self.generated_t is not None and self.min_new_t is not None
             held = [g < p.min_new_tokens for g, p in zip(self.generated, self.params, strict=True)]
             if all(held):  # the host counts are the device's: no mask to compute
-                scores[:, eos] = lp.NEG_INF
+                scores[:, self.eos_ids] = lp.NEG_INF
             elif any(held):
                 masked_t = self.generated_t < self.min_new_t
-                scores = lp.apply_min_new_tokens(scores, eos, masked_t)
+                scores = lp.apply_min_new_tokens(scores, self.eos_ids, masked_t)
         if self.any_length_penalty and self._length_penalty_applies():
             assert self.generated_t is not None and self.length_start_t is not None
             assert self.length_decay_t is not None
@@ -282,7 +289,7 @@ class TokenChooser:
             if masked_t is not None:
                 active &= ~masked_t
             factors = torch.where(active, self.length_decay_t.pow(past.clamp(min=0)), 1.0)
-            scores = lp.apply_length_penalty(scores, eos, factors)
+            scores = lp.apply_length_penalty(scores, self.eos_ids, factors)
         if self.seen is not None and self.penalty is not None:
             scores = lp.apply_repetition_penalty(scores, self.seen, self.penalty)
         if self.counts is not None and self.presence_t is not None and self.frequency_t is not None:
@@ -353,12 +360,12 @@ class TokenChooser:
         """Every row has had its last token for sure: its `max_new_tokens` (per row), or EOS
         once its min_new_tokens are out (the router ends the request there). Stop sequences
         and deadlines are the router's to know."""
-        eos = self.eos_token_id
+        eos = self.eos_ids
         rows = zip(self.histories, self.generated, self.params, max_new_tokens, strict=True)
         for history, generated, params, most in rows:
             if generated >= most:
                 continue
-            if generated == 0 or generated < params.min_new_tokens or history[-1] != eos:
+            if generated == 0 or generated < params.min_new_tokens or history[-1] not in eos:
                 return False
         return True
 
@@ -432,11 +439,12 @@ class TokenChooser:
         """Each draft's candidate tokens (of row owners[i], default row i) up to the first its
         row could never take: those after an EOS (the request ends there) and those its grammar
         refuses."""
-        eos = self.eos_token_id
+        eos = set(self.eos_ids)
         trimmed = []
         for i, draft in enumerate(drafts):
             row = owners[i] if owners is not None else i
-            cut = list(draft[: draft.index(eos) + 1] if eos in draft else draft)
+            ends = [j for j, token in enumerate(draft) if token in eos]
+            cut = list(draft[: ends[0] + 1] if ends else draft)
             matcher = self.matchers[row]
             if matcher is not None and cut:
                 cut = cut[: guided.allowed_prefix(matcher, cut)]
@@ -479,6 +487,7 @@ class TokenChooser:
             matchers,
             counts,
             [self.prompt_lengths[i] for i in rows],
+            self.extra_eos_ids,
         )
 
     def generator_states(self, rows: Sequence[int]) -> list[torch.Tensor | None]:
@@ -517,6 +526,7 @@ class TokenChooser:
             [self.matchers[i] for i in rows],
             counts,
             [self.prompt_lengths[i] for i in rows],
+            self.extra_eos_ids,
         )
 
     @classmethod
@@ -539,4 +549,5 @@ class TokenChooser:
             [m for c in choosers for m in c.matchers],
             counts,
             [n for c in choosers for n in c.prompt_lengths],
+            first.extra_eos_ids,
         )

@@ -37,22 +37,33 @@ from text_generation_server.utils.transfer import to_device
 NEG_INF = float("-inf")
 
 
-def apply_min_new_tokens(scores: torch.Tensor, eos_token_id: int, masked_rows: torch.Tensor) -> torch.Tensor:
-    """EOS gets -inf in the rows of `masked_rows` [batch] bool (fewer than min_new_tokens generated)."""
-    eos = scores[:, eos_token_id]
-    scores[:, eos_token_id] = eos.masked_fill(masked_rows, NEG_INF)
+def _columns(eos_token_ids: int | Sequence[int]) -> list[int]:
+    return [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
+
+
+def apply_min_new_tokens(
+    scores: torch.Tensor, eos_token_ids: int | Sequence[int], masked_rows: torch.Tensor
+) -> torch.Tensor:
+    """Every EOS id gets -inf in the rows of `masked_rows` [batch] bool (fewer than
+    min_new_tokens generated)."""
+    columns = _columns(eos_token_ids)
+    scores[:, columns] = scores[:, columns].masked_fill(masked_rows.unsqueeze(1), NEG_INF)
     return scores
 
 
-def apply_length_penalty(scores: torch.Tensor, eos_token_id: int, factors: torch.Tensor) -> torch.Tensor:
-    """EOS score += |EOS score| * (factor - 1), factors [batch] float64 = decay ** (generated - start).
+def apply_length_penalty(
+    scores: torch.Tensor, eos_token_ids: int | Sequence[int], factors: torch.Tensor
+) -> torch.Tensor:
+    """Each EOS score += |EOS score| * (factor - 1), factors [batch] float64 = decay ** (generated
+    - start), as transformers' ExponentialDecayLengthPenalty does for every EOS id.
 
     A factor of 1.0 is no change. Non-finite EOS scores are left alone.
     """
-    eos = scores[:, eos_token_id]
-    boost = (eos.abs().double() * (factors - 1.0)).to(scores.dtype)
+    columns = _columns(eos_token_ids)
+    eos = scores[:, columns]
+    boost = (eos.abs().double() * (factors.unsqueeze(1) - 1.0)).to(scores.dtype)
     boost = boost.masked_fill(~torch.isfinite(eos), 0.0)
-    scores[:, eos_token_id] = eos + boost
+    scores[:, columns] = eos + boost
     return scores
 
 
