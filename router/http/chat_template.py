@@ -4,7 +4,8 @@ The template is the tokenizer's own: `chat_template.jinja` beside tokenizer.json
 tokenizer_config.json's `chat_template` (a string, or a list of named templates, of which
 "default" is used). It is rendered by Jinja2 in a sandbox with what templates expect from
 transformers: `messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, the
-`raise_exception` and `strftime_now` functions and a `tojson` filter with `indent`.
+`raise_exception` and `strftime_now` functions and a `tojson` filter with `indent`; a request's
+own variables beside them (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`).
 
 A rendered prompt that starts with the BOS text loses it when the tokenizer adds BOS itself, so
 that the model sees one BOS, not two.
@@ -25,6 +26,18 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_FILE = "chat_template.jinja"
+# what the server gives the template itself (a request's own variables may not replace them)
+RESERVED = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 CONFIG_FILE = "tokenizer_config.json"
 
 
@@ -74,10 +87,16 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
-        """`tools`: the functions the model may call, as transformers passes them (None: none)."""
+        """`tools`: the functions the model may call, as transformers passes them (None: none);
+        `variables`: more for the template, none of RESERVED."""
+        taken = RESERVED.intersection(variables or {})
+        if taken:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}")
         try:
             text = self._template.render(
+                **(variables or {}),
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,

@@ -161,6 +161,8 @@ class ChatRequest(_Common):
     store: bool | None = None
     service_tier: str | None = None
     add_generation_prompt: bool = True  # extension: render the assistant turn's opening
+    # vLLM's extension: more variables for the chat template (e.g. enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def unsupported(body: _Common) -> str | None:
@@ -389,7 +391,10 @@ class OpenAIApi:
                 for m in body.messages
             ]
             return self.chat_template.render(
-                messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools(body.tools)
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tools=template_tools(body.tools),
+                variables=body.chat_template_kwargs,
             )
         except ValidationError as exc:
             raise self.service.refuse(str(exc)) from exc

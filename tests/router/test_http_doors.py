@@ -846,6 +846,12 @@ def choice_tokens(tokenizer_pool, text: str) -> int:
         ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
         (
             "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
+            400,
+            "chat_template_kwargs may not set messages",
+        ),
+        (
+            "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
             400,
             "tools.0.type: Field required",
