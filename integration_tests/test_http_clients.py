@@ -265,31 +265,47 @@ def test_openai_tool_calls(served: Server) -> None:
 
 @pytest.fixture(scope="module")
 def parsing(tmp_path_factory) -> Iterator[Server]:
-    s = launch("llama", tmp_path_factory.mktemp("tool-parser"), env={"TOOL_CALL_PARSER": "hermes"})
+    env = {"TOOL_CALL_PARSER": "hermes", "REASONING_PARSER": "deepseek_r1"}
+    s = launch("llama", tmp_path_factory.mktemp("parsers"), env=env)
     yield s
     s.stop()
 
 
-def test_openai_auto_tool_choice_with_the_models_parser(parsing: Server) -> None:
-    """TOOL_CALL_PARSER turns "auto" on (the default with tools): the tiny random model writes
-    no call, so its free answer comes back as text, unary and streamed alike."""
+def test_openai_answers_through_the_models_parsers(parsing: Server, served: Server) -> None:
+    """TOOL_CALL_PARSER turns "auto" on (the default with tools) and REASONING_PARSER answers
+    thinking apart: the tiny random model writes no call and never closes its thinking (which
+    deepseek_r1's template opens), so its whole greedy answer (as a server without parsers
+    gives it) is reasoning_content, unary and streamed alike."""
+    if served.name != "llama":
+        pytest.skip("one engine is enough: the parsers are the router's")
+    messages = [{"role": "user", "content": "What time is it?"}]
+    tools = [{"type": "function", "function": {"name": "hour"}}]
+    plain_client = openai_client(served)
+    plain = plain_client.chat.completions.create(
+        model=plain_client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        tools=tools,
+        tool_choice="none",
+    )
+    text = plain.choices[0].message.content
     client = openai_client(parsing)
     (model,) = client.models.list().data
-    tools = [{"type": "function", "function": {"name": "hour"}}]
     ask = functools.partial(
         client.chat.completions.create,
         model=model.id,
-        messages=[{"role": "user", "content": "What time is it?"}],
+        messages=messages,
         max_tokens=8,
         temperature=0,
         tools=tools,
     )
-    answer = ask()
-    assert (
-        answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
-    )
-    streamed = "".join(c.choices[0].delta.content or "" for c in ask(stream=True) if c.choices)
-    assert streamed == answer.choices[0].message.content
+    (choice,) = ask().choices
+    assert choice.finish_reason == plain.choices[0].finish_reason and choice.message.tool_calls is None
+    assert choice.message.content == "" and choice.message.model_extra["reasoning_content"] == text
+    deltas = [c.choices[0].delta for c in ask(stream=True) if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content", "") for d in deltas) == text
+    assert not "".join(d.content or "" for d in deltas)
 
 
 def test_openai_chat_and_errors(served: Server) -> None:

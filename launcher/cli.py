@@ -339,6 +339,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
 @options.otlp_endpoint
 @options.otlp_service_name
 @options.tool_call_parser
+@options.reasoning_parser
 @options.auth_options
 @click.option(
     "--log-level", envvar="LOG_LEVEL", default="info", help="Log level of every process [env LOG_LEVEL]."

@@ -96,6 +96,7 @@ logger = logging.getLogger(__name__)
 @options.otlp_endpoint
 @options.otlp_service_name
 @options.tool_call_parser
+@options.reasoning_parser
 @options.auth_options
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
@@ -126,6 +127,7 @@ def main(
     otlp_endpoint: str | None,
     otlp_service_name: str,
     tool_call_parser: str | None,
+    reasoning_parser: str | None,
     log_level: str,
     **auth: Any,
 ) -> None:
@@ -168,6 +170,7 @@ def main(
             otlp_endpoint=otlp_endpoint,
             otlp_service_name=otlp_service_name,
             tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
             auth=options.auth_config(auth),
         )
     except ValueError as exc:

@@ -9,7 +9,7 @@ passes on explicitly) stay in their own command.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import click
@@ -17,6 +17,7 @@ import click
 from router import config as defaults
 from router.api.auth import AuthConfig, parse_api_keys
 from router.core.pacing import CPU_HIGH
+from router.http.reasoning import FORMATS
 from router.http.tool_parsers import PARSERS
 
 max_concurrent_requests = click.option(
@@ -153,14 +154,28 @@ otlp_endpoint = click.option(
     help="Send OpenTelemetry traces to this OTLP/gRPC endpoint "
     "[env OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT].",
 )
-tool_call_parser = click.option(
+
+
+def _format_option(flag: str, env: str, names: Iterable[str], help_text: str) -> Any:
+    """A flag naming one of the model-format parsers of the OpenAI chat door (unset: none)."""
+    return click.option(
+        flag, envvar=env, type=click.Choice(sorted(names)), default=None, help=f"{help_text} [env {env}]."
+    )
+
+
+tool_call_parser = _format_option(
     "--tool-call-parser",
-    envvar="TOOL_CALL_PARSER",
-    type=click.Choice(sorted(PARSERS)),
-    default=None,
-    help="The served model's tool call format, read from its answers: turns on the OpenAI chat "
-    'door\'s tool_choice "auto" (OpenAI\'s default when tools are given); unset, "auto" is refused '
-    "[env TOOL_CALL_PARSER].",
+    "TOOL_CALL_PARSER",
+    PARSERS,
+    "The served model's tool call format, read from its answers: turns on the OpenAI chat door's "
+    'tool_choice "auto" (OpenAI\'s default when tools are given); unset, "auto" is refused',
+)
+reasoning_parser = _format_option(
+    "--reasoning-parser",
+    "REASONING_PARSER",
+    FORMATS,
+    "How the served reasoning model writes its thinking: the OpenAI chat door answers it apart, "
+    "as reasoning_content; unset, thinking stays in the text",
 )
 otlp_service_name = click.option(
     "--otlp-service-name",

@@ -78,6 +78,9 @@ class RouterConfig:
     # the model's tool call format (router/http/tool_parsers.py), for the OpenAI door's
     # tool_choice "auto"; None = "auto" refused
     tool_call_parser: str | None = None
+    # how the model writes its thinking (router/http/reasoning.py): answered apart by the chat
+    # door; None = thinking stays in the text
+    reasoning_parser: str | None = None
     # API keys / JWT (router/api/auth.py); off by default
     auth: AuthConfig = field(default_factory=AuthConfig)
 

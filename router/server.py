@@ -45,6 +45,7 @@ from router.http.chat_template import load_chat_template
 from router.http.http_app import build_app
 from router.http.http_server import HealthCheck, HttpServer
 from router.http.openai_api import OpenAIApi
+from router.http.reasoning import reasoning_format
 from router.http.tgi_rest import TgiRest, info_fields
 from router.http.tool_parsers import parser_named
 from router.pb import generation_pb2
@@ -274,6 +275,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         max_new_tokens=config.max_new_tokens,
         chat_template=load_chat_template(config.tokenizer_path, pool.piece(empty[0]) if empty else ""),
         tool_parser=parser_named(config.tool_call_parser),
+        reasoning=reasoning_format(config.reasoning_parser),
     )
     app = build_app(health_check, metrics.exposition, CONTENT_TYPE, tgi, openai, auth, version=version)
     http_server = HttpServer(app)

@@ -351,11 +351,12 @@ def test_router_command_is_accepted_by_the_router_cli(tiny_model: Callable[..., 
         stream_interval=3,
         max_stream_interval=6,
         tool_call_parser="hermes",
+        reasoning_parser="qwen3",
     )
     argv = lc.router_command(config, "/tok")
     params = router_main.make_context("router", argv[argv.index("--tokenizer-path") :]).params
     assert params["tokenizer_path"] == "/tok" and params["master_shard_uds_path"] == config.socket_path(0)
-    assert params["tool_call_parser"] == "hermes"
+    assert params["tool_call_parser"] == "hermes" and params["reasoning_parser"] == "qwen3"
     plain = lc.router_command(config_for(tiny_model("llama")), "/tok")
     assert (
         router_main.make_context("router", plain[plain.index("--tokenizer-path") :]).params[

@@ -61,6 +61,7 @@ from router.http.openai_tools import (
     template_tools,
     tool_mode,
 )
+from router.http.reasoning import ReasoningFormat, ReasoningStream, split
 from router.http.tool_parsers import ToolCallParser, call_id
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind, TokenInfo
@@ -306,6 +307,7 @@ class _Answer:
     logprobs: bool
     created: int
     tools: ToolMode = TEXT
+    reasoning: ReasoningFormat | None = None  # a chat's thinking is split from its answer
 
     @property
     def object(self) -> str:
@@ -325,8 +327,10 @@ class OpenAIApi:
         max_new_tokens: int,
         chat_template: ChatTemplate | None,
         tool_parser: ToolCallParser | None = None,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
-        """`tool_parser`: the model's tool call format (TOOL_CALL_PARSER), for tool_choice "auto"."""
+        """`tool_parser`: the model's tool call format (TOOL_CALL_PARSER), for tool_choice "auto";
+        `reasoning`: how the model writes its thinking (REASONING_PARSER), split from chat answers."""
         self.service = service
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -334,6 +338,7 @@ class OpenAIApi:
         self.max_new_tokens = max_new_tokens
         self.chat_template = chat_template
         self.tool_parser = tool_parser
+        self.reasoning = reasoning
         self.created = int(time.time())
         self.router = APIRouter(prefix="/v1", tags=["OpenAI"])
         self.router.add_api_route(
@@ -449,6 +454,8 @@ class OpenAIApi:
             logprobs=logprobs,
             created=int(time.time()),
             tools=tool_mode_of(body, self.tool_parser),
+            # a constrained answer (guided decoding, a forced call) is all answer
+            reasoning=self.reasoning if kind == "chat" and params.sampling.guided is None else None,
         )
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -476,8 +483,13 @@ class OpenAIApi:
             text = echoed + output.text
             choice: dict[str, Any] = {"index": index, "finish_reason": _finish(output.stop_reason)}
             if answer.kind == "chat":
+                thinking = None
+                if answer.reasoning is not None:
+                    thinking, text = split(answer.reasoning, text)
                 reading = read(answer.tools, text, self.tool_parser)
                 choice["message"] = {"role": "assistant", "content": reading.content}
+                if thinking is not None:
+                    choice["message"]["reasoning_content"] = thinking
                 if reading.calls is not None:
                     choice["message"]["tool_calls"] = reading.calls
                 choice["finish_reason"] = reading.finish or choice["finish_reason"]
@@ -513,6 +525,8 @@ class OpenAIApi:
         pumps = [asyncio.ensure_future(pump(i, v)) for i, v in enumerate(answer.requests)]
         final: dict[int, Output] = {}
         held: dict[int, HeldAnswer] = {}
+        thoughts: dict[int, ReasoningStream] = {}
+        unsent: dict[int, list[TokenInfo]] = {}  # tokens of text held back, for their logprobs
         offsets = [len(answer.prompts[i]) if answer.echo else 0 for i in range(len(answer.requests))]
         try:
             if answer.kind == "chat":
@@ -532,6 +546,14 @@ class OpenAIApi:
                     break
                 if item.final:
                     final[index] = item
+                if answer.reasoning is not None:
+                    thought = thoughts.setdefault(index, ReasoningStream(answer.reasoning))
+                    chunk, answered = self._think(answer, index, thought, item, unsent)
+                    if chunk is not None:
+                        yield _sse(chunk)
+                    if answered is None:
+                        continue
+                    item = answered
                 if answer.tools.kind in ("auto", "required"):  # calls come whole, at the end
                     held.setdefault(index, HeldAnswer(answer.tools, self.tool_parser))
                     if (chunk := self._held_chunk(answer, index, held[index], item)) is not None:
@@ -551,6 +573,34 @@ class OpenAIApi:
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
+
+    def _think(
+        self,
+        answer: _Answer,
+        index: int,
+        thought: ReasoningStream,
+        output: Output,
+        unsent: dict[int, list[TokenInfo]],
+    ) -> tuple[dict[str, Any] | None, Output | None]:
+        """A streamed output split into thinking and answer: the chunk of its thinking (if any),
+        and the output with its answer's text only (None: nothing of it to send yet). Tokens
+        go out with the thinking where no answer text comes with them."""
+        thinking, text = thought.feed(output.text)
+        if output.final:
+            more_thinking, more_text = thought.end()
+            thinking, text = thinking + more_thinking, text + more_text
+        tokens = unsent.pop(index, []) + output.tokens
+        chunk = None
+        if thinking:
+            logprobs = self._chat_logprobs(tokens) if answer.logprobs and not text else None
+            chunk = self._chunk(answer, index, {"reasoning_content": thinking}, None, logprobs)
+            if not text:
+                tokens = []
+        if not text and not output.final:
+            if tokens:
+                unsent[index] = tokens
+            return chunk, None
+        return chunk, replace(output, text=text, tokens=tokens)
 
     def _delta(self, answer: _Answer, index: int, output: Output, offsets: list[int]) -> dict[str, Any]:
         finish = _finish(output.stop_reason) if output.final else None

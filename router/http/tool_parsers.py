@@ -66,7 +66,7 @@ def _call_of(value: Any, arguments_key: str) -> dict[str, Any] | None:
     return function_call(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (it may become the marker)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
@@ -97,7 +97,7 @@ class Hermes(ToolCallParser):
 
     def streamable(self, text: str) -> int:
         at = text.find(self.OPEN)
-        return at if at >= 0 else len(text) - _held_prefix(text, self.OPEN)
+        return at if at >= 0 else len(text) - held_prefix(text, self.OPEN)
 
 
 class Llama3Json(ToolCallParser):

@@ -24,6 +24,7 @@ from router.http.http_server import HealthCheck, HttpServer
 from router.http.openai_api import ChatRequest, CompletionRequest, OpenAIApi
 from router.http.openai_api import request_params as openai_request_params
 from router.http.openai_api import unsupported as openai_unsupported
+from router.http.reasoning import FORMATS
 from router.http.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
 from router.http.tool_parsers import Hermes
 from tests.router.fakes import EOS, FakeShard
@@ -800,6 +801,58 @@ async def test_openai_auto_tool_calls_in_the_models_format(stack: Stack, tokeniz
         plain["choices"][0]["finish_reason"] == "length"
         and "tool_calls" not in plain["choices"][0]["message"]
     )
+    await stack.settled()
+
+
+async def test_openai_chat_answers_a_reasoning_models_thinking_apart(
+    stack: Stack, tokenizer_pool, tokenizer_dir
+) -> None:
+    """REASONING_PARSER: the thinking comes as reasoning_content, the answer as content (and its
+    calls as tool_calls), unary and streamed alike; a constrained answer is all answer."""
+    stack.openai.reasoning = FORMATS["qwen3"]
+    stack.openai.tool_parser = Hermes()
+    tokenizer_json = (tokenizer_dir / "tokenizer.json").read_text()
+
+    def answer_with(text: str) -> None:
+        ids = tokenizer_pool.encode_batch_sync([text])[0][1:]  # without BOS
+        stack.shard.script = lambda request, step: ids[step] if step < len(ids) else EOS
+
+    chat = "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60, "temperature": 0}
+    answer_with("<think>\nplan it</think>\n\nHello there.")
+    status, unary = await post(stack, chat, {**body, "logprobs": True})
+    assert status == 200, unary
+    message = unary["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "\n\nHello there.", "reasoning_content": "\nplan it"}
+    tokens = len(unary["choices"][0]["logprobs"]["content"])
+    events = await sse_events(stack, {**body, "stream": True, "logprobs": True}, path=chat)
+    deltas = [e["choices"][0] for e in events[1:-1]]
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == "\nplan it"
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "\n\nHello there."
+    assert sum(len((d["logprobs"] or {}).get("content", [])) for d in deltas) == tokens  # every token once
+    assert deltas[-1]["finish_reason"] == "stop"
+
+    answer_with(
+        '<think>weather</think><tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    status, unary = await post(stack, chat, {**body, "tools": [WEATHER]})
+    (choice,) = unary["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "weather"
+    assert choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {
+        "name": "weather",
+        "arguments": '{"city": "Oslo"}',
+    }
+    events = await sse_events(stack, {**body, "tools": [WEATHER], "stream": True}, path=chat)
+    deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "weather"
+    assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["weather"]
+    assert not "".join(d.get("content") or "" for d in deltas)
+
+    answer_with('"<think>x</think>"')  # (the fake shard does not apply the constraint)
+    stack.service.validator.grammars = Grammars(tokenizer_json, 2000, EOS)
+    status, unary = await post(stack, chat, {**body, "response_format": {"type": "json_object"}})
+    assert unary["choices"][0]["message"] == {"role": "assistant", "content": '"<think>x</think>"'}
     await stack.settled()
 
 

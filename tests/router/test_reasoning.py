@@ -1,0 +1,48 @@
+"""A reasoning model's thinking split from its answer (router/http/reasoning.py): each format's
+whole outputs, and streamed ones in any pieces giving the same split."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.http.reasoning import FORMATS, ReasoningStream, reasoning_format, split
+
+R1, QWEN3 = FORMATS["deepseek_r1"], FORMATS["qwen3"]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "thinking", "answer"),
+    [
+        (R1, "Think a bit.</think>\n\nHello!", "Think a bit.", "\n\nHello!"),
+        (R1, "<think>\nThink.</think>Hi", "\nThink.", "Hi"),  # the tag repeated: dropped
+        (R1, "Still thinking when cut", "Still thinking when cut", ""),
+        (R1, "", "", ""),
+        (QWEN3, "<think>\nPlan.\n</think>\n\nAnswer.", "\nPlan.\n", "\n\nAnswer."),
+        (QWEN3, "\n<think>x</think>y", "x", "y"),
+        (QWEN3, "Answer straight away.", None, "Answer straight away."),  # enable_thinking false
+        (QWEN3, "<thin", None, "<thin"),  # a cut output that only looked like the tag
+        (QWEN3, "<think>cut while thinking", "cut while thinking", ""),
+        (QWEN3, "No tag, then </think> later", None, "No tag, then </think> later"),
+    ],
+)
+def test_each_format_splits_thinking_from_the_answer(fmt, text: str, thinking, answer: str) -> None:
+    assert split(fmt, text) == (thinking, answer)
+
+
+@pytest.mark.parametrize("fmt", [R1, QWEN3])
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+def test_a_streamed_output_splits_as_the_whole_one(fmt, size: int) -> None:
+    for text in ("<think>\nPlan.\n</think>\n\nAnswer <b>.", "Think.</think>Hi</think>", "Plain <th", "  "):
+        stream = ReasoningStream(fmt)
+        pieces = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        pieces.append(stream.end())
+        thinking, answer = split(fmt, text)
+        assert "".join(t for t, _ in pieces) == (thinking or "")
+        assert "".join(a for _, a in pieces) == answer
+        assert all("</think>" not in t for t, _ in pieces)
+
+
+def test_the_formats_are_named() -> None:
+    assert reasoning_format(None) is None and reasoning_format("qwen3") is QWEN3
+    with pytest.raises(ValueError, match="unknown reasoning parser 'o1': one of deepseek_r1, qwen3"):
+        reasoning_format("o1")
