@@ -67,10 +67,11 @@ def test_every_door_gives_the_same_greedy_answer(served: Server, prompt: str) ->
     assert len(streamed) == expected.generated_token_count
 
 
-def test_every_eos_id_of_the_model_ends_an_answer(served: Server, tmp_path: Path) -> None:
+def test_the_models_generation_config_eos_ids_and_sampling_defaults(served: Server, tmp_path: Path) -> None:
     """A model whose generation_config.json names several EOS ids (an instruct model ends a turn
     with one, a text with another): the answer ends at the first of any, as EOS (not in the
-    text), on every door; min_new_tokens holds each back in the shard."""
+    text), on every door; min_new_tokens holds each back in the shard. Its sampling parameters
+    are the OpenAI door's defaults (top_k 1: sampling gives the greedy answer)."""
     plain = client(served).generate(PROMPTS[0], max_new_tokens=6)
     ids = [t.id for t in plain.details.tokens]
     end_of_turn = ids[2]
@@ -78,7 +79,8 @@ def test_every_eos_id_of_the_model_ends_an_answer(served: Server, tmp_path: Path
     model = tmp_path / "models" / "llama"
     shutil.copytree(served.model_dir, model)
     eos = json.loads((model / "config.json").read_text())["eos_token_id"]
-    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end_of_turn]}))
+    generation = {"eos_token_id": [eos, end_of_turn], "temperature": 0.5, "top_k": 1}
+    (model / "generation_config.json").write_text(json.dumps(generation))
     s = launch(served.name, tmp_path)
     try:
         answer = client(s).generate(PROMPTS[0], max_new_tokens=6)
@@ -92,6 +94,12 @@ def test_every_eos_id_of_the_model_ends_an_answer(served: Server, tmp_path: Path
         assert held.generated_token_count >= cut + 2
         assert pieces[cut] not in [t.text for t in held.tokens[: cut + 2]]  # masked in the shard
         assert [t.text for t in held.tokens[:cut]] == pieces[:cut]
+        oai = openai_client(s)
+        (model_card,) = oai.models.list().data
+        sampled = oai.completions.create(model=model_card.id, prompt=PROMPTS[0], max_tokens=6, logprobs=1)
+        assert sampled.choices[0].text == answer.generated_text and sampled.choices[0].finish_reason == "stop"
+        log = s.log_path.read_text()
+        assert "sample with the model's generation_config.json: temperature 0.5, top_k 1" in log
     finally:
         s.stop()
 

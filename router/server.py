@@ -276,7 +276,13 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         chat_template=load_chat_template(config.tokenizer_path, pool.piece(empty[0]) if empty else ""),
         tool_parser=parser_named(config.tool_call_parser),
         reasoning=reasoning_format(config.reasoning_parser),
+        sampling_defaults=dict(info.sampling_defaults),
     )
+    if info.sampling_defaults:
+        logger.info(
+            "OpenAI door: requests that leave them unset sample with the model's generation_config.json: %s",
+            ", ".join(f"{name} {value:.6g}" for name, value in info.sampling_defaults),
+        )
     app = build_app(health_check, metrics.exposition, CONTENT_TYPE, tgi, openai, auth, version=version)
     http_server = HttpServer(app)
     return Router(

@@ -159,6 +159,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         model_type=pb.ModelInfoResponse.SEQ2SEQ_LM if info.seq2seq else pb.ModelInfoResponse.CAUSAL_LM,
         eos_token_id=info.eos_token_id,
         extra_eos_token_ids=info.extra_eos_token_ids,
+        sampling_defaults=dict(info.sampling_defaults),
         capacity_kind=CAPACITY_TO_PB[info.capacity.kind],
         chunked_prefill=info.chunked_prefill,
         eager_joins=info.eager_joins,
@@ -283,6 +284,7 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         dtype_reason=info.dtype_reason,
         compute_cpus=tuple(info.compute_cpus),
         extra_eos_token_ids=tuple(info.extra_eos_token_ids),
+        sampling_defaults=tuple(sorted(info.sampling_defaults.items())),
     )
 
 

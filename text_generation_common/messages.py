@@ -320,3 +320,6 @@ class ModelInfo:
     compute_cpus: tuple[int, ...] = ()
     # the model's other end-of-sequence ids: each ends a request as eos_token_id does
     extra_eos_token_ids: tuple[int, ...] = ()
+    # the sampling parameters generation_config.json sets (name, value): the OpenAI door's
+    # defaults for requests that leave them unset, as vLLM's
+    sampling_defaults: tuple[tuple[str, float], ...] = ()

@@ -27,8 +27,9 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -253,9 +254,18 @@ def request_params(
     logprobs: bool,
     stream: bool,
     tool_parser: ToolCallParser | None = None,
+    defaults: Mapping[str, float] = MappingProxyType({}),
 ) -> RequestParams:
-    """OpenAI's parameters -> RequestParams (validated afterwards like every door's)."""
-    temperature = 1.0 if body.temperature is None else body.temperature
+    """OpenAI's parameters -> RequestParams (validated afterwards like every door's);
+    `defaults`: the model's sampling parameters (ModelInfo.sampling_defaults), for those the
+    request leaves unset."""
+
+    def given(value: float | None, name: str) -> float | None:
+        return value if value is not None else defaults.get(name)
+
+    temperature = given(body.temperature, "temperature")
+    temperature = 1.0 if temperature is None else temperature
+    top_k = given(body.top_k, "top_k")
     guided = guided_of(body)
     tools = tool_mode_of(body, tool_parser)
     if tools.constrained:
@@ -268,11 +278,11 @@ def request_params(
     sampling = http_sampling(
         temperature != 0.0,
         temperature=temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        min_p=body.min_p,
+        top_k=None if top_k is None else round(top_k),
+        top_p=given(body.top_p, "top_p"),
+        min_p=given(body.min_p, "min_p"),
         seed=body.seed,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=given(body.repetition_penalty, "repetition_penalty"),
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         guided=guided,
@@ -328,9 +338,11 @@ class OpenAIApi:
         chat_template: ChatTemplate | None,
         tool_parser: ToolCallParser | None = None,
         reasoning: ReasoningFormat | None = None,
+        sampling_defaults: Mapping[str, float] = MappingProxyType({}),
     ) -> None:
         """`tool_parser`: the model's tool call format (TOOL_CALL_PARSER), for tool_choice "auto";
-        `reasoning`: how the model writes its thinking (REASONING_PARSER), split from chat answers."""
+        `reasoning`: how the model writes its thinking (REASONING_PARSER), split from chat answers;
+        `sampling_defaults`: the model's (generation_config.json), for what requests leave unset."""
         self.service = service
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -339,6 +351,7 @@ class OpenAIApi:
         self.chat_template = chat_template
         self.tool_parser = tool_parser
         self.reasoning = reasoning
+        self.sampling_defaults = sampling_defaults
         self.created = int(time.time())
         self.router = APIRouter(prefix="/v1", tags=["OpenAI"])
         self.router.add_api_route(
@@ -433,6 +446,7 @@ class OpenAIApi:
                     logprobs=logprobs,
                     stream=body.stream,
                     tool_parser=self.tool_parser,
+                    defaults=self.sampling_defaults,
                 )
             except ValidationError as exc:
                 raise self.service.refuse(str(exc)) from exc

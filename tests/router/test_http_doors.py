@@ -245,6 +245,27 @@ def test_openai_penalties_reach_greedy_and_sampled_requests() -> None:
     assert (s.presence_penalty, s.frequency_penalty, s.logit_bias) == (0.0, 0.0, ())
 
 
+def test_openai_requests_sample_with_the_models_defaults_where_they_leave_them_unset() -> None:
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20.0, "min_p": 0.05, "repetition_penalty": 1.1}
+
+    def sampling(**fields):
+        body = CompletionRequest(prompt="hi", seed=1, **fields)
+        return openai_request_params(
+            body, max_new_tokens=100, top_n=0, logprobs=False, stream=False, defaults=defaults
+        ).sampling
+
+    s = sampling()
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.1)
+    s = sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
+    greedy = sampling(temperature=0)
+    assert greedy.greedy and greedy.repetition_penalty == 1.1  # the penalty applies to greedy choices too
+    plain = openai_request_params(
+        CompletionRequest(prompt="hi"), max_new_tokens=100, top_n=0, logprobs=False, stream=False
+    ).sampling
+    assert plain.temperature == 1.0 and plain.top_k == 0  # OpenAI's own defaults
+
+
 def test_openai_min_p_reaches_sampled_requests_only() -> None:
     for temperature, min_p in ((0.7, 0.1), (0.0, 0.0)):  # greedy: no warper at all
         body = CompletionRequest(prompt="hi", temperature=temperature, min_p=0.1)

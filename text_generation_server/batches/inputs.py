@@ -29,6 +29,9 @@ class RequestLimits:
     # the model's other end-of-sequence ids (a list in config.json or generation_config.json, the
     # tokenizer's EOS): each ends a request as eos_token_id does
     extra_eos_token_ids: tuple[int, ...] = field(default=(), kw_only=True)
+    # the sampling parameters generation_config.json sets (name, value), which the OpenAI door
+    # uses where a request leaves them unset, as vLLM does
+    sampling_defaults: tuple[tuple[str, float], ...] = field(default=(), kw_only=True)
 
 
 UNSEEDED_MESSAGE = "a sampling request needs a seed (the router sets one for every sampling request)"

@@ -104,6 +104,22 @@ def _first_id(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")  # vLLM's
+
+
+def sampling_defaults(generation_config: Any) -> tuple[tuple[str, float], ...]:
+    """The sampling parameters generation_config.json sets to other than transformers'
+    defaults, by name (none without one)."""
+    if generation_config is None:
+        return ()
+    values = generation_config.to_diff_dict()
+    return tuple(
+        (name, float(values[name]))
+        for name in SAMPLING_DEFAULTS
+        if isinstance(values.get(name), (int, float)) and not isinstance(values.get(name), bool)
+    )
+
+
 def _ids(value: Any) -> list[int]:
     """An id or a list of ids (None: none) as a list."""
     if isinstance(value, (list, tuple)):
@@ -275,6 +291,7 @@ def build_context(
         grammars=grammars_for(resolve_model_dir(config.model_name, config.revision), vocab_size, eos),
         eos_token_id=eos,
         extra_eos_token_ids=extra_eos,
+        sampling_defaults=sampling_defaults(generation_config),
         pad_token_id=pad,
         bos_token_id=bos,
         max_sequence_length=max_sequence_length,
