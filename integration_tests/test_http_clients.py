@@ -316,6 +316,25 @@ def test_openai_answers_through_the_models_parsers(parsing: Server, served: Serv
     assert not "".join(d.content or "" for d in deltas)
 
 
+def test_openai_scores_a_token_prompt_as_evaluation_harnesses_ask(served: Server) -> None:
+    """The request lm-evaluation-harness sends to score a text's likelihood: the prompt's token ids,
+    echo, logprobs, one new token. The prompt's logprobs are the TGI door's prefill details of the
+    same tokens, the first null."""
+    prefill = (
+        client(served).generate(PROMPTS[1], max_new_tokens=1, decoder_input_details=True).details.prefill
+    )
+    ids = [t.id for t in prefill]
+    oai = openai_client(served)
+    (model,) = oai.models.list().data
+    answer = oai.completions.create(
+        model=model.id, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(ids) + 1 and logprobs.token_logprobs[0] is None
+    assert logprobs.token_logprobs[1 : len(ids)] == pytest.approx([t.logprob for t in prefill[1:]], abs=1e-5)
+    assert answer.choices[0].text.startswith(PROMPTS[1]) and answer.usage.prompt_tokens == len(ids)
+
+
 def test_openai_chat_and_errors(served: Server) -> None:
     client = openai_client(served)
     (model,) = client.models.list().data

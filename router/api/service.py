@@ -29,7 +29,7 @@ from router.core.metrics import Metrics
 from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.core.stopping import StopReason
 from router.core.tokenizer import TokenizerBusy
-from router.core.validation import RequestParams, ValidatedRequest, ValidationError, Validator
+from router.core.validation import Input, RequestParams, ValidatedRequest, ValidationError, Validator
 from router.scheduling.request_queue import RequestQueue
 from text_generation_common.logs import clip
 
@@ -123,7 +123,7 @@ class Call:
         self._held.enter_context(self.service.admission(self.inputs, self.info.tenant))
 
     async def validate(
-        self, texts: Sequence[str], params: RequestParams | None, prefix_id: str = "", adapter_id: str = ""
+        self, texts: Sequence[Input], params: RequestParams | None, prefix_id: str = "", adapter_id: str = ""
     ) -> list[ValidatedRequest]:
         return await self.service.validate(texts, params, self.received_at, prefix_id, adapter_id)
 
@@ -207,7 +207,7 @@ class GenerationService:
 
     async def validate(
         self,
-        texts: Sequence[str],
+        texts: Sequence[Input],
         params: RequestParams | None,
         received_at: float,
         prefix_id: str = "",

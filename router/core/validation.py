@@ -40,6 +40,8 @@ MAX_STOP_SEQUENCE_BYTES = 240
 MAX_TOP_N_TOKENS = 10
 MAX_ADDITIVE_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's and TGI's range)
 MAX_LOGIT_BIAS = 100.0  # |a logit_bias value| (OpenAI's range)
+
+Input = str | Sequence[int]  # an input's text, or its token ids
 STOP_SEQUENCES_MESSAGE = (
     f"can specify at most {MAX_STOP_SEQUENCES} non-empty stop sequences, "
     f"each not more than {MAX_STOP_SEQUENCE_BYTES} UTF8 bytes"
@@ -297,14 +299,16 @@ class Validator:
 
     async def validate(
         self,
-        texts: Sequence[str],
+        texts: Sequence[Input],
         params: RequestParams | None,
         prefix_id: str,
         received_at: float,
         adapter_id: str = "",
     ) -> list[ValidatedRequest]:
-        """`prefix_id` (TGIS) names a soft prompt; `adapter_id` an adapter of any stored kind.
-        Both may be set only to the same id, which then counts as an adapter id."""
+        """`texts`: each input's text, or its token ids as they are (the OpenAI door's token
+        prompts: no tokenization, no BOS added). `prefix_id` (TGIS) names a soft prompt;
+        `adapter_id` an adapter of any stored kind. Both may be set only to the same id, which
+        then counts as an adapter id."""
         p = params or RequestParams()
         check_params(p, self.max_new_tokens, self.vocab_size)
         if p.sampling.guided is not None:
@@ -318,10 +322,13 @@ class Validator:
             prefix_length = await self._prefix_length(prefix_id or adapter_id, adapter=bool(adapter_id))
         # Inputs that are surely too long (check 14 on a lower bound of their length) are not
         # tokenized; their error is raised in request order below, like every length error.
-        too_long = [self._surely_too_long(t, p.truncate_input_tokens, prefix_length) for t in texts]
+        too_long = [
+            self._surely_too_long(t, p.truncate_input_tokens, prefix_length) if isinstance(t, str) else None
+            for t in texts
+        ]
         try:
             encoded = await self.tokenizer.encode_batch(
-                [text for text, error in zip(texts, too_long, strict=True) if error is None]
+                [t for t, error in zip(texts, too_long, strict=True) if error is None and isinstance(t, str)]
             )
         except TokenizerError as exc:
             raise ValidationError(tokenizer_error_message(exc)) from exc
@@ -331,10 +338,10 @@ class Validator:
         call_end_ids = await self.call_ends.ids(p.stopping.stop_sequences) if self.call_ends else frozenset()
         remaining = iter(encoded)
         validated = []
-        for text, error in zip(texts, too_long, strict=True):
+        for given, error in zip(texts, too_long, strict=True):
             if error is not None:
                 raise ValidationError(error)
-            ids = next(remaining)
+            text, ids = (given, next(remaining)) if isinstance(given, str) else ("", self._token_ids(given))
             finished = self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline)
             validated.append(replace(finished, call_end_ids=call_end_ids))
         if adapter_id:
@@ -344,6 +351,15 @@ class Validator:
             self.metrics.observe("tgi_request_max_new_tokens", p.stopping.max_new_tokens)
         self.metrics.observe("tgi_request_validation_duration", time.monotonic() - received_at)
         return validated
+
+    def _token_ids(self, ids: Sequence[int]) -> list[int]:
+        """A prompt given as token ids, each checked against the vocabulary."""
+        for token in ids:
+            if not 0 <= token < self.vocab_size:
+                raise ValidationError(
+                    f"prompt token id {token} is not in the vocabulary (0 to {self.vocab_size - 1})"
+                )
+        return list(ids)
 
     def _surely_too_long(self, text: str, truncate: int, prefix_length: int) -> str | None:
         """Check 14's message when the input's length bound alone fails it, else None."""

@@ -41,6 +41,7 @@ from router.core.entry import Output
 from router.core.stopping import StopReason
 from router.core.tokenizer import TokenizerPool
 from router.core.validation import (
+    Input,
     RequestParams,
     ResponseSpec,
     StoppingSpec,
@@ -136,7 +137,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    # a text, texts, a prompt's token ids (taken as they are) or several prompts' token ids
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = Field(default=None, description="not served")
@@ -211,6 +213,18 @@ def guided_of(body: _Common) -> Guided | None:
             "may be given"
         )
     return found[0] if found else None
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Input]:
+    """The prompts of /v1/completions, each a text or token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    prompts: list[Input] = []
+    for item in prompt:
+        if isinstance(item, int):  # one prompt of token ids
+            return [[int(token) for token in prompt]]  # type: ignore[arg-type]
+        prompts.append(item)
+    return prompts
 
 
 def tool_mode_of(body: _Common, parser: ToolCallParser | None) -> ToolMode:
@@ -300,7 +314,11 @@ def request_params(
             include_stop_sequence=body.include_stop_str_in_output,
         ),
         response=ResponseSpec(
-            generated_tokens=tokens, token_logprobs=logprobs or top_n > 0, top_n_tokens=top_n
+            generated_tokens=tokens,
+            # echo with logprobs: the prompt's tokens too, as vLLM answers them
+            input_tokens=logprobs and getattr(body, "echo", False),
+            token_logprobs=logprobs or top_n > 0,
+            top_n_tokens=top_n,
         ),
     )
 
@@ -312,7 +330,7 @@ class _Answer:
     id: str
     kind: str  # completion | chat
     requests: list[ValidatedRequest]
-    prompts: list[str]  # for echo
+    prompts: list[str]  # each choice's prompt text, for echo (empty without echo)
     echo: bool
     logprobs: bool
     created: int
@@ -383,7 +401,7 @@ class OpenAIApi:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """Text completion of a prompt (or of each prompt of a list)."""
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        prompts = completion_prompts(body.prompt)
         top_n = body.logprobs or 0
         return await self._serve(
             body, request, "completion", prompts, top_n, body.logprobs is not None, body.echo
@@ -426,7 +444,7 @@ class OpenAIApi:
         body: _Common,
         request: Request,
         kind: str,
-        prompts: list[str] | None,  # None: the chat's one prompt, rendered inside the call
+        prompts: list[Input] | None,  # None: the chat's one prompt, rendered inside the call
         top_n: int,
         logprobs: bool,
         echo: bool,
@@ -455,6 +473,7 @@ class OpenAIApi:
                 prompts = [self._chat_prompt(body)]
             texts = [p for p in prompts for _ in range(body.n)]
             validated = await call.validate(texts, params)
+            echoed = [t if isinstance(t, str) else self._decoded(t) for t in texts] if echo else []
         except RequestError as exc:
             call.close()
             return error_response(exc)
@@ -463,7 +482,7 @@ class OpenAIApi:
             id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
             kind=kind,
             requests=validated,
-            prompts=texts,
+            prompts=echoed,
             echo=echo,
             logprobs=logprobs,
             created=int(time.time()),
@@ -487,6 +506,8 @@ class OpenAIApi:
             raise self.service.refuse(f"The model `{body.model}` does not exist.", "NOT_FOUND")
         if count > MAX_CHOICES:
             raise self.service.refuse(f"n x prompts must be <= {MAX_CHOICES}, got {count}")
+        if count == 0:
+            raise self.service.refuse("prompt must not be empty", param="prompt")
         if (refusal := unsupported(body)) is not None:
             raise self.service.refuse(refusal)
 
@@ -510,8 +531,11 @@ class OpenAIApi:
                 choice["logprobs"] = self._chat_logprobs(output.tokens) if answer.logprobs else None
             else:
                 choice["text"] = text
-                logprobs = self._completion_logprobs(output.tokens, len(echoed)) if answer.logprobs else None
-                choice["logprobs"] = logprobs
+                choice["logprobs"] = (
+                    self._completion_logprobs(output.tokens, len(echoed), output.input_tokens)
+                    if answer.logprobs
+                    else None
+                )
             choices.append(choice)
         return {
             "id": answer.id,
@@ -627,7 +651,11 @@ class OpenAIApi:
             else:
                 delta = {"content": output.text}
             return self._chunk(answer, index, delta, finish, logprobs)
-        logprobs = self._completion_logprobs(output.tokens, offsets[index]) if answer.logprobs else None
+        logprobs = (
+            self._completion_logprobs(output.tokens, offsets[index], output.input_tokens)
+            if answer.logprobs
+            else None
+        )
         return self._chunk(answer, index, output.text, finish, logprobs)
 
     def _held_chunk(
@@ -673,20 +701,28 @@ class OpenAIApi:
 
     # ---- token details --------------------------------------------------------------------
 
-    def _completion_logprobs(self, tokens: Sequence[TokenInfo], offset: int) -> dict[str, Any]:
-        pieces = [self.tokenizer.token_text(t.token_id) for t in tokens]
-        offsets = []
-        for piece in pieces:
-            offsets.append(offset)
-            offset += len(piece)
-        return {
-            "tokens": pieces,
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [
-                {self.tokenizer.token_text(top.token_id): top.logprob for top in t.top_tokens} for t in tokens
-            ],
-            "text_offset": offsets,
-        }
+    def _decoded(self, ids: Sequence[int]) -> str:
+        """A prompt given as token ids, as text (for echo)."""
+        text: str = self.tokenizer.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return text
+
+    def _completion_logprobs(
+        self, tokens: Sequence[TokenInfo], offset: int, prompt: Sequence[TokenInfo] | None = None
+    ) -> dict[str, Any]:
+        """`prompt`: the prompt's tokens (echo), first: offsets from 0, the first one's logprob
+        (which nothing predicts) null, as vLLM answers them."""
+        pieces, offsets, logprobs, tops = [], [], [], []
+        for tokens_, at in ((prompt or (), 0), (tokens, offset)):
+            for t in tokens_:
+                piece = self.tokenizer.token_text(t.token_id)
+                pieces.append(piece)
+                offsets.append(at)
+                at += len(piece)
+                first = t.logprob != t.logprob  # NaN: the prompt's first token
+                logprobs.append(None if first else t.logprob)
+                top = {self.tokenizer.token_text(x.token_id): x.logprob for x in t.top_tokens}
+                tops.append(None if first else top)
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _chat_logprobs(self, tokens: Sequence[TokenInfo]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:

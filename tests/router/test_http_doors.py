@@ -668,14 +668,58 @@ async def test_openai_choices_logprobs_and_echo(stack: Stack) -> None:
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
     assert [c["text"][0] for c in answer["choices"]] == ["a", "a", "b", "b"]  # echoed prompts, n each
     logprobs = answer["choices"][0]["logprobs"]
-    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 3
-    assert all(len(top) <= 2 for top in logprobs["top_logprobs"]) and logprobs["text_offset"][0] == 1
+    # echo: the prompt's two tokens (BOS, "a") first, then the three generated
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 5
+    assert all(len(top or {}) <= 2 for top in logprobs["top_logprobs"])
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"][2] == 1
     events = await sse_events(stack, {**body, "stream": True}, path="/v1/completions")
     per_choice: dict[int, str] = {}
+    streamed_tokens: dict[int, int] = {}
     for event in events[:-1]:
         for c in event["choices"]:
             per_choice[c["index"]] = per_choice.get(c["index"], "") + c["text"]
-    assert sorted(per_choice) == [0, 1, 2, 3]
+            streamed_tokens[c["index"]] = streamed_tokens.get(c["index"], 0) + len(
+                (c["logprobs"] or {}).get("tokens", [])
+            )
+    assert sorted(per_choice) == [0, 1, 2, 3] and per_choice[0] == answer["choices"][0]["text"]
+    assert streamed_tokens == {0: 5, 1: 5, 2: 5, 3: 5}
+    await stack.settled()
+
+
+async def test_openai_prompts_as_token_ids_and_echo_with_the_prompts_logprobs(
+    stack: Stack, tokenizer_pool
+) -> None:
+    """/v1/completions takes a prompt's token ids as they are (one list, or one per prompt); with
+    echo and logprobs the prompt's tokens come first in the logprobs, as vLLM answers them (what
+    evaluation harnesses score a text's likelihood with)."""
+    text = "hello world"
+    ids = tokenizer_pool.encode_batch_sync([text])[0]
+    body = {"max_tokens": 4, "temperature": 0}
+    status, by_text = await post(stack, "/v1/completions", {**body, "prompt": text})
+    assert status == 200, by_text
+    status, by_ids = await post(stack, "/v1/completions", {**body, "prompt": ids})
+    assert status == 200, by_ids
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert by_ids["usage"]["prompt_tokens"] == by_text["usage"]["prompt_tokens"] == len(ids)
+    status, two = await post(stack, "/v1/completions", {**body, "prompt": [ids, ids[1:]]})
+    assert [c["index"] for c in two["choices"]] == [0, 1] and two["usage"]["prompt_tokens"] == 2 * len(
+        ids
+    ) - 1
+    status, echoed = await post(
+        stack, "/v1/completions", {**body, "prompt": ids, "echo": True, "logprobs": 1}
+    )
+    (choice,) = echoed["choices"]
+    assert choice["text"] == text + by_text["choices"][0]["text"]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(ids) + 4
+    assert logprobs["tokens"][: len(ids)] == [tokenizer_pool.token_text(i) for i in ids]
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"][len(ids)] == len(text)
+    for prompt, message in [
+        ([5, 10**7], "prompt token id 10000000 is not in the vocabulary"),
+        ([], "prompt must not be empty"),
+    ]:
+        status, refused = await post(stack, "/v1/completions", {**body, "prompt": prompt})
+        assert status == 400 and refused["error"]["message"].startswith(message), refused
     await stack.settled()
 
 
