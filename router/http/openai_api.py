@@ -7,6 +7,7 @@ stop sequences left out of the text, max_tokens up to the server's MAX_NEW_TOKEN
 (then capped to fit the context, finish_reason "length"), `presence_penalty` and
 `frequency_penalty` over the tokens generated so far (as vLLM applies them, greedy choices
 too). Extensions as vLLM accepts them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`truncate_prompt_tokens`,
 `ignore_eos` (the model's EOS is masked until max_tokens), `include_stop_str_in_output`.
 `logit_bias` ({token id: -100 to 100}) is added to the logits before any other processing, as
 vLLM does. `tools` and `tool_choice`: openai_tools.py. Parameters that would change the answer
@@ -124,6 +125,9 @@ class _Common(BaseModel):
     min_p: float | None = Field(default=None, description="0 to 1; 0 = off")
     repetition_penalty: float | None = None
     min_tokens: int = Field(default=0, ge=0)
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="keep the prompt's last n tokens"
+    )
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     # guided decoding: OpenAI's response_format, or one of vLLM's guided_* extensions
@@ -320,6 +324,7 @@ def request_params(
             token_logprobs=logprobs or top_n > 0,
             top_n_tokens=top_n,
         ),
+        truncate_input_tokens=body.truncate_prompt_tokens or 0,
     )
 
 

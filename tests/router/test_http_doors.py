@@ -701,6 +701,8 @@ async def test_openai_prompts_as_token_ids_and_echo_with_the_prompts_logprobs(
     assert status == 200, by_ids
     assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
     assert by_ids["usage"]["prompt_tokens"] == by_text["usage"]["prompt_tokens"] == len(ids)
+    status, cut = await post(stack, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": 2})
+    assert cut["usage"]["prompt_tokens"] == 2
     status, two = await post(stack, "/v1/completions", {**body, "prompt": [ids, ids[1:]]})
     assert [c["index"] for c in two["choices"]] == [0, 1] and two["usage"]["prompt_tokens"] == 2 * len(
         ids
