@@ -435,6 +435,7 @@ async def through_batcher(
         detokenizer,
         metrics,
         eos_token_id=info.eos_token_id,
+        extra_eos_token_ids=info.extra_eos_token_ids,
         max_waiting_tokens=2,
         join_in_step=info.chunked_prefill,
         max_decode_steps=decode_steps,
