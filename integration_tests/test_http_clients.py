@@ -335,6 +335,11 @@ def test_openai_scores_a_token_prompt_as_evaluation_harnesses_ask(served: Server
     assert answer.choices[0].text.startswith(PROMPTS[1]) and answer.usage.prompt_tokens == len(ids)
 
 
+def client_token_id(s: Server, prompt: str, at: int) -> int:
+    """The id of the greedy answer's token `at` (the TGI door's details name them)."""
+    return client(s).generate(prompt, max_new_tokens=at + 1).details.tokens[at].id
+
+
 def test_openai_chat_and_errors(served: Server) -> None:
     client = openai_client(served)
     (model,) = client.models.list().data
@@ -350,7 +355,18 @@ def test_openai_chat_and_errors(served: Server) -> None:
         model=model.id, messages=messages, max_tokens=8, seed=3, n=2, logprobs=True, top_logprobs=2
     )
     assert len(sampled.choices) == 2 and all(len(c.logprobs.content) for c in sampled.choices)
-    greedy = client.completions.create(model=model.id, prompt="Hello", max_tokens=8, temperature=0)
+    greedy = client.completions.create(
+        model=model.id, prompt="Hello", max_tokens=8, temperature=0, logprobs=0
+    )
+    third = client.completions.create(  # vLLM's stop_token_ids: the third token's id ends the answer
+        model=model.id,
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [client_token_id(served, "Hello", 2)]},
+    )
+    assert third.choices[0].finish_reason == "stop" and third.usage.completion_tokens <= 3
+    assert greedy.choices[0].text.startswith(third.choices[0].text)
     only_top = client.completions.create(  # min_p 1: sampling keeps the likeliest token only
         model=model.id, prompt="Hello", max_tokens=8, temperature=1.0, seed=5, extra_body={"min_p": 1.0}
     )

@@ -410,6 +410,24 @@ def test_every_eos_id_of_the_model_is_held_back_boosted_and_ends_a_row_as_transf
     assert chooser.trim_drafts([[4, 9, 5], [7, 7], [2, 7]]) == [[4, 9], [7], [2]]
 
 
+def test_a_rows_own_stop_token_ids_are_held_back_and_end_it_as_eos_in_that_row_only() -> None:
+    params = [SamplingParams(min_new_tokens=3, stop_token_ids=(7, 9)), SamplingParams(), SamplingParams()]
+    chooser = TokenChooser.create(params, [[5], [6], [4]], EOS, VOCAB, torch.device("cpu"))
+    scores = random_scores(3, seed=13)
+    got = chooser.process(scores.clone())  # row 0 held: its EOS and its own stop ids masked
+    assert (got[0, [EOS, 7, 9]] == float("-inf")).all()
+    assert torch.equal(got[1:], scores[1:])  # the other rows' 7 and 9 are tokens like any other
+    alone = TokenChooser.create(params[:1], [[5]], EOS, VOCAB, torch.device("cpu"))  # every row held
+    assert (alone.process(scores[:1].clone())[0, [EOS, 7, 9]] == float("-inf")).all()
+    for _ in range(3):
+        chooser.advance([1, 1, 1])
+    assert torch.equal(chooser.process(scores.clone()), scores)  # not held any more
+    chooser.advance([9, 9, 1])
+    assert chooser.finished([9, 4, 4]) and not chooser.finished([9, 9, 4])  # 9 ends row 0 only
+    assert chooser.trim_drafts([[3, 7, 5], [3, 7, 5], [EOS, 1]]) == [[3, 7], [3, 7, 5], [EOS]]
+    assert chooser.select([0]).stop_index is not None and chooser.select([1, 2]).stop_index is None
+
+
 def test_sampling_uses_each_rows_generator() -> None:
     """A row's draws depend only on its own seed and scores, not on its neighbours."""
     row_scores = random_scores(1, seed=7)[0]

@@ -65,6 +65,8 @@ class SamplingParams:
     frequency_by_length: bool = False
     # OpenAI's logit_bias: (token id, added to its logit before any other processing), ids unique
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's stop_token_ids: this request's own ids that end it as EOS does
+    stop_token_ids: tuple[int, ...] = ()
     length_penalty: LengthPenalty | None = None
     guided: Guided | None = None  # guided decoding: the output must satisfy it
 

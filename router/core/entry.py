@@ -114,6 +114,9 @@ class Entry:
         want_details = self.request.response.generated_tokens
         if want_details and not self.stream:
             self.tokens.append(token)
+        stops = self.request.sampling.stop_token_ids  # the request's own, as EOS
+        if stops:
+            eos_token_ids = {*eos_token_ids, *stops}
         is_eos = token.token_id in eos_token_ids
         new_chars = 0
         if not is_eos:

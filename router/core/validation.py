@@ -221,6 +221,9 @@ def check_params(p: RequestParams, max_new_tokens: int, vocab_size: int) -> None
     ):
         if not -MAX_ADDITIVE_PENALTY <= penalty <= MAX_ADDITIVE_PENALTY:  # the HTTP doors' only
             raise ValidationError(f"{name} must be >= {-MAX_ADDITIVE_PENALTY} and <= {MAX_ADDITIVE_PENALTY}")
+    for token in s.stop_token_ids:  # the OpenAI door's only
+        if not 0 <= token < vocab_size:
+            raise ValidationError(f"stop_token_ids: {token} is not in the vocabulary (0 to {vocab_size - 1})")
     for token, bias in s.logit_bias:  # the OpenAI door's only
         if not 0 <= token < vocab_size:
             raise ValidationError(
@@ -335,7 +338,11 @@ class Validator:
         for ids in encoded:
             self.metrics.observe("tgi_request_raw_input_length", len(ids))
         deadline = received_at + p.stopping.time_limit_ms / 1000 if p.stopping.time_limit_ms else None
-        call_end_ids = await self.call_ends.ids(p.stopping.stop_sequences) if self.call_ends else frozenset()
+        call_end_ids = frozenset[int]()
+        if self.call_ends:  # a request's stop token ids end a call as a stop sequence's tokens do
+            call_end_ids = await self.call_ends.ids(p.stopping.stop_sequences) | set(
+                p.sampling.stop_token_ids
+            )
         remaining = iter(encoded)
         validated = []
         for given, error in zip(texts, too_long, strict=True):

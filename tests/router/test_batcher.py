@@ -332,6 +332,17 @@ async def test_each_of_the_models_eos_ids_ends_a_request(make_harness) -> None:
     assert len(longer.text) > len(out.text)
 
 
+async def test_a_requests_own_stop_token_ids_end_it_as_eos(make_harness) -> None:
+    script = lambda request, step: 600 + step  # noqa: E731
+    h = make_harness(FakeShard(script=script))
+    plain = await h.final(h.submit(make_request(max_new=10)))
+    request = make_request(max_new=10)
+    request = replace(request, sampling=replace(request.sampling, stop_token_ids=(603, 700)))
+    out = await h.final(h.submit(request))
+    assert out.stop_reason is StopReason.EOS_TOKEN and out.generated_tokens == 4
+    assert plain.text.startswith(out.text) and len(out.text) < len(plain.text)
+
+
 async def test_streamed_outputs_add_up_to_the_unary_text(make_harness, detokenizer) -> None:
     h = make_harness()
     unary = await h.final(h.submit(make_request(max_new=8)))

@@ -266,6 +266,12 @@ def test_openai_requests_sample_with_the_models_defaults_where_they_leave_them_u
     assert plain.temperature == 1.0 and plain.top_k == 0  # OpenAI's own defaults
 
 
+def test_openai_stop_token_ids_reach_the_request() -> None:
+    body = CompletionRequest(prompt="hi", stop_token_ids=[7, 9])
+    params = openai_request_params(body, max_new_tokens=100, top_n=0, logprobs=False, stream=False)
+    assert params.sampling.stop_token_ids == (7, 9)
+
+
 def test_openai_min_p_reaches_sampled_requests_only() -> None:
     for temperature, min_p in ((0.7, 0.1), (0.0, 0.0)):  # greedy: no warper at all
         body = CompletionRequest(prompt="hi", temperature=temperature, min_p=0.1)

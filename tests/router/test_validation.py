@@ -189,6 +189,13 @@ def test_logit_bias_ids_are_in_the_vocabulary_and_biases_in_range(biases, messag
     assert str(error.value) == message
 
 
+def test_stop_token_ids_are_in_the_vocabulary() -> None:
+    check_params(RequestParams(sampling=SamplingParams(stop_token_ids=(0, VOCAB - 1))), MAX_NEW, VOCAB)
+    with pytest.raises(ValidationError) as error:
+        check_params(RequestParams(sampling=SamplingParams(stop_token_ids=(3, VOCAB))), MAX_NEW, VOCAB)
+    assert str(error.value) == f"stop_token_ids: {VOCAB} is not in the vocabulary (0 to {VOCAB - 1})"
+
+
 @pytest.mark.parametrize("min_p", [-0.1, 1.01, float("nan"), float("inf")])
 def test_min_p_is_a_share_of_the_likeliest_tokens_probability(min_p: float) -> None:
     for fine in (0.0, 0.05, 1.0):

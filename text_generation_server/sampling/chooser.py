@@ -7,7 +7,8 @@ batch it runs in.
 
 Per step (`choose`), in TGIS order after OpenAI's logit_bias (added to the logits first, as vLLM
 does):
-  1. EOS masked while fewer than min_new_tokens were generated, else the length penalty;
+  1. EOS (every EOS id of the model, and the row's stop_token_ids) masked while fewer than
+     min_new_tokens were generated, else the length penalty;
   2. repetition penalty over the prompt + generated ids, then OpenAI's presence and frequency
      penalties over the generated ids (each row's counts, kept on the device), or TGI's
      frequency penalty over the prompt + generated ids divided by their number;
@@ -129,6 +130,12 @@ class TokenChooser:
         self.device = device
 
         self.sample_rows = [i for i, p in enumerate(self.params) if not p.greedy]
+        # stop_token_ids: the (row, token) positions of every row's own ending ids, on the device
+        self.stop_index: tuple[torch.Tensor, torch.Tensor] | None = None
+        stops = [(row, token) for row, p in enumerate(self.params) for token in p.stop_token_ids]
+        if stops:
+            stop_rows, stop_tokens = zip(*stops, strict=True)
+            self.stop_index = (to_device(list(stop_rows), device), to_device(list(stop_tokens), device))
         # logit_bias: the (row, token) positions of every row's biases, and the biases, on the device
         self.bias_index: tuple[torch.Tensor, torch.Tensor] | None = None
         self.bias_values: torch.Tensor | None = None
@@ -278,9 +285,16 @@ class TokenChooser:
             held = [g < p.min_new_tokens for g, p in zip(self.generated, self.params, strict=True)]
             if all(held):  # the host counts are the device's: no mask to compute
                 scores[:, self.eos_ids] = lp.NEG_INF
+                if self.stop_index is not None:
+                    scores[self.stop_index] = lp.NEG_INF
             elif any(held):
                 masked_t = self.generated_t < self.min_new_t
                 scores = lp.apply_min_new_tokens(scores, self.eos_ids, masked_t)
+                if self.stop_index is not None:
+                    rows_t, tokens_t = self.stop_index
+                    scores[rows_t, tokens_t] = scores[rows_t, tokens_t].masked_fill(
+                        masked_t[rows_t], lp.NEG_INF
+                    )
         if self.any_length_penalty and self._length_penalty_applies():
             assert self.generated_t is not None and self.length_start_t is not None
             assert self.length_decay_t is not None
@@ -357,15 +371,18 @@ class TokenChooser:
         return next_ids, scores
 
     def finished(self, max_new_tokens: Sequence[int]) -> bool:
-        """Every row has had its last token for sure: its `max_new_tokens` (per row), or EOS
-        once its min_new_tokens are out (the router ends the request there). Stop sequences
+        """Every row has had its last token for sure: its `max_new_tokens` (per row), or EOS (or
+        one of its stop_token_ids) once its min_new_tokens are out (the router ends the request
+        there). Stop sequences
         and deadlines are the router's to know."""
         eos = self.eos_ids
         rows = zip(self.histories, self.generated, self.params, max_new_tokens, strict=True)
         for history, generated, params, most in rows:
             if generated >= most:
                 continue
-            if generated == 0 or generated < params.min_new_tokens or history[-1] not in eos:
+            if generated == 0 or generated < params.min_new_tokens:
+                return False
+            if history[-1] not in eos and history[-1] not in params.stop_token_ids:
                 return False
         return True
 
@@ -443,7 +460,8 @@ class TokenChooser:
         trimmed = []
         for i, draft in enumerate(drafts):
             row = owners[i] if owners is not None else i
-            ends = [j for j, token in enumerate(draft) if token in eos]
+            stops = self.params[row].stop_token_ids
+            ends = [j for j, token in enumerate(draft) if token in eos or token in stops]
             cut = list(draft[: ends[0] + 1] if ends else draft)
             matcher = self.matchers[row]
             if matcher is not None and cut:
