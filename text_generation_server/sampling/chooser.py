@@ -284,7 +284,8 @@ class TokenChooser:
             assert self.generated_t is not None and self.min_new_t is not None
             held = [g < p.min_new_tokens for g, p in zip(self.generated, self.params, strict=True)]
             if all(held):  # the host counts are the device's: no mask to compute
-                scores[:, self.eos_ids] = lp.NEG_INF
+                for column in self.eos_ids:
+                    scores[:, column] = lp.NEG_INF
                 if self.stop_index is not None:
                     scores[self.stop_index] = lp.NEG_INF
             elif any(held):
