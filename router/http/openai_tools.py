@@ -12,8 +12,9 @@ the model may answer:
     array of {"name", "parameters"} objects of the given tools; finish_reason "tool_calls".
 Without a parser, "auto" is refused with one line. A named call cut by max_tokens keeps its
 incomplete arguments (finish_reason "length"); a list of calls cut before its JSON is complete
-is returned as text, finish_reason "length". Assistant messages that carry `tool_calls` reach the template
-with their arguments as objects (templates write them with `tojson`), `tool` messages as they are.
+is returned as text, finish_reason "length". Assistant messages that carry `tool_calls` reach
+the template with their arguments as objects (templates write them with `tojson`), `tool`
+messages as they are.
 """
 
 from __future__ import annotations
