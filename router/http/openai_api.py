@@ -97,6 +97,7 @@ def error_response(exc: RequestError) -> JSONResponse:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 class _Common(BaseModel):
@@ -499,8 +500,9 @@ class OpenAIApi:
             reasoning=self.reasoning if kind == "chat" and params.sampling.guided is None else None,
         )
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self._events(answer, call.info, usage), call)
+            options = body.stream_options or StreamOptions()
+            continuous = options.include_usage and options.continuous_usage_stats
+            return EventStream(self._events(answer, call.info, options.include_usage, continuous), call)
         with call:
             try:
                 outputs = await until_disconnected(request, self.service.generate(validated, call.info))
@@ -554,8 +556,11 @@ class OpenAIApi:
             "usage": _usage(answer.requests, outputs),
         }
 
-    async def _events(self, answer: _Answer, info: CallInfo, usage: bool) -> AsyncGenerator[str, None]:
-        """SSE chunks of every choice as its tokens come, then usage (if asked) and [DONE]."""
+    async def _events(
+        self, answer: _Answer, info: CallInfo, usage: bool, continuous: bool = False
+    ) -> AsyncGenerator[str, None]:
+        """SSE chunks of every choice as its tokens come, then usage (if asked) and [DONE];
+        `continuous`: every choice's chunk with its usage so far too."""
         queue: asyncio.Queue[tuple[int, Output | RequestError | None]] = asyncio.Queue()
 
         async def pump(index: int, v: ValidatedRequest) -> None:
@@ -574,13 +579,25 @@ class OpenAIApi:
         thoughts: dict[int, ReasoningStream] = {}
         unsent: dict[int, list[TokenInfo]] = {}  # tokens of text held back, for their logprobs
         offsets = [len(answer.prompts[i]) if answer.echo else 0 for i in range(len(answer.requests))]
+        generated = [0] * len(answer.requests)
+
+        def sent(chunk: dict[str, Any], index: int) -> str:
+            if continuous:
+                prompt, made = answer.requests[index].input_length, generated[index]
+                chunk["usage"] = {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": made,
+                    "total_tokens": prompt + made,
+                }
+            return _sse(chunk)
+
         try:
             if answer.kind == "chat":
                 for index in range(len(answer.requests)):
-                    yield _sse(self._chunk(answer, index, _opening(answer.tools), None, None))
+                    yield sent(self._chunk(answer, index, _opening(answer.tools), None, None), index)
             elif answer.echo:
                 for index in range(len(answer.requests)):
-                    yield _sse(self._chunk(answer, index, answer.prompts[index], None, None))
+                    yield sent(self._chunk(answer, index, answer.prompts[index], None, None), index)
             running = len(pumps)
             while running:
                 index, item = await queue.get()
@@ -592,20 +609,21 @@ class OpenAIApi:
                     break
                 if item.final:
                     final[index] = item
+                generated[index] = max(generated[index], item.generated_tokens)
                 if answer.reasoning is not None:
                     thought = thoughts.setdefault(index, ReasoningStream(answer.reasoning))
                     chunk, answered = self._think(answer, index, thought, item, unsent)
                     if chunk is not None:
-                        yield _sse(chunk)
+                        yield sent(chunk, index)
                     if answered is None:
                         continue
                     item = answered
                 if answer.tools.kind in ("auto", "required"):  # calls come whole, at the end
                     held.setdefault(index, HeldAnswer(answer.tools, self.tool_parser))
                     if (chunk := self._held_chunk(answer, index, held[index], item)) is not None:
-                        yield _sse(chunk)
+                        yield sent(chunk, index)
                     continue
-                yield _sse(self._delta(answer, index, item, offsets))
+                yield sent(self._delta(answer, index, item, offsets), index)
                 offsets[index] += len(item.text)
             else:
                 if usage:

@@ -664,6 +664,21 @@ async def test_openai_completions_answer_like_the_tgi_door(stack: Stack) -> None
     chunks = events[:-2]
     assert len(chunks) == 6 and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert all("usage" not in c for c in chunks)
+    continuous = await sse_events(  # vLLM's continuous_usage_stats: each chunk with its usage so far
+        stack,
+        {
+            "prompt": "hello",
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        path="/v1/completions",
+    )
+    assert [c["usage"]["completion_tokens"] for c in continuous[:-2]] == [1, 2, 3, 4, 5, 6]
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in continuous[:-1])
+    assert continuous[-2]["usage"] == answer["usage"]
     await stack.settled()
 
 
