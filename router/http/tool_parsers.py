@@ -6,7 +6,10 @@ names for the same formats):
     {...}}</tool_call>` blocks anywhere in the answer, one per call; the text around them is the
     message's content;
   - `llama3_json` (Llama 3.1/3.2/3.3): the whole answer is one or more `{"name": ...,
-    "parameters": {...}}` objects (separated by `;`), after an optional `<|python_tag|>`.
+    "parameters": {...}}` objects (separated by `;`), after an optional `<|python_tag|>`;
+  - `pythonic` (Llama 3.2 and 4 with their pythonic templates, and others): the whole answer is a
+    Python list of calls with keyword arguments, `[get_weather(city="Oslo"), now()]`, read with
+    `ast` (parsed, never run; only literal values).
 An answer whose calls do not parse is the message's text, as if it had none. While streaming,
 `streamable` says how much of the answer so far is text for sure: the rest is held back until
 the answer ends (then its calls come in one chunk, or the held text).
@@ -14,6 +17,7 @@ the answer ends (then its calls come in one chunk, or the held text).
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -130,7 +134,38 @@ class Llama3Json(ToolCallParser):
         return len(text)
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (Hermes, Llama3Json)}
+class Pythonic(ToolCallParser):
+    name = "pythonic"
+
+    def parse(self, text: str) -> Parsed | None:
+        source = text.strip()
+        if not (source.startswith("[") and source.endswith("]")):
+            return None
+        try:
+            tree = ast.parse(source, mode="eval")
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if not isinstance(tree.body, ast.List) or not tree.body.elts:
+            return None
+        calls = []
+        for node in tree.body.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return None
+            if any(keyword.arg is None for keyword in node.keywords):  # **kwargs
+                return None
+            try:
+                arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+                calls.append(function_call(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+            except (ValueError, TypeError, SyntaxError, RecursionError):  # not literals, or not JSON
+                return None
+        return Parsed("", calls)
+
+    def streamable(self, text: str) -> int:
+        start = text.lstrip()
+        return 0 if not start or start.startswith("[") else len(text)
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (Hermes, Llama3Json, Pythonic)}
 
 
 def parser_named(name: str | None) -> ToolCallParser | None:

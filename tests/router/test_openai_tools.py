@@ -24,7 +24,7 @@ from router.http.openai_tools import (
     template_tools,
     tool_mode,
 )
-from router.http.tool_parsers import Hermes, Llama3Json, parser_named
+from router.http.tool_parsers import Hermes, Llama3Json, Pythonic, parser_named
 from text_generation_common.guided import Grammars
 from text_generation_common.messages import GuidedKind
 
@@ -158,6 +158,17 @@ HERMES_TEXT = (
             '{"name": "now", "parameters": {}} and text',
             None,
         ),
+        (
+            Pythonic(),
+            ' [weather(city="Oslo", days=2, hourly=True), now()]',
+            None,
+            [("weather", '{"city": "Oslo", "days": 2, "hourly": true}'), ("now", "{}")],
+        ),
+        (Pythonic(), "[now(at=__import__('os').getcwd())]", "[now(at=__import__('os').getcwd())]", None),
+        (Pythonic(), '[weather("Oslo")]', '[weather("Oslo")]', None),  # positional: no name for it
+        (Pythonic(), "[now(a={1, 2})]", "[now(a={1, 2})]", None),  # a set is no JSON
+        (Pythonic(), "[now(", "[now(", None),
+        (Pythonic(), "Sunny [now()]", "Sunny [now()]", None),
     ],
 )
 def test_each_format_gives_its_calls_and_the_text_around_them(parser, text: str, content, calls) -> None:
@@ -170,12 +181,13 @@ def test_each_format_gives_its_calls_and_the_text_around_them(parser, text: str,
         assert reading.finish == "tool_calls"
 
 
-@pytest.mark.parametrize("parser", [Hermes(), Llama3Json()])
+@pytest.mark.parametrize("parser", [Hermes(), Llama3Json(), Pythonic()])
 @pytest.mark.parametrize("pieces", [1, 3, 7])
 def test_a_streamed_answer_sends_only_text_then_the_calls_whole(parser, pieces: int) -> None:
     """Whatever pieces the answer comes in, the content sent as it comes plus the rest at the end
     is the whole answer's content, and no part of a call is ever sent as text."""
-    for text in (HERMES_TEXT, "plain words <tool", '{"name": "now", "parameters": {}}', "Hi {x}"):
+    texts = (HERMES_TEXT, "plain words <tool", '{"name": "now", "parameters": {}}', "Hi {x}", "[now(a=1)]")
+    for text in texts:
         held = HeldAnswer(ToolMode("auto"), parser)
         sent = "".join(held.add(text[i : i + pieces]) for i in range(0, len(text), pieces))
         end = held.end()
@@ -192,8 +204,11 @@ def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
     assert functions(held.end()) == [{"name": "now", "arguments": "{}"}]
     assert parser_named(None) is None and isinstance(parser_named("hermes"), Hermes)
     assert isinstance(parser_named("llama3_json"), Llama3Json)
-    with pytest.raises(ValueError, match="unknown tool call parser 'pythonic': one of hermes, llama3_json"):
-        parser_named("pythonic")
+    assert isinstance(parser_named("pythonic"), Pythonic)
+    with pytest.raises(
+        ValueError, match="unknown tool call parser 'mistral': one of hermes, llama3_json, pythonic"
+    ):
+        parser_named("mistral")
 
 
 def test_the_template_sees_the_tools_and_earlier_calls_with_object_arguments() -> None:
