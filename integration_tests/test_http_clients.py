@@ -367,6 +367,17 @@ def test_openai_chat_and_errors(served: Server) -> None:
     )
     assert third.choices[0].finish_reason == "stop" and third.usage.completion_tokens <= 3
     assert greedy.choices[0].text.startswith(third.choices[0].text)
+    only = client.completions.create(  # vLLM's allowed_token_ids: one id, so every token is it
+        model=model.id,
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0.8,
+        seed=1,
+        logprobs=0,
+        extra_body={"allowed_token_ids": [client_token_id(served, "Hello", 2)]},
+    )
+    tokens = only.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1 and tokens[0] == greedy.choices[0].logprobs.tokens[2]
     only_top = client.completions.create(  # min_p 1: sampling keeps the likeliest token only
         model=model.id, prompt="Hello", max_tokens=8, temperature=1.0, seed=5, extra_body={"min_p": 1.0}
     )

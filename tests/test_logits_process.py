@@ -428,6 +428,29 @@ def test_a_rows_own_stop_token_ids_are_held_back_and_end_it_as_eos_in_that_row_o
     assert chooser.select([0]).stop_index is not None and chooser.select([1, 2]).stop_index is None
 
 
+def test_allowed_token_ids_mask_everything_else_in_their_rows_but_never_leave_a_row_without_a_token() -> None:
+    params = [
+        SamplingParams(allowed_token_ids=(3, 8, 11)),
+        SamplingParams(),
+        SamplingParams(allowed_token_ids=(EOS,), min_new_tokens=2),  # held: EOS is all it may take
+    ]
+    chooser = TokenChooser.create(params, [[5], [6], [4]], EOS, VOCAB, torch.device("cpu"))
+    assert not chooser.plain
+    scores = random_scores(3, seed=14)
+    got = chooser.process(scores.clone())
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [3, 8, 11]
+    assert torch.equal(got[0, [3, 8, 11]], scores[0, [3, 8, 11]]) and torch.equal(got[1], scores[1])
+    assert torch.isfinite(got[2]).sum() == VOCAB - 1  # stuck: its scores kept, EOS held back
+    ids, _ = chooser.choose(scores.clone())
+    assert ids[0].item() in (3, 8, 11)
+    for _ in range(2):
+        chooser.advance([3, 1, 1])
+    assert torch.isfinite(chooser.process(scores.clone())[2]).nonzero().flatten().tolist() == [EOS]
+    assert chooser.select([1]).allowed is None
+    both = TokenChooser.concatenate([chooser.select([1]), chooser.select([0])])
+    assert both.allowed is not None and both.allowed[0].all() and both.allowed[1].sum() == 3
+
+
 def test_sampling_uses_each_rows_generator() -> None:
     """A row's draws depend only on its own seed and scores, not on its neighbours."""
     row_scores = random_scores(1, seed=7)[0]

@@ -69,6 +69,7 @@ def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
         frequency_by_length=p.frequency_by_length,
         logit_bias=tuple(sorted(p.logit_bias.items())),
         stop_token_ids=tuple(p.stop_token_ids),
+        allowed_token_ids=tuple(p.allowed_token_ids),
         length_penalty=(
             LengthPenalty(p.length_penalty.start_index, p.length_penalty.decay_factor)
             if p.HasField("length_penalty")
@@ -197,6 +198,7 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.NextTokenChooserParameters:
     )
     out.logit_bias.update(dict(p.logit_bias))
     out.stop_token_ids.extend(p.stop_token_ids)
+    out.allowed_token_ids.extend(p.allowed_token_ids)
     if p.seed is not None:
         out.seed = p.seed
     if p.length_penalty is not None:

@@ -67,6 +67,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's stop_token_ids: this request's own ids that end it as EOS does
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's allowed_token_ids: the only ids this request may choose (empty: any)
+    allowed_token_ids: tuple[int, ...] = ()
     length_penalty: LengthPenalty | None = None
     guided: Guided | None = None  # guided decoding: the output must satisfy it
 

@@ -221,9 +221,10 @@ def check_params(p: RequestParams, max_new_tokens: int, vocab_size: int) -> None
     ):
         if not -MAX_ADDITIVE_PENALTY <= penalty <= MAX_ADDITIVE_PENALTY:  # the HTTP doors' only
             raise ValidationError(f"{name} must be >= {-MAX_ADDITIVE_PENALTY} and <= {MAX_ADDITIVE_PENALTY}")
-    for token in s.stop_token_ids:  # the OpenAI door's only
-        if not 0 <= token < vocab_size:
-            raise ValidationError(f"stop_token_ids: {token} is not in the vocabulary (0 to {vocab_size - 1})")
+    for name, tokens in (("stop_token_ids", s.stop_token_ids), ("allowed_token_ids", s.allowed_token_ids)):
+        for token in tokens:  # the OpenAI door's only
+            if not 0 <= token < vocab_size:
+                raise ValidationError(f"{name}: {token} is not in the vocabulary (0 to {vocab_size - 1})")
     for token, bias in s.logit_bias:  # the OpenAI door's only
         if not 0 <= token < vocab_size:
             raise ValidationError(

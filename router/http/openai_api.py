@@ -7,7 +7,7 @@ stop sequences left out of the text, max_tokens up to the server's MAX_NEW_TOKEN
 (then capped to fit the context, finish_reason "length"), `presence_penalty` and
 `frequency_penalty` over the tokens generated so far (as vLLM applies them, greedy choices
 too). Extensions as vLLM accepts them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`truncate_prompt_tokens`, `stop_token_ids`,
+`truncate_prompt_tokens`, `stop_token_ids`, `allowed_token_ids`,
 `ignore_eos` (the model's EOS is masked until max_tokens), `include_stop_str_in_output`.
 `logit_bias` ({token id: -100 to 100}) is added to the logits before any other processing, as
 vLLM does. `tools` and `tool_choice`: openai_tools.py. Parameters that would change the answer
@@ -130,6 +130,7 @@ class _Common(BaseModel):
         default=None, ge=1, description="keep the prompt's last n tokens"
     )
     stop_token_ids: list[int] | None = Field(default=None, description="ids that end the answer as EOS does")
+    allowed_token_ids: list[int] | None = Field(default=None, description="the only ids the answer may have")
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     # guided decoding: OpenAI's response_format, or one of vLLM's guided_* extensions
@@ -308,7 +309,10 @@ def request_params(
         guided=guided,
     )
     sampling = replace(
-        sampling, logit_bias=logit_bias_of(body), stop_token_ids=tuple(body.stop_token_ids or ())
+        sampling,
+        logit_bias=logit_bias_of(body),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        allowed_token_ids=tuple(body.allowed_token_ids or ()),
     )
     limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or max_new_tokens
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

@@ -267,9 +267,9 @@ def test_openai_requests_sample_with_the_models_defaults_where_they_leave_them_u
 
 
 def test_openai_stop_token_ids_reach_the_request() -> None:
-    body = CompletionRequest(prompt="hi", stop_token_ids=[7, 9])
+    body = CompletionRequest(prompt="hi", stop_token_ids=[7, 9], allowed_token_ids=[1, 2, 3])
     params = openai_request_params(body, max_new_tokens=100, top_n=0, logprobs=False, stream=False)
-    assert params.sampling.stop_token_ids == (7, 9)
+    assert params.sampling.stop_token_ids == (7, 9) and params.sampling.allowed_token_ids == (1, 2, 3)
 
 
 def test_openai_min_p_reaches_sampled_requests_only() -> None:

@@ -194,6 +194,9 @@ def test_stop_token_ids_are_in_the_vocabulary() -> None:
     with pytest.raises(ValidationError) as error:
         check_params(RequestParams(sampling=SamplingParams(stop_token_ids=(3, VOCAB))), MAX_NEW, VOCAB)
     assert str(error.value) == f"stop_token_ids: {VOCAB} is not in the vocabulary (0 to {VOCAB - 1})"
+    with pytest.raises(ValidationError) as error:
+        check_params(RequestParams(sampling=SamplingParams(allowed_token_ids=(-1,))), MAX_NEW, VOCAB)
+    assert str(error.value) == f"allowed_token_ids: -1 is not in the vocabulary (0 to {VOCAB - 1})"
 
 
 @pytest.mark.parametrize("min_p", [-0.1, 1.01, float("nan"), float("inf")])

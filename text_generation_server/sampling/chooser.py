@@ -6,7 +6,7 @@ count and token history along, so a seeded request draws the same random numbers
 batch it runs in.
 
 Per step (`choose`), in TGIS order after OpenAI's logit_bias (added to the logits first, as vLLM
-does):
+does), with vLLM's allowed_token_ids (every other token masked) after step 1:
   1. EOS (every EOS id of the model, and the row's stop_token_ids) masked while fewer than
      min_new_tokens were generated, else the length penalty;
   2. repetition penalty over the prompt + generated ids, then OpenAI's presence and frequency
@@ -130,6 +130,16 @@ class TokenChooser:
         self.device = device
 
         self.sample_rows = [i for i, p in enumerate(self.params) if not p.greedy]
+        # allowed_token_ids: [batch, vocab] bool, what each row may choose (every token in rows
+        # without a list), kept only while some row has one
+        self.allowed: torch.Tensor | None = None
+        if any(p.allowed_token_ids for p in self.params):
+            self.allowed = torch.ones((len(self.params), vocab_size), dtype=torch.bool, device=device)
+            limited = [row for row, p in enumerate(self.params) if p.allowed_token_ids]
+            self.allowed[to_device(limited, device)] = False
+            index = self._positions([p.allowed_token_ids for p in self.params], device)
+            if index is not None:
+                self.allowed[index] = True
         # stop_token_ids: the (row, token) positions of every row's own ending ids, on the device
         self.stop_index: tuple[torch.Tensor, torch.Tensor] | None = None
         stops = [(row, token) for row, p in enumerate(self.params) for token in p.stop_token_ids]
@@ -305,6 +315,8 @@ class TokenChooser:
                 active &= ~masked_t
             factors = torch.where(active, self.length_decay_t.pow(past.clamp(min=0)), 1.0)
             scores = lp.apply_length_penalty(scores, self.eos_ids, factors)
+        if self.allowed is not None:
+            scores = lp.apply_allowed(scores, self.allowed)
         if self.seen is not None and self.penalty is not None:
             scores = lp.apply_repetition_penalty(scores, self.seen, self.penalty)
         if self.counts is not None and self.presence_t is not None and self.frequency_t is not None:
@@ -344,6 +356,7 @@ class TokenChooser:
         first maximum of its logits as they are."""
         return not (
             self.sample_rows
+            or self.allowed is not None
             or self.bias_values is not None
             or self.any_min_new
             or self.any_length_penalty

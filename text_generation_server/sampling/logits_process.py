@@ -91,6 +91,15 @@ def apply_additive_penalties(
     return scores
 
 
+def apply_allowed(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Every token a row may not choose (allowed [batch, vocab] bool) gets -inf, but in a row
+    where that would leave none (its allowed ids all held back by min_new_tokens): that row
+    keeps its scores, so that no row is left without a token to choose."""
+    kept = scores.masked_fill(~allowed, NEG_INF)
+    stuck = torch.isneginf(kept).all(dim=-1, keepdim=True)
+    return torch.where(stuck, scores, kept)
+
+
 def apply_temperature(scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """scores / temperature, temperature [batch] (1.0 = off)."""
     return scores.div_(temperature.unsqueeze(1))
