@@ -120,6 +120,9 @@ def test_details_and_sampling(served: Server) -> None:
     assert all(len(top) == 2 for top in details.top_tokens)
     again = tgi.generate("Hello", max_new_tokens=5, do_sample=True, seed=42)
     assert again.generated_text == answer.generated_text  # a seed makes sampling repeatable
+    best = tgi.generate("Hello", max_new_tokens=5, do_sample=True, best_of=2)
+    (other,) = best.details.best_of_sequences
+    assert sum(t.logprob for t in best.details.tokens) >= sum(t.logprob for t in other.tokens)
 
 
 def test_frequency_penalty_in_tgis_form(served: Server) -> None:

@@ -251,6 +251,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
     help="Percent of free memory the shards hold back [env BATCH_SAFETY_MARGIN].",
 )
 @options.max_waiting_tokens
+@options.max_best_of
 @options.stream_interval
 @options.max_stream_interval
 @options.max_decode_steps

@@ -89,6 +89,7 @@ class LaunchFlags:
     max_batch_prefill_tokens: int = router_defaults.DEFAULT_MAX_BATCH_PREFILL_TOKENS
     batch_safety_margin: int = DEFAULT_BATCH_SAFETY_MARGIN
     max_waiting_tokens: int = router_defaults.DEFAULT_MAX_WAITING_TOKENS
+    max_best_of: int = router_defaults.DEFAULT_MAX_BEST_OF
     stream_interval: int = 1
     max_stream_interval: int = 0
     max_decode_steps: int = router_defaults.DEFAULT_MAX_DECODE_STEPS
@@ -144,6 +145,7 @@ class LaunchConfig:
     max_batch_prefill_tokens: int  # 0 = no limit
     batch_safety_margin: int  # percent of free memory the shards hold back
     max_waiting_tokens: int
+    max_best_of: int  # the router's MAX_BEST_OF (the TGI door)
     stream_interval: int  # the router's STREAM_INTERVAL
     max_stream_interval: int  # and MAX_STREAM_INTERVAL (0 = fixed)
     max_decode_steps: int  # the router's MAX_DECODE_STEPS
@@ -465,6 +467,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         max_batch_prefill_tokens=flags.max_batch_prefill_tokens,
         batch_safety_margin=flags.batch_safety_margin,
         max_waiting_tokens=flags.max_waiting_tokens,
+        max_best_of=flags.max_best_of,
         stream_interval=flags.stream_interval,
         max_stream_interval=resolve_max_stream_interval(flags),
         max_decode_steps=flags.max_decode_steps,
@@ -619,6 +622,8 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         str(config.max_batch_prefill_tokens),
         "--max-waiting-tokens",
         str(config.max_waiting_tokens),
+        "--max-best-of",
+        str(config.max_best_of),
         "--stream-interval",
         str(config.stream_interval),
         "--max-stream-interval",

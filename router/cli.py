@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 @options.max_prefill_padding
 @options.max_batch_prefill_tokens
 @options.max_waiting_tokens
+@options.max_best_of
 @options.stream_interval
 @options.max_stream_interval
 @options.max_decode_steps
@@ -110,6 +111,7 @@ def main(
     max_prefill_padding: float,
     max_batch_prefill_tokens: int,
     max_waiting_tokens: int,
+    max_best_of: int,
     stream_interval: int,
     max_stream_interval: int,
     max_decode_steps: int,
@@ -153,6 +155,7 @@ def main(
             max_prefill_padding=max_prefill_padding,
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_waiting_tokens=max_waiting_tokens,
+            max_best_of=max_best_of,
             stream_interval=stream_interval,
             max_stream_interval=max_stream_interval,
             max_decode_steps=max_decode_steps,

@@ -58,12 +58,27 @@ max_batch_prefill_tokens = click.option(
         "joins at later steps; one request always fits; 0 = no limit [env MAX_BATCH_PREFILL_TOKENS]."
     ),
 )
-max_waiting_tokens = click.option(
+
+
+def _count_option(flag: str, env: str, default: int, help_text: str) -> Any:
+    """A flag of a count of at least 1."""
+    return click.option(
+        flag, envvar=env, type=click.IntRange(min=1), default=default, help=f"{help_text} [env {env}]."
+    )
+
+
+max_waiting_tokens = _count_option(
     "--max-waiting-tokens",
-    envvar="MAX_WAITING_TOKENS",
-    type=click.IntRange(min=1),
-    default=defaults.DEFAULT_MAX_WAITING_TOKENS,
-    help="Decode steps after which waiting requests always get to join [env MAX_WAITING_TOKENS].",
+    "MAX_WAITING_TOKENS",
+    defaults.DEFAULT_MAX_WAITING_TOKENS,
+    "Decode steps after which waiting requests always get to join",
+)
+max_best_of = _count_option(
+    "--max-best-of",
+    "MAX_BEST_OF",
+    defaults.DEFAULT_MAX_BEST_OF,
+    "The largest best_of the TGI REST door takes: so many sampled answers of one request, the "
+    "likeliest returned",
 )
 stream_interval = click.option(
     "--stream-interval",
@@ -86,15 +101,14 @@ max_stream_interval = click.option(
     "one more per 0.1 s of it and one fewer once the load falls; 0 = --stream-interval, fixed "
     "[env MAX_STREAM_INTERVAL].",
 )
-max_decode_steps = click.option(
+max_decode_steps = _count_option(
     "--max-decode-steps",
-    envvar="MAX_DECODE_STEPS",
-    type=click.IntRange(min=1),
-    default=defaults.DEFAULT_MAX_DECODE_STEPS,
-    help="While no request waits and every running one has its first token, one shard call runs "
+    "MAX_DECODE_STEPS",
+    defaults.DEFAULT_MAX_DECODE_STEPS,
+    "While no request waits and every running one has its first token, one shard call runs "
     "up to this many decode steps and answers their tokens together (one round trip for "
     "several tokens per request), as many as fit in --max-decode-call-ms; 1 = one step per "
-    "call (TGIS) [env MAX_DECODE_STEPS].",
+    "call (TGIS)",
 )
 max_decode_call_ms = click.option(
     "--max-decode-call-ms",

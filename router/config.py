@@ -22,6 +22,7 @@ from text_generation_common.defaults import (
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 DEFAULT_MAX_PREFILL_PADDING = 0.2
 DEFAULT_MAX_WAITING_TOKENS = 24
+DEFAULT_MAX_BEST_OF = 2  # TGI's
 DEFAULT_MAX_DECODE_STEPS = 16
 DEFAULT_MAX_DECODE_CALL_MS = 25.0
 DEFAULT_PORT = 3000
@@ -52,6 +53,7 @@ class RouterConfig:
     max_prefill_padding: float = DEFAULT_MAX_PREFILL_PADDING
     max_batch_prefill_tokens: int = DEFAULT_MAX_BATCH_PREFILL_TOKENS  # 0 = no limit
     max_waiting_tokens: int = DEFAULT_MAX_WAITING_TOKENS
+    max_best_of: int = DEFAULT_MAX_BEST_OF  # the TGI door's largest best_of
     # a streamed request's messages after its first: one per this many tokens (gRPC, OpenAI doors)
     stream_interval: int = 1
     # above stream_interval: messages carry up to this many tokens while the event loop is
@@ -106,6 +108,8 @@ class RouterConfig:
             raise ValueError(f"max_batch_prefill_tokens must be >= 0, got {self.max_batch_prefill_tokens}")
         if self.max_waiting_tokens < 1:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
+        if self.max_best_of < 1:
+            raise ValueError(f"max_best_of must be >= 1, got {self.max_best_of}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_stream_interval and self.max_stream_interval < self.stream_interval:

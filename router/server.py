@@ -263,6 +263,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
             max_waiting_tokens=config.max_waiting_tokens,
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             version=version,
+            max_best_of=config.max_best_of,
         ),
         max_new_tokens=config.max_new_tokens,
     )

@@ -13,8 +13,11 @@ Where TGI and TGIS differ, TGI's behaviour wins at this door:
   - frequency_penalty (-2.0 to 2.0) as TGI applies it: each token's score less the penalty
     times the token's share of the text so far (its count over the prompt and the generated
     tokens, divided by their number; TGI divides by its padded batch's longest text instead).
-Parameters TGI has and this server does not serve (best_of > 1, watermark) are refused with
-422, never ignored; unknown ones too. `grammar` is guided decoding:
+  - best_of n (<= MAX_BEST_OF, sampling only, no seed, not streamed, TGI's rules and messages):
+    n sampled answers, the one of the highest sum of token logprobs returned, the others in
+    details.best_of_sequences.
+Parameters TGI has and this server does not serve (watermark) are refused with 422, never
+ignored; unknown ones too. `grammar` is guided decoding:
 {"type": "json", "value": <JSON Schema>} or {"type": "regex", "value": <regex>}.
 
 Status codes: 422 validation (error_type "validation"), 429 overloaded (over
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -100,7 +104,9 @@ class Parameters(BaseModel):
     adapter_id: str | None = Field(
         default=None, description="a stored adapter or soft prompt (TGIS's adapter_id)"
     )
-    best_of: int | None = Field(default=None, description="only 1 (or unset) is served")
+    best_of: int | None = Field(
+        default=None, description="n sampled answers, the likeliest returned (<= max_best_of in /info)"
+    )
     decoder_input_details: bool = Field(default=False, description="return the prompt's tokens with logprobs")
     details: bool = Field(default=False, description="return finish reason, token ids, logprobs and seed")
     do_sample: bool = Field(default=False, description="sample instead of greedy decoding")
@@ -143,10 +149,22 @@ class TokenizeRequest(BaseModel):
 
 def unsupported(p: Parameters) -> str | None:
     """Why TGI parameters this server does not serve refuse the request, or None."""
-    if p.best_of is not None and p.best_of > 1:
-        return "best_of > 1 is not supported by this server"
     if p.watermark:
         return "watermark is not supported by this server"
+    return None
+
+
+def best_of_refusal(p: Parameters, *, stream: bool, max_best_of: int) -> str | None:
+    """TGI's checks of best_of, with its messages (None: fine)."""
+    n = 1 if p.best_of is None else p.best_of
+    if not 0 < n <= max_best_of:
+        return f"`best_of` must be > 0 and <= {max_best_of}. Given: {n}"
+    if n > 1 and stream:
+        return "`best_of` != 1 is not allowed for this endpoint"
+    if n > 1 and not _sampling_wanted(p):
+        return "you must use sampling when `best_of` is > 1"
+    if n > 1 and p.seed is not None:
+        return "`seed` must not be set when `best_of` > 1"
     return None
 
 
@@ -213,10 +231,12 @@ class TgiRest:
         info: dict[str, Any],
         max_new_tokens: int,
     ) -> None:
+        """`info`: /info's fields (info_fields), max_best_of among them."""
         self.service = service
         self.tokenizer = tokenizer
         self.info_fields = info
         self.max_new_tokens = max_new_tokens
+        self.max_best_of = int(info.get("max_best_of", 1))
         raw = tokenizer.tokenizer
         self._special = {i for i, t in raw.get_added_tokens_decoder().items() if t.special}
         self.router = APIRouter(tags=["HF TGI"])
@@ -303,22 +323,42 @@ class TgiRest:
     # ---- generation -----------------------------------------------------------------------
 
     async def _validate(self, call: Call, body: GenerateRequest, *, stream: bool) -> list[ValidatedRequest]:
+        """The request, or its best_of requests (each with its own random seed)."""
         p = body.parameters
-        refusal = unsupported(p)
+        refusal = unsupported(p) or best_of_refusal(p, stream=stream, max_best_of=self.max_best_of)
         if refusal is not None:
             raise self.service.refuse(refusal)
         params = request_params(p, stream=stream, max_new_tokens=self.max_new_tokens)
-        return await call.validate([body.inputs], params, adapter_id=p.adapter_id or "")
+        n = p.best_of or 1
+        if n > 1:  # the answers are compared by their tokens' logprobs
+            params = replace(
+                params, response=replace(params.response, generated_tokens=True, token_logprobs=True)
+            )
+        return await call.validate([body.inputs] * n, params, adapter_id=p.adapter_id or "")
 
     async def _generate(self, body: GenerateRequest, request: Request) -> dict[str, Any]:
         headers = list(request.headers.items())
-        with self.service.open_call("rest", "generate", headers, 1, tenant_of(request)) as call:
+        n = body.parameters.best_of or 1
+        with self.service.open_call("rest", "generate", headers, n, tenant_of(request)) as call:
             call.admit()
-            (validated,) = await self._validate(call, body, stream=False)
-            (output,) = await self.service.generate([validated], call.info)
-        answer: dict[str, Any] = {"generated_text": self._full_text(body, output.text)}
+            validated = await self._validate(call, body, stream=False)
+            outputs = await self.service.generate(validated, call.info)
+        # the likeliest answer (TGI's rule: the highest sum of its tokens' logprobs; the first of equals)
+        best = max(range(len(outputs)), key=lambda i: (sum(t.logprob for t in outputs[i].tokens), -i))
+        answer: dict[str, Any] = {"generated_text": self._full_text(body, outputs[best].text)}
         if body.parameters.details:
-            answer["details"] = self._details(validated, output)
+            answer["details"] = self._details(validated[best], outputs[best])
+            if n > 1:
+                answer["details"]["best_of_sequences"] = [
+                    {
+                        "generated_text": self._full_text(body, outputs[i].text),
+                        **self._details(validated[i], outputs[i]),
+                    }
+                    for i in range(n)
+                    if i != best
+                ]
+                for sequence in answer["details"]["best_of_sequences"]:
+                    del sequence["best_of_sequences"]
         return answer
 
     async def _events(
@@ -404,6 +444,7 @@ def info_fields(
     max_waiting_tokens: int,
     max_batch_prefill_tokens: int,
     version: str,
+    max_best_of: int = 1,
 ) -> dict[str, Any]:
     """TGI's /info fields, filled with this server's values (null where it has none)."""
     return {
@@ -413,7 +454,7 @@ def info_fields(
         "model_device_type": None,
         "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": max_concurrent_requests,
-        "max_best_of": 1,
+        "max_best_of": max_best_of,
         "max_stop_sequences": MAX_STOP_SEQUENCES,
         "max_input_tokens": max_sequence_length - 1,
         "max_total_tokens": max_sequence_length,

@@ -25,7 +25,14 @@ from router.http.openai_api import ChatRequest, CompletionRequest, OpenAIApi
 from router.http.openai_api import request_params as openai_request_params
 from router.http.openai_api import unsupported as openai_unsupported
 from router.http.reasoning import FORMATS
-from router.http.tgi_rest import Parameters, TgiRest, info_fields, request_params, unsupported
+from router.http.tgi_rest import (
+    Parameters,
+    TgiRest,
+    best_of_refusal,
+    info_fields,
+    request_params,
+    unsupported,
+)
 from router.http.tool_parsers import Hermes
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
@@ -97,6 +104,7 @@ async def stack(detokenizer, tokenizer_pool, tokenizer_dir, auth):
         max_waiting_tokens=2,
         max_batch_prefill_tokens=0,
         version="0.1.0",
+        max_best_of=2,
     )
     tgi = TgiRest(service, tokenizer_pool, info=info, max_new_tokens=MAX_NEW)
     health = HealthCheck(shard, batcher, tokenizer_pool, lambda: service.draining)
@@ -174,8 +182,18 @@ def test_tgi_parameters_map_onto_request_params() -> None:
 
 
 def test_parameters_this_server_does_not_serve_are_refused() -> None:
-    assert unsupported(Parameters(best_of=1)) is None
-    assert unsupported(Parameters(best_of=2)) == "best_of > 1 is not supported by this server"
+    assert unsupported(Parameters(best_of=2)) is None  # served (best_of_refusal has TGI's rules)
+    sampled = {"do_sample": True}
+    for p, stream, refusal in [
+        (Parameters(best_of=2, **sampled), False, None),
+        (Parameters(best_of=3, **sampled), False, "`best_of` must be > 0 and <= 2. Given: 3"),
+        (Parameters(best_of=0, **sampled), False, "`best_of` must be > 0 and <= 2. Given: 0"),
+        (Parameters(best_of=2, **sampled), True, "`best_of` != 1 is not allowed for this endpoint"),
+        (Parameters(best_of=2), False, "you must use sampling when `best_of` is > 1"),
+        (Parameters(best_of=2, seed=4, **sampled), False, "`seed` must not be set when `best_of` > 1"),
+        (Parameters(best_of=1, seed=4), True, None),
+    ]:
+        assert best_of_refusal(p, stream=stream, max_best_of=2) == refusal
     assert unsupported(Parameters(watermark=True)) == "watermark is not supported by this server"
     assert unsupported(Parameters(frequency_penalty=0.5)) is None  # served in TGI's form
 
@@ -300,7 +318,7 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
     # kind: the call's tgi_request_count label (the body's model refuses some before any door)
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422, "rest"),
     ("/", {"inputs": "hi", "stream": True, "parameters": {"max_new_tokens": 0}}, 422, "rest_stream"),
-    ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "rest"),  # not served here
+    ("/generate", {"inputs": "hi", "parameters": {"best_of": 2}}, 422, "rest"),  # greedy
     ("/generate", {"inputs": "hi", "parameters": {"repetition_penalty": 1e308}}, 422, "rest"),  # inf as held
     ("/generate", {"inputs": "hi", "parameters": {"frequency_penalty": 2.5}}, 422, "rest"),
     ("/generate", {"inputs": "hi", "parameters": {"temperature": 1e39, "do_sample": True}}, 422, "rest"),
@@ -404,7 +422,7 @@ async def test_tokenize_and_info(stack: Stack, tokenizer_pool) -> None:
     assert all(t["text"] == "hello world"[t["start"] : t["stop"]] for t in tokens)
     async with aiohttp.ClientSession() as session, session.get(stack.url + "/info") as r:
         info = await r.json()
-    assert info["model_id"] == "tiny" and info["max_total_tokens"] == 512 and info["max_best_of"] == 1
+    assert info["model_id"] == "tiny" and info["max_total_tokens"] == 512 and info["max_best_of"] == 2
 
 
 @pytest.mark.parametrize(
@@ -419,7 +437,7 @@ async def test_tokenize_and_info(stack: Stack, tokenizer_pool) -> None:
             {"inputs": "hi", "parameters": {"max_new_tokens": MAX_NEW + 1}},
             f"max_new_tokens must be <= {MAX_NEW}",
         ),
-        ({"inputs": "hi", "parameters": {"best_of": 2}}, "best_of > 1 is not supported by this server"),
+        ({"inputs": "hi", "parameters": {"best_of": 3}}, "`best_of` must be > 0 and <= 2. Given: 3"),
         ({"inputs": "hi", "parameters": {"watermark": True}}, "watermark is not supported by this server"),
         (
             {"inputs": "hi", "parameters": {"frequency_penalty": -2.5}},
@@ -435,6 +453,28 @@ async def test_bad_parameters_get_422_in_tgi_shape(stack: Stack, body: dict, mes
         status, answer = await post(stack, path, body)
         assert status == 422, answer
         assert answer["error_type"] == "validation" and answer["error"].startswith(message), answer
+    await stack.settled()
+
+
+async def test_best_of_returns_the_likeliest_of_its_sampled_answers(stack: Stack) -> None:
+    body = {
+        "inputs": "hello",
+        "parameters": {"max_new_tokens": 4, "best_of": 2, "do_sample": True, "details": True},
+    }
+    status, answer = await post(stack, "/generate", body)
+    assert status == 200, answer
+    (other,) = answer["details"]["best_of_sequences"]
+    assert set(other) >= {"generated_text", "finish_reason", "generated_tokens", "seed", "tokens", "prefill"}
+    assert other["seed"] != answer["details"]["seed"]  # each answer sampled with its own seed
+
+    def likelihood(d: dict) -> float:
+        return sum(t["logprob"] for t in d["tokens"])
+
+    assert likelihood(answer["details"]) >= likelihood(other)
+    status, plain = await post(
+        stack, "/generate", {**body, "parameters": {**body["parameters"], "details": False}}
+    )
+    assert status == 200 and set(plain) == {"generated_text"}
     await stack.settled()
 
 
