@@ -141,19 +141,13 @@ class TokenChooser:
             if index is not None:
                 self.allowed[index] = True
         # stop_token_ids: the (row, token) positions of every row's own ending ids, on the device
-        self.stop_index: tuple[torch.Tensor, torch.Tensor] | None = None
-        stops = [(row, token) for row, p in enumerate(self.params) for token in p.stop_token_ids]
-        if stops:
-            stop_rows, stop_tokens = zip(*stops, strict=True)
-            self.stop_index = (to_device(list(stop_rows), device), to_device(list(stop_tokens), device))
+        self.stop_index = self._positions([p.stop_token_ids for p in self.params], device)
         # logit_bias: the (row, token) positions of every row's biases, and the biases, on the device
-        self.bias_index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.bias_index = self._positions([[token for token, _ in p.logit_bias] for p in self.params], device)
         self.bias_values: torch.Tensor | None = None
-        biases = [(row, token, bias) for row, p in enumerate(self.params) for token, bias in p.logit_bias]
-        if biases:
-            rows, tokens, values = zip(*biases, strict=True)
-            self.bias_index = (to_device(list(rows), device), to_device(list(tokens), device))
-            self.bias_values = to_device(list(values), device, torch.float32)
+        if self.bias_index is not None:
+            biases = [bias for p in self.params for _, bias in p.logit_bias]
+            self.bias_values = to_device(biases, device, torch.float32)
         self.any_min_new = any(p.min_new_tokens > 0 for p in self.params)
         self.any_length_penalty = any(
             p.length_penalty is not None and p.length_penalty.decay_factor != 1.0 for p in self.params
@@ -257,7 +251,9 @@ class TokenChooser:
         return seen
 
     @staticmethod
-    def _positions(tokens: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    def _positions(
+        tokens: Sequence[Sequence[int]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(row, token) of every entry of `tokens[row]`, repeats included, as one index on
         `device` (one copy of every row's ids, not one per row); None where there are none."""
         rows = [row for row, ids in enumerate(tokens) for _ in ids]
@@ -296,16 +292,11 @@ class TokenChooser:
             if all(held):  # the host counts are the device's: no mask to compute
                 for column in self.eos_ids:
                     scores[:, column] = lp.NEG_INF
-                if self.stop_index is not None:
-                    scores[self.stop_index] = lp.NEG_INF
+                self._hold_stop_ids(scores, None)
             elif any(held):
                 masked_t = self.generated_t < self.min_new_t
                 scores = lp.apply_min_new_tokens(scores, self.eos_ids, masked_t)
-                if self.stop_index is not None:
-                    rows_t, tokens_t = self.stop_index
-                    scores[rows_t, tokens_t] = scores[rows_t, tokens_t].masked_fill(
-                        masked_t[rows_t], lp.NEG_INF
-                    )
+                self._hold_stop_ids(scores, masked_t)
         if self.any_length_penalty and self._length_penalty_applies():
             assert self.generated_t is not None and self.length_start_t is not None
             assert self.length_decay_t is not None
@@ -338,6 +329,17 @@ class TokenChooser:
             if self.typical_p is not None:
                 scores = lp.typical_p_with(scores, self.typical_p)
         return scores
+
+    def _hold_stop_ids(self, scores: torch.Tensor, held_t: torch.Tensor | None) -> None:
+        """Each row's own stop_token_ids get -inf where the row is held by min_new_tokens
+        (`held_t` [batch] bool; None: every row is)."""
+        if self.stop_index is None:
+            return
+        rows_t, tokens_t = self.stop_index
+        if held_t is None:
+            scores[rows_t, tokens_t] = lp.NEG_INF
+        else:
+            scores[rows_t, tokens_t] = scores[rows_t, tokens_t].masked_fill(held_t[rows_t], lp.NEG_INF)
 
     def _length_penalty_applies(self) -> bool:
         """Whether some row is past its length penalty's start and not held by min_new_tokens
@@ -387,8 +389,7 @@ class TokenChooser:
     def finished(self, max_new_tokens: Sequence[int]) -> bool:
         """Every row has had its last token for sure: its `max_new_tokens` (per row), or EOS (or
         one of its stop_token_ids) once its min_new_tokens are out (the router ends the request
-        there). Stop sequences
-        and deadlines are the router's to know."""
+        there). Stop sequences and deadlines are the router's to know."""
         eos = self.eos_ids
         rows = zip(self.histories, self.generated, self.params, max_new_tokens, strict=True)
         for history, generated, params, most in rows:
@@ -493,11 +494,12 @@ class TokenChooser:
         rows = [owner for owner, draft in zip(owners, drafts, strict=True) for _ in range(len(draft) + 1)]
         taken = [draft[:j] for draft in drafts for j in range(len(draft) + 1)]
         seen = counts = None
-        if self.seen is not None:
-            seen = self.seen.index_select(0, to_device(rows, self.device))
+        index = to_device(rows, self.device) if self.seen is not None or self.counts is not None else None
+        if self.seen is not None and index is not None:
+            seen = self.seen.index_select(0, index)
             self._mark_seen(seen, taken)
-        if self.counts is not None:
-            counts = self.counts.index_select(0, to_device(rows, self.device))
+        if self.counts is not None and index is not None:
+            counts = self.counts.index_select(0, index)
             self._count(counts, taken)
         matchers: list[Any | None] = []
         started: set[int] = set()
@@ -542,10 +544,11 @@ class TokenChooser:
     def select(self, rows: Sequence[int]) -> TokenChooser:
         """A chooser for the given rows (in that order), carrying their state."""
         seen = counts = None
-        if self.seen is not None:
-            seen = self.seen[to_device(rows, self.device)]
-        if self.counts is not None:
-            counts = self.counts[to_device(rows, self.device)]
+        index = to_device(rows, self.device) if self.seen is not None or self.counts is not None else None
+        if self.seen is not None and index is not None:
+            seen = self.seen[index]
+        if self.counts is not None and index is not None:
+            counts = self.counts[index]
         return TokenChooser(
             [self.params[i] for i in rows],
             [self.histories[i] for i in rows],
