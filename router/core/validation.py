@@ -193,6 +193,13 @@ def held(value: float) -> float:
     return math.copysign(math.inf, value) if abs(value) > FLOAT32_MAX else value
 
 
+def check_in_vocabulary(tokens: Sequence[int], what: str, vocab_size: int) -> None:
+    """ValidationError for the first of `tokens` outside the vocabulary, named `what`."""
+    for token in tokens:
+        if not 0 <= token < vocab_size:
+            raise ValidationError(f"{what} {token} is not in the vocabulary (0 to {vocab_size - 1})")
+
+
 def check_params(p: RequestParams, max_new_tokens: int, vocab_size: int) -> None:
     """Checks 1-11 of tgis-api §9.1, in order, with the HTTP doors' own parameters among them
     (`vocab_size`: the model's logits, which logit_bias ids must be in)."""
@@ -221,15 +228,11 @@ def check_params(p: RequestParams, max_new_tokens: int, vocab_size: int) -> None
     ):
         if not -MAX_ADDITIVE_PENALTY <= penalty <= MAX_ADDITIVE_PENALTY:  # the HTTP doors' only
             raise ValidationError(f"{name} must be >= {-MAX_ADDITIVE_PENALTY} and <= {MAX_ADDITIVE_PENALTY}")
-    for name, tokens in (("stop_token_ids", s.stop_token_ids), ("allowed_token_ids", s.allowed_token_ids)):
-        for token in tokens:  # the OpenAI door's only
-            if not 0 <= token < vocab_size:
-                raise ValidationError(f"{name}: {token} is not in the vocabulary (0 to {vocab_size - 1})")
-    for token, bias in s.logit_bias:  # the OpenAI door's only
-        if not 0 <= token < vocab_size:
-            raise ValidationError(
-                f"logit_bias token id {token} is not in the vocabulary (0 to {vocab_size - 1})"
-            )
+    # the OpenAI door's only
+    check_in_vocabulary(s.stop_token_ids, "stop_token_ids:", vocab_size)
+    check_in_vocabulary(s.allowed_token_ids, "allowed_token_ids:", vocab_size)
+    for token, bias in s.logit_bias:
+        check_in_vocabulary((token,), "logit_bias token id", vocab_size)
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise ValidationError(f"logit_bias values must be >= {-MAX_LOGIT_BIAS} and <= {MAX_LOGIT_BIAS}")
     lp = s.length_penalty
@@ -362,11 +365,7 @@ class Validator:
 
     def _token_ids(self, ids: Sequence[int]) -> list[int]:
         """A prompt given as token ids, each checked against the vocabulary."""
-        for token in ids:
-            if not 0 <= token < self.vocab_size:
-                raise ValidationError(
-                    f"prompt token id {token} is not in the vocabulary (0 to {self.vocab_size - 1})"
-                )
+        check_in_vocabulary(ids, "prompt token id", self.vocab_size)
         return list(ids)
 
     def _surely_too_long(self, text: str, truncate: int, prefix_length: int) -> str | None:
