@@ -77,6 +77,7 @@ class Entry:
     _text: OutputText | None = None  # decoded as tokens come: streams and stop sequences
     _due: int = 0  # streams: the generated count from which the next message may go
     _held_tokens: list[TokenInfo] = field(default_factory=list)  # streams: token details not sent yet
+    _ends: Collection[int] | None = None  # the model's EOS ids and the request's stop ids, once joined
 
     @property
     def finished(self) -> bool:
@@ -114,9 +115,10 @@ class Entry:
         want_details = self.request.response.generated_tokens
         if want_details and not self.stream:
             self.tokens.append(token)
-        stops = self.request.sampling.stop_token_ids  # the request's own, as EOS
-        if stops:
-            eos_token_ids = {*eos_token_ids, *stops}
+        if self._ends is None:  # the request's own stop_token_ids end it as EOS does
+            stops = self.request.sampling.stop_token_ids
+            self._ends = frozenset((*eos_token_ids, *stops)) if stops else eos_token_ids
+        eos_token_ids = self._ends
         is_eos = token.token_id in eos_token_ids
         new_chars = 0
         if not is_eos:
