@@ -166,18 +166,18 @@ def _with_object_arguments(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": parsed}}
 
 
-def read(mode: ToolMode, text: str, parser: ToolCallParser | None = None) -> Reading:
+def read(mode: ToolMode, text: str, parser: ToolCallParser | None = None, sent: int = 0) -> Reading:
     """A whole answer of `mode` as the chat's message: a named call's arguments are the text as
     it is; a list of calls that is not complete JSON (cut by max_tokens), or an auto answer
-    whose calls do not parse, is text."""
+    whose calls do not parse, is text. `sent`: the answer's first characters, streamed already
+    as content (text for sure: no call begins in them), left out."""
     if mode.kind == "named":
         return Reading(None, [function_call(mode.name, text)])
-    if mode.kind == "required":
-        calls = _listed_calls(text)
-        return Reading(text) if calls is None else Reading(None, calls, "tool_calls")
+    if mode.kind == "required" and (calls := _listed_calls(text)) is not None:
+        return Reading(None, calls, "tool_calls")
     if mode.kind == "auto" and parser is not None and (parsed := parser.parse(text)) is not None:
-        return Reading(parsed.content.strip() or None, parsed.calls, "tool_calls")
-    return Reading(text)
+        return Reading(parsed.content[sent:].strip() or None, parsed.calls, "tool_calls")
+    return Reading(text[sent:])
 
 
 def _listed_calls(text: str) -> list[dict[str, Any]] | None:
@@ -215,11 +215,4 @@ class HeldAnswer:
 
     def end(self) -> Reading:
         """The whole answer, less the content already sent."""
-        if self.mode.kind == "auto" and self.parser is not None:
-            parsed = self.parser.parse(self.text)
-            if parsed is None:
-                return Reading(self.text[self.sent :])
-            # what was sent comes before any call: the rest of the text outside the calls
-            return Reading(parsed.content[self.sent :].strip() or None, parsed.calls, "tool_calls")
-        reading = read(self.mode, self.text, self.parser)
-        return reading if reading.calls is not None else Reading(self.text[self.sent :])
+        return read(self.mode, self.text, self.parser, self.sent)
