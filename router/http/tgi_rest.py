@@ -347,18 +347,18 @@ class TgiRest:
         best = max(range(len(outputs)), key=lambda i: (sum(t.logprob for t in outputs[i].tokens), -i))
         answer: dict[str, Any] = {"generated_text": self._full_text(body, outputs[best].text)}
         if body.parameters.details:
-            answer["details"] = self._details(validated[best], outputs[best])
-            if n > 1:
-                answer["details"]["best_of_sequences"] = [
-                    {
-                        "generated_text": self._full_text(body, outputs[i].text),
-                        **self._details(validated[i], outputs[i]),
-                    }
-                    for i in range(n)
-                    if i != best
-                ]
-                for sequence in answer["details"]["best_of_sequences"]:
-                    del sequence["best_of_sequences"]
+            others = [
+                {
+                    "generated_text": self._full_text(body, outputs[i].text),
+                    **self._details(validated[i], outputs[i]),
+                }
+                for i in range(n)
+                if i != best
+            ]
+            answer["details"] = {
+                **self._details(validated[best], outputs[best]),
+                "best_of_sequences": others or None,
+            }
         return answer
 
     async def _events(
@@ -406,7 +406,6 @@ class TgiRest:
             "seed": None if validated.sampling.greedy else validated.seed,
             "prefill": [self._input_token(t) for t in output.input_tokens or ()],
             "tokens": [self._token(t) for t in output.tokens],
-            "best_of_sequences": None,
         }
         if validated.response.top_n_tokens:
             details["top_tokens"] = [[self._top(top) for top in t.top_tokens] for t in output.tokens]
