@@ -11,6 +11,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jwt
@@ -234,12 +235,17 @@ def test_openai_logit_bias_bans_and_raises_tokens(served: Server) -> None:
     assert tokens({str(later.id): 100}) == [later.text] * 6
 
 
+def greedy_chat(s: Server, **fields: Any) -> Callable[..., Any]:
+    """The openai client's chat call to `s`'s model, greedy, with `fields` bound."""
+    client = openai_client(s)
+    (model,) = client.models.list().data
+    return functools.partial(client.chat.completions.create, model=model.id, temperature=0, **fields)
+
+
 def test_openai_tool_calls(served: Server) -> None:
     """A named function and tool_choice "required" through the openai client: the calls come back
     as message.tool_calls whose arguments satisfy the functions' schemas, unary and streamed; the
     tools reach the model's chat template (the prompt grows); "auto" is refused."""
-    client = openai_client(served)
-    (model,) = client.models.list().data
     # closed (else a random model writes on), and short: the servers here take 200 tokens in all
     city = {
         "type": "object",
@@ -248,15 +254,8 @@ def test_openai_tool_calls(served: Server) -> None:
     }
     tools = [{"type": "function", "function": {"name": "weather", "parameters": city}}]
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
-    ask = functools.partial(
-        client.chat.completions.create,
-        model=model.id,
-        messages=messages,
-        max_tokens=60,
-        temperature=0,
-        tools=tools,
-    )
-    plain = client.chat.completions.create(model=model.id, messages=messages, max_tokens=1, temperature=0)
+    ask = greedy_chat(served, messages=messages, max_tokens=60, tools=tools)
+    plain = greedy_chat(served, messages=messages, max_tokens=1)()
     weather = ask(tool_choice={"type": "function", "function": {"name": "weather"}})
     (call,) = weather.choices[0].message.tool_calls
     assert weather.choices[0].finish_reason == "stop" and call.function.name == "weather"
@@ -291,26 +290,9 @@ def test_openai_answers_through_the_models_parsers(parsing: Server, served: Serv
         pytest.skip("one engine is enough: the parsers are the router's")
     messages = [{"role": "user", "content": "What time is it?"}]
     tools = [{"type": "function", "function": {"name": "hour"}}]
-    plain_client = openai_client(served)
-    plain = plain_client.chat.completions.create(
-        model=plain_client.models.list().data[0].id,
-        messages=messages,
-        max_tokens=8,
-        temperature=0,
-        tools=tools,
-        tool_choice="none",
-    )
+    plain = greedy_chat(served, messages=messages, max_tokens=8, tools=tools, tool_choice="none")()
     text = plain.choices[0].message.content
-    client = openai_client(parsing)
-    (model,) = client.models.list().data
-    ask = functools.partial(
-        client.chat.completions.create,
-        model=model.id,
-        messages=messages,
-        max_tokens=8,
-        temperature=0,
-        tools=tools,
-    )
+    ask = greedy_chat(parsing, messages=messages, max_tokens=8, tools=tools)
     (choice,) = ask().choices
     assert choice.finish_reason == plain.choices[0].finish_reason and choice.message.tool_calls is None
     assert choice.message.content == "" and choice.message.model_extra["reasoning_content"] == text
