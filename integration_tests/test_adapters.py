@@ -74,3 +74,44 @@ def test_adapters_equal_peft_in_one_busy_batch(server, name: str) -> None:
     assert value('tgi_adapters_resident{kind="lora"}') == 1 == value('tgi_adapter_loads_total{kind="lora"}')
     assert value('tgi_adapters_resident{kind="prompt"}') >= 1
     assert value("tgi_adapter_lookup_cache_hits_total") >= 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_openai_door_serves_the_stores_adapters_by_model_name(server) -> None:
+    import json
+
+    s: Server = server("llama@tgis_native")
+    base = f"http://127.0.0.1:{s.http_port}/v1"
+
+    def call(path: str, body: dict | None = None) -> tuple[int, dict]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, models = call("/models")
+    served = models["data"][0]["id"]
+    assert status == 200 and [(m["id"], m["parent"]) for m in models["data"]] == [
+        (served, None),
+        ("lora", served),  # the store's PEFT adapters; its decoder.pt soft prompts are prefix_ids
+        ("sentiment", served),
+    ]
+    prompt = PROMPTS[1]
+    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=8, min_new_tokens=8))
+
+    async def grpc_text(adapter: str) -> str:  # equal to PEFT's (the test above)
+        request = pb.BatchedGenerationRequest(requests=[{"text": prompt}], params=params, adapter_id=adapter)
+        return (await s.aio_stub().Generate(request)).responses[0].text
+
+    want = {adapter: asyncio.run(grpc_text(adapter)) for adapter in ("lora", "")}
+    assert want["lora"] != want[""]
+    for model in ("lora", served):
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "min_tokens": 8}
+        status, answer = call("/completions", body)
+        assert status == 200 and answer["model"] == model
+        assert answer["choices"][0]["text"] == want["lora" if model == "lora" else ""], model
+    status, answer = call("/completions", {"model": "gone", "prompt": prompt})
+    assert (status, answer["error"]["message"]) == (404, "The model `gone` does not exist.")

@@ -96,7 +96,7 @@ def test_the_models_generation_config_eos_ids_and_sampling_defaults(served: Serv
         assert pieces[cut] not in [t.text for t in held.tokens[: cut + 2]]  # masked in the shard
         assert [t.text for t in held.tokens[:cut]] == pieces[:cut]
         oai = openai_client(s)
-        (model_card,) = oai.models.list().data
+        model_card = oai.models.list().data[0]  # the served model, its adapters after it
         sampled = oai.completions.create(model=model_card.id, prompt=PROMPTS[0], max_tokens=6, logprobs=1)
         assert sampled.choices[0].text == answer.generated_text and sampled.choices[0].finish_reason == "stop"
         log = s.log_path.read_text()
@@ -197,7 +197,7 @@ def openai_client(s: Server) -> openai.OpenAI:
 def test_openai_completions_give_the_grpc_answer(served: Server, prompt: str) -> None:
     expected = grpc_greedy(served, prompt, 12)
     client = openai_client(served)
-    (model,) = client.models.list().data
+    model = client.models.list().data[0]
     answer = client.completions.create(model=model.id, prompt=prompt, max_tokens=12, temperature=0)
     assert answer.choices[0].text == expected.text
     assert answer.usage.completion_tokens == expected.generated_token_count
@@ -222,7 +222,7 @@ def test_openai_logit_bias_bans_and_raises_tokens(served: Server) -> None:
     plain = client(served).generate(PROMPTS[0], max_new_tokens=6)
     first, later = plain.details.tokens[0], plain.details.tokens[3]
     openai_api = openai_client(served)
-    (model,) = openai_api.models.list().data
+    model = openai_api.models.list().data[0]
 
     def tokens(bias: dict[str, int]) -> list[str]:
         answer = openai_api.completions.create(
@@ -238,7 +238,7 @@ def test_openai_logit_bias_bans_and_raises_tokens(served: Server) -> None:
 def greedy_chat(s: Server, **fields: Any) -> Callable[..., Any]:
     """The openai client's chat call to `s`'s model, greedy, with `fields` bound."""
     client = openai_client(s)
-    (model,) = client.models.list().data
+    model = client.models.list().data[0]
     return functools.partial(client.chat.completions.create, model=model.id, temperature=0, **fields)
 
 
@@ -310,7 +310,7 @@ def test_openai_scores_a_token_prompt_as_evaluation_harnesses_ask(served: Server
     )
     ids = [t.id for t in prefill]
     oai = openai_client(served)
-    (model,) = oai.models.list().data
+    model = oai.models.list().data[0]
     answer = oai.completions.create(
         model=model.id, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1
     )
@@ -327,7 +327,7 @@ def client_token_id(s: Server, prompt: str, at: int) -> int:
 
 def test_openai_chat_and_errors(served: Server) -> None:
     client = openai_client(served)
-    (model,) = client.models.list().data
+    model = client.models.list().data[0]
     messages = [{"role": "user", "content": "Say hello"}]
     answer = client.chat.completions.create(model=model.id, messages=messages, max_tokens=8, temperature=0)
     text = answer.choices[0].message.content

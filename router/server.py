@@ -278,6 +278,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         tool_parser=parser_named(config.tool_call_parser),
         reasoning=reasoning_format(config.reasoning_parser),
         sampling_defaults=dict(info.sampling_defaults),
+        list_adapters=client.list_adapters,
     )
     if info.sampling_defaults:
         logger.info(

@@ -179,3 +179,42 @@ def test_bad_adapters_fail_alone_with_a_clear_line(tiny_model, store: Path, tmp_
         }
     )
     assert runner.errors == {1: "Error retrieving adapter 'nan'"} and len(out[2]) == 3
+
+
+def test_the_store_lists_the_adapters_requests_may_name(tiny_model, tmp_path: Path, monkeypatch) -> None:
+    from text_generation_server import adapters
+
+    root = tmp_path / "store"
+
+    def stored(name: str, kind: str | None) -> None:
+        (root / name).mkdir(parents=True)
+        if kind is not None:
+            (root / name / "adapter_config.json").write_text(json.dumps({"peft_type": kind}))
+
+    for name in ("b-lora", "a_lora", "team/one", "team/two/deep", "x/y/z/w"):
+        stored(name, "LORA")
+    stored("prompt", "PROMPT_TUNING")
+    stored("ia3", "IA3")  # a kind no request can use
+    stored("legacy", None)  # TGIS's decoder.pt soft prompts: prefix_id, not adapter_id
+    (root / "legacy" / "decoder.pt").write_bytes(b"")
+    stored(".hidden", "LORA")  # not a valid id
+    stored("x/y/z/w/v", "LORA")  # deeper than a listing looks
+    stored("lora/inner", "LORA")  # below an adapter's own directory
+    (root / "lora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    stored("broken", "LORA")
+    (root / "broken" / "adapter_config.json").write_text("{")
+    outside = tmp_path / "outside"
+    (outside / "adapter").mkdir(parents=True)
+    (outside / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    (root / "link-out").symlink_to(outside / "adapter")
+    (root / "link-in").symlink_to(root / "team" / "one")
+    e = engine_with_store("hf_transformers", tiny_model("llama"), root)
+    want = ["a_lora", "b-lora", "link-in", "lora", "prompt", "team/one", "team/two/deep", "x/y/z/w"]
+    assert e.adapters.listed() == (want, False)
+    assert e.adapters.listed(limit=3) == (want[:3], True)
+    for adapter_id in want:  # each is what a request may name
+        assert e.adapters.kind(adapter_id) in ("LORA", "PROMPT_TUNING")
+    monkeypatch.setattr(adapters, "MAX_LIST_DEPTH", 3)
+    assert "x/y/z/w" not in e.adapters.listed()[0]
+    e.adapters.lora = None  # an engine that cannot apply LoRA lists its soft prompts only
+    assert e.adapters.listed() == (["prompt"], False)

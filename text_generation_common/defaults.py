@@ -4,6 +4,7 @@ of the shards, defined once."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -14,6 +15,8 @@ DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048  # prompt tokens per step; the shard siz
 DEFAULT_BATCH_SAFETY_MARGIN = 20
 DEFAULT_DEPLOYMENT_FRAMEWORK = "hf_transformers"
 SHARD_SOCKET_NAME = "text-generation-server"
+# prefix_id / adapter_id (TGIS's rule): a directory of the adapter store, nested by `/`
+ADAPTER_ID_PATTERN = re.compile(r"[/\w\-]+")
 
 
 def default_uds_path() -> str:

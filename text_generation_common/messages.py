@@ -177,6 +177,14 @@ class AdapterCacheState:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterListing:
+    """The adapter ids of the shards' store that requests may name, sorted."""
+
+    ids: tuple[str, ...] = ()
+    truncated: bool = False  # the store holds more than one listing answers
+
+
+@dataclass(frozen=True, slots=True)
 class KvCacheState:
     """A paged KV cache after a step, over every request the shard holds (KV_BLOCKS engines)."""
 

@@ -30,6 +30,8 @@ from text_generation_server.prompts import PromptStore, SoftPrompt, clipped, sto
 logger = logging.getLogger(__name__)
 
 PROMPT_TUNING, LORA = "PROMPT_TUNING", "LORA"
+MAX_LISTED = 1024  # adapter ids one listing answers (ListAdapters)
+MAX_LIST_DEPTH = 4  # levels of nested directories a listing looks into (ids may hold `/`)
 
 
 @dataclass(slots=True)
@@ -63,6 +65,50 @@ class AdapterSet:
         if kind not in (PROMPT_TUNING, LORA):
             raise AdapterError(f"adapter {adapter_id} is a {kind} adapter: PROMPT_TUNING and LORA are served")
         return str(kind)
+
+    def servable(self, adapter_id: str) -> bool:
+        """Whether a request naming `adapter_id` would find an adapter this engine applies (its
+        adapter_config.json read, nothing loaded)."""
+        try:
+            kind = self.kind(adapter_id)
+        except ShardError:
+            return False
+        if kind == LORA:
+            return self.lora is not None
+        return not self.prompts.spec.seq2seq  # PEFT prompt tuning: decoder-only models (TGIS)
+
+    def listed(self, limit: int = MAX_LISTED) -> tuple[list[str], bool]:
+        """The ids (sorted) of the stored adapters `servable` finds, at most `limit`, and whether
+        more were left out. Directories are looked into `MAX_LIST_DEPTH` levels deep, not below
+        an adapter's own; names that are not valid ids (dot files) and links that leave the
+        store are passed over, as requests naming them would be refused."""
+        root = self.prompts.root
+        found: list[str] = []
+        if root is None:
+            return found, False
+        level = [""]
+        for _ in range(MAX_LIST_DEPTH):
+            deeper = []
+            for parent in level:
+                try:
+                    names = sorted(entry.name for entry in (root / parent).iterdir() if entry.is_dir())
+                except OSError:
+                    continue
+                for name in names:
+                    adapter_id = f"{parent}/{name}" if parent else name
+                    try:
+                        path = self.prompts.directory(adapter_id)  # a valid id inside the store
+                    except ShardError:
+                        continue
+                    if (path / "adapter_config.json").is_file():
+                        if self.servable(adapter_id):
+                            found.append(adapter_id)
+                            if len(found) > limit:
+                                return sorted(found)[:limit], True
+                    else:
+                        deeper.append(adapter_id)
+            level = deeper
+        return sorted(found), False
 
     def get(self, prefix_id: str = "", adapter_id: str = "") -> SoftPrompt | LoraWeights:
         if not adapter_id:

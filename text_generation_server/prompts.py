@@ -20,12 +20,12 @@ the worker thread keeps stepping; a step that finds its prompt evicted loads it 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from text_generation_common.defaults import ADAPTER_ID_PATTERN
 from text_generation_common.logs import first_line
 from text_generation_server.config import ServerConfig
 from text_generation_server.errors import PrefixNotFoundError, ShardError
@@ -33,7 +33,6 @@ from text_generation_server.lru import LoadedCache
 
 logger = logging.getLogger(__name__)
 
-ID_PATTERN = re.compile(r"[/\w\-]+")
 PEFT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 PEFT_KEY = "prompt_embeddings"
 SIZE_QUANTUM = 512
@@ -100,7 +99,7 @@ class PromptStore:
 
     def directory(self, prefix_id: str) -> Path:
         """Where `prefix_id` is stored (TGIS's id rules: PromptError, or PrefixNotFoundError)."""
-        if not ID_PATTERN.fullmatch(prefix_id):
+        if not ADAPTER_ID_PATTERN.fullmatch(prefix_id):
             raise PromptError(f"Invalid prefix id {prefix_id}, must contain only alphanumeric, _ and - and /")
         if self.root is None:
             raise PrefixNotFoundError(prefix_id)

@@ -217,6 +217,17 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
             prefix_length=length, adapters=convert.adapter_cache_to_pb(adapters.state())
         )
 
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Any) -> pb.ListAdaptersResponse:
+        """The store's adapters this engine can apply, read on a thread of its own."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            return pb.ListAdaptersResponse()
+        try:
+            ids, truncated = await asyncio.get_running_loop().run_in_executor(None, adapters.listed)
+        except Exception as exc:  # every failure must become a status code
+            await self._abort(context, exc)
+        return pb.ListAdaptersResponse(adapter_ids=ids, truncated=truncated)
+
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
 

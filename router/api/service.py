@@ -29,7 +29,14 @@ from router.core.metrics import Metrics
 from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.core.stopping import StopReason
 from router.core.tokenizer import TokenizerBusy
-from router.core.validation import Input, RequestParams, ValidatedRequest, ValidationError, Validator
+from router.core.validation import (
+    Input,
+    RequestParams,
+    UnknownAdapterError,
+    ValidatedRequest,
+    ValidationError,
+    Validator,
+)
 from router.scheduling.request_queue import RequestQueue
 from text_generation_common.logs import clip
 
@@ -56,6 +63,10 @@ class RequestError(Exception):
         self.message = message
         self.cause = cause
         self.param = param
+
+
+class UnknownAdapter(RequestError):
+    """A validation refusal because the request's adapter_id names no stored adapter."""
 
 
 class ConcurrencyLimiter:
@@ -215,6 +226,9 @@ class GenerationService:
     ) -> list[ValidatedRequest]:
         try:
             return await self.validator.validate(texts, params, prefix_id, received_at, adapter_id)
+        except UnknownAdapterError as exc:
+            self.metrics.inc("tgi_request_failure", err="validation")
+            raise UnknownAdapter("INVALID_ARGUMENT", str(exc), "validation") from exc
         except ValidationError as exc:
             raise self.refuse(str(exc)) from exc
         except TokenizerBusy as exc:

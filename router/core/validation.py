@@ -55,6 +55,11 @@ class ValidationError(ValueError):
     """A request is invalid; str(error) is the client-facing message (INVALID_ARGUMENT)."""
 
 
+class UnknownAdapterError(ValidationError):
+    """The request's adapter_id names nothing in the shards' store (still INVALID_ARGUMENT, as
+    TGIS answers; the OpenAI door, where the id is the request's `model`, answers 404)."""
+
+
 TWO_ADAPTERS_MESSAGE = "prefix_id and adapter_id name different adapters: set only one of them"
 
 
@@ -396,9 +401,9 @@ class Validator:
             return await self.prefixes.get(prefix_id, adapter)
         except Exception as exc:
             what = "adapter" if adapter else "prompt prefix"
-            raise ValidationError(
-                f"can't retrieve {what} with id '{clip(prefix_id)}': {clip(str(exc))}"
-            ) from exc
+            # the shard client marks a lookup the shard answered NOT_FOUND
+            refusal = UnknownAdapterError if adapter and getattr(exc, "not_found", False) else ValidationError
+            raise refusal(f"can't retrieve {what} with id '{clip(prefix_id)}': {clip(str(exc))}") from exc
 
     def _finish(
         self,

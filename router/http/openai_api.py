@@ -17,6 +17,11 @@ and are not served (response formats other than text, suffix, best_of > 1) are r
 `n` > 1 and lists of prompts run as separate requests in the same batch (one concurrency
 permit each); their choices stream interleaved, each chunk naming its `index`.
 
+`model` names the served model (MODEL_NAME, or left out) or, as vLLM serves LoRA adapters, an
+adapter of the shards' store (PREFIX_STORE_PATH/<id>/ with an adapter_config.json: LoRA or
+PEFT prompt tuning), which the request then runs with (TGIS's adapter_id); /v1/models lists the
+served model and the store's adapters, each with the served model as its `parent`.
+
 Status codes: 400 invalid_request_error (validation), 404 (an unknown model), 429 (overloaded),
 500 server_error (generation failed), 503 (draining). A failure after a stream began is its
 last event before `[DONE]`: {"error": {...}}.
@@ -28,7 +33,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Literal
@@ -37,7 +42,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.api.service import CallInfo, GenerationService, RequestError
+from router.api.service import CallInfo, GenerationService, RequestError, UnknownAdapter
 from router.core.entry import Output
 from router.core.stopping import StopReason
 from router.core.tokenizer import TokenizerPool
@@ -66,8 +71,10 @@ from router.http.openai_tools import (
 )
 from router.http.reasoning import ReasoningFormat, ReasoningStream, split
 from router.http.tool_parsers import ToolCallParser, call_id
+from text_generation_common.defaults import ADAPTER_ID_PATTERN
 from text_generation_common.guided import schema_text
-from text_generation_common.messages import Guided, GuidedKind, TokenInfo
+from text_generation_common.logs import clip
+from text_generation_common.messages import AdapterListing, Guided, GuidedKind, TokenInfo
 
 MAX_CHOICES = 16  # n, or prompts in one call
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
@@ -81,6 +88,10 @@ STATUS = {
     "UNAUTHENTICATED": 401,
     "CANCELLED": 499,
 }
+
+
+def _unknown_model(name: str) -> str:
+    return f"The model `{clip(name)}` does not exist."
 
 
 def error_json(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -347,6 +358,7 @@ class _Answer:
     echo: bool
     logprobs: bool
     created: int
+    model: str  # as the request named it: the served model or an adapter
     tools: ToolMode = TEXT
     reasoning: ReasoningFormat | None = None  # a chat's thinking is split from its answer
 
@@ -370,10 +382,12 @@ class OpenAIApi:
         tool_parser: ToolCallParser | None = None,
         reasoning: ReasoningFormat | None = None,
         sampling_defaults: Mapping[str, float] = MappingProxyType({}),
+        list_adapters: Callable[[], Awaitable[AdapterListing]] | None = None,
     ) -> None:
         """`tool_parser`: the model's tool call format (TOOL_CALL_PARSER), for tool_choice "auto";
         `reasoning`: how the model writes its thinking (REASONING_PARSER), split from chat answers;
-        `sampling_defaults`: the model's (generation_config.json), for what requests leave unset."""
+        `sampling_defaults`: the model's (generation_config.json), for what requests leave unset;
+        `list_adapters`: the adapters of the shards' store, for /v1/models (None: none listed)."""
         self.service = service
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -383,10 +397,11 @@ class OpenAIApi:
         self.tool_parser = tool_parser
         self.reasoning = reasoning
         self.sampling_defaults = sampling_defaults
+        self.list_adapters = list_adapters
         self.created = int(time.time())
         self.router = APIRouter(prefix="/v1", tags=["OpenAI"])
         self.router.add_api_route(
-            "/models", self.models, methods=["GET"], summary="The served model (OpenAI)"
+            "/models", self.models, methods=["GET"], summary="The served model and its adapters (OpenAI)"
         )
         self.router.add_api_route(
             "/completions", self.completions, methods=["POST"], summary="Completions (OpenAI)"
@@ -397,20 +412,42 @@ class OpenAIApi:
 
     # ---- routes ---------------------------------------------------------------------------
 
-    async def models(self) -> dict[str, Any]:
-        """The one model this server serves."""
+    async def models(self) -> Response:
+        """The served model, then the adapters of the store that requests may name (vLLM's
+        fields: `root`, and `parent` the served model; `truncated` when the listing was cut)."""
+        listing = AdapterListing()
+        if self.list_adapters is not None:
+            try:
+                listing = await self.list_adapters()
+            except Exception as exc:  # the shard's failure, answered rather than hidden
+                message = f"could not list the adapters: {clip(str(exc))}"
+                return JSONResponse(error_json(500, message), 500)
+        data = [self._model_entry(self.model_name, None)]
+        data += [self._model_entry(adapter, self.model_name) for adapter in listing.ids]
+        answer: dict[str, Any] = {"object": "list", "data": data}
+        if listing.truncated:
+            answer["truncated"] = True
+        return JSONResponse(answer)
+
+    def _model_entry(self, name: str, parent: str | None) -> dict[str, Any]:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "text-generation-server",
-                    "max_model_len": self.max_sequence_length,
-                }
-            ],
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "text-generation-server",
+            "root": name,
+            "parent": parent,
+            "max_model_len": self.max_sequence_length,
         }
+
+    def _adapter_named(self, body: _Common) -> str:
+        """The adapter id the request's `model` names ("" for the served model); RequestError
+        (404) for a name no adapter can have."""
+        if body.model is None or body.model == self.model_name:
+            return ""
+        if not ADAPTER_ID_PATTERN.fullmatch(body.model):
+            raise self.service.refuse(_unknown_model(body.model), "NOT_FOUND")
+        return body.model
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """Text completion of a prompt (or of each prompt of a list)."""
@@ -468,6 +505,7 @@ class OpenAIApi:
         call = self.service.open_call(door, f"v1/{kind}", headers, count, tenant_of(request))
         try:
             self._check(body, count)
+            adapter = self._adapter_named(body)
             call.admit()
             try:
                 params = request_params(
@@ -485,7 +523,10 @@ class OpenAIApi:
                 assert isinstance(body, ChatRequest)
                 prompts = [self._chat_prompt(body)]
             texts = [p for p in prompts for _ in range(body.n)]
-            validated = await call.validate(texts, params)
+            try:
+                validated = await call.validate(texts, params, adapter_id=adapter)
+            except UnknownAdapter as exc:  # counted as a validation failure once, by the service
+                raise RequestError("NOT_FOUND", _unknown_model(adapter), exc.cause) from None
             echoed = [t if isinstance(t, str) else self._decoded(t) for t in texts] if echo else []
         except RequestError as exc:
             call.close()
@@ -499,6 +540,7 @@ class OpenAIApi:
             echo=echo,
             logprobs=logprobs,
             created=int(time.time()),
+            model=body.model or self.model_name,
             tools=tool_mode_of(body, self.tool_parser),
             # a constrained answer (guided decoding, a forced call) is all answer
             reasoning=self.reasoning if kind == "chat" and params.sampling.guided is None else None,
@@ -516,8 +558,6 @@ class OpenAIApi:
 
     def _check(self, body: _Common, count: int) -> None:
         """The door's own refusals, before admission (RequestError)."""
-        if body.model is not None and body.model != self.model_name:
-            raise self.service.refuse(f"The model `{body.model}` does not exist.", "NOT_FOUND")
         if count > MAX_CHOICES:
             raise self.service.refuse(f"n x prompts must be <= {MAX_CHOICES}, got {count}")
         if count == 0:
@@ -555,7 +595,7 @@ class OpenAIApi:
             "id": answer.id,
             "object": answer.object,
             "created": answer.created,
-            "model": self.model_name,
+            "model": answer.model,
             "choices": choices,
             "usage": _usage(answer.requests, outputs),
         }
@@ -720,7 +760,7 @@ class OpenAIApi:
             "id": answer.id,
             "object": "chat.completion.chunk" if answer.kind == "chat" else "text_completion",
             "created": answer.created,
-            "model": self.model_name,
+            "model": answer.model,
             "choices": [],
         }
         if index is not None:

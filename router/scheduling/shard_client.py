@@ -6,8 +6,9 @@ sends Prefill / Health / ClearCache to all shards concurrently (tensor-parallel 
 run every step) and uses shard 0's answer; decode steps go as messages of one NextTokens stream
 per shard, opened at the first step and again after a step fails (a unary call per step cost
 the router about twice the CPU of a stream message and the shard three times, over the
-Unix socket); ModelInfo comes from shard 0; EndSteps goes to a single shard only (a sharded
-model's calls run all their steps); PrefixLookup goes to all shards with a 5 s timeout.
+Unix socket); ModelInfo and ListAdapters come from shard 0; EndSteps goes to a single shard
+only (a sharded model's calls run all their steps); PrefixLookup goes to all shards with a 5 s
+timeout.
 Failures become ShardCallError with TGIS's reasons (oom / connection / error) and messages.
 """
 
@@ -23,6 +24,7 @@ import grpc
 from text_generation_common import convert
 from text_generation_common.messages import (
     AdapterCacheState,
+    AdapterListing,
     CachedBatchRef,
     GenerationRequest,
     ModelInfo,
@@ -35,6 +37,7 @@ from text_generation_common.pb import generate_pb2_grpc
 logger = logging.getLogger(__name__)
 
 PREFIX_LOOKUP_TIMEOUT_S = 5.0
+LIST_ADAPTERS_TIMEOUT_S = 10.0
 END_STEPS_TIMEOUT_S = 1.0
 OOM_MESSAGE = "GPU out of memory"
 CONNECTION_MESSAGE = "Could not connect to Text Generation server"
@@ -52,10 +55,12 @@ GRPC_OPTIONS = [
 
 
 class ShardCallError(Exception):
-    """A shard call failed as a whole. reason: oom | connection | error (metric label)."""
+    """A shard call failed as a whole. reason: oom | connection | error (metric label);
+    `not_found`: the shard answered NOT_FOUND (an unknown prompt prefix or adapter)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, not_found: bool = False) -> None:
         super().__init__(message)
+        self.not_found = not_found
         self.reason = reason
 
 
@@ -94,6 +99,10 @@ class ShardClient(Protocol):
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int: ...
 
+    async def list_adapters(self) -> AdapterListing:
+        """The adapters of the shards' store that requests may name (shard 0's listing)."""
+        ...
+
     async def health(self) -> None: ...
 
     async def clear_cache(self) -> None: ...
@@ -105,7 +114,7 @@ def _call_error(error: grpc.aio.AioRpcError) -> ShardCallError:
         return ShardCallError("oom", OOM_MESSAGE)
     if code == grpc.StatusCode.UNAVAILABLE:
         return ShardCallError("connection", f"{CONNECTION_MESSAGE}: {error.details()}")
-    return ShardCallError("error", error.details() or code.name)
+    return ShardCallError("error", error.details() or code.name, code == grpc.StatusCode.NOT_FOUND)
 
 
 class StepStream:
@@ -267,6 +276,16 @@ class GrpcShardClient:
         if reply.HasField("adapters") and self.on_adapter_state is not None:
             self.on_adapter_state(convert.adapter_cache_from_pb(reply.adapters))
         return reply.prefix_length
+
+    async def list_adapters(self) -> AdapterListing:
+        """Shard 0's listing: every shard reads the same store."""
+        try:
+            reply = await self._stubs[0].ListAdapters(
+                pb.ListAdaptersRequest(), timeout=LIST_ADAPTERS_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error(exc) from exc
+        return AdapterListing(tuple(reply.adapter_ids), reply.truncated)
 
     async def health(self) -> None:
         await self._all("Health", pb.HealthRequest())

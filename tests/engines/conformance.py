@@ -33,6 +33,7 @@ from router.scheduling.request_queue import RequestQueue
 from router.scheduling.shard_client import ShardCallError
 from text_generation_common.engines import ENGINES
 from text_generation_common.messages import (
+    AdapterListing,
     CachedBatchRef,
     GenerationRequest,
     ModelInfo,
@@ -382,7 +383,10 @@ class LocalShard:
         self.manager.end_steps(call)  # the call has ended: its answer was ready at once
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
-        raise ShardCallError("error", f'prefix id "{prefix_id}" not found')
+        raise ShardCallError("error", f'prefix id "{prefix_id}" not found', not_found=True)
+
+    async def list_adapters(self) -> AdapterListing:
+        return AdapterListing()
 
     async def health(self) -> None:
         return None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from router.scheduling.shard_client import ShardCallError
 from text_generation_common.messages import (
     HEALTH_CHECK_BATCH_ID,
+    AdapterListing,
     CachedBatchRef,
     Generation,
     GenerationRequest,
@@ -78,6 +79,7 @@ class FakeShard:
     step_latency_s: float = 0.0  # each further step of a NextToken of several steps
     ended: list[int] = field(default_factory=list)  # the calls end_steps named, in order
     in_flight: int = 0  # model calls under way (the batcher must never overlap two)
+    adapters: dict[str, int] = field(default_factory=dict)  # the store: adapter id -> virtual tokens
     _called: asyncio.Event = field(default_factory=asyncio.Event)
 
     def _record(self, call: Call) -> None:
@@ -231,7 +233,13 @@ class FakeShard:
         self.ended.append(call)
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
-        raise ShardCallError("error", f'prefix id "{prefix_id}" not found')
+        if adapter and prefix_id in self.adapters:
+            return self.adapters[prefix_id]
+        what = "adapter" if adapter else "prefix"
+        raise ShardCallError("error", f'{what} id "{prefix_id}" not found', not_found=True)
+
+    async def list_adapters(self) -> AdapterListing:
+        return AdapterListing(tuple(sorted(self.adapters)))
 
     async def health(self) -> None:
         self.calls.append(Call("health"))

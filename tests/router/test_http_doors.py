@@ -116,6 +116,7 @@ async def stack(detokenizer, tokenizer_pool, tokenizer_dir, auth):
         max_sequence_length=512,
         max_new_tokens=MAX_NEW,
         chat_template=load_chat_template(str(tokenizer_dir), tokenizer_pool.piece(empty[0])),
+        list_adapters=shard.list_adapters,
     )
     server = HttpServer(
         build_app(health, metrics.exposition, "text/plain", tgi, openai, Authenticator(auth), version="0.1.0")
@@ -992,6 +993,7 @@ def choice_tokens(tokenizer_pool, text: str) -> int:
     ("path", "body", "status", "message"),
     [
         ("/v1/completions", {"prompt": "hi", "model": "other"}, 404, "The model `other` does not exist."),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-3.5"}, 404, "The model `gpt-3.5` does not exist."),
         ("/v1/completions", {"prompt": "hi", "temperature": 0.01}, 400, "temperature must be >= 0.05"),
         (
             "/v1/completions",
@@ -1065,6 +1067,40 @@ async def test_openai_errors_in_openai_shape(
     assert answer["error"]["message"].startswith(message), answer
 
 
+async def test_openai_model_names_an_adapter_of_the_store(stack: Stack) -> None:
+    stack.shard.adapters = {"team/lora": 0, "soft": 4}
+    seen: list[str] = []
+
+    def script(request, step: int) -> int:
+        seen.append(request.adapter_id)
+        return 600 + step
+
+    stack.shard.script = script
+    async with aiohttp.ClientSession() as session, session.get(stack.url + "/v1/models") as r:
+        models = (await r.json())["data"]
+    assert [(m["id"], m["parent"], m["root"]) for m in models] == [
+        ("tiny", None, "tiny"),
+        ("soft", "tiny", "soft"),
+        ("team/lora", "tiny", "team/lora"),
+    ]
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "model": "team/lora"}
+    status, answer = await post(stack, "/v1/completions", body)
+    assert status == 200 and answer["model"] == "team/lora" and set(seen) == {"team/lora"}
+    seen.clear()
+    chat = {"messages": [{"role": "user", "content": "x"}], "model": "soft", "max_tokens": 2, "stream": True}
+    events = await sse_events(stack, chat, "/v1/chat/completions")
+    assert {e["model"] for e in events[:-1]} == {"soft"} and set(seen) == {"soft"}
+    seen.clear()
+    status, answer = await post(stack, "/v1/completions", {**body, "model": "tiny"})
+    assert status == 200 and answer["model"] == "tiny" and set(seen) == {""}
+    failures = stack.metrics.counters["tgi_request_failure"]
+    before = failures.get(err="validation")
+    status, answer = await post(stack, "/v1/completions", {**body, "model": "team/gone"})
+    assert (status, answer["error"]["message"]) == (404, "The model `team/gone` does not exist.")
+    assert failures.get(err="validation") == before + 1
+    await stack.settled()
+
+
 async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
     stack.shard.script = lambda request, step: EOS if step == 1 else 600 + step  # EOS at the 2nd step
     status, answer = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "temperature": 0})
@@ -1078,7 +1114,7 @@ async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
     stack.service.limiter.available = stack.service.limiter.permits
     async with aiohttp.ClientSession() as session, session.get(stack.url + "/v1/models") as r:
         (model,) = (await r.json())["data"]
-    assert model["id"] == "tiny" and model["max_model_len"] == 512
+    assert model["id"] == "tiny" and model["max_model_len"] == 512 and model["parent"] is None
 
 
 async def test_a_client_leaving_an_openai_stream_frees_every_choice(stack: Stack) -> None:
