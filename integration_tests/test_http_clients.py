@@ -139,8 +139,9 @@ def test_frequency_penalty_in_tgis_form(served: Server) -> None:
 
 
 def test_guided_decoding_on_every_door(served: Server) -> None:
-    """The gRPC oneof, TGI's grammar and OpenAI's response_format / vLLM's guided_* give the
-    same constrained answers; a constraint that does not compile is each door's validation error."""
+    """The gRPC oneof, TGI's grammar and OpenAI's response_format / vLLM's structured_outputs and
+    guided_* give the same constrained answers; a constraint that does not compile is each door's
+    validation error."""
     choices = ["red", "green", "blue"]
     decoding = pb.DecodingParameters(choice=pb.DecodingParameters.StringChoices(choices=choices))
     params = pb.Parameters(decoding=decoding, stopping=pb.StoppingCriteria(max_new_tokens=10))
@@ -149,10 +150,11 @@ def test_guided_decoding_on_every_door(served: Server) -> None:
     assert expected in choices
     oai = openai_client(served)
     model = oai.models.list().data[0].id
-    answer = oai.completions.create(
-        model=model, prompt="Hello", max_tokens=10, temperature=0, extra_body={"guided_choice": choices}
-    )
-    assert answer.choices[0].text == expected
+    for extension in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        answer = oai.completions.create(
+            model=model, prompt="Hello", max_tokens=10, temperature=0, extra_body=extension
+        )
+        assert answer.choices[0].text == expected, extension
     tgi = client(served)
     digits = tgi.generate("Hello", max_new_tokens=12, grammar={"type": "regex", "value": "[0-9]{4}"})
     assert re.fullmatch("[0-9]{4}", digits.generated_text)

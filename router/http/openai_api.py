@@ -111,6 +111,40 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its name for guided decoding since v0.10.2; the guided_*
+    fields were removed in v0.12): one constraint; the options that change what it allows and
+    are not served refuse the request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="a JSON Schema")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(default=None, description="Lark or GBNF")
+    json_object: bool | None = None
+    # JSON is written compact either way (README): a whitespace choice changes nothing served
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False  # one backend: nothing to fall back to
+    disable_additional_properties: bool = Field(default=False, description="not served: false only")
+    whitespace_pattern: str | None = Field(default=None, description="not served")
+    structural_tag: str | None = Field(default=None, description="not served")
+
+    def guides(self) -> list[Guided]:
+        found = _guides(self.json_, self.regex, self.choice, self.grammar)
+        return [Guided(GuidedKind.JSON), *found] if self.json_object else found
+
+    def unserved(self) -> str | None:
+        """The first option set that this server does not serve, or None."""
+        if self.disable_additional_properties:
+            return "structured_outputs.disable_additional_properties"
+        if self.whitespace_pattern is not None:
+            return "structured_outputs.whitespace_pattern"
+        if self.structural_tag is not None:
+            return "structured_outputs.structural_tag"
+        return None
+
+
 class _Common(BaseModel):
     """The parameters both routes take."""
 
@@ -152,6 +186,7 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_Common):
@@ -196,6 +231,8 @@ def unsupported(body: _Common) -> str | None:
         checks.append((body.suffix is not None, "suffix"))
     fmt = (body.response_format or {}).get("type", "text")
     checks.append((fmt not in RESPONSE_FORMATS, f"response_format {fmt}"))
+    if body.structured_outputs is not None and (option := body.structured_outputs.unserved()):
+        checks.append((True, option))
     for refused, what in checks:
         if refused:
             return f"{what} is not supported by this server"
@@ -205,9 +242,26 @@ def unsupported(body: _Common) -> str | None:
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
+def _guides(
+    schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None, grammar: str | None
+) -> list[Guided]:
+    """The constraints of vLLM's fields that are set (structured_outputs' or guided_*)."""
+    found = []
+    if schema is not None:
+        found.append(Guided(GuidedKind.JSON_SCHEMA, schema_text(schema)))
+    if regex is not None:
+        found.append(Guided(GuidedKind.REGEX, regex))
+    if choice is not None:
+        found.append(Guided(GuidedKind.CHOICE, choices=tuple(choice)))
+    if grammar is not None:
+        found.append(Guided(GuidedKind.GRAMMAR, grammar))
+    return found
+
+
 def guided_of(body: _Common) -> Guided | None:
-    """The request's constraint: response_format or one guided_* field (ValidationError for
-    more than one, or a json_schema format without its schema)."""
+    """The request's constraint: response_format, one guided_* field or one of
+    structured_outputs' (ValidationError for more than one, or a json_schema format without
+    its schema)."""
     found: list[Guided] = []
     fmt = body.response_format or {}
     if fmt.get("type") == "json_object":
@@ -217,18 +271,14 @@ def guided_of(body: _Common) -> Guided | None:
         if schema is None:
             raise ValidationError("response_format json_schema needs json_schema.schema")
         found.append(Guided(GuidedKind.JSON_SCHEMA, schema_text(schema)))
-    if body.guided_json is not None:
-        found.append(Guided(GuidedKind.JSON_SCHEMA, schema_text(body.guided_json)))
-    if body.guided_regex is not None:
-        found.append(Guided(GuidedKind.REGEX, body.guided_regex))
-    if body.guided_choice is not None:
-        found.append(Guided(GuidedKind.CHOICE, choices=tuple(body.guided_choice)))
-    if body.guided_grammar is not None:
-        found.append(Guided(GuidedKind.GRAMMAR, body.guided_grammar))
+    found += _guides(body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar)
+    if body.structured_outputs is not None:
+        found += body.structured_outputs.guides()
     if len(found) > 1:
         raise ValidationError(
-            "only one of response_format (json), guided_json, guided_regex, guided_choice and guided_grammar "
-            "may be given"
+            "only one constraint may be given: one of response_format (json), structured_outputs' json, "
+            "json_object, regex, choice and grammar, guided_json, guided_regex, guided_choice and "
+            "guided_grammar"
         )
     return found[0] if found else None
 

@@ -239,8 +239,40 @@ def test_tgi_grammar_and_openai_guided_parameters_become_constraints() -> None:
     assert openai(guided_regex="a+") == Guided(GuidedKind.REGEX, "a+")
     assert openai(guided_choice=["x", "y"]) == Guided(GuidedKind.CHOICE, choices=("x", "y"))
     assert openai(guided_grammar='start: "x"') == Guided(GuidedKind.GRAMMAR, 'start: "x"')
-    with pytest.raises(ValidationError, match="only one of response_format"):
-        openai(guided_regex="a", guided_choice=["a"])
+    structured = {  # vLLM's current names
+        "json": schema,
+        "json_object": True,
+        "regex": "a+",
+        "choice": ["x", "y"],
+        "grammar": 'start: "x"',
+    }
+    want = [
+        Guided(GuidedKind.JSON_SCHEMA, json.dumps(schema)),
+        Guided(GuidedKind.JSON),
+        Guided(GuidedKind.REGEX, "a+"),
+        Guided(GuidedKind.CHOICE, choices=("x", "y")),
+        Guided(GuidedKind.GRAMMAR, 'start: "x"'),
+    ]
+    for (field, value), guided in zip(structured.items(), want, strict=True):
+        assert openai(structured_outputs={field: value, "disable_any_whitespace": True}) == guided
+    assert openai(structured_outputs={"json": json.dumps(schema)}) == want[0]
+    assert openai(structured_outputs={"json_object": False}) is None
+    for two in ({"guided_regex": "a", "guided_choice": ["a"]}, {"structured_outputs": structured}):
+        with pytest.raises(ValidationError, match="only one constraint may be given"):
+            openai(**two)
+    with pytest.raises(ValidationError, match="only one constraint may be given"):
+        openai(guided_regex="a", structured_outputs={"regex": "b"})
+    unserved = (
+        {"whitespace_pattern": " "},
+        {"structural_tag": "{}"},
+        {"disable_additional_properties": True},
+    )
+    for option in unserved:
+        refused = ChatRequest(
+            messages=[{"role": "user", "content": "hi"}], structured_outputs={"regex": "a", **option}
+        )
+        (name,) = option
+        assert openai_unsupported(refused) == f"structured_outputs.{name} is not supported by this server"
     with pytest.raises(ValidationError, match=r"json_schema needs json_schema\.schema"):
         openai(response_format={"type": "json_schema"})
     refused = ChatRequest(messages=[{"role": "user", "content": "hi"}], response_format={"type": "xml"})
