@@ -303,6 +303,83 @@ def test_openai_answers_through_the_models_parsers(parsing: Server, served: Serv
     assert not "".join(d.content or "" for d in deltas)
 
 
+def test_openai_responses_api(served: Server, parsing: Server) -> None:
+    """The Responses API through the openai client: the text is the chat door's greedy answer,
+    unary and streamed (responses.stream's events); a named function's call comes as a
+    function_call item whose arguments satisfy its schema, and goes back with its output as
+    input items; json_schema text, logprobs, a model's reasoning item, and refusals."""
+    client = openai_client(served)
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello"}]
+    chat = greedy_chat(served, messages=messages, max_tokens=8)()
+    ask = functools.partial(client.responses.create, model=model, temperature=0, max_output_tokens=8)
+    answer = ask(instructions="be brief", input="Hello")
+    assert answer.output_text == chat.choices[0].message.content and answer.model == model
+    assert answer.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.usage.output_tokens == chat.usage.completion_tokens
+    with client.responses.stream(
+        model=model, temperature=0, max_output_tokens=8, instructions="be brief", input="Hello"
+    ) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    # the last event carries the Response: completed, or incomplete where max_output_tokens cut it
+    assert events[-1].type == f"response.{answer.status}"
+    assert "".join(deltas) == events[-1].response.output_text == answer.output_text
+    city = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "name": "weather", "parameters": city}]
+    called = ask(
+        input="Weather in Oslo?",
+        tools=tools,
+        tool_choice={"type": "function", "name": "weather"},
+        max_output_tokens=60,
+    )
+    (call,) = called.output
+    assert (call.type, call.name) == ("function_call", "weather")
+    assert set(json.loads(call.arguments)) <= {"city"}
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]
+    asked = ask(input=history[:1])
+    followed = ask(input=history)  # without tools: the servers here take 200 tokens in all
+    assert followed.usage.input_tokens > asked.usage.input_tokens  # the call and its output reached it
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}}
+    numbered = ask(input="a number", text=fmt, max_output_tokens=20)
+    assert set(json.loads(numbered.output_text)) == {"n"}
+    scored = ask(input="Hello", include=["message.output_text.logprobs"], top_logprobs=2)
+    logprobs = scored.output[0].content[0].logprobs
+    assert "".join(t.token for t in logprobs) == scored.output_text
+    assert all(len(t.top_logprobs) == 2 for t in logprobs)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id is not supported"):
+        ask(input="x", previous_response_id="resp_1")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.responses.create(model="other", input="x")
+    if served.name == "llama":  # the reasoning parser is the router's: one engine is enough
+        thinking = greedy_chat(parsing, messages=[{"role": "user", "content": "Hello"}], max_tokens=8)()
+        parsed = openai_client(parsing).responses.create(
+            model=openai_client(parsing).models.list().data[0].id,
+            input="Hello",
+            temperature=0,
+            max_output_tokens=8,
+        )
+        assert parsed.output[0].type == "reasoning"
+        assert (
+            parsed.output[0].content[0].text == thinking.choices[0].message.model_extra["reasoning_content"]
+        )
+
+
 def test_openai_scores_a_token_prompt_as_evaluation_harnesses_ask(served: Server) -> None:
     """The request lm-evaluation-harness sends to score a text's likelihood: the prompt's token ids,
     echo, logprobs, one new token. The prompt's logprobs are the TGI door's prefill details of the

@@ -45,6 +45,7 @@ from router.http.chat_template import load_chat_template
 from router.http.http_app import build_app
 from router.http.http_server import HealthCheck, HttpServer
 from router.http.openai_api import OpenAIApi
+from router.http.openai_responses import ResponsesApi
 from router.http.reasoning import reasoning_format
 from router.http.tgi_rest import TgiRest, info_fields
 from router.http.tool_parsers import parser_named
@@ -280,6 +281,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         sampling_defaults=dict(info.sampling_defaults),
         list_adapters=client.list_adapters,
     )
+    ResponsesApi(openai)  # POST /v1/responses on the OpenAI door's routes
     if info.sampling_defaults:
         logger.info(
             "OpenAI door: requests that leave them unset sample with the model's generation_config.json: %s",

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from router.api.auth import Authenticator, AuthError
 from router.api.service import GenerationService
-from router.http.http_calls import tenant_of
+from router.http.http_calls import describe_validation, tenant_of
 from router.http.http_server import HealthCheck, HttpResponse, error_body
 from router.http.openai_api import OpenAIApi, error_json
 from router.http.tgi_rest import TgiRest
@@ -41,6 +41,7 @@ GENERATE_ROUTES = {
     "/": ("rest", "generate"),
     "/v1/completions": ("openai", "v1/completion"),
     "/v1/chat/completions": ("openai", "v1/chat"),
+    "/v1/responses": ("openai", "v1/responses"),
 }
 
 
@@ -209,12 +210,3 @@ def _validation_error(service: GenerationService) -> Callable[[Request, Exceptio
 
 def _openai(request: Request) -> bool:
     return request.url.path.startswith("/v1/")
-
-
-def describe_validation(exc: RequestValidationError) -> str:
-    """pydantic's complaints about a request body, one line: `field: problem; ...`."""
-    parts = []
-    for error in exc.errors():
-        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {error.get('msg', 'invalid')}")
-    return "; ".join(parts)

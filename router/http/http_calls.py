@@ -1,5 +1,6 @@
-"""What the HTTP doors (tgi_rest.py, openai_api.py) share: a call that ends when its client
-leaves, and server-sent-event answers that release what they hold however they end."""
+"""What the HTTP doors (tgi_rest.py, openai_api.py, openai_responses.py) share: a call that ends
+when its client leaves, server-sent-event answers that release what they hold however they end,
+and pydantic's refusals of a body as one line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from router.api.service import Call, RequestError
 
@@ -68,3 +71,12 @@ class EventStream(StreamingResponse):
                 await self._events.aclose()
             finally:
                 self._call.close()
+
+
+def describe_validation(exc: RequestValidationError | ValidationError) -> str:
+    """pydantic's complaints about a request body, one line: `field: problem; ...`."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)

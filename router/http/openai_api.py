@@ -1,5 +1,6 @@
 """The OpenAI door: GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed
-(SSE, `data: [DONE]` last) or not, with OpenAI's parameter names and error shape.
+(SSE, `data: [DONE]` last) or not, with OpenAI's parameter names and error shape (POST
+/v1/responses reshapes chat calls: openai_responses.py).
 
 Parameters become RequestParams and go through the same validation as every door (TGIS's
 messages). OpenAI's defaults hold at this door: temperature 1.0 (sampling; 0 = greedy),
@@ -36,7 +37,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -397,6 +398,20 @@ def request_params(
     )
 
 
+class AnswerShape(Protocol):
+    """Another route's wire format over a chat call (the Responses API, openai_responses.py)."""
+
+    route: str  # the call's name in spans and logs
+
+    def unary(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """The route's answer, from the chat completion's."""
+        ...
+
+    def events(self, chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[str, None]:
+        """The route's SSE events, from the chat completion's chunks (closes `chunks`)."""
+        ...
+
+
 @dataclass
 class _Answer:
     """How to answer one OpenAI call: its requests (choice i = requests[i]) and the answer's fields."""
@@ -495,7 +510,7 @@ class OpenAIApi:
         (404) for a name no adapter can have."""
         if body.model is None or body.model == self.model_name:
             return ""
-        if not ADAPTER_ID_PATTERN.fullmatch(body.model):
+        if not ADAPTER_ID_PATTERN.fullmatch(body.model) or body.model.startswith("/"):  # no stored id
             raise self.service.refuse(_unknown_model(body.model), "NOT_FOUND")
         return body.model
 
@@ -503,7 +518,7 @@ class OpenAIApi:
         """Text completion of a prompt (or of each prompt of a list)."""
         prompts = completion_prompts(body.prompt)
         top_n = body.logprobs or 0
-        return await self._serve(
+        return await self.serve(
             body, request, "completion", prompts, top_n, body.logprobs is not None, body.echo
         )
 
@@ -511,7 +526,7 @@ class OpenAIApi:
         """The assistant's reply to the messages, rendered with the model's chat template (inside
         the call: a refusal of the messages is the call's)."""
         top_n = (body.top_logprobs or 0) if body.logprobs else 0
-        return await self._serve(body, request, "chat", None, top_n, body.logprobs, False)
+        return await self.serve(body, request, "chat", None, top_n, body.logprobs, False)
 
     def _chat_prompt(self, body: ChatRequest) -> str:
         """The messages rendered with the model's chat template; RequestError when they cannot be."""
@@ -539,7 +554,7 @@ class OpenAIApi:
 
     # ---- the call -------------------------------------------------------------------------
 
-    async def _serve(
+    async def serve(
         self,
         body: _Common,
         request: Request,
@@ -548,11 +563,15 @@ class OpenAIApi:
         top_n: int,
         logprobs: bool,
         echo: bool,
+        shape: AnswerShape | None = None,
     ) -> Response:
+        """The call of `body`, answered as a chat completion or a completion (`kind`), or as
+        `shape` reshapes that answer (another route's wire format over the same call)."""
         door = "openai_stream" if body.stream else "openai"
         count = (1 if prompts is None else len(prompts)) * body.n
         headers = list(request.headers.items())
-        call = self.service.open_call(door, f"v1/{kind}", headers, count, tenant_of(request))
+        route = shape.route if shape is not None else f"v1/{kind}"
+        call = self.service.open_call(door, route, headers, count, tenant_of(request))
         try:
             self._check(body, count)
             adapter = self._adapter_named(body)
@@ -598,13 +617,17 @@ class OpenAIApi:
         if body.stream:
             options = body.stream_options or StreamOptions()
             continuous = options.include_usage and options.continuous_usage_stats
+            if shape is not None:
+                chunks = self._chunks(answer, call.info, options.include_usage, continuous)
+                return EventStream(shape.events(chunks), call)
             return EventStream(self._events(answer, call.info, options.include_usage, continuous), call)
         with call:
             try:
                 outputs = await until_disconnected(request, self.service.generate(validated, call.info))
             except RequestError as exc:
                 return error_response(exc)
-        return JSONResponse(self._answer(answer, outputs))
+        whole = self._answer(answer, outputs)
+        return JSONResponse(shape.unary(whole) if shape is not None else whole)
 
     def _check(self, body: _Common, count: int) -> None:
         """The door's own refusals, before admission (RequestError)."""
@@ -653,8 +676,17 @@ class OpenAIApi:
     async def _events(
         self, answer: _Answer, info: CallInfo, usage: bool, continuous: bool = False
     ) -> AsyncGenerator[str, None]:
-        """SSE chunks of every choice as its tokens come, then usage (if asked) and [DONE];
-        `continuous`: every choice's chunk with its usage so far too."""
+        """The chunks as SSE events, then [DONE]."""
+        async with contextlib.aclosing(self._chunks(answer, info, usage, continuous)) as chunks:
+            async for chunk in chunks:
+                yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def _chunks(
+        self, answer: _Answer, info: CallInfo, usage: bool, continuous: bool = False
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The chunks of every choice as its tokens come, then usage (if asked); a failure is
+        the last, as {"error": ...}. `continuous`: every choice's chunk with its usage so far too."""
         queue: asyncio.Queue[tuple[int, Output | RequestError | None]] = asyncio.Queue()
 
         async def pump(index: int, v: ValidatedRequest) -> None:
@@ -675,7 +707,7 @@ class OpenAIApi:
         offsets = [len(answer.prompts[i]) if answer.echo else 0 for i in range(len(answer.requests))]
         generated = [0] * len(answer.requests)
 
-        def sent(chunk: dict[str, Any], index: int) -> str:
+        def sent(chunk: dict[str, Any], index: int) -> dict[str, Any]:
             if continuous:
                 prompt, made = answer.requests[index].input_length, generated[index]
                 chunk["usage"] = {
@@ -683,7 +715,7 @@ class OpenAIApi:
                     "completion_tokens": made,
                     "total_tokens": prompt + made,
                 }
-            return _sse(chunk)
+            return chunk
 
         try:
             if answer.kind == "chat":
@@ -699,7 +731,7 @@ class OpenAIApi:
                     running -= 1
                     continue
                 if isinstance(item, RequestError):
-                    yield _sse(error_json(500 if item.cause == "generation" else 400, item.message))
+                    yield error_json(500 if item.cause == "generation" else 400, item.message)
                     break
                 if item.final:
                     final[index] = item
@@ -722,11 +754,9 @@ class OpenAIApi:
             else:
                 if usage:
                     outputs = [final[i] for i in range(len(answer.requests))]
-                    yield _sse(
-                        self._chunk(answer, None, None, None, None)
-                        | {"usage": _usage(answer.requests, outputs)}
-                    )
-            yield "data: [DONE]\n\n"
+                    yield self._chunk(answer, None, None, None, None) | {
+                        "usage": _usage(answer.requests, outputs)
+                    }
         finally:
             for task in pumps:
                 task.cancel()

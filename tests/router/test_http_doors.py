@@ -24,6 +24,7 @@ from router.http.http_server import HealthCheck, HttpServer
 from router.http.openai_api import ChatRequest, CompletionRequest, OpenAIApi
 from router.http.openai_api import request_params as openai_request_params
 from router.http.openai_api import unsupported as openai_unsupported
+from router.http.openai_responses import ResponsesApi
 from router.http.reasoning import FORMATS
 from router.http.tgi_rest import (
     Parameters,
@@ -118,6 +119,7 @@ async def stack(detokenizer, tokenizer_pool, tokenizer_dir, auth):
         chat_template=load_chat_template(str(tokenizer_dir), tokenizer_pool.piece(empty[0])),
         list_adapters=shard.list_adapters,
     )
+    ResponsesApi(openai)
     server = HttpServer(
         build_app(health, metrics.exposition, "text/plain", tgi, openai, Authenticator(auth), version="0.1.0")
     )
@@ -371,6 +373,17 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e308}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 2.0}, 400, "openai_stream"),
     ("/v1/completions", {"prompt": 7}, 400, "openai"),
+    ("/v1/completions", {"prompt": "hi", "model": "team/gone"}, 404, "openai"),  # after the lookup
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400, "openai"),
+    (
+        "/v1/responses",
+        {"input": "hi", "stream": True, "tools": [{"type": "web_search"}]},
+        400,
+        "openai_stream",
+    ),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, 400, "openai"),  # the body's model
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "openai"),
+    ("/v1/responses", {"input": "hi", "temperature": 0.01}, 400, "openai"),  # shared validation
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -1026,6 +1039,12 @@ def choice_tokens(tokenizer_pool, text: str) -> int:
     [
         ("/v1/completions", {"prompt": "hi", "model": "other"}, 404, "The model `other` does not exist."),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-3.5"}, 404, "The model `gpt-3.5` does not exist."),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "model": "/models/x"},
+            404,
+            "The model `/models/x` does not exist.",
+        ),
         ("/v1/completions", {"prompt": "hi", "temperature": 0.01}, 400, "temperature must be >= 0.05"),
         (
             "/v1/completions",
