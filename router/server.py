@@ -175,6 +175,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
     detokenizer = Detokenizer(
         tokenizer, skip_special_tokens=not config.output_special_tokens, seq2seq=info.seq2seq
     )
+    detokenizer.variant(config.output_special_tokens)  # the OpenAI door's other rule, built now
     queue = RequestQueue(
         capacity,
         config.max_batch_size,

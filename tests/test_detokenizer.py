@@ -417,3 +417,19 @@ def test_detokenizer_import_stays_torch_free() -> None:
     code = "import sys, router.core.detokenizer; sys.exit(bool({'torch', 'transformers'} & set(sys.modules)))"
     repo = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=repo, check=False).returncode == 0
+
+
+def test_a_request_may_ask_for_the_other_special_token_rule(tmp_path) -> None:
+    from router.core.detokenizer import Detokenizer
+    from router.core.tokenizer import load_tokenizer
+    from text_generation_server.testing.tiny_models import ARCHITECTURES, write_tokenizer
+
+    write_tokenizer(tmp_path, ARCHITECTURES["llama"])
+    skipping = Detokenizer(load_tokenizer(str(tmp_path)))
+    keeping = skipping.variant(False)
+    assert skipping.variant(None) is skipping.variant(True) is skipping
+    assert keeping.variant(True) is skipping and skipping.variant(False) is keeping  # made once
+    ids = [600, 1, 601]  # <s> between two pieces
+    assert keeping.decode(ids) == skipping.decode(ids[:1]) + "<s>" + skipping.decode(ids[2:])
+    decoder = keeping.incremental()
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == keeping.decode(ids)

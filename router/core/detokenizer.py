@@ -167,6 +167,7 @@ class Detokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._seq2seq = seq2seq
+        self._twin: Detokenizer | None = None  # the other special-token rule (variant)
         self.traits = classify_decoder(json.loads(tokenizer.to_str()).get("decoder"))
         self._classes = self._id_classes()
         self._placeholder, self._placeholder_text = self._pick_placeholder()
@@ -178,6 +179,19 @@ class Detokenizer:
             seq2seq,
             skip_special_tokens,
         )
+
+    def variant(self, skip_special_tokens: bool | None) -> Detokenizer:
+        """This detokenizer, or its twin (made once) for a request that asks for the other rule
+        about special tokens (None: the server's)."""
+        if skip_special_tokens is None or skip_special_tokens == self._skip_special:
+            return self
+        if self._twin is None:
+            twin = Detokenizer(
+                self._tokenizer, skip_special_tokens=skip_special_tokens, seq2seq=self._seq2seq
+            )
+            twin._twin = self
+            self._twin = twin
+        return self._twin
 
     def decode(self, ids: Sequence[int]) -> str:
         """Full decode of a generated continuation (the ids that follow the prompt), trailing U+FFFD

@@ -98,7 +98,8 @@ class Entry:
         self.started_at = now
         st = self.request.stopping
         if self.stream or st.stop_sequences:
-            self._text = OutputText(detokenizer.incremental(), st, streamed=self.stream)
+            decoding = detokenizer.variant(self.request.response.skip_special_tokens)
+            self._text = OutputText(decoding.incremental(), st, streamed=self.stream)
 
     def on_input_tokens(self, tokens: list[TokenInfo]) -> None:
         if self.stream:
@@ -169,7 +170,8 @@ class Entry:
                 self._text.flush()
             text = self._text.final_unsent() if self.stream else self._text.final()
         else:
-            text = detokenizer.decode(self.token_ids).rstrip(REPLACEMENT_CHAR)
+            decoding = detokenizer.variant(self.request.response.skip_special_tokens)
+            text = decoding.decode(self.token_ids).rstrip(REPLACEMENT_CHAR)
         if self.stream:
             out = Output(self.generated, text, tokens, None, reason, stop_sequence)
         else:

@@ -81,6 +81,7 @@ class ResponseSpec:
     token_logprobs: bool = False
     token_ranks: bool = False
     top_n_tokens: int = 0
+    skip_special_tokens: bool | None = None  # the text leaves special tokens out (None: the server's rule)
 
 
 @dataclass(frozen=True, slots=True)

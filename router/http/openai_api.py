@@ -179,6 +179,11 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, description="the only ids the answer may have")
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = Field(
+        default=None,
+        description="leave special tokens out of the text (default: the server's OUTPUT_SPECIAL_TOKENS)",
+    )
+    spaces_between_special_tokens: bool = Field(default=True, description="not served: true only")
     # guided decoding: OpenAI's response_format, or one of vLLM's guided_* extensions
     response_format: dict[str, Any] | None = Field(
         default=None, description="text, json_object or json_schema ({json_schema: {schema}})"
@@ -227,6 +232,7 @@ def unsupported(body: _Common) -> str | None:
     """Why parameters this server does not serve refuse the request, or None."""
     checks: list[tuple[bool, str]] = [
         (body.best_of is not None and body.best_of > 1, "best_of > 1"),
+        (not body.spaces_between_special_tokens, "spaces_between_special_tokens false"),
     ]
     if isinstance(body, CompletionRequest):
         checks.append((body.suffix is not None, "suffix"))
@@ -393,6 +399,7 @@ def request_params(
             input_tokens=logprobs and getattr(body, "echo", False),
             token_logprobs=logprobs or top_n > 0,
             top_n_tokens=top_n,
+            skip_special_tokens=body.skip_special_tokens,
         ),
         truncate_input_tokens=body.truncate_prompt_tokens or 0,
     )

@@ -1152,6 +1152,24 @@ async def test_openai_model_names_an_adapter_of_the_store(stack: Stack) -> None:
     await stack.settled()
 
 
+async def test_openai_special_tokens_kept_where_a_request_asks(stack: Stack) -> None:
+    stack.shard.script = lambda request, step: 1 if step == 1 else 600 + step  # <s> second
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+    texts = {}
+    for skip in (None, True, False):
+        fields = {} if skip is None else {"skip_special_tokens": skip}
+        status, answer = await post(stack, "/v1/completions", {**body, **fields})
+        events = await sse_events(stack, {**body, **fields, "stream": True}, "/v1/completions")
+        streamed = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        assert status == 200 and streamed == answer["choices"][0]["text"], (skip, streamed)
+        texts[skip] = streamed
+    assert texts[None] == texts[True] == texts[False].replace("<s>", "", 1) and "<s>" in texts[False]
+    status, answer = await post(stack, "/v1/completions", {**body, "spaces_between_special_tokens": False})
+    assert status == 400
+    assert answer["error"]["message"] == "spaces_between_special_tokens false is not supported by this server"
+    await stack.settled()
+
+
 async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
     stack.shard.script = lambda request, step: EOS if step == 1 else 600 + step  # EOS at the 2nd step
     status, answer = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "temperature": 0})
