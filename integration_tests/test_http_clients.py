@@ -18,6 +18,7 @@ import jwt
 import openai
 import pytest
 import text_generation.errors
+import transformers
 from text_generation import Client
 from text_generation.errors import ValidationError
 from text_generation.types import FinishReason
@@ -419,6 +420,25 @@ def test_openai_chat_and_errors(served: Server) -> None:
         model=model.id, messages=messages, max_tokens=8, seed=3, n=2, logprobs=True, top_logprobs=2
     )
     assert len(sampled.choices) == 2 and all(len(c.logprobs.content) for c in sampled.choices)
+    # vLLM's continue_final_message: the answer continues the assistant's text, as a completion of
+    # the prompt transformers renders for it (BOS left to the tokenizer, as the door does)
+    started = [*messages, {"role": "assistant", "content": "Hello there"}]
+    continued = client.chat.completions.create(
+        model=model.id,
+        messages=started,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(served.model_dir))
+    prompt = tokenizer.apply_chat_template(started, tokenize=False, continue_final_message=True)
+    prompt = prompt.removeprefix(tokenizer.bos_token or "")
+    completed = client.completions.create(model=model.id, prompt=prompt, max_tokens=8, temperature=0)
+    assert continued.choices[0].message.content == completed.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="continue_final_message and add_generation_prompt"):
+        client.chat.completions.create(
+            model=model.id, messages=started, extra_body={"continue_final_message": True}
+        )
     greedy = client.completions.create(
         model=model.id, prompt="Hello", max_tokens=8, temperature=0, logprobs=0
     )

@@ -88,9 +88,12 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """`tools`: the functions the model may call, as transformers passes them (None: none);
-        `variables`: more for the template, none of RESERVED."""
+        `variables`: more for the template, none of RESERVED; `continue_final_message`: the
+        prompt ends with the last message's text (what closes its turn cut off), so that the
+        answer continues it, as transformers' apply_chat_template does."""
         taken = RESERVED.intersection(variables or {})
         if taken:
             raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}")
@@ -109,7 +112,23 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from exc
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
-        return text
+        return _cut_after(text, messages[-1]) if continue_final_message else text
+
+
+def _cut_after(text: str, final: dict[str, Any]) -> str:
+    """`text` up to the end of the final message's content (its last occurrence); where the
+    template trimmed the content's trailing space, up to the trimmed content."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with text")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the final message does not appear in the prompt the chat template wrote"
+        )
+    whole = content.lstrip()
+    end = at + len(whole) if text[at : at + len(whole)] == whole else at + len(content.strip())
+    return text[:end]
 
 
 def load_chat_template(tokenizer_path: str, added_first: str) -> ChatTemplate | None:

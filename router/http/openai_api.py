@@ -224,6 +224,8 @@ class ChatRequest(_Common):
     store: bool | None = None
     service_tier: str | None = None
     add_generation_prompt: bool = True  # extension: render the assistant turn's opening
+    # vLLM's extension: the answer continues the final (assistant) message
+    continue_final_message: bool = False
     # vLLM's extension: more variables for the chat template (e.g. enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -548,11 +550,17 @@ class OpenAIApi:
                 template_message({**m.model_dump(exclude_none=True), "content": _text_content(m)})
                 for m in body.messages
             ]
+            if body.continue_final_message and body.add_generation_prompt:
+                raise ValidationError(
+                    "continue_final_message and add_generation_prompt cannot both be true: set "
+                    "add_generation_prompt to false"
+                )
             return self.chat_template.render(
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
                 tools=template_tools(body.tools),
                 variables=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
             )
         except ValidationError as exc:
             raise self.service.refuse(str(exc)) from exc

@@ -27,3 +27,33 @@ def test_a_requests_variables_reach_the_template() -> None:
 def test_what_the_server_gives_the_template_cannot_be_replaced(name: str) -> None:
     with pytest.raises(ChatTemplateError, match=f"^chat_template_kwargs may not set {name}$"):
         THINKING.render(MESSAGES, variables={name: "x"})
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TRIMMING = CHATML.replace("{{ m.content }}", "{{ m.content | trim }}")
+
+
+@pytest.mark.parametrize("source", [CHATML, TRIMMING], ids=["keeps", "trims"])
+@pytest.mark.parametrize("final", ["Sure", "Sure, ", "  spaced  ", "hi"])  # "hi": also an earlier message
+def test_continue_final_message_cuts_as_transformers_does(tokenizer_dir, source: str, final: str) -> None:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.chat_template = source
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": final}]
+    want = tokenizer.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    got = ChatTemplate(source).render(chat, add_generation_prompt=False, continue_final_message=True)
+    assert got == want
+
+
+def test_continue_final_message_needs_text_the_prompt_holds() -> None:
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="the final message does not appear in the prompt"):
+        template.render([{"role": "assistant", "content": "x"}], False, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="needs a final message with text"):
+        template.render([{"role": "assistant", "content": " "}], False, continue_final_message=True)

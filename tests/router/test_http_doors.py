@@ -374,6 +374,12 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
     ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 2.0}, 400, "openai_stream"),
     ("/v1/completions", {"prompt": 7}, 400, "openai"),
     ("/v1/completions", {"prompt": "hi", "model": "team/gone"}, 404, "openai"),  # after the lookup
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+        400,
+        "openai",
+    ),
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400, "openai"),
     (
         "/v1/responses",
