@@ -435,6 +435,19 @@ def test_openai_chat_and_errors(served: Server) -> None:
     prompt = prompt.removeprefix(tokenizer.bos_token or "")
     completed = client.completions.create(model=model.id, prompt=prompt, max_tokens=8, temperature=0)
     assert continued.choices[0].message.content == completed.choices[0].text
+    # vLLM's return_token_ids: the ids the TGI door's details name, the prompt's as truncated
+    prompt, tgi_door = (
+        "Hello there, my dear friend",
+        Client(f"http://127.0.0.1:{served.http_port}", timeout=60),
+    )
+    for truncate in (None, 3):
+        tgi = tgi_door.generate(prompt, max_new_tokens=6, decoder_input_details=True, truncate=truncate)
+        extra = {"return_token_ids": True, "truncate_prompt_tokens": truncate}
+        ids = client.completions.create(
+            model=model.id, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra
+        )
+        assert ids.choices[0].model_extra["prompt_token_ids"] == [t.id for t in tgi.details.prefill]
+        assert ids.choices[0].model_extra["token_ids"] == [t.id for t in tgi.details.tokens]
     with pytest.raises(openai.BadRequestError, match="continue_final_message and add_generation_prompt"):
         client.chat.completions.create(
             model=model.id, messages=started, extra_body={"continue_final_message": True}

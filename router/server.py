@@ -281,6 +281,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         reasoning=reasoning_format(config.reasoning_parser),
         sampling_defaults=dict(info.sampling_defaults),
         list_adapters=client.list_adapters,
+        bos_token_id=info.bos_token_id,
     )
     ResponsesApi(openai)  # POST /v1/responses on the OpenAI door's routes
     if info.sampling_defaults:

@@ -46,6 +46,7 @@ def test_model_info_round_trips(eager_joins: bool, capacity: CapacityKind) -> No
         chunked_prefill=True,
         eager_joins=eager_joins,
         compute_cpus=() if eager_joins else (0, 1, 5),  # a GPU shard reports none
+        bos_token_id=None if eager_joins else 0,  # id 0 is an id, not "none"
     )
     reply = convert.model_info_to_pb(info)
     back = convert.model_info_from_pb(reply)

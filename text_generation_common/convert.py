@@ -170,6 +170,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
         compute_cpus=info.compute_cpus,
+        bos_token_id=info.bos_token_id,
     )
     capacity = info.capacity
     if isinstance(capacity, KvBlocks):
@@ -289,6 +290,7 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         compute_cpus=tuple(info.compute_cpus),
         extra_eos_token_ids=tuple(info.extra_eos_token_ids),
         sampling_defaults=tuple(sorted(info.sampling_defaults.items())),
+        bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
     )
 
 

@@ -91,6 +91,17 @@ class RequestedDetails:
         return self.logprobs or self.ranks or self.top_n_tokens > 0
 
 
+def truncated_ids(ids: Sequence[int], keep: int, bos_token_id: int | None) -> list[int]:
+    """The prompt ids the model reads: the last `keep` of `ids` (0: all), with BOS back as the
+    first kept token where the tokenizer puts one first (`truncate_input_tokens: 1` leaves BOS)."""
+    kept = list(ids)
+    if 0 < keep < len(kept):
+        kept = kept[-keep:]
+        if bos_token_id is not None:
+            kept[0] = bos_token_id
+    return kept
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One prompt to generate for, as the router sends it."""
@@ -335,3 +346,5 @@ class ModelInfo:
     # the sampling parameters generation_config.json sets (name, value): the OpenAI door's
     # defaults for requests that leave them unset, as vLLM's
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    # the tokenizer's BOS where it puts one first (and back first when a prompt is truncated)
+    bos_token_id: int | None = None

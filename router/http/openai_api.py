@@ -75,7 +75,7 @@ from router.http.tool_parsers import ToolCallParser, call_id
 from text_generation_common.defaults import ADAPTER_ID_PATTERN
 from text_generation_common.guided import schema_text
 from text_generation_common.logs import clip
-from text_generation_common.messages import AdapterListing, Guided, GuidedKind, TokenInfo
+from text_generation_common.messages import AdapterListing, Guided, GuidedKind, TokenInfo, truncated_ids
 
 MAX_CHOICES = 16  # n, or prompts in one call
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
@@ -179,6 +179,12 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, description="the only ids the answer may have")
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = Field(
+        default=False, description="the prompt's and each choice's token ids beside the text (vLLM's)"
+    )
+    return_tokens_as_token_ids: bool = Field(
+        default=False, description='logprobs name tokens as "token_id:<id>" (vLLM\'s)'
+    )
     skip_special_tokens: bool | None = Field(
         default=None,
         description="leave special tokens out of the text (default: the server's OUTPUT_SPECIAL_TOKENS)",
@@ -386,7 +392,7 @@ def request_params(
     )
     limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or max_new_tokens
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    tokens = stream or logprobs or top_n > 0
+    tokens = stream or logprobs or top_n > 0 or body.return_token_ids
     return RequestParams(
         sampling=sampling,
         stopping=StoppingSpec(
@@ -433,6 +439,8 @@ class _Answer:
     logprobs: bool
     created: int
     model: str  # as the request named it: the served model or an adapter
+    token_ids: bool = False  # return_token_ids
+    as_ids: bool = False  # return_tokens_as_token_ids
     tools: ToolMode = TEXT
     reasoning: ReasoningFormat | None = None  # a chat's thinking is split from its answer
 
@@ -457,11 +465,13 @@ class OpenAIApi:
         reasoning: ReasoningFormat | None = None,
         sampling_defaults: Mapping[str, float] = MappingProxyType({}),
         list_adapters: Callable[[], Awaitable[AdapterListing]] | None = None,
+        bos_token_id: int | None = None,
     ) -> None:
         """`tool_parser`: the model's tool call format (TOOL_CALL_PARSER), for tool_choice "auto";
         `reasoning`: how the model writes its thinking (REASONING_PARSER), split from chat answers;
         `sampling_defaults`: the model's (generation_config.json), for what requests leave unset;
-        `list_adapters`: the adapters of the shards' store, for /v1/models (None: none listed)."""
+        `list_adapters`: the adapters of the shards' store, for /v1/models (None: none listed);
+        `bos_token_id`: the model's (ModelInfo), put back first in a truncated prompt's ids."""
         self.service = service
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -472,6 +482,7 @@ class OpenAIApi:
         self.reasoning = reasoning
         self.sampling_defaults = sampling_defaults
         self.list_adapters = list_adapters
+        self.bos_token_id = bos_token_id
         self.created = int(time.time())
         self.router = APIRouter(prefix="/v1", tags=["OpenAI"])
         self.router.add_api_route(
@@ -625,6 +636,8 @@ class OpenAIApi:
             logprobs=logprobs,
             created=int(time.time()),
             model=body.model or self.model_name,
+            token_ids=body.return_token_ids,
+            as_ids=body.return_tokens_as_token_ids,
             tools=tool_mode_of(body, self.tool_parser),
             # a constrained answer (guided decoding, a forced call) is all answer
             reasoning=self.reasoning if kind == "chat" and params.sampling.guided is None else None,
@@ -670,16 +683,22 @@ class OpenAIApi:
                 if reading.calls is not None:
                     choice["message"]["tool_calls"] = reading.calls
                 choice["finish_reason"] = reading.finish or choice["finish_reason"]
-                choice["logprobs"] = self._chat_logprobs(output.tokens) if answer.logprobs else None
+                choice["logprobs"] = (
+                    self._chat_logprobs(output.tokens, answer.as_ids) if answer.logprobs else None
+                )
             else:
                 choice["text"] = text
                 choice["logprobs"] = (
-                    self._completion_logprobs(output.tokens, len(echoed), output.input_tokens)
+                    self._completion_logprobs(output.tokens, len(echoed), output.input_tokens, answer.as_ids)
                     if answer.logprobs
                     else None
                 )
+                if answer.token_ids:
+                    choice["prompt_token_ids"] = self._prompt_ids(answer.requests[index])
+            if answer.token_ids:
+                choice["token_ids"] = [t.token_id for t in output.tokens]
             choices.append(choice)
-        return {
+        whole = {
             "id": answer.id,
             "object": answer.object,
             "created": answer.created,
@@ -687,6 +706,13 @@ class OpenAIApi:
             "choices": choices,
             "usage": _usage(answer.requests, outputs),
         }
+        if answer.token_ids and answer.kind == "chat":  # one prompt for every choice
+            whole["prompt_token_ids"] = self._prompt_ids(answer.requests[0])
+        return whole
+
+    def _prompt_ids(self, request: ValidatedRequest) -> list[int]:
+        """The prompt's ids as the model reads them (a truncated one's last ids, BOS first)."""
+        return truncated_ids(request.input_ids, request.truncate_input_tokens, self.bos_token_id)
 
     async def _events(
         self, answer: _Answer, info: CallInfo, usage: bool, continuous: bool = False
@@ -722,7 +748,16 @@ class OpenAIApi:
         offsets = [len(answer.prompts[i]) if answer.echo else 0 for i in range(len(answer.requests))]
         generated = [0] * len(answer.requests)
 
+        prompted: set[int] = set()  # return_token_ids: the choices whose prompt ids went out
+
         def sent(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+            if answer.token_ids and index not in prompted:
+                ids = self._prompt_ids(answer.requests[index])
+                if answer.kind != "chat":
+                    chunk["choices"][0]["prompt_token_ids"] = ids
+                elif not prompted:  # a chat's one prompt, in the first chunk
+                    chunk["prompt_token_ids"] = ids
+                prompted.add(index)
             if continuous:
                 prompt, made = answer.requests[index].input_length, generated[index]
                 chunk["usage"] = {
@@ -795,8 +830,9 @@ class OpenAIApi:
         tokens = unsent.pop(index, []) + output.tokens
         chunk = None
         if thinking:
-            logprobs = self._chat_logprobs(tokens) if answer.logprobs and not text else None
-            chunk = self._chunk(answer, index, {"reasoning_content": thinking}, None, logprobs)
+            chunk = self._chunk(
+                answer, index, {"reasoning_content": thinking}, None, None if text else tokens
+            )
             if not text:
                 tokens = []
         if not text and not output.final:
@@ -808,20 +844,19 @@ class OpenAIApi:
     def _delta(self, answer: _Answer, index: int, output: Output, offsets: list[int]) -> dict[str, Any]:
         finish = _finish(output.stop_reason) if output.final else None
         if answer.kind == "chat":
-            logprobs = self._chat_logprobs(output.tokens) if answer.logprobs else None
             if not output.text and finish:
                 delta: dict[str, Any] = {}
             elif answer.tools.kind == "named":
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": output.text}}]}
             else:
                 delta = {"content": output.text}
-            return self._chunk(answer, index, delta, finish, logprobs)
+            return self._chunk(answer, index, delta, finish, output.tokens)
         logprobs = (
-            self._completion_logprobs(output.tokens, offsets[index], output.input_tokens)
+            self._completion_logprobs(output.tokens, offsets[index], output.input_tokens, answer.as_ids)
             if answer.logprobs
             else None
         )
-        return self._chunk(answer, index, output.text, finish, logprobs)
+        return self._chunk(answer, index, output.text, finish, output.tokens, logprobs)
 
     def _held_chunk(
         self, answer: _Answer, index: int, held: HeldAnswer, output: Output
@@ -844,13 +879,21 @@ class OpenAIApi:
     def _held_send(
         self, answer: _Answer, index: int, held: HeldAnswer, delta: dict[str, Any], finish: str | None
     ) -> dict[str, Any]:
-        logprobs = self._chat_logprobs(held.tokens) if answer.logprobs else None
-        held.tokens = []
-        return self._chunk(answer, index, delta, finish, logprobs)
+        tokens, held.tokens = held.tokens, []
+        return self._chunk(answer, index, delta, finish, tokens)
 
     def _chunk(
-        self, answer: _Answer, index: int | None, content: Any, finish: str | None, logprobs: Any
+        self,
+        answer: _Answer,
+        index: int | None,
+        content: Any,
+        finish: str | None,
+        tokens: Sequence[TokenInfo] | None = None,
+        logprobs: Any = None,
     ) -> dict[str, Any]:
+        """One streamed chunk; `tokens`: those whose text it carries (a chat's logprobs and the
+        token ids are made of them; a completion's `logprobs` come made); None for the chunks
+        that carry no generated text (openings, echo)."""
         chunk: dict[str, Any] = {
             "id": answer.id,
             "object": "chat.completion.chunk" if answer.kind == "chat" else "text_completion",
@@ -859,8 +902,12 @@ class OpenAIApi:
             "choices": [],
         }
         if index is not None:
+            if answer.kind == "chat" and answer.logprobs and tokens is not None:
+                logprobs = self._chat_logprobs(tokens, answer.as_ids)
             choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
             choice["delta" if answer.kind == "chat" else "text"] = content
+            if answer.token_ids:
+                choice["token_ids"] = [t.token_id for t in tokens or ()]
             chunk["choices"] = [choice]
         return chunk
 
@@ -871,28 +918,36 @@ class OpenAIApi:
         text: str = self.tokenizer.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text
 
+    def _name(self, token_id: int, as_ids: bool) -> str:
+        """How logprobs name a token: its text, or (return_tokens_as_token_ids) `token_id:<id>`."""
+        return f"token_id:{token_id}" if as_ids else self.tokenizer.token_text(token_id)
+
     def _completion_logprobs(
-        self, tokens: Sequence[TokenInfo], offset: int, prompt: Sequence[TokenInfo] | None = None
+        self,
+        tokens: Sequence[TokenInfo],
+        offset: int,
+        prompt: Sequence[TokenInfo] | None = None,
+        as_ids: bool = False,
     ) -> dict[str, Any]:
         """`prompt`: the prompt's tokens (echo), first: offsets from 0, the first one's logprob
-        (which nothing predicts) null, as vLLM answers them."""
+        (which nothing predicts) null, as vLLM answers them; `as_ids`: tokens named by id (the
+        offsets still count the text)."""
         pieces, offsets, logprobs, tops = [], [], [], []
         for tokens_, at in ((prompt or (), 0), (tokens, offset)):
             for t in tokens_:
-                piece = self.tokenizer.token_text(t.token_id)
-                pieces.append(piece)
+                pieces.append(self._name(t.token_id, as_ids))
                 offsets.append(at)
-                at += len(piece)
+                at += len(self.tokenizer.token_text(t.token_id))
                 first = t.logprob != t.logprob  # NaN: the prompt's first token
                 logprobs.append(None if first else t.logprob)
-                top = {self.tokenizer.token_text(x.token_id): x.logprob for x in t.top_tokens}
+                top = {self._name(x.token_id, as_ids): x.logprob for x in t.top_tokens}
                 tops.append(None if first else top)
         return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
-    def _chat_logprobs(self, tokens: Sequence[TokenInfo]) -> dict[str, Any]:
+    def _chat_logprobs(self, tokens: Sequence[TokenInfo], as_ids: bool = False) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             piece = self.tokenizer.token_text(token_id)
-            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+            return {"token": self._name(token_id, as_ids), "logprob": logprob, "bytes": list(piece.encode())}
 
         return {
             "content": [

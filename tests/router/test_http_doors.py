@@ -1176,6 +1176,47 @@ async def test_openai_special_tokens_kept_where_a_request_asks(stack: Stack) -> 
     await stack.settled()
 
 
+async def test_openai_token_ids_beside_the_text(stack: Stack, tokenizer_pool) -> None:
+    stack.shard.script = lambda request, step: EOS if step == 3 else 600 + step  # EOS 4th
+    prompt_ids = tokenizer_pool.encode_batch_sync(["hi there"])[0]
+    body = {"prompt": "hi there", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    _, answer = await post(stack, "/v1/completions", body)
+    (choice,) = answer["choices"]
+    assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"] == [600, 601, 602, EOS]
+    events = await sse_events(stack, {**body, "stream": True}, "/v1/completions")
+    choices = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert choices[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in choices[1:])
+    assert [i for c in choices for i in c["token_ids"]] == choice["token_ids"]
+    stack.openai.bos_token_id = 1  # a tokenizer that puts BOS first gets it back on truncation
+    _, answer = await post(stack, "/v1/completions", {**body, "truncate_prompt_tokens": 2})
+    assert answer["choices"][0]["prompt_token_ids"] == [1, prompt_ids[-1]]
+    chat = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    _, answer = await post(stack, "/v1/chat/completions", {**chat, "n": 2, "seed": 1})
+    assert answer["prompt_token_ids"][-1] != EOS and len(answer["prompt_token_ids"]) > 2
+    assert [c["token_ids"] for c in answer["choices"]] == [[600, 601, 602, EOS]] * 2
+    events = await sse_events(stack, {**chat, "stream": True}, "/v1/chat/completions")
+    assert events[0]["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:-1])
+    streamed = [i for e in events[:-1] for c in e["choices"] for i in c.get("token_ids", ())]
+    assert streamed == [600, 601, 602, EOS]
+    _, answer = await post(
+        stack, "/v1/completions", {**body, "logprobs": 1, "return_tokens_as_token_ids": True}
+    )
+    logprobs = answer["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:600", "token_id:601", "token_id:602", f"token_id:{EOS}"]
+    assert all(set(top) <= {f"token_id:{i}" for i in range(2000)} for top in logprobs["top_logprobs"])
+    plain = (await post(stack, "/v1/completions", {**body, "logprobs": 1, "return_token_ids": False}))[1]
+    assert "token_ids" not in plain["choices"][0]
+    assert plain["choices"][0]["logprobs"]["text_offset"] == logprobs["text_offset"]
+    await stack.settled()
+
+
 async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
     stack.shard.script = lambda request, step: EOS if step == 1 else 600 + step  # EOS at the 2nd step
     status, answer = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "temperature": 0})

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from text_generation_common.guided import UNAVAILABLE, Grammars, GuidedError
-from text_generation_common.messages import GenerationRequest, RequestError
+from text_generation_common.messages import GenerationRequest, RequestError, truncated_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +40,7 @@ UNSEEDED_MESSAGE = "a sampling request needs a seed (the router sets one for eve
 def truncated_input_ids(request: GenerationRequest, bos_token_id: int | None) -> list[int]:
     """Keep the last `truncate_input_tokens` ids; BOS-adding tokenizers get BOS back as the first
     kept token (so `truncate_input_tokens: 1` leaves only BOS)."""
-    ids = list(request.input_ids)
-    keep = request.truncate_input_tokens
-    if 0 < keep < len(ids):
-        ids = ids[-keep:]
-        if bos_token_id is not None:
-            ids[0] = bos_token_id
-    return ids
+    return truncated_ids(request.input_ids, request.truncate_input_tokens, bos_token_id)
 
 
 def split_valid(

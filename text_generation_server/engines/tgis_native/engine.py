@@ -241,6 +241,7 @@ class TgisNativeEngine(ModelEngine):
             eos_token_id=self.context.eos_token_id,
             extra_eos_token_ids=self.context.extra_eos_token_ids,
             sampling_defaults=self.context.sampling_defaults,
+            bos_token_id=self.context.bos_token_id,
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
             capacity=KvBlocks(self.block_size, self.kv.pool.num_blocks),  # each step reports their use
