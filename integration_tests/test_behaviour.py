@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from integration_tests.faults import long_params
-from integration_tests.servers import Server
+from integration_tests.servers import Server, launch
 from router.core.detokenizer import Detokenizer
 from router.core.tokenizer import load_tokenizer
 from router.pb import generation_pb2 as pb
@@ -245,3 +245,48 @@ def test_cancelled_streams_free_their_slots(server) -> None:
 def test_model_info(server, model: str, kind: int) -> None:
     info = server(model).stub().ModelInfo(pb.ModelInfoRequest(model_id="ignored"))
     assert (info.model_kind, info.max_sequence_length, info.max_new_tokens) == (kind, 200, 169)
+
+
+def test_scheduling_by_priority(tmp_path) -> None:
+    """SCHEDULING_POLICY=priority with one place in the batch: of two requests waiting behind a
+    long one, the later one of lower value (gRPC metadata x-request-priority) runs first, the
+    earlier one (the OpenAI door's `priority`) after it."""
+    import json
+    import urllib.request
+
+    s = launch("llama", tmp_path, "--max-batch-size", "1", env={"SCHEDULING_POLICY": "priority"})
+    try:
+
+        def openai_completion(priority: int) -> float:
+            body = {"prompt": "late", "max_tokens": 4, "priority": priority}
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{s.http_port}/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert response.status == 200
+            return time.monotonic()
+
+        async def run() -> tuple[float, float]:
+            stub = s.aio_stub()
+            busy = asyncio.ensure_future(
+                stub.Generate(pb.BatchedGenerationRequest(requests=[{"text": "busy"}], params=long_params()))
+            )
+            await asyncio.sleep(0.1)  # it holds the one place for its 169 steps
+            low = asyncio.ensure_future(asyncio.to_thread(openai_completion, 5))
+            await asyncio.sleep(0.1)
+            high = stub.Generate(
+                pb.BatchedGenerationRequest(requests=[{"text": "urgent"}], params=greedy(4)),
+                metadata=(("x-request-priority", "-1"),),
+            )
+            await high
+            high_done = time.monotonic()
+            low_done = await low
+            assert (await busy).responses[0].generated_token_count == 169
+            return high_done, low_done
+
+        high_done, low_done = asyncio.run(run())
+        assert high_done < low_done
+    finally:
+        s.stop()

@@ -341,6 +341,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
 @options.otlp_service_name
 @options.tool_call_parser
 @options.reasoning_parser
+@options.scheduling_policy
 @options.auth_options
 @click.option(
     "--log-level", envvar="LOG_LEVEL", default="info", help="Log level of every process [env LOG_LEVEL]."

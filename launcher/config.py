@@ -114,6 +114,7 @@ class LaunchFlags:
     otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    scheduling_policy: str = "fcfs"
     log_level: str = "info"
     # authentication (router/cli_options.AUTH_PARAMS): passed on to the router
     api_key: str | None = None
@@ -169,6 +170,7 @@ class LaunchConfig:
     otlp_service_name: str = router_defaults.DEFAULT_OTLP_SERVICE_NAME
     tool_call_parser: str | None = None  # passed to the router
     reasoning_parser: str | None = None  # passed to the router
+    scheduling_policy: str = "fcfs"  # passed to the router
     placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
     quantize: str | None = None  # QUANTIZE, passed to the shards (checked here, and there for the device)
     speculate: int = 0  # SPECULATE, SPECULATOR_NAME and SPECULATOR_MAX_BATCH_SIZE, passed to the shards
@@ -491,6 +493,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         otlp_service_name=flags.otlp_service_name,
         tool_call_parser=flags.tool_call_parser,
         reasoning_parser=flags.reasoning_parser,
+        scheduling_policy=flags.scheduling_policy,
         placements=tuple(placements),
         quantize=flags.quantize,
         speculate=flags.speculate,
@@ -646,6 +649,8 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         *_optional("--otlp-endpoint", config.otlp_endpoint),
         *_optional("--tool-call-parser", config.tool_call_parser),
         *_optional("--reasoning-parser", config.reasoning_parser),
+        "--scheduling-policy",
+        config.scheduling_policy,
         *_optional("--tls-cert-path", config.tls_cert_path),
         *_optional("--tls-key-path", config.tls_key_path),
         *_optional("--tls-client-ca-cert-path", config.tls_client_ca_cert_path),

@@ -98,6 +98,7 @@ logger = logging.getLogger(__name__)
 @options.otlp_service_name
 @options.tool_call_parser
 @options.reasoning_parser
+@options.scheduling_policy
 @options.auth_options
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
@@ -130,6 +131,7 @@ def main(
     otlp_service_name: str,
     tool_call_parser: str | None,
     reasoning_parser: str | None,
+    scheduling_policy: str,
     log_level: str,
     **auth: Any,
 ) -> None:
@@ -174,6 +176,7 @@ def main(
             otlp_service_name=otlp_service_name,
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
+            scheduling_policy=scheduling_policy,
             auth=options.auth_config(auth),
         )
     except ValueError as exc:

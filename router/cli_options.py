@@ -191,6 +191,16 @@ reasoning_parser = _format_option(
     "How the served reasoning model writes its thinking: the OpenAI chat door answers it apart, "
     "as reasoning_content; unset, thinking stays in the text",
 )
+scheduling_policy = click.option(
+    "--scheduling-policy",
+    envvar="SCHEDULING_POLICY",
+    type=click.Choice(defaults.SCHEDULING_POLICIES),
+    default="fcfs",
+    help="The order waiting requests are taken in: fcfs (first come, first served), or priority "
+    "(a request's priority: the OpenAI door's `priority` field or the x-request-priority header "
+    "of any door; lower values first, arrival order within one; running requests are not "
+    "preempted) [env SCHEDULING_POLICY].",
+)
 otlp_service_name = click.option(
     "--otlp-service-name",
     envvar="OTEL_SERVICE_NAME",

@@ -22,6 +22,7 @@ from text_generation_common.defaults import (
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 DEFAULT_MAX_PREFILL_PADDING = 0.2
 DEFAULT_MAX_WAITING_TOKENS = 24
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MAX_BEST_OF = 2  # TGI's
 DEFAULT_MAX_DECODE_STEPS = 16
 DEFAULT_MAX_DECODE_CALL_MS = 25.0
@@ -83,10 +84,15 @@ class RouterConfig:
     # how the model writes its thinking (router/http/reasoning.py): answered apart by the chat
     # door; None = thinking stays in the text
     reasoning_parser: str | None = None
+    # the order waiting requests are taken in: fcfs (arrival), or priority (lower values first,
+    # arrival within a value: router/scheduling/request_queue.py)
+    scheduling_policy: str = "fcfs"
     # API keys / JWT (router/api/auth.py); off by default
     auth: AuthConfig = field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         if not self.tokenizer_path:
             raise ValueError("a tokenizer path is required")
         if self.max_sequence_length < 2:

@@ -20,10 +20,10 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from router.api.tracing import Metadata, Span, Tracing, correlation_id
+from router.api.tracing import PRIORITY_KEY, Metadata, Span, Tracing, correlation_id, priority_text
 from router.core.entry import Entry, Output
 from router.core.metrics import Metrics
 from router.core.pacing import ONE_PER_TOKEN, StreamPacing
@@ -128,6 +128,7 @@ class Call:
         span = self._held.enter_context(service.tracing.request_span(name, headers))
         span.set_attribute("inputs", inputs)
         self.info = CallInfo(kind, correlation_id(headers), span, tenant)
+        self.priority = priority_text(headers)  # x-request-priority, for requests that set none
 
     def admit(self) -> None:
         """Take the permits of the call's inputs until it closes (RequestError when refused)."""
@@ -136,6 +137,13 @@ class Call:
     async def validate(
         self, texts: Sequence[Input], params: RequestParams | None, prefix_id: str = "", adapter_id: str = ""
     ) -> list[ValidatedRequest]:
+        if self.priority is not None and (params is None or params.priority is None):
+            try:
+                priority = int(self.priority)
+            except ValueError:
+                message = f"{PRIORITY_KEY} must be an integer, not {self.priority!r}"
+                raise self.service.refuse(message) from None
+            params = replace(params or RequestParams(), priority=priority)
         return await self.service.validate(texts, params, self.received_at, prefix_id, adapter_id)
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ Metadata = Iterable[tuple[str, str | bytes]]
 AttributeValue = str | bool | int | float
 
 CORRELATION_ID_KEY = "x-correlation-id"
+PRIORITY_KEY = "x-request-priority"  # any door: the requests' priority (SCHEDULING_POLICY=priority)
 TRACE_CONTEXT_KEYS = ("traceparent", "tracestate")
 
 
@@ -106,6 +107,11 @@ def _text_values(metadata: Metadata | None, keys: Iterable[str]) -> dict[str, st
 def correlation_id(metadata: Metadata | None) -> str | None:
     """The request's `x-correlation-id` metadata value, if the client sent one."""
     return _text_values(metadata, (CORRELATION_ID_KEY,)).get(CORRELATION_ID_KEY)
+
+
+def priority_text(metadata: Metadata | None) -> str | None:
+    """The request's `x-request-priority` metadata value (or HTTP header), if sent."""
+    return _text_values(metadata, (PRIORITY_KEY,)).get(PRIORITY_KEY)
 
 
 class Tracing:

@@ -60,6 +60,11 @@ class UnknownAdapterError(ValidationError):
     TGIS answers; the OpenAI door, where the id is the request's `model`, answers 404)."""
 
 
+PRIORITY_OFF_MESSAGE = (
+    "priority is not served by this server's scheduling policy (fcfs): start it with "
+    "--scheduling-policy priority"
+)
+PRIORITY_BOUND = 2**31  # |priority| below it
 TWO_ADAPTERS_MESSAGE = "prefix_id and adapter_id name different adapters: set only one of them"
 
 
@@ -101,6 +106,7 @@ class ValidatedRequest:
     deadline: float | None = None  # time.monotonic() after which TIME_LIMIT applies
     adapter_id: str = ""  # adapter of any stored kind (then prefix_id is "")
     call_end_ids: frozenset[int] = frozenset()  # tokens that may complete a stop sequence (call_ends.py)
+    priority: int = 0  # SCHEDULING_POLICY=priority: waits behind the lower values
 
     @property
     def seed(self) -> int:
@@ -136,6 +142,7 @@ class RequestParams:
     stopping: StoppingSpec = field(default_factory=lambda: StoppingSpec(DEFAULT_MAX_NEW_TOKENS))
     response: ResponseSpec = field(default_factory=ResponseSpec)
     truncate_input_tokens: int = 0
+    priority: int | None = None  # in line before higher values (SCHEDULING_POLICY=priority); None: 0
 
 
 def http_sampling(
@@ -297,9 +304,11 @@ class Validator:
         capacity: Capacity | None = None,
         grammars: Grammars | None = None,
         call_ends: CallEnds | None = None,
+        by_priority: bool = False,
     ) -> None:
         """`vocab_size`: the model's logits; `call_ends`: where decode calls run several steps,
-        the tokens each request's stop sequences give the shard to end a call on (None: none)."""
+        the tokens each request's stop sequences give the shard to end a call on (None: none);
+        `by_priority`: SCHEDULING_POLICY=priority (else a priority other than 0 is refused)."""
         self.tokenizer = tokenizer
         self.call_ends = call_ends
         self.grammars = grammars  # guided decoding over the model's tokenizer (None: not offered)
@@ -309,6 +318,7 @@ class Validator:
         self.max_sequence_length = max_sequence_length
         self.max_new_tokens = max_new_tokens
         self.vocab_size = vocab_size
+        self.by_priority = by_priority
 
     async def validate(
         self,
@@ -324,6 +334,10 @@ class Validator:
         then counts as an adapter id."""
         p = params or RequestParams()
         check_params(p, self.max_new_tokens, self.vocab_size)
+        if p.priority and not self.by_priority:
+            raise ValidationError(PRIORITY_OFF_MESSAGE)
+        if p.priority is not None and not -PRIORITY_BOUND < p.priority < PRIORITY_BOUND:
+            raise ValidationError(f"priority must be > -{PRIORITY_BOUND} and < {PRIORITY_BOUND}")
         if p.sampling.guided is not None:
             await self._check_guided(p.sampling.guided)
         if adapter_id and prefix_id:
@@ -361,8 +375,8 @@ class Validator:
             text, ids = (given, next(remaining)) if isinstance(given, str) else ("", self._token_ids(given))
             finished = self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline)
             validated.append(replace(finished, call_end_ids=call_end_ids))
-        if adapter_id:
-            validated = [replace(v, adapter_id=adapter_id) for v in validated]
+        if adapter_id or p.priority:
+            validated = [replace(v, adapter_id=adapter_id, priority=p.priority or 0) for v in validated]
         for v in validated:
             self.metrics.observe("tgi_request_input_length", v.input_length)
             self.metrics.observe("tgi_request_max_new_tokens", p.stopping.max_new_tokens)

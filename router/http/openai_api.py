@@ -179,6 +179,9 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, description="the only ids the answer may have")
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    priority: int | None = Field(
+        default=None, description="SCHEDULING_POLICY=priority: lower values wait less (vLLM's)"
+    )
     return_token_ids: bool = Field(
         default=False, description="the prompt's and each choice's token ids beside the text (vLLM's)"
     )
@@ -410,6 +413,7 @@ def request_params(
             skip_special_tokens=body.skip_special_tokens,
         ),
         truncate_input_tokens=body.truncate_prompt_tokens or 0,
+        priority=body.priority,
     )
 
 

@@ -58,11 +58,13 @@ class RequestQueue:
         metrics: Metrics,
         max_prefill_tokens: int = 0,  # 0 = no limit
         chunked_prefill: bool = False,  # the engine computes at most max_prefill_tokens per step
+        by_priority: bool = False,  # SCHEDULING_POLICY=priority: lower priority values wait less
     ) -> None:
         self.capacity = capacity
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill = chunked_prefill and max_prefill_tokens > 0
+        self.by_priority = by_priority
         self.metrics = metrics
         self.busy = False  # the batcher is running requests (set by it): expiry in the queue applies
         self._entries: deque[Entry] = deque()
@@ -76,7 +78,16 @@ class RequestQueue:
         self.metrics.set("tgi_queue_size", len(self._entries))
 
     def append(self, entries: Sequence[Entry]) -> None:
-        self._entries.extend(entries)
+        """Into line: behind every entry (by priority: behind every entry of its priority or a
+        lower value, ahead of the higher values)."""
+        if not self.by_priority:
+            self._entries.extend(entries)
+        else:
+            for entry in entries:
+                at = len(self._entries)
+                while at and self._entries[at - 1].request.priority > entry.request.priority:
+                    at -= 1
+                self._entries.insert(at, entry)
         self._sized()
         self._changed.set()
         self._arrived()

@@ -45,6 +45,7 @@ def make_request(
     min_new: int = 0,
     details: bool = False,
     capped: bool = False,
+    priority: int = 0,
 ) -> ValidatedRequest:
     now = time.monotonic()
     return ValidatedRequest(
@@ -59,6 +60,7 @@ def make_request(
         response=ResponseSpec(generated_tokens=details, input_tokens=details, token_logprobs=details),
         received_at=now,
         deadline=now + deadline_s if deadline_s is not None else None,
+        priority=priority,
     )
 
 
@@ -120,6 +122,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
         max_decode_steps: int = 1,
         max_decode_call_s: float = 1.0,
         extra_eos_token_ids: tuple[int, ...] = (),
+        by_priority: bool = False,
     ):
         shard = shard or FakeShard()
         capacity = WeightCapacity(BatchWeights.from_model(shard.memory, padded=True), padding)
@@ -130,6 +133,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
             metrics,
             max_prefill_tokens=max_prefill_tokens,
             chunked_prefill=shard.chunked_prefill,
+            by_priority=by_priority,
         )
         batcher = Batcher(
             shard,
@@ -215,6 +219,25 @@ async def test_max_batch_size_holds_requests_back(make_harness) -> None:
     assert [entries[2].id] in prefills[1:]
     # Never more than two live requests in the shard, at any call.
     assert h.shard.peak_live == 2
+
+
+@pytest.mark.parametrize("by_priority", [False, True], ids=["fcfs", "priority"])
+async def test_waiting_requests_are_taken_by_priority_where_the_policy_says(
+    make_harness, by_priority: bool
+) -> None:
+    h = make_harness(FakeShard(latency_s=0.002), max_batch_size=1, by_priority=by_priority)
+    running = h.submit(make_request(max_new=6))
+    await h.calls(1)  # it holds the one place: the others wait in line
+    priorities = [5, 0, 5, -2, 0]
+    waiting = [h.submit(make_request(max_new=2, priority=p)) for p in priorities]
+    assert [e.request.priority for e in h.queue._entries] == (
+        sorted(priorities) if by_priority else priorities
+    )
+    for entry in [running, *waiting]:
+        assert (await h.final(entry)).generated_tokens in (2, 6)
+    prefills = [c.request_ids[0] for c in h.shard.calls if c.method == "prefill"][1:]
+    order = [waiting[i] for i in (3, 1, 4, 0, 2)] if by_priority else waiting  # arrival within a value
+    assert prefills == [e.id for e in order]
 
 
 async def test_prefill_token_limit_splits_a_burst_in_arrival_order(make_harness) -> None:

@@ -380,6 +380,7 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
         400,
         "openai",
     ),
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "openai"),  # SCHEDULING_POLICY fcfs
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400, "openai"),
     (
         "/v1/responses",
@@ -1214,6 +1215,30 @@ async def test_openai_token_ids_beside_the_text(stack: Stack, tokenizer_pool) ->
     plain = (await post(stack, "/v1/completions", {**body, "logprobs": 1, "return_token_ids": False}))[1]
     assert "token_ids" not in plain["choices"][0]
     assert plain["choices"][0]["logprobs"]["text_offset"] == logprobs["text_offset"]
+    await stack.settled()
+
+
+async def test_every_door_takes_a_priority_header(stack: Stack) -> None:
+    async def status(path: str, body: dict, priority: str) -> tuple[int, str]:
+        headers = {"x-request-priority": priority}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(stack.url + path, json=body, headers=headers) as r,
+        ):
+            answer = await r.json(content_type=None)
+        return r.status, str(answer.get("error", "")) if isinstance(answer, dict) else ""
+
+    tgi, oai = {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, {"prompt": "hi", "max_tokens": 2}
+    assert (await status("/generate", tgi, "0"))[0] == 200 and (await status("/v1/completions", oai, " 0 "))[
+        0
+    ] == 200
+    code, error = await status("/generate", tgi, "high")
+    assert code == 422 and "x-request-priority must be an integer, not 'high'" in error
+    code, error = await status("/v1/completions", oai, "2")
+    assert code == 400 and "--scheduling-policy priority" in error
+    stack.service.validator.by_priority = True
+    assert (await status("/v1/completions", oai, "2"))[0] == 200
+    assert (await status("/v1/completions", {**oai, "priority": -1}, "x"))[0] == 200  # the body's wins
     await stack.settled()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -456,3 +457,20 @@ async def test_a_request_larger_than_the_whole_kv_cache_is_refused(tokenizer_poo
         f"input tokens plus max_new_tokens ({n} + {41 - n}) need 11 KV-cache blocks of 4 tokens; "
         "the whole cache holds 10"
     )
+
+
+async def test_a_priority_needs_the_priority_policy_and_a_bounded_value(validator: Validator) -> None:
+    from router.core.validation import PRIORITY_OFF_MESSAGE
+
+    async def priority_of(value: int | None) -> int:
+        params = RequestParams(priority=value)  # past the gRPC-converting wrapper
+        (v,) = await Validator.validate(validator, ["hi"], params, "", time.monotonic())
+        return v.priority
+
+    assert await priority_of(None) == 0 and await priority_of(0) == 0
+    with pytest.raises(ValidationError, match=re.escape(PRIORITY_OFF_MESSAGE)):
+        await priority_of(3)
+    validator.by_priority = True
+    assert await priority_of(-7) == -7 and await priority_of(2**31 - 1) == 2**31 - 1
+    with pytest.raises(ValidationError, match=r"^priority must be > -2147483648 and < 2147483648$"):
+        await priority_of(2**31)
