@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
@@ -78,6 +79,7 @@ from text_generation_common.logs import clip
 from text_generation_common.messages import AdapterListing, Guided, GuidedKind, TokenInfo, truncated_ids
 
 MAX_CHOICES = 16  # n, or prompts in one call
+LISTING_TTL_S = 5.0  # /v1/models reads the adapter store at most this often
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_TOP_LOGPROBS = 10  # ours (top_n_tokens); OpenAI allows 20
 FINISH_REASONS = {StopReason.EOS_TOKEN: "stop", StopReason.STOP_SEQUENCE: "stop"}  # else "length"
@@ -486,6 +488,7 @@ class OpenAIApi:
         self.reasoning = reasoning
         self.sampling_defaults = sampling_defaults
         self.list_adapters = list_adapters
+        self._listing = (-math.inf, AdapterListing())  # the last listing, and when it came
         self.bos_token_id = bos_token_id
         self.created = int(time.time())
         self.router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -506,11 +509,14 @@ class OpenAIApi:
         fields: `root`, and `parent` the served model; `truncated` when the listing was cut)."""
         listing = AdapterListing()
         if self.list_adapters is not None:
-            try:
-                listing = await self.list_adapters()
-            except Exception as exc:  # the shard's failure, answered rather than hidden
-                message = f"could not list the adapters: {clip(str(exc))}"
-                return JSONResponse(error_json(500, message), 500)
+            listed_at, listing = self._listing
+            if time.monotonic() - listed_at > LISTING_TTL_S:  # clients poll this route
+                try:
+                    listing = await self.list_adapters()
+                except Exception as exc:  # the shard's failure, answered rather than hidden
+                    message = f"could not list the adapters: {clip(str(exc))}"
+                    return JSONResponse(error_json(500, message), 500)
+                self._listing = time.monotonic(), listing
         data = [self._model_entry(self.model_name, None)]
         data += [self._model_entry(adapter, self.model_name) for adapter in listing.ids]
         answer: dict[str, Any] = {"object": "list", "data": data}
