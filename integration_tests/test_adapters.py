@@ -74,6 +74,13 @@ def test_adapters_equal_peft_in_one_busy_batch(server, name: str) -> None:
     assert value('tgi_adapters_resident{kind="lora"}') == 1 == value('tgi_adapter_loads_total{kind="lora"}')
     assert value('tgi_adapters_resident{kind="prompt"}') >= 1
     assert value("tgi_adapter_lookup_cache_hits_total") >= 0
+    # the Gateway API Inference Extension's view: MAX_LORAS, and no adapter in use once all ended
+    info = re.findall(r"^tgi_lora_requests_info\{(.*)\} \S+$", metrics, re.M)
+    assert info == ['max_lora="8",running_lora_adapters="",waiting_lora_adapters=""'], info
+    if name.endswith("tgis_native"):
+        assert re.search(
+            r'^tgi_cache_config_info\{block_size="\d+",num_gpu_blocks="\d+"\} 1.0$', metrics, re.M
+        )
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

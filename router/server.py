@@ -55,7 +55,7 @@ from router.scheduling.request_queue import RequestQueue
 from router.scheduling.shard_client import GrpcShardClient, ShardCallError
 from text_generation_common.guided import grammars_of
 from text_generation_common.heap import freeze_loaded_heap
-from text_generation_common.messages import ModelInfo
+from text_generation_common.messages import KvBlocks, ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,9 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         max_decode_call_s=config.max_decode_call_ms / 1000,
     )
     client.on_adapter_state = metrics.adapter_cache
+    metrics.adapters_in_use, metrics.max_loras = batcher.adapters_in_use, info.max_loras
+    if isinstance(info.capacity, KvBlocks):
+        metrics.cache_config(info.capacity.block_size, info.capacity.total_blocks)
     validator = Validator(
         pool,
         PrefixLengths(client.prefix_lookup, metrics),

@@ -47,6 +47,7 @@ def test_model_info_round_trips(eager_joins: bool, capacity: CapacityKind) -> No
         eager_joins=eager_joins,
         compute_cpus=() if eager_joins else (0, 1, 5),  # a GPU shard reports none
         bos_token_id=None if eager_joins else 0,  # id 0 is an id, not "none"
+        max_loras=0 if eager_joins else 4,
     )
     reply = convert.model_info_to_pb(info)
     back = convert.model_info_from_pb(reply)

@@ -171,6 +171,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfoResponse:
         dtype_reason=info.dtype_reason,
         compute_cpus=info.compute_cpus,
         bos_token_id=info.bos_token_id,
+        max_loras=info.max_loras,
     )
     capacity = info.capacity
     if isinstance(capacity, KvBlocks):
@@ -291,6 +292,7 @@ def model_info_from_pb(info: pb.ModelInfoResponse) -> ModelInfo:
         extra_eos_token_ids=tuple(info.extra_eos_token_ids),
         sampling_defaults=tuple(sorted(info.sampling_defaults.items())),
         bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
+        max_loras=info.max_loras,
     )
 
 

@@ -348,3 +348,4 @@ class ModelInfo:
     sampling_defaults: tuple[tuple[str, float], ...] = ()
     # the tokenizer's BOS where it puts one first (and back first when a prompt is truncated)
     bos_token_id: int | None = None
+    max_loras: int = 0  # LoRA adapters the shard keeps resident at most; 0: it applies none

@@ -66,6 +66,11 @@ class AdapterSet:
             raise AdapterError(f"adapter {adapter_id} is a {kind} adapter: PROMPT_TUNING and LORA are served")
         return str(kind)
 
+    @property
+    def max_loras(self) -> int:
+        """LoRA adapters resident at most (MAX_LORAS); 0 where this engine applies none."""
+        return self.lora.max_loras if self.lora is not None else 0
+
     def servable(self, adapter_id: str) -> bool:
         """Whether a request naming `adapter_id` would find an adapter this engine applies (its
         adapter_config.json read, nothing loaded)."""

@@ -273,6 +273,7 @@ class Adapters:
         kernel: bool = False,
     ) -> None:
         self.model = model
+        self.max_loras = max_loras  # resident at most (MAX_LORAS)
         self.dtype, self.device = dtype, device
         self.kernel = kernel  # steps with few adapter tokens use cpu_kernels.lora_apply (CPU only)
         self.cache: LoadedCache[LoraWeights] = LoadedCache(

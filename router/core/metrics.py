@@ -14,7 +14,8 @@ tests/router/test_metrics.py.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -122,6 +123,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_kv_cache_blocks_cached", "gauge", "Prefix-cache blocks no live request holds, reclaimable (tgis_native)", "", False),
     _spec("tgi_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache (tgis_native)", "", False),
     _spec("tgi_prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache, their prefill skipped (tgis_native)", "", False),
+    _spec("tgi_lora_requests_info", "gauge", "The adapters of the running and the waiting requests, comma-separated, and MAX_LORAS; its value is the time it was read (what the Gateway API Inference Extension reads, as vLLM's vllm:lora_requests_info)", "", False, max_lora=OPEN, running_lora_adapters=OPEN, waiting_lora_adapters=OPEN),
+    _spec("tgi_cache_config_info", "gauge", "The paged KV cache's block size (tokens) and blocks, as labels (tgis_native; vLLM's vllm:cache_config_info)", "", False, block_size=OPEN, num_gpu_blocks=OPEN),
     _spec("tgi_adapters_resident", "gauge", "Adapters loaded in the shard, by kind (soft prompts: PROMPT_CACHE_SIZE_MB; LoRA: MAX_LORAS)", "", False, kind=ADAPTER_KINDS),
     _spec("tgi_adapter_loads", "counter", "Adapters loaded into the shard's caches, by kind", "", False, kind=ADAPTER_KINDS),
     _spec("tgi_adapter_evictions", "counter", "Adapters evicted from the shard's caches (least recently used), by kind", "", False, kind=ADAPTER_KINDS),
@@ -190,6 +193,11 @@ class Metrics:
         self.histograms: dict[str, Histogram] = {}
         self.gauges: dict[str, Gauge] = {}
         self._shard_totals: dict[str, int] = {}  # the shard's running totals, as last reported
+        # the adapters of the running and the waiting requests, read at each scrape (set by the
+        # router: the batcher's and the queue's), and the label values last exported
+        self.adapters_in_use: Callable[[], tuple[Collection[str], Collection[str]]] | None = None
+        self.max_loras = 0
+        self._lora_labels: tuple[str, str, str] | None = None
         buckets = {
             "max_new_tokens/64 * 1..64": _linear(max_new_tokens),
             "max_sequence_length/64 * 1..64": _linear(max_sequence_length),
@@ -221,8 +229,24 @@ class Metrics:
                 self.gauges[spec.name] = gauge
 
     def exposition(self) -> bytes:
+        self._lora_requests_info()
         twins = "".join(c.expose() for c in self.counters.values())
         return twins.encode() + generate_latest(self.registry)
+
+    def _lora_requests_info(self) -> None:
+        """One series (the previous one removed): the adapters in use now, as of now."""
+        if self.adapters_in_use is None:
+            return
+        running, waiting = self.adapters_in_use()
+        labels = (str(self.max_loras), ",".join(sorted(running)), ",".join(sorted(waiting)))
+        gauge = self.gauges["tgi_lora_requests_info"]
+        if self._lora_labels is not None and self._lora_labels != labels:
+            gauge.remove(*self._lora_labels)
+        gauge.labels(*labels).set(time.time())
+        self._lora_labels = labels
+
+    def cache_config(self, block_size: int, blocks: int) -> None:
+        self.gauges["tgi_cache_config_info"].labels(str(block_size), str(blocks)).set(1)
 
     # ---- shorthands ------------------------------------------------------------------------
 
@@ -315,7 +339,10 @@ def markdown_table() -> str:
     rows = ["| metric | kind | labels | meaning | buckets |", "|---|---|---|---|---|"]
     for spec in METRICS:
         labels = (
-            ", ".join(f"`{name}`={'/'.join(values) or 'the id'}" for name, values in spec.labels.items())
+            ", ".join(
+                f"`{name}`" + (f"={'/'.join(values)}" if values else "")
+                for name, values in spec.labels.items()
+            )
             or "—"
         )
         name = f"`{spec.name}`" + ("" if spec.tgis else " (ours)")

@@ -157,6 +157,7 @@ class Batcher:
         self._next_batch_id = 1
         self._next_request_id = 1
         self._calls = 0  # decode calls of several steps named so far (EndSteps)
+        self._live: Sequence[Entry] = ()  # the running requests, as the last step left them
         self._probes: list[tuple[GenerationRequest, asyncio.Future[bool]]] = []
         self._ended = False  # the loop ran and stopped: nothing will answer a probe
 
@@ -216,6 +217,7 @@ class Batcher:
             finally:
                 self.queue.busy = False
             self.metrics.batch_state(0, 0, 0, 0.0)
+            self._live = ()
 
     async def _run_batch(self, current: RunningBatch | None) -> None:
         """Run a busy period: decode steps with joins, until nothing is left."""
@@ -365,7 +367,13 @@ class Batcher:
                 done.append(entry.id)
         return done
 
+    def adapters_in_use(self) -> tuple[set[str], set[str]]:
+        """The adapters (adapter_id or prefix_id) of the running requests and of the waiting ones."""
+        running = {e.request.adapter_id or e.request.prefix_id for e in self._live if not e.finished} - {""}
+        return running, self.queue.adapters()
+
     def _publish_state(self, live: Sequence[Entry], remaining: int) -> None:
+        self._live = live
         capacity = self.queue.capacity
         loads = [entry_load(e) for e in live]
         usage = max(len(live) / self.queue.max_batch_size, capacity.usage(loads))

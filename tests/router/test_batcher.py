@@ -240,6 +240,22 @@ async def test_waiting_requests_are_taken_by_priority_where_the_policy_says(
     assert prefills == [e.id for e in order]
 
 
+async def test_the_adapters_of_running_and_waiting_requests(make_harness) -> None:
+    h = make_harness(FakeShard(latency_s=0.002), max_batch_size=1)
+    assert h.batcher.adapters_in_use() == (set(), set())
+    running = h.submit(replace(make_request(max_new=6), adapter_id="a"))
+    await h.calls(2)
+    waiting = [h.submit(replace(make_request(max_new=2), **field)) for field in ({"prefix_id": "p"}, {})]
+    assert h.batcher.adapters_in_use() == ({"a"}, {"p"})
+    for entry in [running, *waiting]:
+        await h.final(entry)
+    for _ in range(200):  # the loop lets the batch go after the answers
+        if h.batcher.adapters_in_use() == (set(), set()):
+            break
+        await asyncio.sleep(0.01)
+    assert h.batcher.adapters_in_use() == (set(), set())
+
+
 async def test_prefill_token_limit_splits_a_burst_in_arrival_order(make_harness) -> None:
     h = make_harness(FakeShard(latency_s=0.002), max_prefill_tokens=25, max_waiting_tokens=1)
     # Padded prefill tokens = batch size x longest prompt: 10 + 10 fit in 25, a third does not.

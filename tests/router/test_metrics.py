@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,23 @@ def test_open_labels_export_the_first_values_seen_then_other() -> None:
     assert 'tgi_adapter_request_count_total{adapter_id="a0"} 2.0' in text
     assert 'tgi_adapter_request_count{adapter_id="other"} 3.0' in text  # a64, a65 and odd"id
     assert text.count("tgi_adapter_request_count{") == 65
+
+
+def test_the_adapters_in_use_are_one_series_read_at_each_scrape() -> None:
+    metrics = Metrics()
+    assert "tgi_lora_requests_info{" not in metrics.exposition().decode()  # nothing to read yet
+    in_use = [({"b", "a"}, {"c"})]
+    metrics.adapters_in_use, metrics.max_loras = (lambda: in_use[0]), 4
+    metrics.cache_config(16, 257)
+    text = metrics.exposition().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("tgi_lora_requests_info{")]
+    assert line.startswith(
+        'tgi_lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"} '
+    )
+    assert abs(float(line.split()[-1]) - time.time()) < 60
+    assert 'tgi_cache_config_info{block_size="16",num_gpu_blocks="257"} 1.0' in text
+    in_use[0] = (set(), set())
+    (line,) = [
+        x for x in metrics.exposition().decode().splitlines() if x.startswith("tgi_lora_requests_info{")
+    ]
+    assert 'running_lora_adapters="",waiting_lora_adapters=""' in line  # the old series is gone

@@ -55,6 +55,7 @@ class PaddedEngine(ModelEngine):
             extra_eos_token_ids=self.context.extra_eos_token_ids,
             sampling_defaults=self.context.sampling_defaults,
             bos_token_id=self.context.bos_token_id,
+            max_loras=self.adapters.max_loras if self.adapters is not None else 0,
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
             capacity=WeightBudget(memory_model, padded=True),

@@ -242,6 +242,7 @@ class TgisNativeEngine(ModelEngine):
             extra_eos_token_ids=self.context.extra_eos_token_ids,
             sampling_defaults=self.context.sampling_defaults,
             bos_token_id=self.context.bos_token_id,
+            max_loras=self.adapters.max_loras,
             vocab_size=self.context.vocab_size,
             max_sequence_length=self.context.max_sequence_length,
             capacity=KvBlocks(self.block_size, self.kv.pool.num_blocks),  # each step reports their use
