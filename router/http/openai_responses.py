@@ -34,7 +34,8 @@ from pydantic import ValidationError as BodyError
 
 from router.core.validation import ValidationError
 from router.http.http_calls import describe_validation, sse, tenant_of
-from router.http.openai_api import ChatRequest, OpenAIApi, error_json
+from router.http.openai_api import OpenAIApi, error_json
+from router.http.openai_params import ChatRequest
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"

@@ -21,9 +21,10 @@ from router.http import http_server
 from router.http.chat_template import load_chat_template
 from router.http.http_app import PROBE_PATHS, build_app
 from router.http.http_server import HealthCheck, HttpServer
-from router.http.openai_api import ChatRequest, CompletionRequest, OpenAIApi
-from router.http.openai_api import request_params as openai_request_params
-from router.http.openai_api import unsupported as openai_unsupported
+from router.http.openai_api import OpenAIApi
+from router.http.openai_params import ChatRequest, CompletionRequest
+from router.http.openai_params import request_params as openai_request_params
+from router.http.openai_params import unsupported as openai_unsupported
 from router.http.openai_responses import ResponsesApi
 from router.http.reasoning import FORMATS
 from router.http.tgi_rest import (
