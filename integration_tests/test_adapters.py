@@ -122,3 +122,54 @@ def test_the_openai_door_serves_the_stores_adapters_by_model_name(server) -> Non
         assert answer["choices"][0]["text"] == want["lora" if model == "lora" else ""], model
     status, answer = call("/completions", {"model": "gone", "prompt": prompt})
     assert (status, answer["error"]["message"]) == (404, "The model `gone` does not exist.")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_adapter_added_and_removed_while_serving(tmp_path: Path, server) -> None:
+    """ALLOW_RUNTIME_ADAPTER_LOADING: vLLM's /v1/load_lora_adapter serves a PEFT save from a
+    directory outside the store by a name, on the OpenAI and gRPC doors alike (its answer is the
+    store copy's), and /v1/unload_lora_adapter takes it away; servers without it lack the routes."""
+    import json
+    import shutil
+
+    from integration_tests.servers import launch
+
+    shared: Server = server("llama")
+    outside = tmp_path / "outside" / "lora"
+    shutil.copytree(shared.model_dir.parent.parent / "prompts" / shared.model_dir.name / "lora", outside)
+    s = launch("llama", tmp_path, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    try:
+
+        def post(port: int, route: str, body: dict) -> tuple[int, str]:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/{route}",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    return response.status, response.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        hot = {"lora_name": "hot/lora", "lora_path": str(outside)}
+        assert post(shared.http_port, "load_lora_adapter", hot)[0] == 404  # not allowed there
+        assert post(s.http_port, "load_lora_adapter", hot) == (
+            200,
+            "Success: LoRA adapter 'hot/lora' added successfully.",
+        )
+        completion = {"prompt": PROMPTS[0], "max_tokens": 6, "min_tokens": 6, "temperature": 0}
+        status, by_name = post(s.http_port, "completions", {**completion, "model": "hot/lora"})
+        status_store, by_store = post(s.http_port, "completions", {**completion, "model": "lora"})
+        assert status == status_store == 200
+        assert json.loads(by_name)["choices"][0]["text"] == json.loads(by_store)["choices"][0]["text"]
+        params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=6, min_new_tokens=6))
+        reply = s.stub().Generate(
+            pb.BatchedGenerationRequest(requests=[{"text": PROMPTS[0]}], params=params, adapter_id="hot/lora")
+        )
+        assert reply.responses[0].text == json.loads(by_name)["choices"][0]["text"]
+        assert post(s.http_port, "unload_lora_adapter", {"lora_name": "hot/lora"})[0] == 200
+        status, answer = post(s.http_port, "completions", {**completion, "model": "hot/lora"})
+        assert status == 404 and "does not exist" in answer
+    finally:
+        s.stop()

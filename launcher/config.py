@@ -115,6 +115,7 @@ class LaunchFlags:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     scheduling_policy: str = "fcfs"
+    allow_runtime_adapter_loading: bool = False
     log_level: str = "info"
     # authentication (router/cli_options.AUTH_PARAMS): passed on to the router
     api_key: str | None = None
@@ -171,6 +172,7 @@ class LaunchConfig:
     tool_call_parser: str | None = None  # passed to the router
     reasoning_parser: str | None = None  # passed to the router
     scheduling_policy: str = "fcfs"  # passed to the router
+    allow_runtime_adapter_loading: bool = False  # passed to the router
     placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
     quantize: str | None = None  # QUANTIZE, passed to the shards (checked here, and there for the device)
     speculate: int = 0  # SPECULATE, SPECULATOR_NAME and SPECULATOR_MAX_BATCH_SIZE, passed to the shards
@@ -494,6 +496,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         tool_call_parser=flags.tool_call_parser,
         reasoning_parser=flags.reasoning_parser,
         scheduling_policy=flags.scheduling_policy,
+        allow_runtime_adapter_loading=flags.allow_runtime_adapter_loading,
         placements=tuple(placements),
         quantize=flags.quantize,
         speculate=flags.speculate,
@@ -651,6 +654,7 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         *_optional("--reasoning-parser", config.reasoning_parser),
         "--scheduling-policy",
         config.scheduling_policy,
+        switch("allow-runtime-adapter-loading", config.allow_runtime_adapter_loading),
         *_optional("--tls-cert-path", config.tls_cert_path),
         *_optional("--tls-key-path", config.tls_key_path),
         *_optional("--tls-client-ca-cert-path", config.tls_client_ca_cert_path),

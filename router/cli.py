@@ -99,6 +99,7 @@ logger = logging.getLogger(__name__)
 @options.tool_call_parser
 @options.reasoning_parser
 @options.scheduling_policy
+@options.allow_runtime_adapter_loading
 @options.auth_options
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
@@ -132,6 +133,7 @@ def main(
     tool_call_parser: str | None,
     reasoning_parser: str | None,
     scheduling_policy: str,
+    allow_runtime_adapter_loading: bool,
     log_level: str,
     **auth: Any,
 ) -> None:
@@ -177,6 +179,7 @@ def main(
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
             scheduling_policy=scheduling_policy,
+            allow_runtime_adapter_loading=allow_runtime_adapter_loading,
             auth=options.auth_config(auth),
         )
     except ValueError as exc:

@@ -201,6 +201,14 @@ scheduling_policy = click.option(
     "of any door; lower values first, arrival order within one; running requests are not "
     "preempted) [env SCHEDULING_POLICY].",
 )
+allow_runtime_adapter_loading = click.option(
+    "--allow-runtime-adapter-loading/--no-allow-runtime-adapter-loading",
+    envvar=["ALLOW_RUNTIME_ADAPTER_LOADING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"],
+    default=False,
+    help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters added "
+    "by name from any directory the shards can read, and removed [env ALLOW_RUNTIME_ADAPTER_LOADING, "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING].",
+)
 otlp_service_name = click.option(
     "--otlp-service-name",
     envvar="OTEL_SERVICE_NAME",

@@ -87,6 +87,8 @@ class RouterConfig:
     # the order waiting requests are taken in: fcfs (arrival), or priority (lower values first,
     # arrival within a value: router/scheduling/request_queue.py)
     scheduling_policy: str = "fcfs"
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (router/http/adapter_admin.py)
+    allow_runtime_adapter_loading: bool = False
     # API keys / JWT (router/api/auth.py); off by default
     auth: AuthConfig = field(default_factory=AuthConfig)
 

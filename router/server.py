@@ -41,6 +41,7 @@ from router.core.validation import PrefixLengths, Validator
 from router.grpc.grpc_server import GenerationServicer
 from router.grpc.reflection import enable_server_reflection
 from router.grpc.rpc_handlers import add_servicer
+from router.http.adapter_admin import AdapterAdmin
 from router.http.chat_template import load_chat_template
 from router.http.http_app import build_app
 from router.http.http_server import HealthCheck, HttpServer
@@ -204,9 +205,10 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
     metrics.adapters_in_use, metrics.max_loras = batcher.adapters_in_use, info.max_loras
     if isinstance(info.capacity, KvBlocks):
         metrics.cache_config(info.capacity.block_size, info.capacity.total_blocks)
+    prefixes = PrefixLengths(client.prefix_lookup, metrics)
     validator = Validator(
         pool,
-        PrefixLengths(client.prefix_lookup, metrics),
+        prefixes,
         metrics,
         max_sequence_length=config.max_sequence_length,
         max_new_tokens=config.max_new_tokens,
@@ -289,6 +291,9 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         bos_token_id=info.bos_token_id,
     )
     ResponsesApi(openai)  # POST /v1/responses on the OpenAI door's routes
+    if config.allow_runtime_adapter_loading:
+        AdapterAdmin(openai, client, prefixes)
+        logger.warning("adapters may be added from any directory the shards read (/v1/load_lora_adapter)")
     if info.sampling_defaults:
         logger.info(
             "OpenAI door: requests that leave them unset sample with the model's generation_config.json: %s",

@@ -218,3 +218,40 @@ def test_the_store_lists_the_adapters_requests_may_name(tiny_model, tmp_path: Pa
     assert "x/y/z/w" not in e.adapters.listed()[0]
     e.adapters.lora = None  # an engine that cannot apply LoRA lists its soft prompts only
     assert e.adapters.listed() == (["prompt"], False)
+
+
+def test_adapters_added_by_name_from_any_directory(tiny_model, store: Path, tmp_path: Path) -> None:
+    from text_generation_server.adapters import AdapterExists
+    from text_generation_server.errors import PrefixNotFoundError
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(store / "llama" / "a", elsewhere / "a")
+    shutil.copytree(store / "llama" / "b", elsewhere / "b")
+    (elsewhere / "empty").mkdir()
+    shutil.copytree(store / "llama" / "a", elsewhere / "broken")
+    (elsewhere / "broken" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    e = engine_with_store("tgis_native", tiny_model("llama"), store / "llama")
+    assert e.adapters.add("team/hot", str(elsewhere / "a")) == 0
+    assert e.adapters.listed()[0][:2] == ["a", "b"] and "team/hot" in e.adapters.listed()[0]
+    want = alone(e, GenerationRequest(1, PROMPTS[0], 6, adapter_id="a"))
+    assert alone(e, GenerationRequest(1, PROMPTS[0], 6, adapter_id="team/hot")) == want
+    with pytest.raises(AdapterExists, match=r"The lora adapter 'team/hot' has already been loaded\."):
+        e.adapters.add("team/hot", str(elsewhere / "b"))
+    e.adapters.add("team/hot", str(elsewhere / "b"), replace=True)  # load_inplace: b's weights now
+    assert alone(e, GenerationRequest(1, PROMPTS[0], 6, adapter_id="team/hot")) == alone(
+        e, GenerationRequest(1, PROMPTS[0], 6, adapter_id="b")
+    )
+    with pytest.raises(PrefixNotFoundError):
+        e.adapters.add("none", str(elsewhere / "empty"))
+    with pytest.raises(AdapterError, match="could not be read"):
+        e.adapters.add("broken", str(elsewhere / "broken"))
+    with pytest.raises(AdapterError, match="Invalid adapter name"):
+        e.adapters.add("../x", str(elsewhere / "a"))
+    assert "broken" not in e.adapters.added and "none" not in e.adapters.added
+    e.adapters.add("a", str(elsewhere / "b"))  # shadows the store's "a"
+    assert alone(e, GenerationRequest(1, PROMPTS[0], 6, adapter_id="a")) != want
+    assert e.adapters.remove("a") and not e.adapters.remove("a")
+    assert alone(e, GenerationRequest(1, PROMPTS[0], 6, adapter_id="a")) == want  # the store's again
+    assert e.adapters.remove("team/hot")
+    with pytest.raises(PrefixNotFoundError):
+        e.adapters.lookup(adapter_id="team/hot")

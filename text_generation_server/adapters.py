@@ -15,10 +15,12 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from text_generation_common.defaults import ADAPTER_ID_PATTERN
 from text_generation_common.messages import AdapterCacheState, GenerationRequest
 from text_generation_server import distributed
 from text_generation_server.config import ServerConfig
@@ -30,6 +32,12 @@ from text_generation_server.prompts import PromptStore, SoftPrompt, clipped, sto
 logger = logging.getLogger(__name__)
 
 PROMPT_TUNING, LORA = "PROMPT_TUNING", "LORA"
+
+
+class AdapterExists(ShardError):
+    """An adapter added at run time under a name that is taken (ALREADY_EXISTS)."""
+
+
 MAX_LISTED = 1024  # adapter ids one listing answers (ListAdapters)
 MAX_LIST_DEPTH = 4  # levels of nested directories a listing looks into (ids may hold `/`)
 
@@ -51,10 +59,57 @@ class AdapterSet:
     def __init__(self, prompts: PromptStore, lora: Adapters | None) -> None:
         self.prompts = prompts
         self.lora = lora  # None: the engine cannot apply LoRA here (see its reason)
+        # adapters added at run time by name (the router's /v1/load_lora_adapter): they shadow
+        # the store's of the same id
+        self.added: dict[str, Path] = {}
+
+    def directory(self, adapter_id: str) -> Path:
+        """Where adapter `adapter_id` is: added at run time, else in the store."""
+        added = self.added.get(adapter_id)
+        return added if added is not None else self.prompts.directory(adapter_id)
+
+    def add(self, adapter_id: str, path: str, replace: bool = False) -> int:
+        """Serve the adapter saved in directory `path` as `adapter_id`, loaded now (its virtual
+        tokens, 0 for LoRA). AdapterExists where the id was added before and not `replace`;
+        PrefixNotFoundError without an adapter_config.json there; the adapter's own error where
+        it does not load (then nothing is added)."""
+        if not ADAPTER_ID_PATTERN.fullmatch(adapter_id):
+            raise AdapterError(
+                f"Invalid adapter name {adapter_id}, must contain only alphanumeric, _ and - and /"
+            )
+        if adapter_id in self.added and not replace:
+            raise AdapterExists(f"The lora adapter '{adapter_id}' has already been loaded.")
+        directory = Path(path)
+        if not (directory / "adapter_config.json").is_file():
+            raise PrefixNotFoundError(f"{adapter_id} at {path}", "adapter")
+        before = self.added.get(adapter_id)
+        self.added[adapter_id] = directory
+        self._forget(adapter_id)
+        try:
+            return self.lookup(adapter_id=adapter_id)
+        except Exception:
+            if before is None:
+                self.added.pop(adapter_id, None)
+            else:
+                self.added[adapter_id] = before
+            raise
+
+    def remove(self, adapter_id: str) -> bool:
+        """Stop serving an adapter added at run time (requests running with it finish with it);
+        False if none was added by that id."""
+        if self.added.pop(adapter_id, None) is None:
+            return False
+        self._forget(adapter_id)
+        return True
+
+    def _forget(self, adapter_id: str) -> None:
+        self.prompts.cache.drop(adapter_id)
+        if self.lora is not None:
+            self.lora.cache.drop(adapter_id)
 
     def kind(self, adapter_id: str) -> str:
         """PROMPT_TUNING or LORA, from the stored adapter_config.json."""
-        path = self.prompts.directory(adapter_id)
+        path = self.directory(adapter_id)
         try:
             config = json.loads((path / "adapter_config.json").read_text())
             kind = config.get("peft_type") if isinstance(config, dict) else None
@@ -83,14 +138,17 @@ class AdapterSet:
         return not self.prompts.spec.seq2seq  # PEFT prompt tuning: decoder-only models (TGIS)
 
     def listed(self, limit: int = MAX_LISTED) -> tuple[list[str], bool]:
-        """The ids (sorted) of the stored adapters `servable` finds, at most `limit`, and whether
-        more were left out. Directories are looked into `MAX_LIST_DEPTH` levels deep, not below
-        an adapter's own; names that are not valid ids (dot files) and links that leave the
-        store are passed over, as requests naming them would be refused."""
+        """The ids (sorted) of the adapters added at run time and of the stored ones `servable`
+        finds, at most `limit`, and whether more were left out. Directories are looked into
+        `MAX_LIST_DEPTH` levels deep, not below an adapter's own; names that are not valid ids
+        (dot files) and links that leave the store are passed over, as requests naming them
+        would be refused."""
         root = self.prompts.root
-        found: list[str] = []
+        found = [adapter_id for adapter_id in self.added if self.servable(adapter_id)]
+        if len(found) > limit:
+            return sorted(found)[:limit], True
         if root is None:
-            return found, False
+            return sorted(found), False
         level = [""]
         for _ in range(MAX_LIST_DEPTH):
             deeper = []
@@ -106,7 +164,7 @@ class AdapterSet:
                     except ShardError:
                         continue
                     if (path / "adapter_config.json").is_file():
-                        if self.servable(adapter_id):
+                        if adapter_id not in self.added and self.servable(adapter_id):
                             found.append(adapter_id)
                             if len(found) > limit:
                                 return sorted(found)[:limit], True
@@ -125,10 +183,10 @@ class AdapterSet:
         if cached is not None:
             return cached
         if self.kind(adapter_id) == PROMPT_TUNING:
-            return self.prompts.get(adapter_id)
+            return self.prompts.get(adapter_id, self.directory(adapter_id))
         if self.lora is None:
             raise AdapterError(f"adapter {adapter_id} is a LoRA adapter, which this engine does not apply")
-        return self.lora.get(adapter_id, self.prompts.directory(adapter_id))
+        return self.lora.get(adapter_id, self.directory(adapter_id))
 
     def state(self) -> AdapterCacheState:
         prompts, lora = self.prompts.cache, (self.lora.cache if self.lora is not None else None)

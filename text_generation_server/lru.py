@@ -81,6 +81,13 @@ class LoadedCache(Generic[T]):
             self._values[key] = value
             self._used += size
 
+    def drop(self, key: str) -> None:
+        """Forget `key`'s value (a holder of it keeps it); nothing if it is not cached."""
+        with self._lock:
+            value = self._values.pop(key, None)
+            if value is not None:
+                self._used -= self._size_of(value)
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._values)

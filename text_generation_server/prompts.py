@@ -91,9 +91,10 @@ class PromptStore:
             lambda prefix_id: PromptError(f"Prefix ID object {prefix_id} exceeds the allowed cache size"),
         )
 
-    def get(self, prefix_id: str) -> SoftPrompt:
-        """The soft prompt `prefix_id`, loaded on first use; PrefixNotFoundError or PromptError."""
-        return self.cache.get(prefix_id, lambda: self._load(prefix_id))
+    def get(self, prefix_id: str, directory: Path | None = None) -> SoftPrompt:
+        """The soft prompt `prefix_id`, loaded on first use (from `directory`, else the store's
+        directory of that id); PrefixNotFoundError or PromptError."""
+        return self.cache.get(prefix_id, lambda: self._load(prefix_id, directory))
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -111,8 +112,8 @@ class PromptStore:
             raise PromptError(f"Invalid prefix id {prefix_id}")
         return path
 
-    def _load(self, prefix_id: str) -> SoftPrompt:
-        path = self.directory(prefix_id)
+    def _load(self, prefix_id: str, directory: Path | None = None) -> SoftPrompt:
+        path = directory if directory is not None else self.directory(prefix_id)
         try:
             return self._load_from(prefix_id, path)
         except OSError as exc:  # too long a name, no permission, ...: as good as missing

@@ -30,6 +30,7 @@ from text_generation_common import convert
 from text_generation_common.pb import generate_pb2 as pb
 from text_generation_common.pb import generate_pb2_grpc
 from text_generation_server import distributed
+from text_generation_server.adapters import AdapterExists, AdapterSet
 from text_generation_server.batch_manager import BatchManager
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import ModelEngine
@@ -40,6 +41,7 @@ from text_generation_server.errors import (
     ShardError,
     is_out_of_memory,
 )
+from text_generation_server.lora import AdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ STATUS_OF_ERROR: dict[type[ShardError], grpc.StatusCode] = {
     BatchNotFoundError: grpc.StatusCode.NOT_FOUND,
     PrefixNotFoundError: grpc.StatusCode.NOT_FOUND,
     InvalidBatchError: grpc.StatusCode.INVALID_ARGUMENT,
+    AdapterExists: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 
@@ -209,6 +212,13 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
             await self._abort(context, PrefixNotFoundError(request.prefix_id))
         assert adapters is not None
         load = functools.partial(adapters.lookup, request.prefix_id, request.adapter_id)
+        return await self._loaded(context, adapters, load)
+
+    async def _loaded(
+        self, context: Any, adapters: AdapterSet, load: Callable[[], int]
+    ) -> pb.PrefixLookupResponse:
+        """Run `load` (an adapter's load, answering its virtual tokens) on a thread of its own;
+        the length, with the caches as it left them."""
         try:
             length = await asyncio.get_running_loop().run_in_executor(None, load)
         except Exception as exc:  # every failure must become a status code
@@ -216,6 +226,21 @@ class ShardServicer(generate_pb2_grpc.TextGenerationServiceServicer):
         return pb.PrefixLookupResponse(
             prefix_length=length, adapters=convert.adapter_cache_to_pb(adapters.state())
         )
+
+    async def AddAdapter(self, request: pb.AddAdapterRequest, context: Any) -> pb.PrefixLookupResponse:
+        """Serve the adapter saved at `path` as `adapter_id`, loaded now on a thread of its own."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            await self._abort(context, AdapterError("this engine applies no adapters"))
+        assert adapters is not None
+        add = functools.partial(adapters.add, request.adapter_id, request.path, request.replace)
+        return await self._loaded(context, adapters, add)
+
+    async def RemoveAdapter(self, request: pb.RemoveAdapterRequest, context: Any) -> pb.RemoveAdapterResponse:
+        adapters = self.engine.adapters
+        if adapters is None or not adapters.remove(request.adapter_id):
+            await self._abort(context, PrefixNotFoundError(request.adapter_id, "added adapter"))
+        return pb.RemoveAdapterResponse()
 
     async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Any) -> pb.ListAdaptersResponse:
         """The store's adapters this engine can apply, read on a thread of its own."""

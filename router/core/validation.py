@@ -285,10 +285,18 @@ class PrefixLengths:
             self._metrics.inc("tgi_prompt_load_failure")
             raise
         self._metrics.observe("tgi_prompt_load_duration", time.monotonic() - now)
-        self._entries[key] = (length, now)
+        self.remember(prefix_id, length, adapter, now)
+        return length
+
+    def remember(self, prefix_id: str, length: int, adapter: bool = False, now: float | None = None) -> None:
+        """`prefix_id`'s length as a lookup found it (or as an adapter added at run time has it)."""
+        self._entries[(adapter, prefix_id)] = (length, time.monotonic() if now is None else now)
         while len(self._entries) > PREFIX_CACHE_CAPACITY:
             del self._entries[next(iter(self._entries))]
-        return length
+
+    def forget(self, adapter_id: str) -> None:
+        """An adapter removed at run time: the next request naming it asks the shards again."""
+        self._entries.pop((True, adapter_id), None)
 
 
 class Validator:

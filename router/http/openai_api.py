@@ -203,6 +203,10 @@ class OpenAIApi:
             answer["truncated"] = True
         return JSONResponse(answer)
 
+    def adapters_changed(self) -> None:
+        """Adapters were added or removed at run time: the next /v1/models lists them again."""
+        self._listing = (-math.inf, AdapterListing())
+
     def _model_entry(self, name: str, parent: str | None) -> dict[str, Any]:
         return {
             "id": name,

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX_LOOKUP_TIMEOUT_S = 5.0
 LIST_ADAPTERS_TIMEOUT_S = 10.0
+ADD_ADAPTER_TIMEOUT_S = 120.0  # reads a whole adapter from disk
 END_STEPS_TIMEOUT_S = 1.0
 OOM_MESSAGE = "GPU out of memory"
 CONNECTION_MESSAGE = "Could not connect to Text Generation server"
@@ -56,12 +57,17 @@ GRPC_OPTIONS = [
 
 class ShardCallError(Exception):
     """A shard call failed as a whole. reason: oom | connection | error (metric label);
-    `not_found`: the shard answered NOT_FOUND (an unknown prompt prefix or adapter)."""
+    `status`: the shard's gRPC status code's name where it answered one (NOT_FOUND: an unknown
+    prompt prefix or adapter; ALREADY_EXISTS: an adapter name taken)."""
 
-    def __init__(self, reason: str, message: str, not_found: bool = False) -> None:
+    def __init__(self, reason: str, message: str, status: str = "") -> None:
         super().__init__(message)
-        self.not_found = not_found
+        self.status = status
         self.reason = reason
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == "NOT_FOUND"
 
 
 class ShardClient(Protocol):
@@ -103,6 +109,15 @@ class ShardClient(Protocol):
         """The adapters of the shards' store that requests may name (shard 0's listing)."""
         ...
 
+    async def add_adapter(self, adapter_id: str, path: str, replace: bool = False) -> int:
+        """Serve the adapter saved at `path` (on the shards' host) as `adapter_id`, loaded now on
+        every shard: its virtual tokens (0 for LoRA)."""
+        ...
+
+    async def remove_adapter(self, adapter_id: str) -> None:
+        """Stop serving an adapter added by name (every shard)."""
+        ...
+
     async def health(self) -> None: ...
 
     async def clear_cache(self) -> None: ...
@@ -114,7 +129,7 @@ def _call_error(error: grpc.aio.AioRpcError) -> ShardCallError:
         return ShardCallError("oom", OOM_MESSAGE)
     if code == grpc.StatusCode.UNAVAILABLE:
         return ShardCallError("connection", f"{CONNECTION_MESSAGE}: {error.details()}")
-    return ShardCallError("error", error.details() or code.name, code == grpc.StatusCode.NOT_FOUND)
+    return ShardCallError("error", error.details() or code.name, code.name)
 
 
 class StepStream:
@@ -286,6 +301,19 @@ class GrpcShardClient:
         except grpc.aio.AioRpcError as exc:
             raise _call_error(exc) from exc
         return AdapterListing(tuple(reply.adapter_ids), reply.truncated)
+
+    async def add_adapter(self, adapter_id: str, path: str, replace: bool = False) -> int:
+        request = pb.AddAdapterRequest(adapter_id=adapter_id, path=path, replace=replace)
+        reply = await self._all("AddAdapter", request, ADD_ADAPTER_TIMEOUT_S)
+        assert isinstance(reply, pb.PrefixLookupResponse)
+        if reply.HasField("adapters") and self.on_adapter_state is not None:
+            self.on_adapter_state(convert.adapter_cache_from_pb(reply.adapters))
+        return reply.prefix_length
+
+    async def remove_adapter(self, adapter_id: str) -> None:
+        await self._all(
+            "RemoveAdapter", pb.RemoveAdapterRequest(adapter_id=adapter_id), PREFIX_LOOKUP_TIMEOUT_S
+        )
 
     async def health(self) -> None:
         await self._all("Health", pb.HealthRequest())

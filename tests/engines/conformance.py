@@ -383,10 +383,16 @@ class LocalShard:
         self.manager.end_steps(call)  # the call has ended: its answer was ready at once
 
     async def prefix_lookup(self, prefix_id: str, adapter: bool = False) -> int:
-        raise ShardCallError("error", f'prefix id "{prefix_id}" not found', not_found=True)
+        raise ShardCallError("error", f'prefix id "{prefix_id}" not found', "NOT_FOUND")
 
     async def list_adapters(self) -> AdapterListing:
         return AdapterListing()
+
+    async def add_adapter(self, adapter_id: str, path: str, replace: bool = False) -> int:
+        raise ShardCallError("error", "this engine applies no adapters")
+
+    async def remove_adapter(self, adapter_id: str) -> None:
+        raise ShardCallError("error", f'added adapter id "{adapter_id}" not found', "NOT_FOUND")
 
     async def health(self) -> None:
         return None

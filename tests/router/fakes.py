@@ -236,10 +236,23 @@ class FakeShard:
         if adapter and prefix_id in self.adapters:
             return self.adapters[prefix_id]
         what = "adapter" if adapter else "prefix"
-        raise ShardCallError("error", f'{what} id "{prefix_id}" not found', not_found=True)
+        raise ShardCallError("error", f'{what} id "{prefix_id}" not found', "NOT_FOUND")
 
     async def list_adapters(self) -> AdapterListing:
         return AdapterListing(tuple(sorted(self.adapters)))
+
+    async def add_adapter(self, adapter_id: str, path: str, replace: bool = False) -> int:
+        if adapter_id in self.adapters and not replace:
+            message = f"The lora adapter '{adapter_id}' has already been loaded."
+            raise ShardCallError("error", message, "ALREADY_EXISTS")
+        if not path.startswith("/adapters/"):  # the fake host's only adapters
+            raise ShardCallError("error", f'adapter id "{adapter_id} at {path}" not found', "NOT_FOUND")
+        self.adapters[adapter_id] = 0
+        return 0
+
+    async def remove_adapter(self, adapter_id: str) -> None:
+        if self.adapters.pop(adapter_id, None) is None:
+            raise ShardCallError("error", f'added adapter id "{adapter_id}" not found', "NOT_FOUND")
 
     async def health(self) -> None:
         self.calls.append(Call("health"))

@@ -18,6 +18,7 @@ from router.core.metrics import Metrics
 from router.core.pacing import StreamPacing
 from router.core.validation import ValidationError
 from router.http import http_server
+from router.http.adapter_admin import AdapterAdmin
 from router.http.chat_template import load_chat_template
 from router.http.http_app import PROBE_PATHS, build_app
 from router.http.http_server import HealthCheck, HttpServer
@@ -1241,6 +1242,58 @@ async def test_every_door_takes_a_priority_header(stack: Stack) -> None:
     assert (await status("/v1/completions", oai, "2"))[0] == 200
     assert (await status("/v1/completions", {**oai, "priority": -1}, "x"))[0] == 200  # the body's wins
     await stack.settled()
+
+
+async def test_adapters_added_and_removed_at_run_time(stack: Stack) -> None:
+    AdapterAdmin(stack.openai, stack.shard, stack.service.validator.prefixes)
+
+    async def admin(route: str, body: dict) -> tuple[int, str]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{stack.url}/v1/{route}", json=body) as r,
+        ):
+            text = await r.text()
+        return r.status, text if r.status == 200 else json.loads(text)["error"]["message"]
+
+    async def models() -> list[str]:
+        async with aiohttp.ClientSession() as session, session.get(stack.url + "/v1/models") as r:
+            return [m["id"] for m in (await r.json())["data"]]
+
+    assert await models() == ["tiny"]
+    hot = {"lora_name": "team/hot", "lora_path": "/adapters/hot"}
+    assert await admin("load_lora_adapter", hot) == (
+        200,
+        "Success: LoRA adapter 'team/hot' added successfully.",
+    )
+    assert await models() == ["tiny", "team/hot"]  # the listing read again at once
+    body = {"prompt": "hi", "max_tokens": 2, "model": "team/hot"}
+    assert (await post(stack, "/v1/completions", body))[0] == 200
+    assert await admin("load_lora_adapter", hot) == (
+        400,
+        "The lora adapter 'team/hot' has already been loaded.",
+    )
+    assert (await admin("load_lora_adapter", {**hot, "load_inplace": True}))[0] == 200
+    assert await admin("load_lora_adapter", {"lora_name": "x"}) == (
+        400,
+        "Both 'lora_name' and 'lora_path' must be provided.",
+    )
+    assert (await admin("load_lora_adapter", {"lora_name": "x", "lora_path": "/elsewhere"}))[0] == 404
+    assert (await admin("load_lora_adapter", {"lora_name": "a.b", "lora_path": "/adapters/x"}))[0] == 400
+    removed = (200, "Success: LoRA adapter 'team/hot' removed successfully.")
+    assert await admin("unload_lora_adapter", {"lora_name": "team/hot"}) == removed
+    assert await admin("unload_lora_adapter", {"lora_name": "team/hot"}) == (
+        404,
+        "The lora adapter 'team/hot' cannot be found.",
+    )
+    assert await models() == ["tiny"]
+    status, answer = await post(stack, "/v1/completions", body)  # not served from a stale cache
+    assert (status, answer["error"]["message"]) == (404, "The model `team/hot` does not exist.")
+    await stack.settled()
+
+
+async def test_the_adapter_routes_exist_only_where_allowed(stack: Stack) -> None:
+    status, _ = await post(stack, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/adapters/x"})
+    assert status == 404 and not stack.shard.adapters
 
 
 async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
