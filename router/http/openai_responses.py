@@ -193,7 +193,9 @@ def chat_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            thinking.append("".join(str(p.get("text", "")) for p in parts if isinstance(p, dict)))
+            if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+                raise ValidationError("a reasoning item's content and summary must be lists of text parts")
+            thinking.append("".join(str(p.get("text", "")) for p in parts))
         else:
             raise ValidationError(f"input items of type {kind!r} are not supported by this server")
     return messages

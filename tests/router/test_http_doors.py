@@ -1296,6 +1296,90 @@ async def test_the_adapter_routes_exist_only_where_allowed(stack: Stack) -> None
     assert status == 404 and not stack.shard.adapters
 
 
+RANDOM_VALUES = (None, 0, 1, -1, 2.5, "", "x", "Oslo", True, [], {}, [1, 2], ["a"], {"a": 1}, [{"type": "x"}])
+
+
+def random_body(r: random.Random, route: str) -> dict:
+    """A body of the route's own fields and a few foreign ones, each of any JSON type."""
+    fields = {
+        "/v1/completions": ["prompt", "max_tokens", "temperature", "logprobs", "echo", "n", "stop", "stream"],
+        "/v1/chat/completions": [
+            "messages",
+            "max_tokens",
+            "tools",
+            "tool_choice",
+            "response_format",
+            "stream",
+        ],
+        "/v1/responses": [
+            "input",
+            "instructions",
+            "tools",
+            "tool_choice",
+            "text",
+            "include",
+            "reasoning",
+            "stream",
+        ],
+        "/generate": ["inputs", "parameters", "stream"],
+    }[route]
+    shared = ["structured_outputs", "priority", "return_token_ids", "skip_special_tokens", "model", "seed"]
+    valid = {
+        "/v1/completions": {"prompt": "hi", "max_tokens": 3},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 3},
+        "/generate": {"inputs": "hi", "parameters": {"max_new_tokens": 3}},
+    }[route]
+    changed = r.sample(fields + shared, r.randint(0, 3))
+    body = {**valid, **{name: r.choice(RANDOM_VALUES) for name in changed}}
+    nested = {  # well-formed containers holding values of any type
+        "messages": [
+            {"role": r.choice(["user", "assistant", "tool", "x"]), "content": r.choice(RANDOM_VALUES)}
+        ],
+        "input": [
+            {
+                "type": r.choice(["message", "function_call", "function_call_output", "reasoning", "x"]),
+                **{
+                    key: r.choice(RANDOM_VALUES)
+                    for key in r.sample(
+                        ["role", "content", "call_id", "name", "arguments", "output", "summary"], 3
+                    )
+                },
+            }
+        ],
+        "parameters": {"max_new_tokens": r.choice([1, 2, 0, -1, "x", None])},
+    }
+    for name, value in nested.items():
+        if name in changed and r.random() < 0.7:
+            body[name] = value
+    return body
+
+
+async def test_random_bodies_get_clear_answers(stack: Stack) -> None:
+    """Bodies of random shapes at each generate route: an answer or a clear refusal in the
+    route's error shape, never a server error, and nothing left held."""
+    r = random.Random(7)
+    routes = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate"]
+    seen = set()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(800):
+            route = r.choice(routes)
+            body = random_body(r, route)
+            async with session.post(stack.url + route, json=body) as response:
+                text = await response.text()
+            assert response.status in (200, 400, 404, 422), (route, body, response.status, text)
+            if response.content_type == "text/event-stream":  # a stream ends as its route ends them
+                last = text.strip().split("\n\n")[-1]
+                ends = {"/v1/responses": ("response.completed", "response.incomplete", "response.failed")}
+                assert any(end in last for end in ends.get(route, ("[DONE]", "generated_text"))), (body, last)
+            if response.status != 200:
+                error = json.loads(text)["error"]
+                assert error["message"] if isinstance(error, dict) else error, (route, body)
+            seen.add((route, response.status))
+    assert len(seen) >= 8, seen  # both answers and refusals at every route
+    await stack.settled()
+
+
 async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
     stack.shard.script = lambda request, step: EOS if step == 1 else 600 + step  # EOS at the 2nd step
     status, answer = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "temperature": 0})
