@@ -144,7 +144,9 @@ class AdapterSet:
         (dot files) and links that leave the store are passed over, as requests naming them
         would be refused."""
         root = self.prompts.root
-        found = [adapter_id for adapter_id in self.added if self.servable(adapter_id)]
+        found = [
+            adapter_id for adapter_id in list(self.added) if self.servable(adapter_id)
+        ]  # a copy: added to meanwhile
         if len(found) > limit:
             return sorted(found)[:limit], True
         if root is None:
