@@ -307,6 +307,8 @@ class ResponseShape:
             output.append(message_item(_id("msg"), message.get("content") or "", "completed", logprobs))
         output += [call_item(_id("fc"), call, "completed") for call in calls]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        if status == "incomplete" and "status" in output[-1]:  # the item the limit cut
+            output[-1]["status"] = status
         return self.response(status, output, _usage(answer.get("usage")))
 
     # ---- streamed -------------------------------------------------------------------------
@@ -419,17 +421,19 @@ class _EventStream:
             self.event("response.output_item.added", output_index=len(self.output), item=self.item),
         ]
 
-    def _close(self) -> list[str]:
-        """The events that end the item being written (none when there is none)."""
+    def _close(self, last: bool = False) -> list[str]:
+        """The events that end the item being written (none when there is none); `last`: the
+        answer's last item, incomplete where the token limit cut it."""
         if self.item is None:
             return []
+        status = "incomplete" if last and self.finish == "length" else "completed"
         kind, at, text = self.item["type"], self._at(), self.text
         events = []
         if kind == "reasoning":
             item = reasoning_item(self.item["id"], text)
             events.append(self.event("response.reasoning_text.done", **at, content_index=0, text=text))
         elif kind == "message":
-            item = message_item(self.item["id"], text, "completed", self.logprobs)
+            item = message_item(self.item["id"], text, status, self.logprobs)
             part = item["content"][0]
             events.append(
                 self.event(
@@ -438,7 +442,7 @@ class _EventStream:
             )
             events.append(self.event("response.content_part.done", **at, content_index=0, part=part))
         else:
-            item = {**self.item, "arguments": text, "status": "completed"}
+            item = {**self.item, "arguments": text, "status": status}
             events.append(
                 self.event("response.function_call_arguments.done", **at, name=item["name"], arguments=text)
             )
@@ -451,7 +455,7 @@ class _EventStream:
         events = []
         if self.item is None and not self.output:  # an empty answer is an empty message
             events += self._open("message")
-        events += self._close()
+        events += self._close(last=True)
         status = "incomplete" if self.finish == "length" else "completed"
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=self.shape.response(status, self.output, self.usage))]

@@ -189,6 +189,7 @@ def test_the_response_object_of_a_chat_answer() -> None:
     )
     cut = parsed(shape.unary(chat_answer({"content": "abc"}, "length")))
     assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.output[-1].status == "incomplete" and answer.output[-1].status == "completed"
     assert cut.incomplete_details.reason == "max_output_tokens"
     empty = parsed(shape.unary(chat_answer({"content": ""})))
     assert empty.output_text == "" and [item.type for item in empty.output] == ["message"]
@@ -300,6 +301,7 @@ def test_a_named_call_streams_its_arguments_and_a_cut_answer_is_incomplete() -> 
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert deltas == ['{"ci', 'ty"']
     assert events[-1].type == "response.incomplete" and events[-1].response.output[0].arguments == '{"city"'
+    assert events[-1].response.output[0].status == "incomplete"
     empty = streamed(
         ResponseShape(request(stream=True), "m"),
         [chunk({"role": "assistant", "content": ""}), chunk({}, "stop"), USAGE],
