@@ -35,6 +35,7 @@ from typing import Any
 
 from benchmarks.stats import cpu_shares, cpu_times
 from router.config import DEFAULT_MAX_BATCH_PREFILL_TOKENS as DEFAULT_PREFILL_BUDGET
+from router.config import DEFAULT_MAX_DECODE_CALL_MS, DEFAULT_MAX_DECODE_STEPS
 from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK as DEFAULT_ENGINE
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,18 @@ def prompt_ids(model_dir: Path, count: int, length: int, seed: int, salt: str = 
 Runner = Callable[[list[list[int]], int], dict[str, float]]
 
 
+STEP_TIME_WEIGHT = 0.25  # the router's (router/scheduling/batcher.py)
+
+
+def call_steps(step_s: float | None) -> int:
+    """The decode steps the router's next call asks for while nothing waits: one until a decode
+    step was timed, then MAX_DECODE_STEPS or as many as fit in MAX_DECODE_CALL_MS."""
+    if step_s is None or DEFAULT_MAX_DECODE_STEPS <= 1:
+        return 1
+    fit = int(DEFAULT_MAX_DECODE_CALL_MS / 1000 / step_s) if step_s > 0 else DEFAULT_MAX_DECODE_STEPS
+    return max(1, min(DEFAULT_MAX_DECODE_STEPS, fit))
+
+
 def engine_runner(
     model_dir: Path,
     dtype: str | None,
@@ -68,7 +81,9 @@ def engine_runner(
 ) -> tuple[Runner, str]:
     """The engine `engine_name` from the registry, driven through the shard's BatchManager as
     the router drives it: prefill, then next_token with the finished requests pruned, each call
-    with the token budget when the engine chunks prefills (None: the router's default). Where
+    with the token budget when the engine chunks prefills (None: the router's default) and, as
+    the router asks while nothing waits, for as many decode steps as its defaults allow
+    (MAX_DECODE_STEPS, within MAX_DECODE_CALL_MS of the steps' average forward time). Where
     the engine pipelines steps (tgis_native on a GPU) the loop runs ahead after every call as
     the shard does, so that each step is launched before the one before it is read back."""
     from text_generation_common.messages import CachedBatchRef, GenerationRequest, SamplingParams
@@ -113,10 +128,14 @@ def engine_runner(
             raise RuntimeError(f"the engine refused requests: {output.errors}")
         prefilled: float | None = None
         steps = decode_steps = 0
+        calls = 1  # the prefill's
+        step_s: float | None = None  # forward time per decode step, averaged as the router does
         while True:
-            steps += 1
+            steps += max(1, output.steps)
             if prefilled is not None:
-                decode_steps += 1
+                decode_steps += max(1, output.steps)
+                per_step = output.forward_ns / max(1, output.steps) / 1e9
+                step_s = per_step if step_s is None else step_s + STEP_TIME_WEIGHT * (per_step - step_s)
             for generation in output.generations:
                 counts[generation.request_id] += 1
             if output.errors:
@@ -126,7 +145,10 @@ def engine_runner(
             done = tuple(rid for rid, n in counts.items() if n >= output_len)
             if output.batch_id is None or len(done) == len(counts):
                 break
-            next_output = manager.next_token([CachedBatchRef(output.batch_id, done)], budget)
+            next_output = manager.next_token(
+                [CachedBatchRef(output.batch_id, done)], budget, None, call_steps(step_s)
+            )
+            calls += 1
             if ahead:
                 manager.run_ahead()
             if next_output is None:
@@ -140,6 +162,7 @@ def engine_runner(
             "output_tokens": sum(min(n, output_len) for n in counts.values()),
             "steps": steps,
             "decode_steps": decode_steps,
+            "calls": calls,
             "token_budget": budget,
             "pipelined": ahead,
         }
