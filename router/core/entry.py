@@ -119,10 +119,12 @@ class Entry:
         if self._ends is None:  # the request's own stop_token_ids end it as EOS does
             stops = self.request.sampling.stop_token_ids
             self._ends = frozenset((*eos_token_ids, *stops)) if stops else eos_token_ids
+        # the model's EOS is left out of the text; a stop token id's text stays, as vLLM keeps
+        # it (a special one decodes to nothing unless the request keeps special tokens)
+        in_text = token.token_id not in eos_token_ids
         eos_token_ids = self._ends
-        is_eos = token.token_id in eos_token_ids
         new_chars = 0
-        if not is_eos:
+        if in_text:
             self.token_ids.append(token.token_id)
             if self._text is not None:
                 new_chars = self._text.push(token.token_id)

@@ -110,7 +110,9 @@ class CommonRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         default=None, ge=1, description="keep the prompt's last n tokens"
     )
-    stop_token_ids: list[int] | None = Field(default=None, description="ids that end the answer as EOS does")
+    stop_token_ids: list[int] | None = Field(
+        default=None, description="ids that end the answer as EOS does (their text kept, as vLLM keeps it)"
+    )
     allowed_token_ids: list[int] | None = Field(default=None, description="the only ids the answer may have")
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False

@@ -372,14 +372,17 @@ async def test_each_of_the_models_eos_ids_ends_a_request(make_harness) -> None:
 
 
 async def test_a_requests_own_stop_token_ids_end_it_as_eos(make_harness) -> None:
+    """...keeping the stop token's text, as vLLM does (the model's EOS stays out of it)."""
     script = lambda request, step: 600 + step  # noqa: E731
     h = make_harness(FakeShard(script=script))
-    plain = await h.final(h.submit(make_request(max_new=10)))
+    four = await h.final(h.submit(make_request(max_new=4)))  # 600 .. 603
     request = make_request(max_new=10)
     request = replace(request, sampling=replace(request.sampling, stop_token_ids=(603, 700)))
     out = await h.final(h.submit(request))
     assert out.stop_reason is StopReason.EOS_TOKEN and out.generated_tokens == 4
-    assert plain.text.startswith(out.text) and len(out.text) < len(plain.text)
+    assert out.text == four.text
+    streamed = await h.all_outputs(h.submit(request, stream=True))
+    assert "".join(o.text for o in streamed) == four.text
 
 
 async def test_streamed_outputs_add_up_to_the_unary_text(make_harness, detokenizer) -> None:
