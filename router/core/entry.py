@@ -47,6 +47,7 @@ class Output:
     input_tokens: list[TokenInfo] | None = None
     stop_reason: StopReason = StopReason.NOT_FINISHED
     stop_sequence: str = ""
+    stop_token: int | None = None  # the request's own stop token id that ended it (not the model's EOS)
     error: str | None = None  # the request failed: "Request failed during generation: ..."
     failure: Failure = Failure.ENGINE_FAULT  # what kind of failure, when `error` is set
 
@@ -154,7 +155,8 @@ class Entry:
             self._held_tokens.append(token)
         if reason.finished:
             tokens, self._held_tokens = self._held_tokens, []
-            self._finish(reason, match.sequence if match else "", tokens, detokenizer)
+            stop_token = token.token_id if reason is StopReason.EOS_TOKEN and in_text else None
+            self._finish(reason, match.sequence if match else "", tokens, detokenizer, stop_token)
         elif self.stream and self.generated >= self._due and self._text is not None:
             delta = self._text.take_delta()
             if delta or self._held_tokens:
@@ -164,7 +166,12 @@ class Entry:
         return reason.finished
 
     def _finish(
-        self, reason: StopReason, stop_sequence: str, tokens: list[TokenInfo], detokenizer: Detokenizer
+        self,
+        reason: StopReason,
+        stop_sequence: str,
+        tokens: list[TokenInfo],
+        detokenizer: Detokenizer,
+        stop_token: int | None = None,
     ) -> None:
         self.stop_reason = reason
         if self._text is not None:
@@ -175,9 +182,17 @@ class Entry:
             decoding = detokenizer.variant(self.request.response.skip_special_tokens)
             text = decoding.decode(self.token_ids).rstrip(REPLACEMENT_CHAR)
         if self.stream:
-            out = Output(self.generated, text, tokens, None, reason, stop_sequence)
+            out = Output(self.generated, text, tokens, None, reason, stop_sequence, stop_token=stop_token)
         else:
-            out = Output(self.generated, text, self.tokens, self.input_tokens, reason, stop_sequence)
+            out = Output(
+                self.generated,
+                text,
+                self.tokens,
+                self.input_tokens,
+                reason,
+                stop_sequence,
+                stop_token=stop_token,
+            )
         self.outputs.put_nowait(out)
 
     def fail_detokenization(self, message: str) -> None:

@@ -364,7 +364,11 @@ class OpenAIApi:
         for index, output in enumerate(outputs):
             echoed = answer.prompts[index] if answer.echo else ""
             text = echoed + output.text
-            choice: dict[str, Any] = {"index": index, "finish_reason": _finish(output.stop_reason)}
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": _finish(output.stop_reason),
+                "stop_reason": _stop_reason(output),
+            }
             if answer.kind == "chat":
                 thinking = None
                 if answer.reasoning is not None:
@@ -543,13 +547,13 @@ class OpenAIApi:
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": output.text}}]}
             else:
                 delta = {"content": output.text}
-            return self._chunk(answer, index, delta, finish, output.tokens)
+            return _stopped(self._chunk(answer, index, delta, finish, output.tokens), output)
         logprobs = (
             self._completion_logprobs(output.tokens, offsets[index], output.input_tokens, answer.as_ids)
             if answer.logprobs
             else None
         )
-        return self._chunk(answer, index, output.text, finish, output.tokens, logprobs)
+        return _stopped(self._chunk(answer, index, output.text, finish, output.tokens, logprobs), output)
 
     def _held_chunk(
         self, answer: _Answer, index: int, held: HeldAnswer, output: Output
@@ -567,7 +571,8 @@ class OpenAIApi:
             delta["content"] = content + (reading.content or "")
         if reading.calls is not None:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(reading.calls)]
-        return self._held_send(answer, index, held, delta, reading.finish or _finish(output.stop_reason))
+        chunk = self._held_send(answer, index, held, delta, reading.finish or _finish(output.stop_reason))
+        return _stopped(chunk, output)
 
     def _held_send(
         self, answer: _Answer, index: int, held: HeldAnswer, delta: dict[str, Any], finish: str | None
@@ -674,6 +679,21 @@ def _opening(tools: ToolMode) -> dict[str, Any]:
 
 def _finish(reason: StopReason) -> Literal["stop", "length"]:
     return "stop" if FINISH_REASONS.get(reason) else "length"
+
+
+def _stop_reason(output: Output) -> str | int | None:
+    """vLLM's `stop_reason`: the stop sequence or the request's stop token id that ended the
+    answer; None for the model's EOS and the token limit."""
+    if output.stop_reason is StopReason.STOP_SEQUENCE:
+        return output.stop_sequence
+    return output.stop_token
+
+
+def _stopped(chunk: dict[str, Any], output: Output) -> dict[str, Any]:
+    """A streamed chunk, with its choice's `stop_reason` where it is the choice's last."""
+    if output.final:
+        chunk["choices"][0]["stop_reason"] = _stop_reason(output)
+    return chunk
 
 
 def _usage(requests: Sequence[ValidatedRequest], outputs: Sequence[Output]) -> dict[str, int]:

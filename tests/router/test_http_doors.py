@@ -1380,6 +1380,27 @@ async def test_random_bodies_get_clear_answers(stack: Stack) -> None:
     await stack.settled()
 
 
+async def test_openai_stop_reason_names_what_stopped_the_answer(stack: Stack) -> None:
+    stack.shard.script = lambda request, step: EOS if step == 5 else 600 + step
+    body = {"prompt": "hi", "max_tokens": 8, "temperature": 0}
+    plain = (await post(stack, "/v1/completions", body))[1]["choices"][0]  # EOS at the 6th token
+    cases = [
+        ({}, None),  # the model's EOS
+        ({"max_tokens": 3}, None),
+        ({"stop_token_ids": [602]}, 602),
+        ({"stop": [plain["text"][2:4]]}, plain["text"][2:4]),
+    ]
+    for fields, want in cases:
+        (choice,) = (await post(stack, "/v1/completions", {**body, **fields}))[1]["choices"]
+        assert choice["stop_reason"] == want, (fields, choice)
+        events = await sse_events(stack, {**body, **fields, "stream": True}, "/v1/completions")
+        last = [e["choices"][0] for e in events[:-1] if e["choices"]][-1]
+        assert last["finish_reason"] is not None and last["stop_reason"] == want, (fields, last)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "stop_token_ids": [601]}
+    assert (await post(stack, "/v1/chat/completions", chat))[1]["choices"][0]["stop_reason"] == 601
+    await stack.settled()
+
+
 async def test_openai_ignore_eos_and_overload(stack: Stack) -> None:
     stack.shard.script = lambda request, step: EOS if step == 1 else 600 + step  # EOS at the 2nd step
     status, answer = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "temperature": 0})
