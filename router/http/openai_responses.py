@@ -71,7 +71,10 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
+    # prompt caching hints: this server's prefix cache (tgis_native) works without them
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     # refused when set: they need what this server does not keep or run
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None

@@ -384,6 +384,7 @@ REFUSALS = [  # (path, body, status, kind): every way the HTTP doors refuse a ge
     ),
     ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "openai"),  # SCHEDULING_POLICY fcfs
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400, "openai"),
+    ("/v1/responses", {"input": "hi", "context_management": [{"type": "compaction"}]}, 400, "openai"),
     (
         "/v1/responses",
         {"input": "hi", "stream": True, "tools": [{"type": "web_search"}]},

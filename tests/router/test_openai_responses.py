@@ -75,6 +75,8 @@ def test_a_request_is_the_chat_call_it_asks_for() -> None:
             stream=True,
             store=True,
             metadata={"k": "v"},
+            prompt_cache_key="team-a",
+            prompt_cache_retention="24h",
         )
     )
     assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
