@@ -18,11 +18,11 @@ import logging
 from typing import Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 
 from router.core.validation import PrefixLengths
-from router.http.openai_api import OpenAIApi, error_json
+from router.http.openai_api import OpenAIApi, error_reply
 from router.scheduling.shard_client import ShardCallError
 from text_generation_common.defaults import ADAPTER_ID_PATTERN
 from text_generation_common.logs import clip
@@ -64,13 +64,13 @@ class AdapterAdmin:
     async def load(self, body: LoadAdapter, request: Request) -> Response:
         name, path = body.lora_name, body.lora_path
         if not name or not path:
-            return _refused(400, "Both 'lora_name' and 'lora_path' must be provided.")
+            return error_reply(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if not ADAPTER_ID_PATTERN.fullmatch(name) or name.startswith("/"):
-            return _refused(400, f"lora_name {clip(name)!r} must be a path of alphanumeric, _ and - names")
+            return error_reply(400, f"lora_name {clip(name)!r} must be a path of alphanumeric, _ and - names")
         try:
             length = await self.shards.add_adapter(name, path, body.load_inplace)
         except ShardCallError as exc:
-            return _refused(STATUS.get(exc.status, 500), str(exc))
+            return error_reply(STATUS.get(exc.status, 500), str(exc))
         self.prefixes.remember(name, length, adapter=True)
         self.openai.adapters_changed()
         logger.info("adapter %s added from %s", clip(name), clip(path))
@@ -79,19 +79,15 @@ class AdapterAdmin:
     async def unload(self, body: UnloadAdapter, request: Request) -> Response:
         name = body.lora_name
         if not name:
-            return _refused(400, "lora_name must be provided.")
+            return error_reply(400, "lora_name must be provided.")
         try:
             await self.shards.remove_adapter(name)
         except ShardCallError as exc:
             if exc.not_found:
-                return _refused(404, f"The lora adapter '{clip(name)}' cannot be found.")
-            return _refused(STATUS.get(exc.status, 500), str(exc))
+                return error_reply(404, f"The lora adapter '{clip(name)}' cannot be found.")
+            return error_reply(STATUS.get(exc.status, 500), str(exc))
         finally:
             self.prefixes.forget(name)
             self.openai.adapters_changed()
         logger.info("adapter %s removed", clip(name))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-
-
-def _refused(status: int, message: str) -> Response:
-    return JSONResponse(error_json(status, message), status)

@@ -19,15 +19,15 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from router.api.auth import Authenticator, AuthError
 from router.api.service import GenerationService
-from router.http.http_calls import describe_validation, tenant_of
+from router.http.http_calls import describe_validation, refuse_body
 from router.http.http_server import HealthCheck, HttpResponse, error_body
-from router.http.openai_api import OpenAIApi, error_json
+from router.http.openai_api import OpenAIApi, error_reply
 from router.http.tgi_rest import TgiRest
 from text_generation_common.logs import clip
 
@@ -94,7 +94,7 @@ def _authentication(auth: Authenticator) -> Callable[[Request], Awaitable[None]]
 async def _unauthenticated(request: Request, exc: Exception) -> Response:
     headers = {"WWW-Authenticate": "Bearer"}
     if _openai(request):
-        return JSONResponse(error_json(401, str(exc)), 401, headers=headers)
+        return error_reply(401, str(exc), headers=headers)
     return Response(
         error_body(str(exc), "unauthenticated"), 401, headers=headers, media_type="application/json"
     )
@@ -178,7 +178,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = str(exc.detail)
     headers = dict(exc.headers or {})
     if _openai(request):
-        return JSONResponse(error_json(status, message), status, headers=headers)
+        return error_reply(status, message, headers=headers)
     return Response(
         error_body(message, ERROR_TYPES.get(status, "bad_request")),
         status,
@@ -199,10 +199,9 @@ def _validation_error(service: GenerationService) -> Callable[[Request, Exceptio
             kind, name = route
             if isinstance(exc.body, dict) and exc.body.get("stream") is True and not kind.endswith("_stream"):
                 kind += "_stream"
-            with service.open_call(kind, name, list(request.headers.items()), 1, tenant_of(request)):
-                service.refuse(message)
+            refuse_body(service, request, kind, name, message)
         if _openai(request):  # OpenAI answers a bad body with 400
-            return JSONResponse(error_json(400, message), 400)
+            return error_reply(400, message)
         return Response(error_body(message, "validation"), 422, media_type="application/json")
 
     return refused

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from router.api.service import Call, RequestError
+from router.api.service import Call, GenerationService, RequestError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 T = TypeVar("T")
@@ -71,6 +71,13 @@ class EventStream(StreamingResponse):
                 await self._events.aclose()
             finally:
                 self._call.close()
+
+
+def refuse_body(service: GenerationService, request: Request, kind: str, name: str, message: str) -> None:
+    """A generate call of `kind` (its span `name`) whose body was refused before any door could
+    open it: counted and traced as one call refused at validation, as every door's refusals are."""
+    with service.open_call(kind, name, list(request.headers.items()), 1, tenant_of(request)):
+        service.refuse(message)
 
 
 def describe_validation(exc: RequestValidationError | ValidationError) -> str:

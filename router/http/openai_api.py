@@ -93,9 +93,16 @@ def error_json(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+def error_reply(
+    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """An answer of `status` in OpenAI's error shape."""
+    return JSONResponse(error_json(status, message, param), status, headers=headers)
+
+
 def error_response(exc: RequestError) -> JSONResponse:
     status = 500 if exc.cause == "generation" else STATUS.get(exc.code, 500)
-    return JSONResponse(error_json(status, exc.message, exc.param), status)
+    return error_reply(status, exc.message, exc.param)
 
 
 class AnswerShape(Protocol):
@@ -194,7 +201,7 @@ class OpenAIApi:
                     listing = await self.list_adapters()
                 except Exception as exc:  # the shard's failure, answered rather than hidden
                     message = f"could not list the adapters: {clip(str(exc))}"
-                    return JSONResponse(error_json(500, message), 500)
+                    return error_reply(500, message)
                 self._listing = time.monotonic(), listing
         data = [self._model_entry(self.model_name, None)]
         data += [self._model_entry(adapter, self.model_name) for adapter in listing.ids]
@@ -238,8 +245,14 @@ class OpenAIApi:
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         """The assistant's reply to the messages, rendered with the model's chat template (inside
         the call: a refusal of the messages is the call's)."""
+        return await self.serve_chat(body, request)
+
+    async def serve_chat(
+        self, body: ChatRequest, request: Request, shape: AnswerShape | None = None
+    ) -> Response:
+        """The chat call of `body`, answered as a chat completion or as `shape` reshapes it."""
         top_n = (body.top_logprobs or 0) if body.logprobs else 0
-        return await self.serve(body, request, "chat", None, top_n, body.logprobs, False)
+        return await self.serve(body, request, "chat", None, top_n, body.logprobs, False, shape)
 
     def _chat_prompt(self, body: ChatRequest) -> str:
         """The messages rendered with the model's chat template; RequestError when they cannot be."""

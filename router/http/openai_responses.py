@@ -28,13 +28,13 @@ from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as BodyError
 
 from router.core.validation import ValidationError
-from router.http.http_calls import describe_validation, sse, tenant_of
-from router.http.openai_api import OpenAIApi, error_json
+from router.http.http_calls import describe_validation, refuse_body, sse
+from router.http.openai_api import OpenAIApi, error_reply
 from router.http.openai_params import ChatRequest
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -99,18 +99,14 @@ class ResponsesApi:
             return self._refused(request, str(exc), body.stream)
         except BodyError as exc:
             return self._refused(request, describe_validation(exc), body.stream)
-        top_n = (chat.top_logprobs or 0) if chat.logprobs else 0
         shape = ResponseShape(body, chat.model or self.openai.model_name)
-        return await self.openai.serve(chat, request, "chat", None, top_n, chat.logprobs, False, shape)
+        return await self.openai.serve_chat(chat, request, shape)
 
     def _refused(self, request: Request, message: str, stream: bool) -> Response:
         """A body the conversion refuses: one validation failure of the route's kind, 400."""
-        service, kind = self.openai.service, "openai_stream" if stream else "openai"
-        with service.open_call(
-            kind, ResponseShape.route, list(request.headers.items()), 1, tenant_of(request)
-        ):
-            service.refuse(message)
-        return JSONResponse(error_json(400, message), 400)
+        kind = "openai_stream" if stream else "openai"
+        refuse_body(self.openai.service, request, kind, ResponseShape.route, message)
+        return error_reply(400, message)
 
 
 def chat_request(body: ResponsesRequest) -> ChatRequest:
