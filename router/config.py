@@ -92,6 +92,11 @@ class RouterConfig:
     # API keys / JWT (router/api/auth.py); off by default
     auth: AuthConfig = field(default_factory=AuthConfig)
 
+    @property
+    def by_priority(self) -> bool:
+        """Waiting requests are taken by priority (SCHEDULING_POLICY=priority)."""
+        return self.scheduling_policy == "priority"
+
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")

@@ -183,7 +183,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         metrics,
         max_prefill_tokens=config.max_batch_prefill_tokens,
         chunked_prefill=info.chunked_prefill,
-        by_priority=config.scheduling_policy == "priority",
+        by_priority=config.by_priority,
     )
     cpu_s = time.process_time if shares_cpus(info.compute_cpus) else None  # the forward's CPUs are ours
     pacing = StreamPacing(config.stream_interval, config.max_stream_interval, loop_idle_s, cpu_s=cpu_s)
@@ -216,7 +216,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         capacity=capacity,
         grammars=grammars_of(tokenizer.to_str(), info.vocab_size, info.eos_token_id),
         call_ends=_call_ends(detokenizer, config.max_decode_steps),
-        by_priority=config.scheduling_policy == "priority",
+        by_priority=config.by_priority,
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
     service = GenerationService(

@@ -358,7 +358,7 @@ class GenerationService:
             inference_s = now - entry.started_at
             self.metrics.inc("tgi_request_success", stop_reason=output.stop_reason.name, kind=call.kind)
             self.metrics.observe("tgi_request_generated_tokens", generated)
-            adapter = request.adapter_id or request.prefix_id
+            adapter = request.adapter
             if adapter:
                 self.metrics.inc("tgi_adapter_request_count", adapter_id=adapter)
                 self.metrics.inc("tgi_adapter_generated_tokens", generated, adapter_id=adapter)

@@ -181,19 +181,11 @@ class Entry:
         else:
             decoding = detokenizer.variant(self.request.response.skip_special_tokens)
             text = decoding.decode(self.token_ids).rstrip(REPLACEMENT_CHAR)
-        if self.stream:
-            out = Output(self.generated, text, tokens, None, reason, stop_sequence, stop_token=stop_token)
-        else:
-            out = Output(
-                self.generated,
-                text,
-                self.tokens,
-                self.input_tokens,
-                reason,
-                stop_sequence,
-                stop_token=stop_token,
-            )
-        self.outputs.put_nowait(out)
+        # a stream's last message carries its own tokens; a unary answer all of them
+        details, inputs = (tokens, None) if self.stream else (self.tokens, self.input_tokens)
+        self.outputs.put_nowait(
+            Output(self.generated, text, details, inputs, reason, stop_sequence, stop_token=stop_token)
+        )
 
     def fail_detokenization(self, message: str) -> None:
         """Decoding this request's output failed (the batch goes on)."""

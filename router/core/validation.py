@@ -109,6 +109,11 @@ class ValidatedRequest:
     priority: int = 0  # SCHEDULING_POLICY=priority: waits behind the lower values
 
     @property
+    def adapter(self) -> str:
+        """The adapter the request runs with, of either kind ("" for none)."""
+        return self.adapter_id or self.prefix_id
+
+    @property
     def seed(self) -> int:
         """The seed to report (0 for greedy)."""
         return 0 if self.sampling.greedy else (self.sampling.seed or 0)

@@ -369,7 +369,7 @@ class Batcher:
 
     def adapters_in_use(self) -> tuple[set[str], set[str]]:
         """The adapters (adapter_id or prefix_id) of the running requests and of the waiting ones."""
-        running = {e.request.adapter_id or e.request.prefix_id for e in self._live if not e.finished} - {""}
+        running = {e.request.adapter for e in self._live if not e.finished} - {""}
         return running, self.queue.adapters()
 
     def _publish_state(self, live: Sequence[Entry], remaining: int) -> None:

@@ -103,7 +103,7 @@ class RequestQueue:
 
     def adapters(self) -> set[str]:
         """The adapters (adapter_id or prefix_id) the waiting requests name."""
-        return {e.request.adapter_id or e.request.prefix_id for e in self._entries} - {""}
+        return {e.request.adapter for e in self._entries} - {""}
 
     def poke(self) -> None:
         """Wake the batcher waiting in `wait` (it has other work: a health probe)."""

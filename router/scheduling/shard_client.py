@@ -286,7 +286,10 @@ class GrpcShardClient:
             if adapter
             else pb.PrefixLookupRequest(prefix_id=prefix_id)
         )
-        reply = await self._all("PrefixLookup", lookup, PREFIX_LOOKUP_TIMEOUT_S)
+        return self._loaded(await self._all("PrefixLookup", lookup, PREFIX_LOOKUP_TIMEOUT_S))
+
+    def _loaded(self, reply: object) -> int:
+        """An adapter's length from a shard's answer to its load, the caches it reports passed on."""
         assert isinstance(reply, pb.PrefixLookupResponse)
         if reply.HasField("adapters") and self.on_adapter_state is not None:
             self.on_adapter_state(convert.adapter_cache_from_pb(reply.adapters))
@@ -304,11 +307,7 @@ class GrpcShardClient:
 
     async def add_adapter(self, adapter_id: str, path: str, replace: bool = False) -> int:
         request = pb.AddAdapterRequest(adapter_id=adapter_id, path=path, replace=replace)
-        reply = await self._all("AddAdapter", request, ADD_ADAPTER_TIMEOUT_S)
-        assert isinstance(reply, pb.PrefixLookupResponse)
-        if reply.HasField("adapters") and self.on_adapter_state is not None:
-            self.on_adapter_state(convert.adapter_cache_from_pb(reply.adapters))
-        return reply.prefix_length
+        return self._loaded(await self._all("AddAdapter", request, ADD_ADAPTER_TIMEOUT_S))
 
     async def remove_adapter(self, adapter_id: str) -> None:
         await self._all(
