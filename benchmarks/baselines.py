@@ -36,6 +36,7 @@ from typing import Any
 from benchmarks.stats import cpu_shares, cpu_times
 from router.config import DEFAULT_MAX_BATCH_PREFILL_TOKENS as DEFAULT_PREFILL_BUDGET
 from router.config import DEFAULT_MAX_DECODE_CALL_MS, DEFAULT_MAX_DECODE_STEPS
+from router.scheduling.batcher import step_time, steps_that_fit
 from text_generation_common.defaults import DEFAULT_DEPLOYMENT_FRAMEWORK as DEFAULT_ENGINE
 
 logger = logging.getLogger(__name__)
@@ -57,16 +58,12 @@ def prompt_ids(model_dir: Path, count: int, length: int, seed: int, salt: str = 
 Runner = Callable[[list[list[int]], int], dict[str, float]]
 
 
-STEP_TIME_WEIGHT = 0.25  # the router's (router/scheduling/batcher.py)
-
-
 def call_steps(step_s: float | None) -> int:
-    """The decode steps the router's next call asks for while nothing waits: one until a decode
-    step was timed, then MAX_DECODE_STEPS or as many as fit in MAX_DECODE_CALL_MS."""
-    if step_s is None or DEFAULT_MAX_DECODE_STEPS <= 1:
+    """The decode steps the router's next call asks for while nothing waits, by its defaults:
+    one until a decode step was timed."""
+    if step_s is None:
         return 1
-    fit = int(DEFAULT_MAX_DECODE_CALL_MS / 1000 / step_s) if step_s > 0 else DEFAULT_MAX_DECODE_STEPS
-    return max(1, min(DEFAULT_MAX_DECODE_STEPS, fit))
+    return steps_that_fit(step_s, DEFAULT_MAX_DECODE_STEPS, DEFAULT_MAX_DECODE_CALL_MS / 1000)
 
 
 def engine_runner(
@@ -134,8 +131,7 @@ def engine_runner(
             steps += max(1, output.steps)
             if prefilled is not None:
                 decode_steps += max(1, output.steps)
-                per_step = output.forward_ns / max(1, output.steps) / 1e9
-                step_s = per_step if step_s is None else step_s + STEP_TIME_WEIGHT * (per_step - step_s)
+                step_s = step_time(step_s, output.forward_ns / max(1, output.steps) / 1e9)
             for generation in output.generations:
                 counts[generation.request_id] += 1
             if output.errors:

@@ -11,9 +11,10 @@ thread), reloading what was evicted meanwhile.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,23 +139,24 @@ class AdapterSet:
         return not self.prompts.spec.seq2seq  # PEFT prompt tuning: decoder-only models (TGIS)
 
     def listed(self, limit: int = MAX_LISTED) -> tuple[list[str], bool]:
-        """The ids (sorted) of the adapters added at run time and of the stored ones `servable`
-        finds, at most `limit`, and whether more were left out. Directories are looked into
-        `MAX_LIST_DEPTH` levels deep, not below an adapter's own; names that are not valid ids
+        """The ids (sorted) of the adapters added at run time and of the stored ones, those
+        `servable` finds, at most `limit`, and whether more were left out."""
+        added = list(self.added)  # a copy: added to meanwhile
+        stored = (adapter_id for adapter_id in self._stored() if adapter_id not in self.added)
+        found = list(itertools.islice(filter(self.servable, itertools.chain(added, stored)), limit + 1))
+        return sorted(found)[:limit], len(found) > limit
+
+    def _stored(self) -> Iterator[str]:
+        """The ids of the store's adapter directories (an adapter_config.json), level by level,
+        `MAX_LIST_DEPTH` levels deep and not below an adapter's own; names that are not valid ids
         (dot files) and links that leave the store are passed over, as requests naming them
         would be refused."""
         root = self.prompts.root
-        found = [
-            adapter_id for adapter_id in list(self.added) if self.servable(adapter_id)
-        ]  # a copy: added to meanwhile
-        if len(found) > limit:
-            return sorted(found)[:limit], True
-        if root is None:
-            return sorted(found), False
-        level = [""]
+        level = [""] if root is not None else []
         for _ in range(MAX_LIST_DEPTH):
             deeper = []
             for parent in level:
+                assert root is not None
                 try:
                     names = sorted(entry.name for entry in (root / parent).iterdir() if entry.is_dir())
                 except OSError:
@@ -166,14 +168,10 @@ class AdapterSet:
                     except ShardError:
                         continue
                     if (path / "adapter_config.json").is_file():
-                        if adapter_id not in self.added and self.servable(adapter_id):
-                            found.append(adapter_id)
-                            if len(found) > limit:
-                                return sorted(found)[:limit], True
+                        yield adapter_id
                     else:
                         deeper.append(adapter_id)
             level = deeper
-        return sorted(found), False
 
     def get(self, prefix_id: str = "", adapter_id: str = "") -> SoftPrompt | LoraWeights:
         if not adapter_id:

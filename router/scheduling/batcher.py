@@ -79,6 +79,17 @@ MISSING_ANSWER = "the shard returned neither a token nor an error for this reque
 STEP_TIME_WEIGHT = 0.25  # of the last call in the average forward time per step
 
 
+def step_time(average: float | None, per_step: float) -> float:
+    """The average forward time per decode step once a call took `per_step` a step."""
+    return per_step if average is None else average + STEP_TIME_WEIGHT * (per_step - average)
+
+
+def steps_that_fit(step_s: float, max_steps: int, max_call_s: float) -> int:
+    """The decode steps of a call that fit in `max_call_s` at `step_s` a step, 1 to `max_steps`."""
+    fit = int(max_call_s / step_s) if step_s > 0 else max_steps
+    return max(1, min(max_steps, fit))
+
+
 @dataclass(slots=True)
 class _Step:
     """A decode step whose tokens are not handed out yet."""
@@ -306,9 +317,7 @@ class Batcher:
         self._answered(output)
         call_s = time.monotonic() - started
         if output is not None and output.steps:
-            per_step = output.forward_ns / output.steps / 1e9
-            last = self.step_s if self.step_s is not None else per_step
-            self.step_s = last + STEP_TIME_WEIGHT * (per_step - last)
+            self.step_s = step_time(self.step_s, output.forward_ns / output.steps / 1e9)
         if output is None:  # every request had completed: the shard dropped the batch
             self.metrics.shard_call_succeeded("next_token", call_s, 0.0, 0.0)
             return None, None
@@ -337,8 +346,7 @@ class Batcher:
             return 1
         if any(e.last_token_at is None for e in entries):  # joining, or a prompt still computed
             return 1
-        fit = int(self.max_decode_call_s / self.step_s) if self.step_s > 0 else self.max_decode_steps
-        return max(1, min(self.max_decode_steps, fit))
+        return steps_that_fit(self.step_s, self.max_decode_steps, self.max_decode_call_s)
 
     @staticmethod
     def _late_finishers(finished: Sequence[int], batch: RunningBatch) -> list[int]:
