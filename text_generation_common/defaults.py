@@ -19,6 +19,11 @@ SHARD_SOCKET_NAME = "text-generation-server"
 ADAPTER_ID_PATTERN = re.compile(r"[/\w\-]+")
 
 
+def storable_adapter_id(name: str) -> bool:
+    """Whether `name` is an id a store directory can have: the pattern, and not an absolute path."""
+    return bool(ADAPTER_ID_PATTERN.fullmatch(name)) and not name.startswith("/")
+
+
 def default_uds_path() -> str:
     """Socket base path of the shards (see shard_socket_path)."""
     return os.path.join(tempfile.gettempdir(), SHARD_SOCKET_NAME)

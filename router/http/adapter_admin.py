@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from router.core.validation import PrefixLengths
 from router.http.openai_api import OpenAIApi, error_reply
 from router.scheduling.shard_client import ShardCallError
-from text_generation_common.defaults import ADAPTER_ID_PATTERN
+from text_generation_common.defaults import storable_adapter_id
 from text_generation_common.logs import clip
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class AdapterAdmin:
         name, path = body.lora_name, body.lora_path
         if not name or not path:
             return error_reply(400, "Both 'lora_name' and 'lora_path' must be provided.")
-        if not ADAPTER_ID_PATTERN.fullmatch(name) or name.startswith("/"):
+        if not storable_adapter_id(name):
             return error_reply(400, f"lora_name {clip(name)!r} must be a path of alphanumeric, _ and - names")
         try:
             length = await self.shards.add_adapter(name, path, body.load_inplace)

@@ -66,7 +66,7 @@ from router.http.openai_tools import (
 )
 from router.http.reasoning import ReasoningFormat, ReasoningStream, split
 from router.http.tool_parsers import ToolCallParser, call_id
-from text_generation_common.defaults import ADAPTER_ID_PATTERN
+from text_generation_common.defaults import storable_adapter_id
 from text_generation_common.logs import clip
 from text_generation_common.messages import AdapterListing, TokenInfo, truncated_ids
 
@@ -230,7 +230,7 @@ class OpenAIApi:
         (404) for a name no adapter can have."""
         if body.model is None or body.model == self.model_name:
             return ""
-        if not ADAPTER_ID_PATTERN.fullmatch(body.model) or body.model.startswith("/"):  # no stored id
+        if not storable_adapter_id(body.model):
             raise self.service.refuse(_unknown_model(body.model), "NOT_FOUND")
         return body.model
 
