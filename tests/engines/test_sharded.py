@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from integration_tests.servers import free_port
+from text_generation_server.testing.ports import free_port
 
 SHARDED = {
     "tgis_native": ("llama", "gpt_neox", "granite", "qwen2", "mistral", "gpt_bigcode"),

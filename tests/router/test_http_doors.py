@@ -41,6 +41,7 @@ from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
 from text_generation_common.guided import Grammars
 from text_generation_common.messages import GenerationRequest, Guided, GuidedKind
+from text_generation_server.testing.ports import free_port
 
 MAX_NEW = 200
 WEATHER = {
@@ -54,12 +55,6 @@ WEATHER = {
         },
     },
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Stack:
