@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -398,6 +399,36 @@ def test_openai_scores_a_token_prompt_as_evaluation_harnesses_ask(served: Server
     assert len(logprobs.token_logprobs) == len(ids) + 1 and logprobs.token_logprobs[0] is None
     assert logprobs.token_logprobs[1 : len(ids)] == pytest.approx([t.logprob for t in prefill[1:]], abs=1e-5)
     assert answer.choices[0].text.startswith(PROMPTS[1]) and answer.usage.prompt_tokens == len(ids)
+
+
+def post_json(s: Server, path: str, body: dict[str, Any]) -> Any:
+    url, headers = f"http://127.0.0.1:{s.http_port}{path}", {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_vllm_tokenize_counts_what_the_model_is_given(served: Server) -> None:
+    """vLLM's /tokenize (beside TGI's on the same path) gives the ids the gRPC Tokenize gives and
+    the counts the OpenAI routes report; /detokenize gives the text back."""
+    oai = openai_client(served)
+    model = oai.models.list().data[0].id
+    (grpc_ids,) = (
+        served.stub()
+        .Tokenize(pb.BatchedTokenizeRequest(requests=[{"text": PROMPTS[0]}], return_tokens=False))
+        .responses
+    )
+    answer = post_json(served, "/tokenize", {"model": model, "prompt": PROMPTS[0], "return_token_strs": True})
+    assert answer["count"] == grpc_ids.token_count and len(answer["token_strs"]) == answer["count"]
+    completion = oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1, temperature=0)
+    assert completion.usage.prompt_tokens == answer["count"]
+    messages = [{"role": "user", "content": "Say hello"}]
+    chat = post_json(served, "/tokenize", {"model": model, "messages": messages})
+    reply = oai.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
+    assert chat["count"] == reply.usage.prompt_tokens and chat["max_model_len"] == 200
+    assert post_json(served, "/tokenize", {"inputs": PROMPTS[0]})[0]["start"] == 0  # TGI's answer
+    bare = post_json(served, "/tokenize", {"prompt": PROMPTS[0], "add_special_tokens": False})["tokens"]
+    assert post_json(served, "/detokenize", {"model": model, "tokens": bare}) == {"prompt": PROMPTS[0]}
 
 
 def client_token_id(s: Server, prompt: str, at: int) -> int:

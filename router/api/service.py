@@ -19,16 +19,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from router.api.tracing import PRIORITY_KEY, Metadata, Span, Tracing, correlation_id, priority_text
 from router.core.entry import Entry, Output
 from router.core.metrics import Metrics
 from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.core.stopping import StopReason
-from router.core.tokenizer import TokenizerBusy
+from router.core.tokenizer import TokenizerBusy, TokenizerError, TokenizerPool
 from router.core.validation import (
     Input,
     RequestParams,
@@ -36,11 +36,13 @@ from router.core.validation import (
     ValidatedRequest,
     ValidationError,
     Validator,
+    tokenizer_error_message,
 )
 from router.scheduling.request_queue import RequestQueue
 from text_generation_common.logs import clip
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 # call kinds whose stream messages may carry several tokens (STREAM_INTERVAL)
 MULTI_TOKEN_STREAMS = frozenset({"stream", "openai_stream"})
@@ -243,6 +245,31 @@ class GenerationService:
             self.metrics.inc("tgi_queue_rejected", reason="tokenizer_busy")
             self.metrics.inc("tgi_request_failure", err="queue_full")
             raise RequestError("RESOURCE_EXHAUSTED", str(exc), "tokenizer_busy") from exc
+
+    # ---- tokenization ---------------------------------------------------------------------
+
+    async def tokenize(
+        self, tokenizer: TokenizerPool, texts: Sequence[str], job: Callable[[], tuple[R, int]]
+    ) -> R:
+        """A tokenize call of any door (gRPC Tokenize, TGI's and vLLM's /tokenize): `job`
+        tokenizes `texts` and builds the answer, returning it with its token count, on the
+        tokenizer's Tokenize lane (a long text's answer is millions of objects: not built on the
+        event loop). Counted in the tgi_tokenize_* metrics; RequestError when draining, when the
+        lane holds too much (RESOURCE_EXHAUSTED) or the tokenizer fails on a text."""
+        started = time.monotonic()
+        self.metrics.inc("tgi_tokenize_request_count")
+        self.metrics.inc("tgi_tokenize_request_input_count", len(texts))
+        if self.draining:
+            raise RequestError("UNAVAILABLE", DRAINING, "draining")
+        try:
+            answer, tokens = await tokenizer.run_tokenize_job(texts, job)
+        except TokenizerBusy as exc:
+            raise RequestError("RESOURCE_EXHAUSTED", str(exc), "tokenizer_busy") from exc
+        except TokenizerError as exc:
+            raise RequestError("INVALID_ARGUMENT", tokenizer_error_message(exc), "validation") from exc
+        self.metrics.observe("tgi_tokenize_request_tokens", tokens)
+        self.metrics.observe("tgi_tokenize_request_duration", time.monotonic() - started)
+        return answer
 
     # ---- generation -----------------------------------------------------------------------
 

@@ -14,18 +14,17 @@ RESOURCE_EXHAUSTED for out of memory, INTERNAL for an engine fault); with authen
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NoReturn
 
 import grpc
 
 from router.api.auth import Authenticator, AuthError
-from router.api.service import DRAINING, Call, GenerationService, RequestError
+from router.api.service import Call, GenerationService, RequestError
 from router.core.entry import Output
 from router.core.metrics import Metrics
-from router.core.tokenizer import TokenizedText, TokenizerBusy, TokenizerError, TokenizerPool
-from router.core.validation import ValidatedRequest, tokenizer_error_message
+from router.core.tokenizer import TokenizedText, TokenizerPool
+from router.core.validation import ValidatedRequest
 from router.grpc.grpc_params import convert_params
 from router.pb import generation_pb2 as pb
 from router.pb import generation_pb2_grpc
@@ -173,20 +172,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     # ---- Tokenize and ModelInfo -----------------------------------------------------------
 
     async def Tokenize(self, request: pb.BatchedTokenizeRequest, context: Any) -> pb.BatchedTokenizeResponse:
-        started = time.monotonic()
         await self._tenant(context)
-        self.metrics.inc("tgi_tokenize_request_count")
-        self.metrics.inc("tgi_tokenize_request_input_count", len(request.requests))
-        if self.service.draining:
-            await _abort(context, RequestError("UNAVAILABLE", DRAINING, "draining"))
         texts = [r.text for r in request.requests]
         if len(texts) > MAX_TOKENIZE_TEXTS:
             message = f"a Tokenize call may carry at most {MAX_TOKENIZE_TEXTS} texts, got {len(texts)}"
             await _abort(context, RequestError("INVALID_ARGUMENT", message, "validation"))
         try:
-            # The answer is built on the worker thread too: for a long text it is millions of
-            # pieces and offsets, which would otherwise stall the event loop.
-            response, total = await self.tokenizer.run_tokenize_job(
+            return await self.service.tokenize(
+                self.tokenizer,
                 texts,
                 lambda: _tokenize_response(
                     self.tokenizer.tokenize_sync(
@@ -195,15 +188,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     request,
                 ),
             )
-        except TokenizerBusy as exc:
-            await _abort(context, RequestError("RESOURCE_EXHAUSTED", str(exc), "tokenizer_busy"))
-        except TokenizerError as exc:
-            await _abort(
-                context, RequestError("INVALID_ARGUMENT", tokenizer_error_message(exc), "validation")
-            )
-        self.metrics.observe("tgi_tokenize_request_tokens", total)
-        self.metrics.observe("tgi_tokenize_request_duration", time.monotonic() - started)
-        return response
+        except RequestError as exc:
+            await _abort(context, exc)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: Any) -> pb.ModelInfoResponse:
         await self._tenant(context)

@@ -89,11 +89,14 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        keep_bos: bool = False,
     ) -> str:
         """`tools`: the functions the model may call, as transformers passes them (None: none);
         `variables`: more for the template, none of RESERVED; `continue_final_message`: the
         prompt ends with the last message's text (what closes its turn cut off), so that the
-        answer continues it, as transformers' apply_chat_template does."""
+        answer continues it, as transformers' apply_chat_template does; `keep_bos`: the text
+        keeps a leading BOS even where the tokenizer adds one (for a caller that encodes it
+        without special tokens)."""
         taken = RESERVED.intersection(variables or {})
         if taken:
             raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}")
@@ -110,7 +113,7 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from exc
-        if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
+        if self.strip_bos and not keep_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return _cut_after(text, messages[-1]) if continue_final_message else text
 

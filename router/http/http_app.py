@@ -1,5 +1,7 @@
 """The HTTP application: health probes, /metrics, HF TGI's REST API (tgi_rest.py), the OpenAI
-API (openai_api.py, under /v1: its errors in OpenAI's shape), the OpenAPI
+API (openai_api.py, under /v1: its errors in OpenAI's shape), vLLM's /tokenize and /detokenize
+(openai_tokenize.py; /tokenize is TGI's too, each body answered by the API whose shape it
+has), the OpenAPI
 document at /openapi.json and its interactive docs at /docs (Swagger UI served from the
 installed swagger-ui-bundle package, so it works without internet access).
 
@@ -21,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from router.api.auth import Authenticator, AuthError
@@ -28,7 +31,8 @@ from router.api.service import GenerationService
 from router.http.http_calls import describe_validation, refuse_body
 from router.http.http_server import HealthCheck, HttpResponse, error_body
 from router.http.openai_api import OpenAIApi, error_reply
-from router.http.tgi_rest import TgiRest
+from router.http.openai_tokenize import TokenizeApi, is_vllm_tokenize
+from router.http.tgi_rest import TgiRest, TokenizeRequest
 from text_generation_common.logs import clip
 
 MAX_ECHOED_PATH = 64
@@ -70,10 +74,57 @@ def build_app(
     )
     app.include_router(tgi.router, dependencies=authenticated)
     app.include_router(openai.router, dependencies=authenticated)
+    tokenization = TokenizeApi(openai)
+    app.add_api_route(
+        "/tokenize",
+        _tokenize(tgi, tokenization),
+        methods=["POST"],
+        summary="Tokenize: HF TGI's ({inputs}) or vLLM's ({prompt} or {messages})",
+        tags=["HF TGI", "vLLM"],
+        dependencies=authenticated,
+        openapi_extra=TOKENIZE_BODY,
+    )
+    app.include_router(tokenization.router, dependencies=authenticated)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error(tgi.service))
     app.add_exception_handler(Unauthenticated, _unauthenticated)
     return app
+
+
+TOKENIZE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "description": "HF TGI's {inputs, parameters}: a list of {id, text, start, stop}; or "
+                    "vLLM's {prompt, add_special_tokens, return_token_strs} or {messages, "
+                    "add_generation_prompt, continue_final_message, add_special_tokens, tools, "
+                    "chat_template_kwargs, return_token_strs}: {count, max_model_len, tokens, token_strs}",
+                }
+            }
+        },
+    }
+}
+
+
+def _tokenize(tgi: TgiRest, vllm: TokenizeApi) -> Callable[[Request], Awaitable[Response]]:
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise RequestValidationError(
+                [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}]
+            ) from None
+        if is_vllm_tokenize(body):
+            return await vllm.tokenize(body, request)
+        try:
+            return await tgi.tokenize(TokenizeRequest.model_validate(body))
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False), body=body) from None
+
+    return tokenize
 
 
 class Unauthenticated(Exception):

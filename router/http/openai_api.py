@@ -46,6 +46,7 @@ from router.http.chat_template import ChatTemplate, ChatTemplateError
 from router.http.http_calls import EventStream, sse, tenant_of, until_disconnected
 from router.http.openai_params import (
     MAX_CHOICES,
+    ChatMessage,
     ChatRequest,
     CommonRequest,
     CompletionRequest,
@@ -59,6 +60,7 @@ from router.http.openai_params import (
 from router.http.openai_tools import (
     TEXT,
     HeldAnswer,
+    Tool,
     ToolMode,
     read,
     template_message,
@@ -82,7 +84,7 @@ STATUS = {
 }
 
 
-def _unknown_model(name: str) -> str:
+def unknown_model(name: str) -> str:
     return f"The model `{clip(name)}` does not exist."
 
 
@@ -103,6 +105,24 @@ def error_reply(
 def error_response(exc: RequestError) -> JSONResponse:
     status = 500 if exc.cause == "generation" else STATUS.get(exc.code, 500)
     return error_reply(status, exc.message, exc.param)
+
+
+class ChatPromptError(Exception):
+    """Messages the chat template cannot render into a prompt; `param`: the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ChatParts(Protocol):
+    """What a chat prompt is rendered from (a chat request's, or a chat tokenize request's)."""
+
+    messages: list[ChatMessage]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    tools: list[Tool] | None
+    chat_template_kwargs: dict[str, Any] | None
 
 
 class AnswerShape(Protocol):
@@ -225,14 +245,20 @@ class OpenAIApi:
             "max_model_len": self.max_sequence_length,
         }
 
-    def _adapter_named(self, body: CommonRequest) -> str:
-        """The adapter id the request's `model` names ("" for the served model); RequestError
-        (404) for a name no adapter can have."""
-        if body.model is None or body.model == self.model_name:
+    def adapter_of(self, model: str | None) -> str | None:
+        """The adapter id `model` names ("" for the served model), None for a name that no
+        adapter can have."""
+        if model is None or model == self.model_name:
             return ""
-        if not storable_adapter_id(body.model):
-            raise self.service.refuse(_unknown_model(body.model), "NOT_FOUND")
-        return body.model
+        return model if storable_adapter_id(model) else None
+
+    def _adapter_named(self, body: CommonRequest) -> str:
+        """The adapter id the request's `model` names; RequestError (404) for a name no adapter
+        can have."""
+        adapter = self.adapter_of(body.model)
+        if adapter is None:
+            raise self.service.refuse(unknown_model(body.model or ""), "NOT_FOUND")
+        return adapter
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """Text completion of a prompt (or of each prompt of a list)."""
@@ -254,35 +280,37 @@ class OpenAIApi:
         top_n = (body.top_logprobs or 0) if body.logprobs else 0
         return await self.serve(body, request, "chat", None, top_n, body.logprobs, False, shape)
 
-    def _chat_prompt(self, body: ChatRequest) -> str:
-        """The messages rendered with the model's chat template; RequestError when they cannot be."""
+    def chat_prompt(self, body: ChatParts, *, keep_bos: bool = False) -> str:
+        """The messages rendered with the model's chat template (`keep_bos`: ChatTemplate.render's);
+        ChatPromptError when they cannot be."""
         if self.chat_template is None:
             message = (
                 "this model has no chat template (its tokenizer_config.json has no chat_template): "
                 "use /v1/completions"
             )
-            raise self.service.refuse(message, param="messages")
+            raise ChatPromptError(message, "messages")
+        if body.continue_final_message and body.add_generation_prompt:
+            raise ChatPromptError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false"
+            )
         try:
             messages = [
                 template_message({**m.model_dump(exclude_none=True), "content": text_content(m)})
                 for m in body.messages
             ]
-            if body.continue_final_message and body.add_generation_prompt:
-                raise ValidationError(
-                    "continue_final_message and add_generation_prompt cannot both be true: set "
-                    "add_generation_prompt to false"
-                )
             return self.chat_template.render(
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
                 tools=template_tools(body.tools),
                 variables=body.chat_template_kwargs,
                 continue_final_message=body.continue_final_message,
+                keep_bos=keep_bos,
             )
         except ValidationError as exc:
-            raise self.service.refuse(str(exc)) from exc
+            raise ChatPromptError(str(exc)) from exc
         except ChatTemplateError as exc:
-            raise self.service.refuse(str(exc), param="messages") from exc
+            raise ChatPromptError(str(exc), "messages") from exc
 
     # ---- the call -------------------------------------------------------------------------
 
@@ -322,12 +350,15 @@ class OpenAIApi:
                 raise self.service.refuse(str(exc)) from exc
             if prompts is None:
                 assert isinstance(body, ChatRequest)
-                prompts = [self._chat_prompt(body)]
+                try:
+                    prompts = [self.chat_prompt(body)]
+                except ChatPromptError as exc:
+                    raise self.service.refuse(str(exc), param=exc.param) from exc
             texts = [p for p in prompts for _ in range(body.n)]
             try:
                 validated = await call.validate(texts, params, adapter_id=adapter)
             except UnknownAdapter as exc:  # counted as a validation failure once, by the service
-                raise RequestError("NOT_FOUND", _unknown_model(adapter), exc.cause) from None
+                raise RequestError("NOT_FOUND", unknown_model(adapter), exc.cause) from None
             echoed = [t if isinstance(t, str) else self._decoded(t) for t in texts] if echo else []
         except RequestError as exc:
             call.close()

@@ -29,7 +29,6 @@ is its last event: {"error": ..., "error_type": "generation"}.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any, Literal
@@ -41,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from router.api.service import Call, CallInfo, GenerationService, RequestError
 from router.core.entry import Output
 from router.core.stopping import StopReason
-from router.core.tokenizer import TokenizerBusy, TokenizerError, TokenizerPool
+from router.core.tokenizer import TokenizerPool
 from router.core.validation import (
     MAX_STOP_SEQUENCES,
     RequestParams,
@@ -49,7 +48,6 @@ from router.core.validation import (
     StoppingSpec,
     ValidatedRequest,
     http_sampling,
-    tokenizer_error_message,
 )
 from router.http.http_calls import EventStream, sse, tenant_of, until_disconnected
 from text_generation_common.guided import schema_text
@@ -250,7 +248,6 @@ class TgiRest:
         self.router.add_api_route(
             "/", self.compat, methods=["POST"], summary="Generate or stream, by `stream` (TGI)"
         )
-        self.router.add_api_route("/tokenize", self.tokenize, methods=["POST"], summary="Tokenize (TGI)")
         self.router.add_api_route("/info", self.info, methods=["GET"], summary="Model and server info (TGI)")
 
     # ---- routes ---------------------------------------------------------------------------
@@ -292,29 +289,22 @@ class TgiRest:
         return EventStream(self._events(validated, body.inputs, call.info), call)
 
     async def tokenize(self, body: TokenizeRequest) -> Response:
-        """The prompt's tokens: id, text and character offsets (TGI's /tokenize)."""
-        started = time.monotonic()
-        metrics = self.service.metrics
-        metrics.inc("tgi_tokenize_request_count")
-        metrics.inc("tgi_tokenize_request_input_count")
-        texts = [body.inputs]
+        """The prompt's tokens: id, text and character offsets (TGI's /tokenize; http_app.py
+        routes the bodies of TGI's shape here)."""
+        text = body.inputs
+
+        def job() -> tuple[list[dict[str, Any]], int]:
+            encoding = self.tokenizer.tokenizer.encode(text, add_special_tokens=True)
+            tokens = [
+                {"id": i, "text": text[start:stop], "start": start, "stop": stop}
+                for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
+            ]
+            return tokens, len(tokens)
+
         try:
-            (encoding,) = await self.tokenizer.run_tokenize_job(
-                texts, lambda: self.tokenizer.tokenizer.encode_batch(texts, add_special_tokens=True)
-            )
-        except TokenizerBusy as exc:
-            return error_response(RequestError("RESOURCE_EXHAUSTED", str(exc), "tokenizer_busy"))
-        except TokenizerError as exc:
-            return error_response(
-                RequestError("INVALID_ARGUMENT", tokenizer_error_message(exc), "validation")
-            )
-        tokens = [
-            {"id": i, "text": body.inputs[start:stop], "start": start, "stop": stop}
-            for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
-        ]
-        metrics.observe("tgi_tokenize_request_tokens", len(tokens))
-        metrics.observe("tgi_tokenize_request_duration", time.monotonic() - started)
-        return JSONResponse(tokens)
+            return JSONResponse(await self.service.tokenize(self.tokenizer, [text], job))
+        except RequestError as exc:
+            return error_response(exc)
 
     async def info(self) -> dict[str, Any]:
         """TGI's /info: the model and the limits this server applies."""

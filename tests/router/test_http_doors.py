@@ -476,6 +476,64 @@ async def test_tokenize_and_info(stack: Stack, tokenizer_pool) -> None:
     assert info["model_id"] == "tiny" and info["max_total_tokens"] == 512 and info["max_best_of"] == 2
 
 
+async def test_vllm_tokenize_and_detokenize_share_the_path_with_tgi(stack: Stack, tokenizer_pool) -> None:
+    raw = tokenizer_pool.tokenizer
+    ids = tokenizer_pool.encode_batch_sync(["hello world"])[0]
+    status, answer = await post(stack, "/tokenize", {"model": "tiny", "prompt": "hello world"})
+    assert status == 200
+    assert answer == {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None}
+    bare = raw.encode("hello world", add_special_tokens=False).ids
+    assert ids == [ids[0], *bare]  # the tokenizer adds BOS
+    status, answer = await post(
+        stack, "/tokenize", {"prompt": "hello world", "add_special_tokens": False, "return_token_strs": True}
+    )
+    assert answer["tokens"] == bare and answer["token_strs"] == [tokenizer_pool.piece(i) for i in bare]
+    # a chat's ids are those the chat route gives the model (one BOS: the template writes one)
+    messages = [{"role": "user", "content": "hello world"}]
+    status, chat = await post(
+        stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "return_token_ids": True}
+    )
+    assert status == 200, chat
+    status, answer = await post(stack, "/tokenize", {"messages": messages})
+    assert status == 200 and answer["tokens"] == chat["prompt_token_ids"] and answer["tokens"][1] != ids[0]
+    status, doubled = await post(stack, "/tokenize", {"messages": messages, "add_special_tokens": True})
+    assert doubled["tokens"] == [ids[0], *answer["tokens"]]  # vLLM's: BOS added on the template's
+    status, opened = await post(stack, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert opened["count"] < answer["count"]
+    # TGI's body still gets TGI's answer and error shape; vLLM's bodies get OpenAI's
+    status, tokens = await post(stack, "/tokenize", {"inputs": "hello world"})
+    assert status == 200 and [t["id"] for t in tokens] == ids
+    status, error = await post(stack, "/tokenize", {"inputs": 5})
+    assert status == 422 and error["error_type"] == "validation" and "inputs" in error["error"]
+    status, error = await post(stack, "/tokenize", {"prompt": 5})
+    assert status == 400 and "prompt" in error["error"]["message"]
+    status, error = await post(stack, "/tokenize", {"prompt": "x", "mm_processor_kwargs": {}})
+    assert status == 400 and "mm_processor_kwargs" in error["error"]["message"]
+    status, error = await post(stack, "/tokenize", {"model": "no/such model", "prompt": "x"})
+    assert status == 404 and error["error"]["message"] == "The model `no/such model` does not exist."
+    both = {"messages": messages, "continue_final_message": True, "add_generation_prompt": True}
+    status, error = await post(stack, "/tokenize", both)
+    assert status == 400 and "continue_final_message" in error["error"]["message"]
+    status, error = await post(stack, "/tokenize", {"messages": [{"role": "robot", "content": "x"}]})
+    assert status == 400 and error["error"]["param"] == "messages"
+    async with aiohttp.ClientSession() as session, session.post(stack.url + "/tokenize", data=b"{") as r:
+        assert r.status == 422 and (await r.json())["error_type"] == "validation"
+    assert stack.metrics.counters["tgi_tokenize_request_count"].get() == 6
+    # /detokenize: the ids' text, special tokens kept
+    status, answer = await post(stack, "/detokenize", {"tokens": bare})
+    assert status == 200 and answer == {"prompt": "hello world"}
+    status, answer = await post(stack, "/detokenize", {"model": "tiny", "tokens": ids})
+    assert answer["prompt"] == raw.decode(ids, skip_special_tokens=False) != "hello world"
+    size = raw.get_vocab_size(with_added_tokens=True)
+    status, error = await post(stack, "/detokenize", {"tokens": [1, size]})
+    assert status == 400 and error["error"]["param"] == "tokens" and str(size) in error["error"]["message"]
+    status, error = await post(stack, "/detokenize", {"model": "../x", "tokens": [1]})
+    assert status == 404
+    stack.service.draining = True  # tokenize calls are refused while draining, at every door
+    assert (await post(stack, "/tokenize", {"inputs": "x"}))[0] == 503
+    assert (await post(stack, "/tokenize", {"prompt": "x"}))[0] == 503
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
