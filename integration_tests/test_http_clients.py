@@ -401,6 +401,32 @@ def test_openai_scores_a_token_prompt_as_evaluation_harnesses_ask(served: Server
     assert answer.choices[0].text.startswith(PROMPTS[1]) and answer.usage.prompt_tokens == len(ids)
 
 
+def test_openai_prompt_logprobs_are_the_grpc_doors_input_token_details(served: Server) -> None:
+    """vLLM's `prompt_logprobs` at /v1/completions: the same logprobs, ranks and likeliest tokens
+    as TGIS's input token details of the same prompt over gRPC."""
+    options = pb.ResponseOptions(input_tokens=True, token_logprobs=True, token_ranks=True, top_n_tokens=3)
+    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=1), response=options)
+    request = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=PROMPTS[1])], params=params)
+    details = served.stub().Generate(request).responses[0].input_tokens
+    oai = openai_client(served)
+    model = oai.models.list().data[0].id
+    answer = oai.completions.create(
+        model=model, prompt=PROMPTS[1], max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 3}
+    )
+    prompt = answer.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt) == len(details) == answer.usage.prompt_tokens and prompt[0] is None
+    vocabulary = transformers.AutoTokenizer.from_pretrained(served.model_dir).get_vocab()
+    for ranked, detail in zip(prompt[1:], details[1:], strict=True):
+        token = str(vocabulary[detail.text])
+        assert ranked[token]["logprob"] == pytest.approx(detail.logprob, abs=1e-5)
+        assert ranked[token]["rank"] == detail.rank
+        tops = [str(vocabulary[top.text]) for top in detail.top_tokens]
+        assert len(tops) == 3 and list(ranked) == [token, *(t for t in tops if t != token)]
+        for rank, (top, info) in enumerate(zip(tops, detail.top_tokens, strict=True), 1):
+            assert ranked[top]["logprob"] == pytest.approx(info.logprob, abs=1e-5)
+            assert top == token or ranked[top]["rank"] == rank
+
+
 def post_json(s: Server, path: str, body: dict[str, Any]) -> Any:
     url, headers = f"http://127.0.0.1:{s.http_port}{path}", {"Content-Type": "application/json"}
     request = urllib.request.Request(url, json.dumps(body).encode(), headers)

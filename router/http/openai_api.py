@@ -72,6 +72,7 @@ from text_generation_common.defaults import storable_adapter_id
 from text_generation_common.logs import clip
 from text_generation_common.messages import AdapterListing, TokenInfo, truncated_ids
 
+LOWEST_LOGPROB = -9999.0  # vLLM's stand-in for -inf in JSON answers
 LISTING_TTL_S = 5.0  # /v1/models reads the adapter store at most this often
 FINISH_REASONS = {StopReason.EOS_TOKEN: "stop", StopReason.STOP_SEQUENCE: "stop"}  # else "length"
 STATUS = {
@@ -151,6 +152,8 @@ class _Answer:
     logprobs: bool
     created: int
     model: str  # as the request named it: the served model or an adapter
+    top_n: int = 0  # the likeliest tokens each logprob names (top_logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs and n likeliest per token
     token_ids: bool = False  # return_token_ids
     as_ids: bool = False  # return_tokens_as_token_ids
     tools: ToolMode = TEXT
@@ -373,6 +376,8 @@ class OpenAIApi:
             logprobs=logprobs,
             created=int(time.time()),
             model=body.model or self.model_name,
+            top_n=top_n,
+            prompt_logprobs=body.prompt_logprobs,
             token_ids=body.return_token_ids,
             as_ids=body.return_tokens_as_token_ids,
             tools=tool_mode_of(body, self.tool_parser),
@@ -402,6 +407,9 @@ class OpenAIApi:
             raise self.service.refuse("prompt must not be empty", param="prompt")
         if (refusal := unsupported(body)) is not None:
             raise self.service.refuse(refusal)
+        if body.stream and body.prompt_logprobs is not None:  # vLLM's refusal and message
+            message = "`prompt_logprobs` are not available when `stream=True`."
+            raise self.service.refuse(message, param="prompt_logprobs")
 
     def _answer(self, answer: _Answer, outputs: Sequence[Output]) -> dict[str, Any]:
         choices = []
@@ -424,18 +432,16 @@ class OpenAIApi:
                 if reading.calls is not None:
                     choice["message"]["tool_calls"] = reading.calls
                 choice["finish_reason"] = reading.finish or choice["finish_reason"]
-                choice["logprobs"] = (
-                    self._chat_logprobs(output.tokens, answer.as_ids) if answer.logprobs else None
-                )
+                choice["logprobs"] = self._chat_logprobs(output.tokens, answer) if answer.logprobs else None
             else:
                 choice["text"] = text
                 choice["logprobs"] = (
-                    self._completion_logprobs(output.tokens, len(echoed), output.input_tokens, answer.as_ids)
-                    if answer.logprobs
-                    else None
+                    self._completion_logprobs(output, len(echoed), answer) if answer.logprobs else None
                 )
                 if answer.token_ids:
                     choice["prompt_token_ids"] = self._prompt_ids(answer.requests[index])
+                if answer.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(output, answer)
             if answer.token_ids:
                 choice["token_ids"] = [t.token_id for t in output.tokens]
             choices.append(choice)
@@ -449,6 +455,8 @@ class OpenAIApi:
         }
         if answer.token_ids and answer.kind == "chat":  # one prompt for every choice
             whole["prompt_token_ids"] = self._prompt_ids(answer.requests[0])
+        if answer.prompt_logprobs is not None and answer.kind == "chat":
+            whole["prompt_logprobs"] = self._prompt_logprobs(outputs[0], answer)
         return whole
 
     def _prompt_ids(self, request: ValidatedRequest) -> list[int]:
@@ -592,11 +600,7 @@ class OpenAIApi:
             else:
                 delta = {"content": output.text}
             return _stopped(self._chunk(answer, index, delta, finish, output.tokens), output)
-        logprobs = (
-            self._completion_logprobs(output.tokens, offsets[index], output.input_tokens, answer.as_ids)
-            if answer.logprobs
-            else None
-        )
+        logprobs = self._completion_logprobs(output, offsets[index], answer) if answer.logprobs else None
         return _stopped(self._chunk(answer, index, output.text, finish, output.tokens, logprobs), output)
 
     def _held_chunk(
@@ -645,7 +649,7 @@ class OpenAIApi:
         }
         if index is not None:
             if answer.kind == "chat" and answer.logprobs and tokens is not None:
-                logprobs = self._chat_logprobs(tokens, answer.as_ids)
+                logprobs = self._chat_logprobs(tokens, answer)
             choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
             choice["delta" if answer.kind == "chat" else "text"] = content
             if answer.token_ids:
@@ -664,40 +668,57 @@ class OpenAIApi:
         """How logprobs name a token: its text, or (return_tokens_as_token_ids) `token_id:<id>`."""
         return f"token_id:{token_id}" if as_ids else self.tokenizer.token_text(token_id)
 
-    def _completion_logprobs(
-        self,
-        tokens: Sequence[TokenInfo],
-        offset: int,
-        prompt: Sequence[TokenInfo] | None = None,
-        as_ids: bool = False,
-    ) -> dict[str, Any]:
-        """`prompt`: the prompt's tokens (echo), first: offsets from 0, the first one's logprob
-        (which nothing predicts) null, as vLLM answers them; `as_ids`: tokens named by id (the
-        offsets still count the text)."""
+    def _completion_logprobs(self, output: Output, offset: int, answer: _Answer) -> dict[str, Any]:
+        """The output's tokens' logprobs, after the prompt's with echo: offsets from 0, the first
+        one's logprob (which nothing predicts) null, as vLLM answers them; tokens named by id
+        with `as_ids` (the offsets still count the text)."""
         pieces, offsets, logprobs, tops = [], [], [], []
-        for tokens_, at in ((prompt or (), 0), (tokens, offset)):
+        prompt = (output.input_tokens or ()) if answer.echo else ()
+        for tokens_, at in ((prompt, 0), (output.tokens, offset)):
             for t in tokens_:
-                pieces.append(self._name(t.token_id, as_ids))
+                pieces.append(self._name(t.token_id, answer.as_ids))
                 offsets.append(at)
                 at += len(self.tokenizer.token_text(t.token_id))
                 first = t.logprob != t.logprob  # NaN: the prompt's first token
                 logprobs.append(None if first else t.logprob)
-                top = {self._name(x.token_id, as_ids): x.logprob for x in t.top_tokens}
+                top = {self._name(x.token_id, answer.as_ids): x.logprob for x in t.top_tokens[: answer.top_n]}
                 tops.append(None if first else top)
         return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
-    def _chat_logprobs(self, tokens: Sequence[TokenInfo], as_ids: bool = False) -> dict[str, Any]:
+    def _chat_logprobs(self, tokens: Sequence[TokenInfo], answer: _Answer) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             piece = self.tokenizer.token_text(token_id)
-            return {"token": self._name(token_id, as_ids), "logprob": logprob, "bytes": list(piece.encode())}
+            name = self._name(token_id, answer.as_ids)
+            return {"token": name, "logprob": logprob, "bytes": list(piece.encode())}
 
         return {
             "content": [
                 entry(t.token_id, t.logprob)
-                | {"top_logprobs": [entry(top.token_id, top.logprob) for top in t.top_tokens]}
+                | {"top_logprobs": [entry(top.token_id, top.logprob) for top in t.top_tokens[: answer.top_n]]}
                 for t in tokens
             ]
         }
+
+    def _prompt_logprobs(self, output: Output, answer: _Answer) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, null for the first (nothing predicts it),
+        else {"<id>": {"logprob", "rank", "decoded_token"}} of the token, then of the
+        `prompt_logprobs` likeliest (rank 1 first; the token once where it is among them)."""
+
+        def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+            # as vLLM writes an impossible token's logprob (JSON has no infinities)
+            value = max(logprob, LOWEST_LOGPROB)
+            return {"logprob": value, "rank": rank, "decoded_token": self._name(token_id, answer.as_ids)}
+
+        answers: list[dict[str, Any] | None] = []
+        for t in output.input_tokens or ():
+            if t.logprob != t.logprob:  # NaN: the first token (every token of an encoder's prompt)
+                answers.append(None)
+                continue
+            ranked = {str(t.token_id): entry(t.token_id, t.logprob, t.rank)}
+            for rank, top in enumerate(t.top_tokens[: answer.prompt_logprobs], 1):
+                ranked.setdefault(str(top.token_id), entry(top.token_id, top.logprob, rank))
+            answers.append(ranked)
+        return answers
 
 
 def _distinct_seeds(requests: list[ValidatedRequest], seed: int | None) -> list[ValidatedRequest]:

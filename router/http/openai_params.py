@@ -122,6 +122,12 @@ class CommonRequest(BaseModel):
     return_token_ids: bool = Field(
         default=False, description="the prompt's and each choice's token ids beside the text (vLLM's)"
     )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="the prompt's tokens' logprobs, each with the n likeliest tokens in its place (vLLM's)",
+    )
     return_tokens_as_token_ids: bool = Field(
         default=False, description='logprobs name tokens as "token_id:<id>" (vLLM\'s)'
     )
@@ -333,6 +339,7 @@ def request_params(
     limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or max_new_tokens
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     tokens = stream or logprobs or top_n > 0 or body.return_token_ids
+    prompt_logprobs = body.prompt_logprobs is not None
     return RequestParams(
         sampling=sampling,
         stopping=StoppingSpec(
@@ -344,9 +351,11 @@ def request_params(
         response=ResponseSpec(
             generated_tokens=tokens,
             # echo with logprobs: the prompt's tokens too, as vLLM answers them
-            input_tokens=logprobs and getattr(body, "echo", False),
-            token_logprobs=logprobs or top_n > 0,
-            top_n_tokens=top_n,
+            input_tokens=(logprobs and getattr(body, "echo", False)) or prompt_logprobs,
+            token_logprobs=logprobs or top_n > 0 or prompt_logprobs,
+            token_ranks=prompt_logprobs,
+            # one number serves both: each answer takes as many as it was asked for
+            top_n_tokens=max(top_n, body.prompt_logprobs or 0),
             skip_special_tokens=body.skip_special_tokens,
         ),
         truncate_input_tokens=body.truncate_prompt_tokens or 0,

@@ -15,6 +15,7 @@ step under way.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,9 +30,11 @@ from text_generation_common.messages import (
     MemoryScalingModel,
     ModelInfo,
     NewBatch,
+    RequestedDetails,
     RequestError,
     StepOutput,
     TokenInfo,
+    TopToken,
     WeightBudget,
 )
 
@@ -174,11 +177,26 @@ class FakeShard:
 
     @staticmethod
     def _input_tokens(requests: Sequence[GenerationRequest]) -> list[InputTokens]:
+        """The details a shard gives of a prompt: the first token's logprob NaN; each later token
+        k at logprob -k, rank 2, behind its id + 1 (logprob -0.5 k), then ids + 2, + 3, ..."""
         return [
-            InputTokens(r.id, tuple(TokenInfo(t) for t in r.input_ids))
+            InputTokens(
+                r.id, tuple(FakeShard._input_token(r.details, k, t) for k, t in enumerate(r.input_ids))
+            )
             for r in requests
             if r.details.input_tokens
         ]
+
+    @staticmethod
+    def _input_token(details: RequestedDetails, k: int, token: int) -> TokenInfo:
+        if k == 0:
+            return TokenInfo(token, logprob=math.nan if details.logprobs else 0.0)
+        tops = tuple(
+            TopToken(token + 1 + i, -0.5 * k * (i + 1) if details.logprobs else 0.0)
+            for i in range(details.top_n_tokens)
+        )
+        logprob = -float(k) if details.logprobs else 0.0
+        return TokenInfo(token, logprob=logprob, rank=2 if details.ranks else 0, top_tokens=tops)
 
     async def next_token(
         self,

@@ -895,6 +895,56 @@ async def test_openai_prompts_as_token_ids_and_echo_with_the_prompts_logprobs(
     await stack.settled()
 
 
+async def test_openai_prompt_logprobs_as_vllm_answers_them(stack: Stack, tokenizer_pool) -> None:
+    """vLLM's `prompt_logprobs` n: per prompt token (null for the first) the token's logprob and
+    rank and the n likeliest in its place, keyed by id; chat answers carry it once, at the top.
+    The fake shard puts prompt token k at logprob -k, rank 2, behind id + 1, id + 2, ..."""
+    ids = tokenizer_pool.encode_batch_sync(["hello world"])[0]
+    body = {"prompt": "hello world", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    status, answer = await post(stack, "/v1/completions", body)
+    assert status == 200, answer
+    (choice,) = answer["choices"]
+    assert choice["logprobs"] is None and choice["text"]  # no other logprobs, nothing echoed
+    prompt = choice["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    for k, (token, ranked) in enumerate(zip(ids[1:], prompt[1:], strict=True), 1):
+        assert list(ranked) == [str(token), str(token + 1), str(token + 2)]
+        assert ranked[str(token)] == {
+            "logprob": -float(k),
+            "rank": 2,
+            "decoded_token": tokenizer_pool.token_text(token),
+        }
+        assert [ranked[str(token + i)]["rank"] for i in (1, 2)] == [1, 2]
+        assert ranked[str(token + 1)]["logprob"] == -0.5 * k
+    # 0: the token alone; with echo and logprobs 1, the echoed tokens name one likeliest each
+    status, answer = await post(
+        stack,
+        "/v1/completions",
+        {**body, "prompt_logprobs": 0, "echo": True, "logprobs": 1, "return_tokens_as_token_ids": True},
+    )
+    (choice,) = answer["choices"]
+    assert [list(r) for r in choice["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+    assert choice["prompt_logprobs"][1][str(ids[1])]["decoded_token"] == f"token_id:{ids[1]}"
+    status, answer = await post(stack, "/v1/completions", {**body, "echo": True, "logprobs": 1})
+    tops = answer["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(len(top) == 1 for top in tops[1 : len(ids)])
+    # chat: once, for the messages the template rendered
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2, "prompt_logprobs": 1}
+    status, answer = await post(stack, "/v1/chat/completions", chat)
+    assert status == 200, answer
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"] // 2
+    assert all(len(r) == 2 for r in answer["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in answer["choices"][0]
+    for refused, message in [
+        ({**body, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
+        ({**body, "prompt_logprobs": 11}, "prompt_logprobs: Input should be less than or equal to 10"),
+        ({**body, "prompt_logprobs": -1}, "prompt_logprobs: Input should be greater than or equal to 0"),
+    ]:
+        status, error = await post(stack, "/v1/completions", refused)
+        assert status == 400 and error["error"]["message"] == message, error
+    await stack.settled()
+
+
 async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     rendered = "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
