@@ -256,6 +256,14 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return prompts
 
 
+def _skip_special_tokens(body: CommonRequest, tools: ToolMode, parser: ToolCallParser | None) -> bool | None:
+    """The request's skip_special_tokens; unset where the model may answer with calls in a format
+    whose markers are special tokens, false (the parser must see them), as vLLM sets it."""
+    if body.skip_special_tokens is None and tools.kind == "auto" and parser is not None:
+        return False if parser.needs_special_tokens else None
+    return body.skip_special_tokens
+
+
 def tool_mode_of(body: CommonRequest, parser: ToolCallParser | None) -> ToolMode:
     """How a chat's answer is read (openai_tools.py; `parser`: the model's call format, for
     "auto"); completions are text."""
@@ -356,7 +364,7 @@ def request_params(
             token_ranks=prompt_logprobs,
             # one number serves both: each answer takes as many as it was asked for
             top_n_tokens=max(top_n, body.prompt_logprobs or 0),
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=_skip_special_tokens(body, tools, tool_parser),
         ),
         truncate_input_tokens=body.truncate_prompt_tokens or 0,
         priority=body.priority,

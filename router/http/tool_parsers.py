@@ -9,7 +9,16 @@ names for the same formats):
     "parameters": {...}}` objects (separated by `;`), after an optional `<|python_tag|>`;
   - `pythonic` (Llama 3.2 and 4 with their pythonic templates, and others): the whole answer is a
     Python list of calls with keyword arguments, `[get_weather(city="Oslo"), now()]`, read with
-    `ast` (parsed, never run; only literal values).
+    `ast` (parsed, never run; only literal values);
+  - `granite` (IBM Granite 3.0 to 3.3): the whole answer is a JSON list of `{"name": ...,
+    "arguments": {...}}` objects, after an optional `<|tool_call|>` (3.0) or `<tool_call>` (3.1+);
+  - `granite-20b-fc` (Granite 20B function calling): `<function_call> {"name": ..., "arguments":
+    {...}}` per call, the text before the first one the message's content;
+  - `mistral` (Mistral, Mixtral, Ministral, Magistral, Devstral): `[TOOL_CALLS]` (a special token,
+    so answers of a request that may call keep their special tokens) then a JSON list of calls
+    (tokenizers before v11), or `name{...}` / `name[ARGS]{...}` per `[TOOL_CALLS]` (v11 and
+    later); the text before the first is the message's content.
+`llama4_json` and `llama4_pythonic` are vLLM's other names for `llama3_json` and `pythonic`.
 An answer whose calls do not parse is the message's text, as if it had none. While streaming,
 `streamable` says how much of the answer so far is text for sure: the rest is held back until
 the answer ends (then its calls come in one chunk, or the held text).
@@ -45,6 +54,9 @@ class Parsed:
 
 class ToolCallParser(ABC):
     name: str
+    # the format's markers are special tokens: the answer keeps its special tokens when the
+    # request may call (unless it sets skip_special_tokens itself)
+    needs_special_tokens = False
 
     @abstractmethod
     def parse(self, text: str) -> Parsed | None:
@@ -78,6 +90,51 @@ def held_prefix(text: str, marker: str) -> int:
     return 0
 
 
+def _text_before(text: str, marker: str) -> int:
+    """`streamable` of a format whose calls follow text, each after `marker`: the text before the
+    first marker, or before an end that may become one."""
+    at = text.find(marker)
+    return at if at >= 0 else len(text) - held_prefix(text, marker)
+
+
+def _object_calls(blocks: list[str], *, whole: bool) -> list[dict[str, Any]] | None:
+    """One call object ({"name", "arguments"}) per block: all of it (`whole`), or the JSON value
+    it begins with; None where a block holds none."""
+    decoder = json.JSONDecoder()
+    calls = []
+    for block in blocks:
+        try:
+            value = json.loads(block) if whole else decoder.raw_decode(block.lstrip())[0]
+        except ValueError:
+            return None
+        call = _call_of(value, "arguments")
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+def _json_calls(text: str) -> list[dict[str, Any]] | None:
+    """A JSON list of call objects ({"name", "arguments"}); None where `text` is not one."""
+    try:
+        values = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(values, list) or not values:
+        return None
+    calls = [_call_of(value, "arguments") for value in values]
+    return None if any(call is None for call in calls) else [c for c in calls if c is not None]
+
+
+def _held_whole(text: str, starts: tuple[str, ...]) -> int:
+    """`streamable` of a format whose calls are the whole answer, beginning with one of `starts`
+    (markers, or a bracket): all of it waits while it begins so, or may still."""
+    start = text.lstrip()
+    if not start or any(s.startswith(start[: len(s)]) for s in starts):
+        return 0
+    return len(text)
+
+
 class Hermes(ToolCallParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -85,23 +142,11 @@ class Hermes(ToolCallParser):
 
     def parse(self, text: str) -> Parsed | None:
         blocks = list(self.BLOCK.finditer(text))
-        if not blocks:
-            return None
-        calls = []
-        for block in blocks:
-            try:
-                value = json.loads(block.group(1))
-            except ValueError:
-                return None
-            call = _call_of(value, "arguments")
-            if call is None:
-                return None
-            calls.append(call)
-        return Parsed(self.BLOCK.sub("", text), calls)
+        calls = _object_calls([block.group(1) for block in blocks], whole=True)
+        return Parsed(self.BLOCK.sub("", text), calls) if calls else None
 
     def streamable(self, text: str) -> int:
-        at = text.find(self.OPEN)
-        return at if at >= 0 else len(text) - held_prefix(text, self.OPEN)
+        return _text_before(text, self.OPEN)
 
 
 class Llama3Json(ToolCallParser):
@@ -128,10 +173,7 @@ class Llama3Json(ToolCallParser):
         return Parsed("", calls)
 
     def streamable(self, text: str) -> int:
-        start = text.lstrip()
-        if not start or start.startswith("{") or self.TAG.startswith(start[: len(self.TAG)]):
-            return 0  # it may be (or still become) a call: all of it waits
-        return len(text)
+        return _held_whole(text, (self.TAG, "{"))
 
 
 class Pythonic(ToolCallParser):
@@ -161,11 +203,80 @@ class Pythonic(ToolCallParser):
         return Parsed("", calls)
 
     def streamable(self, text: str) -> int:
-        start = text.lstrip()
-        return 0 if not start or start.startswith("[") else len(text)
+        return _held_whole(text, ("[",))
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (Hermes, Llama3Json, Pythonic)}
+class Granite(ToolCallParser):
+    name = "granite"
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+
+    def parse(self, text: str) -> Parsed | None:
+        rest = text.strip()
+        for marker in self.MARKERS:
+            rest = rest.removeprefix(marker).lstrip()
+        if not rest.startswith("["):
+            return None
+        calls = _json_calls(rest)
+        return Parsed("", calls) if calls is not None else None
+
+    def streamable(self, text: str) -> int:
+        return _held_whole(text, (*self.MARKERS, "["))
+
+
+class Granite20bFc(ToolCallParser):
+    name = "granite-20b-fc"
+    OPEN = "<function_call>"
+
+    def parse(self, text: str) -> Parsed | None:
+        content, *blocks = text.split(self.OPEN)
+        calls = _object_calls(blocks, whole=False)
+        return Parsed(content, calls) if calls else None
+
+    def streamable(self, text: str) -> int:
+        return _text_before(text, self.OPEN)
+
+
+class Mistral(ToolCallParser):
+    name = "mistral"
+    needs_special_tokens = True
+    OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def parse(self, text: str) -> Parsed | None:
+        content, *blocks = text.split(self.OPEN)
+        if not blocks:
+            return None
+        decoder = json.JSONDecoder()
+        calls: list[dict[str, Any]] = []
+        for block in blocks:
+            block = block.strip()
+            if block.startswith("["):  # tokenizers before v11: one JSON list of calls
+                listed = _json_calls(block)
+                if listed is None:
+                    return None
+                calls += listed
+                continue
+            name, args, rest = block.partition(self.ARGS)
+            if not args:  # `name{...}`
+                brace = block.find("{")
+                name, rest = (block[:brace], block[brace:]) if brace >= 0 else (block, "")
+            try:
+                arguments, _ = decoder.raw_decode(rest.lstrip())
+            except ValueError:
+                return None
+            call = _call_of({"name": name.strip(), "arguments": arguments}, "arguments")
+            if call is None or not name.strip():
+                return None
+            calls.append(call)
+        return Parsed(content, calls)
+
+    def streamable(self, text: str) -> int:
+        return _text_before(text, self.OPEN)
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {
+    p.name: p for p in (Hermes, Llama3Json, Pythonic, Granite, Granite20bFc, Mistral)
+}
+PARSERS |= {"llama4_json": Llama3Json, "llama4_pythonic": Pythonic}  # vLLM's names for them too
 
 
 def parser_named(name: str | None) -> ToolCallParser | None:

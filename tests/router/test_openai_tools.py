@@ -11,6 +11,7 @@ import pytest
 
 from router.core.validation import ValidationError
 from router.http.chat_template import ChatTemplate
+from router.http.openai_params import ChatRequest, request_params
 from router.http.openai_tools import (
     TEXT,
     HeldAnswer,
@@ -24,7 +25,15 @@ from router.http.openai_tools import (
     template_tools,
     tool_mode,
 )
-from router.http.tool_parsers import Hermes, Llama3Json, Pythonic, parser_named
+from router.http.tool_parsers import (
+    Granite,
+    Granite20bFc,
+    Hermes,
+    Llama3Json,
+    Mistral,
+    Pythonic,
+    parser_named,
+)
 from text_generation_common.guided import Grammars
 from text_generation_common.messages import GuidedKind
 
@@ -169,6 +178,42 @@ HERMES_TEXT = (
         (Pythonic(), "[now(a={1, 2})]", "[now(a={1, 2})]", None),  # a set is no JSON
         (Pythonic(), "[now(", "[now(", None),
         (Pythonic(), "Sunny [now()]", "Sunny [now()]", None),
+        (
+            Granite(),
+            '<|tool_call|>[{"name": "weather", "arguments": {"city": "Oslo"}}, '
+            '{"name": "now", "arguments": {}}]',
+            None,
+            [("weather", '{"city": "Oslo"}'), ("now", "{}")],
+        ),
+        (Granite(), ' <tool_call> [{"name": "now", "arguments": "{}"}]', None, [("now", "{}")]),
+        (Granite(), '[{"name": "now", "arguments": {}}]', None, [("now", "{}")]),  # marker skipped
+        (Granite(), 'It is [{"name": "now"}]', 'It is [{"name": "now"}]', None),
+        (Granite(), "<tool_call>[]", "<tool_call>[]", None),
+        (Granite(), '[{"name": "now", "arguments": {}}] ok', '[{"name": "now", "arguments": {}}] ok', None),
+        (
+            Granite20bFc(),
+            'Sure.<function_call> {"name": "weather", "arguments": {"city": "Rome"}} '
+            '<function_call> {"name": "now", "arguments": {}}',
+            "Sure.",
+            [("weather", '{"city": "Rome"}'), ("now", "{}")],
+        ),
+        (Granite20bFc(), "<function_call> {oops", "<function_call> {oops", None),
+        (
+            Mistral(),
+            'Checking.[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Oslo"}}]',
+            "Checking.",
+            [("weather", '{"city": "Oslo"}')],
+        ),  # tokenizers before v11
+        (
+            Mistral(),
+            '[TOOL_CALLS]weather{"city": "Rome"}[TOOL_CALLS]now{}',
+            None,
+            [("weather", '{"city": "Rome"}'), ("now", "{}")],
+        ),  # v11
+        (Mistral(), '[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}', None, [("weather", '{"city": "Oslo"}')]),
+        (Mistral(), "[TOOL_CALLS]weather", "[TOOL_CALLS]weather", None),
+        (Mistral(), '[TOOL_CALLS]{"city": "Oslo"}', '[TOOL_CALLS]{"city": "Oslo"}', None),  # no name
+        (Mistral(), "no calls [TOOL", "no calls [TOOL", None),
     ],
 )
 def test_each_format_gives_its_calls_and_the_text_around_them(parser, text: str, content, calls) -> None:
@@ -181,18 +226,31 @@ def test_each_format_gives_its_calls_and_the_text_around_them(parser, text: str,
         assert reading.finish == "tool_calls"
 
 
-@pytest.mark.parametrize("parser", [Hermes(), Llama3Json(), Pythonic()])
+STREAMED = (
+    HERMES_TEXT,
+    "plain words <tool",
+    '{"name": "now", "parameters": {}}',
+    "Hi {x}",
+    "[now(a=1)]",
+    '<|tool_call|>[{"name": "now", "arguments": {}}]',
+    'Sure.<function_call> {"name": "now", "arguments": {}}',
+    "Ok[TOOL_CALLS]now{}",
+    "text [TOOL_",
+)
+CALL_MARKS = ("<tool_call>", '"name"', "<|tool_call|>", "<function_call>", "[TOOL_CALLS]", "now{")
+
+
+@pytest.mark.parametrize("parser", [Hermes(), Llama3Json(), Pythonic(), Granite(), Granite20bFc(), Mistral()])
 @pytest.mark.parametrize("pieces", [1, 3, 7])
 def test_a_streamed_answer_sends_only_text_then_the_calls_whole(parser, pieces: int) -> None:
     """Whatever pieces the answer comes in, the content sent as it comes plus the rest at the end
     is the whole answer's content, and no part of a call is ever sent as text."""
-    texts = (HERMES_TEXT, "plain words <tool", '{"name": "now", "parameters": {}}', "Hi {x}", "[now(a=1)]")
-    for text in texts:
+    for text in STREAMED:
         held = HeldAnswer(ToolMode("auto"), parser)
         sent = "".join(held.add(text[i : i + pieces]) for i in range(0, len(text), pieces))
         end = held.end()
         whole = read(ToolMode("auto"), text, parser)
-        assert ("<tool_call>" not in sent and '"name"' not in sent) or whole.calls is None
+        assert not any(mark in sent for mark in CALL_MARKS) or whole.calls is None
         assert (sent + (end.content or "")).strip() == (whole.content or "").strip()
         assert functions(end) == functions(whole) and end.finish == whole.finish
 
@@ -205,10 +263,13 @@ def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
     assert parser_named(None) is None and isinstance(parser_named("hermes"), Hermes)
     assert isinstance(parser_named("llama3_json"), Llama3Json)
     assert isinstance(parser_named("pythonic"), Pythonic)
-    with pytest.raises(
-        ValueError, match="unknown tool call parser 'mistral': one of hermes, llama3_json, pythonic"
-    ):
-        parser_named("mistral")
+    assert isinstance(parser_named("llama4_pythonic"), Pythonic)
+    assert isinstance(parser_named("llama4_json"), Llama3Json)
+    assert isinstance(parser_named("granite"), Granite) and isinstance(parser_named("mistral"), Mistral)
+    assert isinstance(parser_named("granite-20b-fc"), Granite20bFc)
+    names = "granite, granite-20b-fc, hermes, llama3_json, llama4_json, llama4_pythonic, mistral, pythonic"
+    with pytest.raises(ValueError, match=f"unknown tool call parser 'xlam': one of {names}"):
+        parser_named("xlam")
 
 
 def test_the_template_sees_the_tools_and_earlier_calls_with_object_arguments() -> None:
@@ -241,3 +302,23 @@ def test_the_template_sees_the_tools_and_earlier_calls_with_object_arguments() -
         {"type": "function", "function": {"name": "weather", "parameters": CITY}},
         {"type": "function", "function": {"name": "now", "description": "the time"}},
     ]
+
+
+def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> None:
+    """`mistral`'s [TOOL_CALLS] is a special token: a request that may call keeps the answer's
+    special tokens unless it says otherwise (as vLLM sets it); other formats and requests keep
+    the server's rule (None)."""
+    tools = [t.model_dump() for t in TOOLS]
+    messages = [{"role": "user", "content": "hi"}]
+
+    def skip(parser, **fields) -> bool | None:
+        body = ChatRequest.model_validate({"messages": messages, "tools": tools, **fields})
+        params = request_params(
+            body, max_new_tokens=8, top_n=0, logprobs=False, stream=False, tool_parser=parser
+        )
+        return params.response.skip_special_tokens
+
+    assert skip(Mistral()) is False and skip(Mistral(), tool_choice="auto") is False
+    assert skip(Mistral(), skip_special_tokens=True) is True
+    assert skip(Mistral(), tool_choice="none") is None and skip(Mistral(), tool_choice="required") is None
+    assert skip(Hermes()) is None and skip(Granite()) is None
