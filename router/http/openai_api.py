@@ -157,6 +157,7 @@ class _Answer:
     token_ids: bool = False  # return_token_ids
     as_ids: bool = False  # return_tokens_as_token_ids
     tools: ToolMode = TEXT
+    parser: ToolCallParser | None = None  # the model's call format, for the request's functions
     reasoning: ReasoningFormat | None = None  # a chat's thinking is split from its answer
 
     @property
@@ -367,6 +368,7 @@ class OpenAIApi:
             call.close()
             return error_response(exc)
         validated = _distinct_seeds(validated, body.seed)
+        tools = tool_mode_of(body, self.tool_parser)
         answer = _Answer(
             id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
             kind=kind,
@@ -380,7 +382,8 @@ class OpenAIApi:
             prompt_logprobs=body.prompt_logprobs,
             token_ids=body.return_token_ids,
             as_ids=body.return_tokens_as_token_ids,
-            tools=tool_mode_of(body, self.tool_parser),
+            tools=tools,
+            parser=self._parser_for(body, tools),
             # a constrained answer (guided decoding, a forced call) is all answer
             reasoning=self.reasoning if kind == "chat" and params.sampling.guided is None else None,
         )
@@ -398,6 +401,13 @@ class OpenAIApi:
                 return error_response(exc)
         whole = self._answer(answer, outputs)
         return JSONResponse(shape.unary(whole) if shape is not None else whole)
+
+    def _parser_for(self, body: CommonRequest, tools: ToolMode) -> ToolCallParser | None:
+        """The model's call format bound to the request's functions, where the model may call."""
+        if tools.kind != "auto" or self.tool_parser is None or not isinstance(body, ChatRequest):
+            return None
+        schemas = {t.function.name: t.function.parameters or {} for t in body.tools or ()}
+        return self.tool_parser.for_tools(schemas)
 
     def _check(self, body: CommonRequest, count: int) -> None:
         """The door's own refusals, before admission (RequestError)."""
@@ -425,7 +435,7 @@ class OpenAIApi:
                 thinking = None
                 if answer.reasoning is not None:
                     thinking, text = split(answer.reasoning, text)
-                reading = read(answer.tools, text, self.tool_parser)
+                reading = read(answer.tools, text, answer.parser)
                 choice["message"] = {"role": "assistant", "content": reading.content}
                 if thinking is not None:
                     choice["message"]["reasoning_content"] = thinking
@@ -544,7 +554,7 @@ class OpenAIApi:
                         continue
                     item = answered
                 if answer.tools.kind in ("auto", "required"):  # calls come whole, at the end
-                    held.setdefault(index, HeldAnswer(answer.tools, self.tool_parser))
+                    held.setdefault(index, HeldAnswer(answer.tools, answer.parser))
                     if (chunk := self._held_chunk(answer, index, held[index], item)) is not None:
                         yield sent(chunk, index)
                     continue

@@ -17,7 +17,12 @@ names for the same formats):
   - `mistral` (Mistral, Mixtral, Ministral, Magistral, Devstral): `[TOOL_CALLS]` (a special token,
     so answers of a request that may call keep their special tokens) then a JSON list of calls
     (tokenizers before v11), or `name{...}` / `name[ARGS]{...}` per `[TOOL_CALLS]` (v11 and
-    later); the text before the first is the message's content.
+    later); the text before the first is the message's content;
+  - `qwen3_coder` (Qwen3-Coder and later Qwen models): XML, `<tool_call><function=name>
+    <parameter=key>value</parameter>...</function></tool_call>` per call after the text; each
+    value is text, read as the type the function's JSON Schema gives the parameter (integer,
+    number, boolean, null, object, array; a string or an unknown parameter stays text), so this
+    parser is bound to the request's functions (`for_tools`).
 `llama4_json` and `llama4_pythonic` are vLLM's other names for `llama3_json` and `pythonic`.
 An answer whose calls do not parse is the message's text, as if it had none. While streaming,
 `streamable` says how much of the answer so far is text for sure: the rest is held back until
@@ -28,9 +33,11 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import secrets
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +72,11 @@ class ToolCallParser(ABC):
     @abstractmethod
     def streamable(self, text: str) -> int:
         """How many characters of the answer so far are text whatever comes next."""
+
+    def for_tools(self, schemas: Mapping[str, Any]) -> ToolCallParser:
+        """The parser for a request whose functions take `schemas` (name -> JSON Schema of the
+        parameters): itself, unless its format needs them to read values."""
+        return self
 
 
 def _call_of(value: Any, arguments_key: str) -> dict[str, Any] | None:
@@ -273,8 +285,75 @@ class Mistral(ToolCallParser):
         return _text_before(text, self.OPEN)
 
 
+class Qwen3Coder(ToolCallParser):
+    name = "qwen3_coder"
+    OPEN, BARE = "<tool_call>", "<function="
+    FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+
+    def __init__(self, schemas: Mapping[str, Any] | None = None) -> None:
+        self.schemas = schemas or {}
+
+    def for_tools(self, schemas: Mapping[str, Any]) -> ToolCallParser:
+        return Qwen3Coder(schemas)
+
+    def parse(self, text: str) -> Parsed | None:
+        at = text.find(self.OPEN)
+        if at < 0:
+            at = text.find(self.BARE)  # the opening left out, as the model sometimes does
+        if at < 0:
+            return None
+        calls = []
+        for function in self.FUNCTION.finditer(text, at):
+            name = function.group(1).strip()
+            schema = self.schemas.get(name)
+            properties = schema.get("properties") if isinstance(schema, dict) else None
+            properties = properties if isinstance(properties, dict) else {}
+            arguments = {
+                key.strip(): _typed(_trimmed(value), properties.get(key.strip()))
+                for key, value in self.PARAMETER.findall(function.group(2))
+            }
+            calls.append(function_call(name, json.dumps(arguments, ensure_ascii=False)))
+        return Parsed(text[:at], calls) if calls else None
+
+    def streamable(self, text: str) -> int:
+        return min(_text_before(text, self.OPEN), _text_before(text, self.BARE))
+
+
+def _trimmed(value: str) -> str:
+    """A parameter's value as written between its tags, less one line break on each side."""
+    return value.removeprefix("\n").removesuffix("\n")
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as the JSON value its schema's type makes it: text where the schema is
+    missing or says string, or the text is not of its type."""
+    declared = schema.get("type") if isinstance(schema, dict) else None
+    kinds = declared if isinstance(declared, list) else [declared]
+    word = value.strip()
+    if word.lower() == "null" and "string" not in kinds:
+        return None
+    for kind in kinds:
+        if kind in ("string", None):
+            return value
+        try:
+            if kind == "integer":
+                return int(word)
+            if kind == "number":
+                number = int(word) if word.lstrip("-").isdigit() else float(word)
+                if math.isfinite(number):  # JSON has no NaN or infinities
+                    return number
+            if kind == "boolean" and word.lower() in ("true", "false"):
+                return word.lower() == "true"
+            if kind in ("object", "array"):
+                return json.loads(word)
+        except ValueError:
+            continue
+    return value
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (Hermes, Llama3Json, Pythonic, Granite, Granite20bFc, Mistral)
+    p.name: p for p in (Hermes, Llama3Json, Pythonic, Granite, Granite20bFc, Mistral, Qwen3Coder)
 }
 PARSERS |= {"llama4_json": Llama3Json, "llama4_pythonic": Pythonic}  # vLLM's names for them too
 

@@ -36,7 +36,7 @@ from router.http.tgi_rest import (
     request_params,
     unsupported,
 )
-from router.http.tool_parsers import Hermes
+from router.http.tool_parsers import Hermes, Qwen3Coder
 from tests.router.fakes import EOS, FakeShard
 from tests.router.stacks import service_over
 from text_generation_common.guided import Grammars
@@ -1088,6 +1088,32 @@ async def test_openai_auto_tool_calls_in_the_models_format(stack: Stack, tokeniz
         plain["choices"][0]["finish_reason"] == "length"
         and "tool_calls" not in plain["choices"][0]["message"]
     )
+    await stack.settled()
+
+
+async def test_openai_auto_calls_in_xml_read_with_the_requests_schemas(stack: Stack, tokenizer_pool) -> None:
+    """qwen3_coder's values are text: each is read as the type the request's own function gives
+    its parameter, unary and streamed."""
+    stack.openai.tool_parser = Qwen3Coder()
+    answer = (
+        "Ok.\n<tool_call>\n<function=forecast>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    ids = tokenizer_pool.encode_batch_sync([answer])[0][1:]  # without BOS
+    stack.shard.script = lambda request, step: ids[step] if step < len(ids) else EOS
+    days = {"type": "object", "properties": {"days": {"type": "integer"}}}
+    for kind in ("integer", "string"):
+        days["properties"]["days"]["type"] = kind
+        tool = {"type": "function", "function": {"name": "forecast", "parameters": days}}
+        body = {"messages": [{"role": "user", "content": "?"}], "tools": [tool], "temperature": 0}
+        status, unary = await post(stack, "/v1/chat/completions", body)
+        assert status == 200, unary
+        (call,) = unary["choices"][0]["message"]["tool_calls"]
+        expected = '{"days": 3}' if kind == "integer" else '{"days": "3"}'
+        assert call["function"] == {"name": "forecast", "arguments": expected}
+        events = await sse_events(stack, {**body, "stream": True}, path="/v1/chat/completions")
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+        (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+        assert calls[0]["function"]["arguments"] == expected
     await stack.settled()
 
 

@@ -32,6 +32,7 @@ from router.http.tool_parsers import (
     Llama3Json,
     Mistral,
     Pythonic,
+    Qwen3Coder,
     parser_named,
 )
 from text_generation_common.guided import Grammars
@@ -42,6 +43,31 @@ TOOLS = [
     Tool.model_validate({"type": "function", "function": {"name": "weather", "parameters": CITY}}),
     Tool.model_validate({"type": "function", "function": {"name": "now", "description": "the time"}}),
 ]
+
+
+QWEN = Qwen3Coder().for_tools(
+    {
+        "weather": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+        "typed": {
+            "properties": {
+                "code": {"type": "string"},
+                "n": {"type": "integer"},
+                "x": {"type": "number"},
+                "y": {"type": "number"},
+                "flag": {"type": "boolean"},
+                "obj": {"type": "object"},
+                "items": {"type": "array"},
+                "gone": {"type": "integer"},
+                "bad": {"type": "integer"},
+                "z": {"type": "number"},
+                "either": {"type": ["integer", "string"]},
+            }
+        },
+    }
+)
 
 
 def named(name: str) -> NamedToolChoice:
@@ -214,6 +240,33 @@ HERMES_TEXT = (
         (Mistral(), "[TOOL_CALLS]weather", "[TOOL_CALLS]weather", None),
         (Mistral(), '[TOOL_CALLS]{"city": "Oslo"}', '[TOOL_CALLS]{"city": "Oslo"}', None),  # no name
         (Mistral(), "no calls [TOOL", "no calls [TOOL", None),
+        (
+            QWEN,
+            "Let me check.\n<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n"
+            "</function>\n</tool_call>",
+            "Let me check.",
+            [("weather", '{"city": "Oslo", "days": 3}'), ("now", "{}")],
+        ),
+        (
+            QWEN,  # each value as its schema's type makes it; text where it is not of that type
+            "<function=typed><parameter=code>\n007\n</parameter><parameter=n>-2</parameter>"
+            "<parameter=x>2.5</parameter><parameter=y>1e3</parameter><parameter=flag>True</parameter>"
+            '<parameter=obj>{"a": [1]}</parameter><parameter=items>[1, 2]</parameter>'
+            "<parameter=gone>null</parameter><parameter=bad>many</parameter><parameter=z>nan</parameter>"
+            "<parameter=either>4</parameter><parameter=other>\n  spaced  \n</parameter></function>",
+            None,
+            [
+                (
+                    "typed",
+                    '{"code": "007", "n": -2, "x": 2.5, "y": 1000.0, "flag": true, "obj": {"a": [1]}, '
+                    '"items": [1, 2], "gone": null, "bad": "many", "z": "nan", "either": 4, '
+                    '"other": "  spaced  "}',
+                )
+            ],
+        ),
+        (QWEN, "<tool_call>\n<function=now>", None, [("now", "{}")]),  # cut: what there is
+        (QWEN, "plain <tool_call> text", "plain <tool_call> text", None),
     ],
 )
 def test_each_format_gives_its_calls_and_the_text_around_them(parser, text: str, content, calls) -> None:
@@ -236,11 +289,23 @@ STREAMED = (
     'Sure.<function_call> {"name": "now", "arguments": {}}',
     "Ok[TOOL_CALLS]now{}",
     "text [TOOL_",
+    "Sure.\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+    "Bare <function=now></function>",
 )
-CALL_MARKS = ("<tool_call>", '"name"', "<|tool_call|>", "<function_call>", "[TOOL_CALLS]", "now{")
+CALL_MARKS = (
+    "<tool_call>",
+    '"name"',
+    "<|tool_call|>",
+    "<function_call>",
+    "[TOOL_CALLS]",
+    "now{",
+    "<function=",
+)
 
 
-@pytest.mark.parametrize("parser", [Hermes(), Llama3Json(), Pythonic(), Granite(), Granite20bFc(), Mistral()])
+@pytest.mark.parametrize(
+    "parser", [Hermes(), Llama3Json(), Pythonic(), Granite(), Granite20bFc(), Mistral(), Qwen3Coder()]
+)
 @pytest.mark.parametrize("pieces", [1, 3, 7])
 def test_a_streamed_answer_sends_only_text_then_the_calls_whole(parser, pieces: int) -> None:
     """Whatever pieces the answer comes in, the content sent as it comes plus the rest at the end
@@ -267,7 +332,11 @@ def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
     assert isinstance(parser_named("llama4_json"), Llama3Json)
     assert isinstance(parser_named("granite"), Granite) and isinstance(parser_named("mistral"), Mistral)
     assert isinstance(parser_named("granite-20b-fc"), Granite20bFc)
-    names = "granite, granite-20b-fc, hermes, llama3_json, llama4_json, llama4_pythonic, mistral, pythonic"
+    assert isinstance(parser_named("qwen3_coder"), Qwen3Coder)
+    names = (
+        "granite, granite-20b-fc, hermes, llama3_json, llama4_json, llama4_pythonic, mistral, "
+        "pythonic, qwen3_coder"
+    )
     with pytest.raises(ValueError, match=f"unknown tool call parser 'xlam': one of {names}"):
         parser_named("xlam")
 
