@@ -349,6 +349,7 @@ class OpenAIApi:
                     stream=body.stream,
                     tool_parser=self.tool_parser,
                     defaults=self.sampling_defaults,
+                    reasoning=self.reasoning,
                 )
             except ValidationError as exc:
                 raise self.service.refuse(str(exc)) from exc

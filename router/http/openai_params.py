@@ -33,6 +33,7 @@ from router.core.validation import (
     http_sampling,
 )
 from router.http.openai_tools import TEXT, Tool, ToolChoiceParam, ToolMode, guided_for, tool_mode
+from router.http.reasoning import ReasoningFormat
 from router.http.tool_parsers import ToolCallParser
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind
@@ -256,12 +257,16 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return prompts
 
 
-def _skip_special_tokens(body: CommonRequest, tools: ToolMode, parser: ToolCallParser | None) -> bool | None:
-    """The request's skip_special_tokens; unset where the model may answer with calls in a format
-    whose markers are special tokens, false (the parser must see them), as vLLM sets it."""
-    if body.skip_special_tokens is None and tools.kind == "auto" and parser is not None:
-        return False if parser.needs_special_tokens else None
-    return body.skip_special_tokens
+def _skip_special_tokens(
+    body: CommonRequest, tools: ToolMode, parser: ToolCallParser | None, thinking: ReasoningFormat | None
+) -> bool | None:
+    """The request's skip_special_tokens; where unset, false if the answer may hold markers that
+    are special tokens (calls of the model's format, where it may call; a chat's thinking, where
+    the model's reasoning format is read), as vLLM sets it: the parsers must see them."""
+    if body.skip_special_tokens is not None:
+        return body.skip_special_tokens
+    calls = tools.kind == "auto" and parser is not None and parser.needs_special_tokens
+    return False if calls or (thinking is not None and thinking.needs_special_tokens) else None
 
 
 def tool_mode_of(body: CommonRequest, parser: ToolCallParser | None) -> ToolMode:
@@ -306,10 +311,12 @@ def request_params(
     stream: bool,
     tool_parser: ToolCallParser | None = None,
     defaults: Mapping[str, float] = MappingProxyType({}),
+    reasoning: ReasoningFormat | None = None,
 ) -> RequestParams:
     """OpenAI's parameters -> RequestParams (validated afterwards like every door's);
     `defaults`: the model's sampling parameters (ModelInfo.sampling_defaults), for those the
-    request leaves unset."""
+    request leaves unset; `reasoning`: the model's reasoning format (REASONING_PARSER), read from
+    chat answers that no constraint shapes."""
 
     def given(value: float | None, name: str) -> float | None:
         return value if value is not None else defaults.get(name)
@@ -348,6 +355,8 @@ def request_params(
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     tokens = stream or logprobs or top_n > 0 or body.return_token_ids
     prompt_logprobs = body.prompt_logprobs is not None
+    # a chat answer no constraint shapes is read for the model's thinking
+    thinking = reasoning if isinstance(body, ChatRequest) and guided is None else None
     return RequestParams(
         sampling=sampling,
         stopping=StoppingSpec(
@@ -364,7 +373,7 @@ def request_params(
             token_ranks=prompt_logprobs,
             # one number serves both: each answer takes as many as it was asked for
             top_n_tokens=max(top_n, body.prompt_logprobs or 0),
-            skip_special_tokens=_skip_special_tokens(body, tools, tool_parser),
+            skip_special_tokens=_skip_special_tokens(body, tools, tool_parser, thinking),
         ),
         truncate_input_tokens=body.truncate_prompt_tokens or 0,
         priority=body.priority,

@@ -1,14 +1,18 @@
 """A reasoning model's thinking, split from its answer: the chat door's `reasoning_content`.
 
-Reasoning models write their thinking between `<think>` and `</think>`, then the answer.
-REASONING_PARSER names the served model's way (vLLM's names):
+Reasoning models write their thinking between two markers (most: `<think>` and `</think>`),
+then the answer. REASONING_PARSER names the served model's way (vLLM's names):
   - `deepseek_r1` (DeepSeek-R1 and its distillations): the chat template opens the thinking in
     the prompt, so the output is thinking up to `</think>` (a leading `<think>` is dropped), then
     the answer; an output without `</think>` is all thinking (cut by max_tokens);
   - `qwen3` (Qwen3, QwQ): thinking only where the output opens it with `<think>`; an output that
-    does not (`enable_thinking: false`) is all answer.
+    does not (`enable_thinking: false`) is all answer;
+  - `granite` (IBM Granite 3.2+ with `thinking: true`): as `qwen3`, between `Here is my thought
+    process:` and `Here is my response:` (or `Here's ...`, which some builds write);
+  - `mistral` (Magistral): as `qwen3`, between `[THINK]` and `[/THINK]`, which are special tokens,
+    so the chat's answers keep their special tokens unless the request sets skip_special_tokens.
 The answer then goes on as a chat's text does (stop sequences, tool calls). Streamed, thinking
-and answer go out as they come, less the end of the text that may still become a tag.
+and answer go out as they come, less the end of the text that may still become a marker.
 """
 
 from __future__ import annotations
@@ -17,16 +21,40 @@ from dataclasses import dataclass, field
 
 from router.http.tool_parsers import held_prefix
 
-START, END = "<think>", "</think>"
+THINK = ("<think>",), ("</think>",)
 
 
 @dataclass(frozen=True)
 class ReasoningFormat:
     name: str
     opened_by_prompt: bool  # the template opens the thinking: the output starts inside it
+    starts: tuple[str, ...] = THINK[0]  # what opens the thinking (any of them)
+    ends: tuple[str, ...] = THINK[1]  # what closes it
+    needs_special_tokens: bool = False  # the markers are special tokens
+
+    def start_in(self, text: str) -> str | None:
+        """The start marker `text` begins with, if any."""
+        return next((s for s in self.starts if text.startswith(s)), None)
+
+    def first_end(self, text: str) -> tuple[int, str] | None:
+        """Where the first end marker in `text` is, and which."""
+        found = [(at, end) for end in self.ends if (at := text.find(end)) >= 0]
+        return min(found) if found else None
 
 
-FORMATS = {f.name: f for f in (ReasoningFormat("deepseek_r1", True), ReasoningFormat("qwen3", False))}
+GRANITE_MARKERS = (
+    ("Here is my thought process:", "Here's my thought process:"),
+    ("Here is my response:", "Here's my response:"),
+)
+FORMATS = {
+    f.name: f
+    for f in (
+        ReasoningFormat("deepseek_r1", True),
+        ReasoningFormat("qwen3", False),
+        ReasoningFormat("granite", False, *GRANITE_MARKERS),
+        ReasoningFormat("mistral", False, ("[THINK]",), ("[/THINK]",), needs_special_tokens=True),
+    )
+}
 
 
 def reasoning_format(name: str | None) -> ReasoningFormat | None:
@@ -66,19 +94,21 @@ class ReasoningStream:
         thinking = ""
         if self.phase == "open?":
             stripped = self.pending.lstrip()
-            if stripped.startswith(START):
-                self.pending, self.phase, self.thought = stripped[len(START) :], "thinking", True
-            elif START.startswith(stripped):
-                return "", ""  # blank so far, or the start of the tag
+            if (start := self.fmt.start_in(stripped)) is not None:
+                self.pending, self.phase, self.thought = stripped[len(start) :], "thinking", True
+            elif any(s.startswith(stripped) for s in self.fmt.starts):
+                return "", ""  # blank so far, or the start of a marker
             else:
                 self.phase = "thinking" if self.fmt.opened_by_prompt else "answer"
         if self.phase == "thinking":
-            at = self.pending.find(END)
-            if at < 0:
-                cut = len(self.pending) - held_prefix(self.pending, END)
+            found = self.fmt.first_end(self.pending)
+            if found is None:
+                held = max(held_prefix(self.pending, end) for end in self.fmt.ends)
+                cut = len(self.pending) - held
                 thinking, self.pending = self.pending[:cut], self.pending[cut:]
                 return thinking, ""
-            thinking, self.pending = self.pending[:at], self.pending[at + len(END) :]
+            at, end = found
+            thinking, self.pending = self.pending[:at], self.pending[at + len(end) :]
             self.phase = "answer"
         answer, self.pending = self.pending, ""
         return thinking, answer

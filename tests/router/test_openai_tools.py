@@ -25,6 +25,7 @@ from router.http.openai_tools import (
     template_tools,
     tool_mode,
 )
+from router.http.reasoning import FORMATS
 from router.http.tool_parsers import (
     Granite,
     Granite20bFc,
@@ -380,10 +381,16 @@ def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> Non
     tools = [t.model_dump() for t in TOOLS]
     messages = [{"role": "user", "content": "hi"}]
 
-    def skip(parser, **fields) -> bool | None:
+    def skip(parser, reasoning=None, **fields) -> bool | None:
         body = ChatRequest.model_validate({"messages": messages, "tools": tools, **fields})
         params = request_params(
-            body, max_new_tokens=8, top_n=0, logprobs=False, stream=False, tool_parser=parser
+            body,
+            max_new_tokens=8,
+            top_n=0,
+            logprobs=False,
+            stream=False,
+            tool_parser=parser,
+            reasoning=reasoning,
         )
         return params.response.skip_special_tokens
 
@@ -391,3 +398,7 @@ def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> Non
     assert skip(Mistral(), skip_special_tokens=True) is True
     assert skip(Mistral(), tool_choice="none") is None and skip(Mistral(), tool_choice="required") is None
     assert skip(Hermes()) is None and skip(Granite()) is None
+    # Magistral's [THINK] too, where the answer is read for thinking (not when a call is forced)
+    assert skip(None, FORMATS["mistral"], tool_choice="none") is False
+    assert skip(None, FORMATS["mistral"], tool_choice="required") is None
+    assert skip(None, FORMATS["qwen3"], tool_choice="none") is None

@@ -7,7 +7,7 @@ import pytest
 
 from router.http.reasoning import FORMATS, ReasoningStream, reasoning_format, split
 
-R1, QWEN3 = FORMATS["deepseek_r1"], FORMATS["qwen3"]
+R1, QWEN3, GRANITE, MISTRAL = FORMATS["deepseek_r1"], FORMATS["qwen3"], FORMATS["granite"], FORMATS["mistral"]
 
 
 @pytest.mark.parametrize(
@@ -23,26 +23,52 @@ R1, QWEN3 = FORMATS["deepseek_r1"], FORMATS["qwen3"]
         (QWEN3, "<thin", None, "<thin"),  # a cut output that only looked like the tag
         (QWEN3, "<think>cut while thinking", "cut while thinking", ""),
         (QWEN3, "No tag, then </think> later", None, "No tag, then </think> later"),
+        (
+            GRANITE,
+            "Here is my thought process:\nAdd them.\nHere is my response:\n4",
+            "\nAdd them.\n",
+            "\n4",
+        ),
+        (GRANITE, "Here's my thought process: a Here's my response: b", " a ", " b"),
+        (GRANITE, "Here is my thought process: x Here's my response: y", " x ", " y"),
+        (GRANITE, "4, because 2 + 2.", None, "4, because 2 + 2."),
+        (GRANITE, "Here is my", None, "Here is my"),
+        (GRANITE, "Here is my thought process: cut", " cut", ""),
+        (MISTRAL, "[THINK]Sum.[/THINK]4", "Sum.", "4"),
+        (MISTRAL, "4", None, "4"),
     ],
 )
 def test_each_format_splits_thinking_from_the_answer(fmt, text: str, thinking, answer: str) -> None:
     assert split(fmt, text) == (thinking, answer)
 
 
-@pytest.mark.parametrize("fmt", [R1, QWEN3])
+STREAMED = (
+    "<think>\nPlan.\n</think>\n\nAnswer <b>.",
+    "Think.</think>Hi</think>",
+    "Plain <th",
+    "  ",
+    "Here is my thought process:\nPlan. Here is my\nHere's my response: Answer. Here is my",
+    "[THINK]Plan [/THI[/THINK]Answer [",
+)
+
+
+@pytest.mark.parametrize("fmt", [R1, QWEN3, GRANITE, MISTRAL])
 @pytest.mark.parametrize("size", [1, 2, 5, 100])
 def test_a_streamed_output_splits_as_the_whole_one(fmt, size: int) -> None:
-    for text in ("<think>\nPlan.\n</think>\n\nAnswer <b>.", "Think.</think>Hi</think>", "Plain <th", "  "):
+    for text in STREAMED:
         stream = ReasoningStream(fmt)
         pieces = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
         pieces.append(stream.end())
         thinking, answer = split(fmt, text)
         assert "".join(t for t, _ in pieces) == (thinking or "")
         assert "".join(a for _, a in pieces) == answer
-        assert all("</think>" not in t for t, _ in pieces)
+        assert all(end not in t for t, _ in pieces for end in fmt.ends)
 
 
 def test_the_formats_are_named() -> None:
     assert reasoning_format(None) is None and reasoning_format("qwen3") is QWEN3
-    with pytest.raises(ValueError, match="unknown reasoning parser 'o1': one of deepseek_r1, qwen3"):
+    assert reasoning_format("granite") is GRANITE and reasoning_format("mistral") is MISTRAL
+    with pytest.raises(
+        ValueError, match="unknown reasoning parser 'o1': one of deepseek_r1, granite, mistral, qwen3"
+    ):
         reasoning_format("o1")
