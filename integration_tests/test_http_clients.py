@@ -427,6 +427,52 @@ def test_openai_prompt_logprobs_are_the_grpc_doors_input_token_details(served: S
             assert top == token or ranked[top]["rank"] == rank
 
 
+def test_openai_bad_words_ban_what_transformers_bans(served: Server) -> None:
+    """vLLM's bad_words: a word the greedy answer holds is tokenized as vLLM does (as written, and
+    after a space where that starts with another token) and banned; the answer equals
+    transformers generate with those sequences as bad_words_ids, token for token."""
+    import torch
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(served.model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32).eval()
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+
+    def reference(banned: list[list[int]] | None) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=12,
+                do_sample=False,
+                bad_words_ids=banned,
+                pad_token_id=model.config.eos_token_id,
+            )
+        return out[0, len(prompt) :].tolist()
+
+    def words_ids(word: str) -> list[list[int]]:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        return [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+
+    free = reference(None)
+    word = next(
+        text for t in free[1:] if (text := tokenizer.decode([t])).strip() and words_ids(text)[0] == [t]
+    )
+    oai = openai_client(served)
+    answer = oai.completions.create(
+        model=oai.models.list().data[0].id,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"bad_words": [word], "return_token_ids": True},
+    )
+    got = answer.choices[0].model_extra["token_ids"]
+    banned = words_ids(word)
+    assert got == reference(banned)[: len(got)] and got != free[: len(got)]
+    assert not any(ids[0] in got for ids in banned)
+
+
 def post_json(s: Server, path: str, body: dict[str, Any]) -> Any:
     url, headers = f"http://127.0.0.1:{s.http_port}{path}", {"Content-Type": "application/json"}
     request = urllib.request.Request(url, json.dumps(body).encode(), headers)

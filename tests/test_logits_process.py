@@ -531,3 +531,59 @@ def test_top_p_after_top_k_sorts_only_what_top_k_kept_and_equals_transformers() 
                 assert int(kept.sum()) == 14
             assert torch.equal(kept, torch.isfinite(expected[0])), (seed, row)
             torch.testing.assert_close(got[row][kept], expected[0][kept])
+
+
+def banned_reference(chooser: TokenChooser, scores: torch.Tensor) -> torch.Tensor:
+    """Slow bad words: a sequence's last id -inf where the row's generated ids (only: vLLM's
+    rule) end with the ids before it."""
+    want = scores.clone()
+    rows = zip(chooser.histories, chooser.generated, chooser.params, strict=True)
+    for row, (history, generated, params) in enumerate(rows):
+        made = history[len(history) - generated :]
+        for *before, last in params.bad_words:
+            if not before or (made[len(made) - len(before) :] == before and len(made) >= len(before)):
+                want[row, last] = float("-inf")
+    return want
+
+
+def test_bad_words_ban_a_sequences_last_id_after_its_others_through_every_chooser_operation() -> None:
+    """The last generated ids that bad words are matched against follow the rows through
+    advance, select, concatenate (with rows of no or shorter bad words), advance_many and expand;
+    a prompt that ends with a sequence's start bans nothing (only generated ids count)."""
+    device = torch.device("cpu")
+    params = [
+        SamplingParams(bad_words=((7,), (20, 21), (30, 31, 32))),
+        SamplingParams(),
+        SamplingParams(bad_words=((5, 6, 7, 8),)),
+        SamplingParams(bad_words=((20, 21), (21, 22))),
+    ]
+    chooser = TokenChooser.create(params, [[30, 31], [1], [5, 6, 7], [20]], EOS, VOCAB, device)
+    assert not chooser.plain and chooser.recent is not None and chooser.recent.shape == (4, 3)
+    checked = 0
+
+    def check(c: TokenChooser) -> None:
+        nonlocal checked
+        scores = random_scores(len(c), seed=checked)
+        torch.testing.assert_close(c.process(scores.clone()), banned_reference(c, scores))
+        checked += 1
+
+    check(chooser)  # the prompts' ends ban nothing: only the one-id word
+    for ids in ([30, 9, 5, 20], [31, 9, 6, 21], [20, 9, 7, 5]):
+        chooser.advance(ids)
+        check(chooser)
+    wider = TokenChooser.create([SamplingParams(bad_words=((1, 2, 3, 4, 5),))], [[1]], EOS, VOCAB, device)
+    plain = TokenChooser.create([SamplingParams()], [[9]], EOS, VOCAB, device)
+    both = TokenChooser.concatenate([chooser.select([3, 0]), plain, wider, chooser.select([2])])
+    assert both.recent is not None and both.recent.shape == (5, 4)
+    check(both)
+    for ids in ([21, 4, 1, 8, 6], [22, 20, 2, 3, 7], [3, 21, 3, 4, 5]):
+        both.advance(ids)
+        check(both)
+    both.advance_many([[20], [30, 31], [], [4], [5, 6]])
+    check(both)
+    expanded = both.expand([[21, 22], [32, 7], [1], [], [7, 8]])
+    check(expanded)
+    narrow = both.select([0])
+    assert narrow.recent is not None and narrow.recent.shape == (1, 1)
+    check(narrow)
+    assert both.select([2]).recent is None and both.select([2]).plain

@@ -70,6 +70,7 @@ def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
         logit_bias=tuple(sorted(p.logit_bias.items())),
         stop_token_ids=tuple(p.stop_token_ids),
         allowed_token_ids=tuple(p.allowed_token_ids),
+        bad_words=tuple(tuple(s.ids) for s in p.bad_words),
         length_penalty=(
             LengthPenalty(p.length_penalty.start_index, p.length_penalty.decay_factor)
             if p.HasField("length_penalty")
@@ -201,6 +202,8 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.NextTokenChooserParameters:
     out.logit_bias.update(dict(p.logit_bias))
     out.stop_token_ids.extend(p.stop_token_ids)
     out.allowed_token_ids.extend(p.allowed_token_ids)
+    for ids in p.bad_words:
+        out.bad_words.add(ids=ids)
     if p.seed is not None:
         out.seed = p.seed
     if p.length_penalty is not None:

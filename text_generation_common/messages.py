@@ -69,6 +69,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # vLLM's allowed_token_ids: the only ids this request may choose (empty: any)
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words as token sequences: each sequence's last id is banned where the ids
+    # generated so far end with the ones before it (a one-id sequence: always)
+    bad_words: tuple[tuple[int, ...], ...] = ()
     length_penalty: LengthPenalty | None = None
     guided: Guided | None = None  # guided decoding: the output must satisfy it
 

@@ -156,6 +156,13 @@ class TokenizerPool:
         """Token ids of generation inputs (special tokens added)."""
         return await self._run("generate", texts, self.encode_batch_sync, texts)
 
+    def encode_plain_sync(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    async def encode_plain(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of pieces of text, no special tokens added (words a request names)."""
+        return await self._run("generate", texts, self.encode_plain_sync, texts)
+
     def tokenize_sync(self, texts: Sequence[str], *, tokens: bool, offsets: bool) -> list[TokenizedText]:
         """Ids, and if asked pieces and UTF-8 byte offsets: the Tokenize RPC's work. What is not
         asked for is not built (for a long text each is millions of Python objects); offsets

@@ -40,6 +40,8 @@ MAX_STOP_SEQUENCE_BYTES = 240
 MAX_TOP_N_TOKENS = 10
 MAX_ADDITIVE_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's and TGI's range)
 MAX_LOGIT_BIAS = 100.0  # |a logit_bias value| (OpenAI's range)
+MAX_BAD_WORDS = 128  # vLLM's bad_words: words per request
+MAX_BAD_WORD_TOKENS = 32  # tokens per bad word (the shard matches the generated ids' last ones)
 
 Input = str | Sequence[int]  # an input's text, or its token ids
 STOP_SEQUENCES_MESSAGE = (
@@ -148,6 +150,8 @@ class RequestParams:
     response: ResponseSpec = field(default_factory=ResponseSpec)
     truncate_input_tokens: int = 0
     priority: int | None = None  # in line before higher values (SCHEDULING_POLICY=priority); None: 0
+    # vLLM's bad_words: validation tokenizes them into sampling.bad_words
+    bad_words: tuple[str, ...] = ()
 
 
 def http_sampling(
@@ -353,6 +357,8 @@ class Validator:
             raise ValidationError(f"priority must be > -{PRIORITY_BOUND} and < {PRIORITY_BOUND}")
         if p.sampling.guided is not None:
             await self._check_guided(p.sampling.guided)
+        if p.bad_words:
+            p = replace(p, sampling=replace(p.sampling, bad_words=await self._bad_word_ids(p.bad_words)))
         if adapter_id and prefix_id:
             if adapter_id != prefix_id:
                 raise ValidationError(TWO_ADAPTERS_MESSAGE)
@@ -395,6 +401,32 @@ class Validator:
             self.metrics.observe("tgi_request_max_new_tokens", p.stopping.max_new_tokens)
         self.metrics.observe("tgi_request_validation_duration", time.monotonic() - received_at)
         return validated
+
+    async def _bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as the token sequences the shard bans: each word as written (less
+        leading spaces) and, where the tokenizer makes a different first token of it, after a
+        space (a word in the middle of a text), as vLLM tokenizes them."""
+        if len(words) > MAX_BAD_WORDS:
+            raise ValidationError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}")
+        if any(not word.strip() for word in words):
+            raise ValidationError("bad_words may not hold an empty word")
+        texts = [variant for word in words for variant in (word.lstrip(), " " + word.lstrip())]
+        try:
+            encoded = await self.tokenizer.encode_plain(texts)
+        except TokenizerError as exc:
+            raise ValidationError(tokenizer_error_message(exc)) from exc
+        sequences: list[tuple[int, ...]] = []
+        for word, plain, spaced in zip(words, encoded[::2], encoded[1::2], strict=True):
+            for ids in (plain, spaced) if spaced[:1] != plain[:1] and len(spaced) == len(plain) else (plain,):
+                if not ids:
+                    raise ValidationError(f"bad_words: {clip(word)!r} makes no tokens")
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ValidationError(
+                        f"bad_words: {clip(word)!r} is {len(ids)} tokens, more than {MAX_BAD_WORD_TOKENS}"
+                    )
+                check_in_vocabulary(ids, "bad_words: token id", self.vocab_size)
+                sequences.append(tuple(ids))
+        return tuple(sequences)
 
     def _token_ids(self, ids: Sequence[int]) -> list[int]:
         """A prompt given as token ids, each checked against the vocabulary."""

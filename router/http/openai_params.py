@@ -115,6 +115,10 @@ class CommonRequest(BaseModel):
         default=None, description="ids that end the answer as EOS does (their text kept, as vLLM keeps it)"
     )
     allowed_token_ids: list[int] | None = Field(default=None, description="the only ids the answer may have")
+    bad_words: list[str] | None = Field(
+        default=None,
+        description="words the answer may not hold: each one's last token is banned after the others",
+    )
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     priority: int | None = Field(
@@ -377,4 +381,5 @@ def request_params(
         ),
         truncate_input_tokens=body.truncate_prompt_tokens or 0,
         priority=body.priority,
+        bad_words=tuple(body.bad_words or ()),
     )

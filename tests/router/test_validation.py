@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from pathlib import Path
@@ -474,3 +475,30 @@ async def test_a_priority_needs_the_priority_policy_and_a_bounded_value(validato
     assert await priority_of(-7) == -7 and await priority_of(2**31 - 1) == 2**31 - 1
     with pytest.raises(ValidationError, match=r"^priority must be > -2147483648 and < 2147483648$"):
         await priority_of(2**31)
+
+
+async def test_bad_words_become_the_token_sequences_vllm_bans(validator: Validator, tokenizer_pool) -> None:
+    """Each word as written (leading spaces dropped) and, where the tokenizer begins it with
+    another token after a space, that form too; refusals name the word."""
+    raw = tokenizer_pool.tokenizer
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(raw.encode(text, add_special_tokens=False).ids)
+
+    words = ("hello world", "  print", "x")
+    validate = functools.partial(Validator.validate, validator)  # with the door-neutral params
+    (done,) = await validate(["hi"], RequestParams(bad_words=words), "", 0.0)
+    want = []
+    for word in ("hello world", "print", "x"):
+        plain, spaced = ids(word), ids(" " + word)
+        want += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+    assert done.sampling.bad_words == tuple(want) and len(want) > 3
+    assert done.shard_request(1).params.bad_words == tuple(want)
+    for bad, message in [
+        (("ok", " "), "bad_words may not hold an empty word"),
+        (("a",) * 129, "bad_words may hold at most 128 words, got 129"),
+        (("x" * 400,), "bad_words: 'xxx"),
+    ]:
+        with pytest.raises(ValidationError) as error:
+            await validate(["hi"], RequestParams(bad_words=bad), "", 0.0)
+        assert str(error.value).startswith(message)

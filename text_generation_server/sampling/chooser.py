@@ -6,7 +6,8 @@ count and token history along, so a seeded request draws the same random numbers
 batch it runs in.
 
 Per step (`choose`), in TGIS order after OpenAI's logit_bias (added to the logits first, as vLLM
-does), with vLLM's allowed_token_ids (every other token masked) after step 1:
+does), with vLLM's allowed_token_ids (every other token masked) and bad_words (a banned
+sequence's last id masked where the generated ids end with the others) after step 1:
   1. EOS (every EOS id of the model, and the row's stop_token_ids) masked while fewer than
      min_new_tokens were generated, else the length penalty;
   2. repetition penalty over the prompt + generated ids, then OpenAI's presence and frequency
@@ -28,10 +29,11 @@ sampling row draws its numbers in the same order with or without speculation, so
 the same text either way.
 
 Every per-row parameter and counter that a step reads on the device (warper plans, penalties,
-min-new-token limits, length-penalty starts and decays, generated counts, the sampling rows) is
-a device tensor made when the chooser is built (a batch is created, pruned or merged), and
-`advance` takes the chosen ids as the device tensor they already are: a decode step copies
-nothing to the device (guided rows excepted: their masks are made on the host).
+min-new-token limits, length-penalty starts and decays, generated counts, the sampling rows, the
+bad words and the last generated ids they are matched against) is a device tensor made when the
+chooser is built (a batch is created, pruned or merged), and `advance` takes the chosen ids as
+the device tensor they already are: a decode step copies nothing to the device (guided rows
+excepted: their masks are made on the host).
 """
 
 from __future__ import annotations
@@ -105,9 +107,11 @@ class TokenChooser:
         counts: torch.Tensor | None = None,
         prompt_lengths: Sequence[int] | None = None,
         extra_eos_ids: Sequence[int] = (),
+        recent: torch.Tensor | None = None,
     ) -> None:
         """`extra_eos_ids`: the model's other EOS ids (RequestLimits.extra_eos_token_ids), each
-        ending a row as `eos_token_id` does."""
+        ending a row as `eos_token_id` does; `recent`: each row's last generated ids, as wide as
+        the longest bad word needs or wider (None: none generated yet)."""
         self.params = list(params)
         # guided decoding: each row's llguidance matcher (None: free text)
         self.matchers = list(matchers) if matchers is not None else [None] * len(self.params)
@@ -140,6 +144,15 @@ class TokenChooser:
             index = self._positions([p.allowed_token_ids for p in self.params], device)
             if index is not None:
                 self.allowed[index] = True
+        # bad_words: each row's banned sequences, matched against its last generated ids (`recent`)
+        self.bad_words = lp.BadWords.of([p.bad_words for p in self.params], device)
+        self.recent: torch.Tensor | None = None
+        if self.bad_words is not None and self.bad_words.width:
+            width = self.bad_words.width
+            if recent is None:
+                recent = torch.full((len(self.params), width), lp.NO_TOKEN, dtype=torch.long, device=device)
+            assert recent.shape[1] >= width, "a chooser's rows keep the ids their bad words need"
+            self.recent = recent[:, recent.shape[1] - width :]
         # stop_token_ids: the (row, token) positions of every row's own ending ids, on the device
         self.stop_index = self._positions([p.stop_token_ids for p in self.params], device)
         # logit_bias: the (row, token) positions of every row's biases, and the biases, on the device
@@ -306,6 +319,8 @@ class TokenChooser:
                 active &= ~masked_t
             factors = torch.where(active, self.length_decay_t.pow(past.clamp(min=0)), 1.0)
             scores = lp.apply_length_penalty(scores, self.eos_ids, factors)
+        if self.bad_words is not None:
+            scores = self.bad_words.apply(scores, self.recent)
         if self.allowed is not None:
             scores = lp.apply_allowed(scores, self.allowed)
         if self.seen is not None and self.penalty is not None:
@@ -359,6 +374,7 @@ class TokenChooser:
         return not (
             self.sample_rows
             or self.allowed is not None
+            or self.bad_words is not None
             or self.bias_values is not None
             or self.any_min_new
             or self.any_length_penalty
@@ -423,6 +439,8 @@ class TokenChooser:
             self.counts.scatter_add_(1, ids, torch.ones(ids.shape, device=self.counts.device))
         if self.length_t is not None and self.by_length_t is not None:
             self.length_t += self.by_length_t
+        if self.recent is not None:
+            self.recent = torch.cat([self.recent[:, 1:], next_ids_t.view(-1, 1)], dim=1)
 
     @staticmethod
     def record(
@@ -461,6 +479,8 @@ class TokenChooser:
             self._mark_seen(self.seen, tokens)
         if self.counts is not None:
             self._count(self.counts, tokens)
+        if self.recent is not None:
+            self.recent = lp.shifted(self.recent, tokens)
         self.guided_ns += self._feed_matchers(self.matchers, tokens)
 
     # ---- speculative decoding ---------------------------------------------------------------------
@@ -493,14 +513,15 @@ class TokenChooser:
         owners = list(owners) if owners is not None else list(range(len(drafts)))
         rows = [owner for owner, draft in zip(owners, drafts, strict=True) for _ in range(len(draft) + 1)]
         taken = [draft[:j] for draft in drafts for j in range(len(draft) + 1)]
-        seen = counts = None
-        index = to_device(rows, self.device) if self.seen is not None or self.counts is not None else None
+        seen, counts, recent, index = None, None, None, self._rows_index(rows)
         if self.seen is not None and index is not None:
             seen = self.seen.index_select(0, index)
             self._mark_seen(seen, taken)
         if self.counts is not None and index is not None:
             counts = self.counts.index_select(0, index)
             self._count(counts, taken)
+        if self.recent is not None and index is not None:
+            recent = lp.shifted(self.recent.index_select(0, index), taken)
         matchers: list[Any | None] = []
         started: set[int] = set()
         for owner, draft in zip(owners, drafts, strict=True):
@@ -522,6 +543,7 @@ class TokenChooser:
             counts,
             [self.prompt_lengths[i] for i in rows],
             self.extra_eos_ids,
+            recent,
         )
 
     def generator_states(self, rows: Sequence[int]) -> list[torch.Tensor | None]:
@@ -543,12 +565,13 @@ class TokenChooser:
 
     def select(self, rows: Sequence[int]) -> TokenChooser:
         """A chooser for the given rows (in that order), carrying their state."""
-        seen = counts = None
-        index = to_device(rows, self.device) if self.seen is not None or self.counts is not None else None
+        seen, counts, recent, index = None, None, None, self._rows_index(rows)
         if self.seen is not None and index is not None:
             seen = self.seen[index]
         if self.counts is not None and index is not None:
             counts = self.counts[index]
+        if self.recent is not None and index is not None:
+            recent = self.recent[index]
         return TokenChooser(
             [self.params[i] for i in rows],
             [self.histories[i] for i in rows],
@@ -562,7 +585,13 @@ class TokenChooser:
             counts,
             [self.prompt_lengths[i] for i in rows],
             self.extra_eos_ids,
+            recent,
         )
+
+    def _rows_index(self, rows: Sequence[int]) -> torch.Tensor | None:
+        """`rows` on the device, where some per-row tensor is to be taken from them."""
+        carried = self.seen is not None or self.counts is not None or self.recent is not None
+        return to_device(rows, self.device) if carried else None
 
     @classmethod
     def concatenate(cls, choosers: Sequence[TokenChooser]) -> TokenChooser:
@@ -572,6 +601,10 @@ class TokenChooser:
             seen = torch.cat([c.seen if c.seen is not None else c._build_seen(c.histories) for c in choosers])
         if any(c.any_additive_penalty for c in choosers):
             counts = torch.cat([c.counts if c.counts is not None else c._build_counts() for c in choosers])
+        recent = None
+        if widths := [c.recent.shape[1] for c in choosers if c.recent is not None]:
+            # rows of narrower (or no) windows have no longer bad words: unknown ids are no match
+            recent = torch.cat([_widened(c.recent, len(c), max(widths), first.device) for c in choosers])
         return cls(
             [p for c in choosers for p in c.params],
             [h for c in choosers for h in c.histories],
@@ -585,4 +618,14 @@ class TokenChooser:
             counts,
             [n for c in choosers for n in c.prompt_lengths],
             first.extra_eos_ids,
+            recent,
         )
+
+
+def _widened(recent: torch.Tensor | None, rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """`recent` [rows, <= width] (None: nothing kept) as [rows, width], unknown ids on the left."""
+    kept = recent if recent is not None else torch.empty((rows, 0), dtype=torch.long, device=device)
+    if kept.shape[1] == width:
+        return kept
+    unknown = torch.full((rows, width - kept.shape[1]), lp.NO_TOKEN, dtype=torch.long, device=device)
+    return torch.cat([unknown, kept], dim=1)

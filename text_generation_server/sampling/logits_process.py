@@ -11,6 +11,7 @@ tests/test_logits_process.py checks with `allclose`:
 | apply_length_penalty         | ExponentialDecayLengthPenalty                          |
 | apply_repetition_penalty     | RepetitionPenaltyLogitsProcessor (on a seen-token mask) |
 | apply_additive_penalties     | none: OpenAI's presence / frequency penalties (vLLM's)  |
+| BadWords                     | NoBadWordsLogitsProcessor, over the generated ids only (vLLM's bad_words) |
 | apply_temperature            | TemperatureLogitsWarper                                |
 | apply_top_k / top_p / typical_p | TopK / TopP / Typical LogitsWarper (min_tokens_to_keep=1) |
 
@@ -98,6 +99,65 @@ def apply_allowed(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     kept = scores.masked_fill(~allowed, NEG_INF)
     stuck = torch.isneginf(kept).all(dim=-1, keepdim=True)
     return torch.where(stuck, scores, kept)
+
+
+NO_TOKEN = -1  # a position of `recent` before the first generated token: no id equals it
+
+
+@dataclass(frozen=True)
+class BadWords:
+    """Every row's banned sequences (vLLM's bad_words as token ids), made into device tensors
+    once: a sequence's last id gets -inf in its row where the row's last generated ids are the
+    ones before it (a one-id sequence: always). `width`: the longest sequence less its last id,
+    the generated ids each row must keep at hand (`recent` [batch, width]: the last generated
+    ids, NO_TOKEN before the first)."""
+
+    rows: torch.Tensor  # [sequences] the row of each sequence
+    banned: torch.Tensor  # [sequences] its last id
+    before: torch.Tensor  # [sequences, width] the ids before it, right-aligned
+    anything: torch.Tensor  # [sequences, width] bool: positions before a shorter sequence's start
+    width: int
+
+    @classmethod
+    def of(cls, sequences: Sequence[Sequence[Sequence[int]]], device: torch.device) -> BadWords | None:
+        """`sequences[row]`: that row's banned sequences; None where no row has any."""
+        flat = [(row, ids) for row, listed in enumerate(sequences) for ids in listed if ids]
+        if not flat:
+            return None
+        width = max(len(ids) for _, ids in flat) - 1
+        before = [[NO_TOKEN] * (width - len(ids) + 1) + list(ids[:-1]) for _, ids in flat]
+        anything = [[True] * (width - len(ids) + 1) + [False] * (len(ids) - 1) for _, ids in flat]
+        return cls(
+            to_device([row for row, _ in flat], device),
+            to_device([ids[-1] for _, ids in flat], device),
+            to_device(before, device, torch.long).view(len(flat), width),
+            to_device(anything, device, torch.bool).view(len(flat), width),
+            width,
+        )
+
+    def apply(self, scores: torch.Tensor, recent: torch.Tensor | None) -> torch.Tensor:
+        """-inf at each sequence's last id in its row where the row's `recent` ids end with the
+        sequence's others; nothing is read back to the host."""
+        if recent is None or self.width == 0:
+            scores[self.rows, self.banned] = NEG_INF
+            return scores
+        window = recent.index_select(0, self.rows)
+        matched = ((window == self.before) | self.anything).all(dim=1)
+        ban = torch.where(matched, NEG_INF, 0.0)
+        return scores.index_put_((self.rows, self.banned), ban, accumulate=True)
+
+
+def shifted(recent: torch.Tensor, taken: Sequence[Sequence[int]]) -> torch.Tensor:
+    """`recent` [rows, width] (each row's last generated ids) after each row took `taken[row]`."""
+    most = max((len(ids) for ids in taken), default=0)
+    if most == 0 or recent.shape[1] == 0:
+        return recent
+    rows = len(taken)
+    more = to_device([[*ids, *([NO_TOKEN] * (most - len(ids)))] for ids in taken], recent.device)
+    both = torch.cat([recent, more.view(rows, most)], dim=1)
+    starts = to_device([len(ids) for ids in taken], recent.device)
+    index = starts.view(rows, 1) + torch.arange(recent.shape[1], device=recent.device)
+    return both.gather(1, index)
 
 
 def apply_temperature(scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
