@@ -39,6 +39,7 @@ from launcher.config import (
 from launcher.supervisor import SHARD_GRACE_S
 from router import cli as router_cli
 from router.config import DEFAULT_GRPC_PORT, DEFAULT_PORT
+from router.core.metrics import METRICS
 from router.http.http_app import PROBE_PATHS
 from router.http.http_server import READY_WINDOW_S
 from tests.deployment_tools import (
@@ -112,7 +113,7 @@ def renderer() -> Renderer:
 def rendered(renderer: Renderer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """Every renderable directory: models/<name>, patch:<files>, kserve, monitoring, storage."""
     dirs = {f"models/{m}": DEPLOYMENT / "models" / m for m in MODELS}
-    dirs |= {name: DEPLOYMENT / name for name in ("kserve", "monitoring", "storage")}
+    dirs |= {name: DEPLOYMENT / name for name in ("kserve", "monitoring", "storage", "inference-gateway")}
     for patch_set in PATCH_SETS:
         overlay = tmp_path_factory.mktemp("overlay")
         rel = [os.path.relpath(p, overlay) for p in patch_set]
@@ -297,6 +298,47 @@ def test_monitors_scrape_the_metrics_port(rendered: dict[str, list[dict]]) -> No
         assert target["containerPort"] == DEFAULT_PORT
         (target,) = [p for p in container["ports"] if p["name"] == pod_endpoint["port"]]
         assert target["containerPort"] == DEFAULT_PORT
+
+
+# the endpoint picker's metric flags -> (the metric's type, the labels it reads)
+PICKER_METRICS = {
+    "total-queued-requests-metric": ("gauge", set()),
+    "total-running-requests-metric": ("gauge", set()),
+    "kv-cache-usage-percentage-metric": ("gauge", set()),
+    "lora-info-metric": ("gauge", {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}),
+    "cache-info-metric": ("gauge", {"block_size", "num_gpu_blocks"}),
+}
+
+
+def test_the_inference_pool_selects_a_models_pods_and_reads_our_metrics(
+    rendered: dict[str, list[dict]],
+) -> None:
+    """The inferencepool chart's values: the pool's pods are a model overlay's, its port the one
+    the OpenAI routes and /metrics answer on, and each metric the endpoint picker reads is one
+    the router exports, of the protocol's type with the labels it reads; the HTTPRoute sends the
+    Gateway's requests to that pool."""
+    values = yaml.safe_load((DEPLOYMENT / "inference-gateway" / "inferencepool-values.yaml").read_text())
+    pool = values["inferencePool"]
+    docs = rendered["models/granite-8b-instruct"]
+    _, container = server(docs)
+    pod_labels = only(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert pool["modelServers"]["matchLabels"].items() <= pod_labels.items()
+    (http,) = [p for p in container["ports"] if p["name"] == "http"]
+    assert [p["number"] for p in pool["targetPorts"]] == [http["containerPort"]] == [DEFAULT_PORT]
+    assert "/metrics" in ROUTES
+    flags = values["inferenceExtension"]["flags"]
+    assert set(flags) == set(PICKER_METRICS)
+    exported = {spec.name: spec for spec in METRICS}
+    for flag, (kind, labels) in PICKER_METRICS.items():
+        spec = exported[flags[flag]]
+        assert (spec.kind, set(spec.labels)) == (kind, labels), flag
+    route = only(rendered["inference-gateway"], "HTTPRoute")
+    ((backend,),) = [rule["backendRefs"] for rule in route["spec"]["rules"]]
+    assert backend == {
+        "group": "inference.networking.k8s.io",
+        "kind": "InferencePool",
+        "name": "granite-8b-instruct",
+    }
 
 
 def test_kserve_runtime(rendered: dict[str, list[dict]], tmp_path: Path) -> None:
