@@ -65,7 +65,8 @@ def batch(texts: list[str], max_new: int) -> pb.BatchedGenerationRequest:
 async def test_a_failing_input_fails_the_call_at_once(servicer, caplog) -> None:
     s, shard = servicer
     caplog.set_level(logging.INFO, "router.api.service")
-    # The second input fails at its prefill; the first would need 150 steps (0.3 s or more).
+    # The second input fails at its prefill; the first would need 150 steps (3 s or more).
+    shard.latency_s = 0.02
     shard.request_errors[2] = "boom"
     start = time.monotonic()
     with pytest.raises(Aborted) as error:
@@ -76,11 +77,14 @@ async def test_a_failing_input_fails_the_call_at_once(servicer, caplog) -> None:
     # The abandoned sibling is logged as what it was: the first of two.
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("Sub-request 1 from batch of 2 generated") for line in lines), lines
-    assert elapsed < 0.2, f"waited {elapsed:.2f} s for the other input"
+    assert elapsed < 1.0, f"waited {elapsed:.2f} s for the other input"
     assert s.metrics.counters["tgi_request_failure"].get(err="generate") == 1
     # The abandoned input left the batch and its permit came back.
     assert s.service.limiter.in_use == 0
-    await asyncio.sleep(0.05)
+    for _ in range(100):  # the shard's batch goes at the next step's end
+        if not shard.batches:
+            break
+        await asyncio.sleep(0.02)
     assert not shard.batches
 
 
