@@ -279,7 +279,7 @@ def test_openai_tool_calls(served: Server) -> None:
 
 @pytest.fixture(scope="module")
 def parsing(tmp_path_factory) -> Iterator[Server]:
-    env = {"TOOL_CALL_PARSER": "hermes", "REASONING_PARSER": "deepseek_r1"}
+    env = {"TOOL_CALL_PARSER": "hermes", "REASONING_PARSER": "deepseek_r1", "RESPONSES_STORE_SIZE": "8"}
     s = launch("llama", tmp_path_factory.mktemp("parsers"), env=env)
     yield s
     s.stop()
@@ -364,7 +364,7 @@ def test_openai_responses_api(served: Server, parsing: Server) -> None:
     logprobs = scored.output[0].content[0].logprobs
     assert "".join(t.token for t in logprobs) == scored.output_text
     assert all(len(t.top_logprobs) == 2 for t in logprobs)
-    with pytest.raises(openai.BadRequestError, match="previous_response_id is not supported"):
+    with pytest.raises(openai.BadRequestError, match="previous_response_id needs responses kept"):
         ask(input="x", previous_response_id="resp_1")
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.responses.create(model="other", input="x")
@@ -380,6 +380,41 @@ def test_openai_responses_api(served: Server, parsing: Server) -> None:
         assert (
             parsed.output[0].content[0].text == thinking.choices[0].message.model_extra["reasoning_content"]
         )
+
+
+def test_openai_responses_kept_and_continued(parsing: Server) -> None:
+    """RESPONSES_STORE_SIZE through the openai client: a Response is kept, read back with its
+    input items, continued by previous_response_id exactly as the whole conversation sent as
+    input, and deleted."""
+    client = openai_client(parsing)
+    ask = functools.partial(
+        client.responses.create, model=client.models.list().data[0].id, temperature=0, max_output_tokens=6
+    )
+    first = ask(input="Hello", instructions="be brief")
+    assert first.store is True
+    kept = client.responses.retrieve(first.id)
+    assert (kept.id, kept.output_text, kept.usage) == (first.id, first.output_text, first.usage)
+    (item,) = client.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.content[0].text == "Hello"
+    follow = ask(input="And then?", previous_response_id=first.id)
+    whole = [
+        {"role": "user", "content": "Hello"},
+        *[i.model_dump(exclude_none=True) for i in first.output],
+        {"role": "user", "content": "And then?"},
+    ]
+    sent = ask(input=whole, store=False)
+    assert follow.previous_response_id == first.id and sent.store is False
+    assert follow.usage.input_tokens == sent.usage.input_tokens
+    assert [i.model_dump(exclude={"id"}) for i in follow.output] == [
+        i.model_dump(exclude={"id"}) for i in sent.output
+    ]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(sent.id)  # store: false
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match=f"Previous response with id '{first.id}' not found"):
+        ask(input="x", previous_response_id=first.id)
 
 
 def test_openai_scores_a_token_prompt_as_evaluation_harnesses_ask(served: Server) -> None:

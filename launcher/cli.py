@@ -343,6 +343,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str]) -> int:
 @options.reasoning_parser
 @options.scheduling_policy
 @options.allow_runtime_adapter_loading
+@options.responses_store_size
 @options.auth_options
 @click.option(
     "--log-level", envvar="LOG_LEVEL", default="info", help="Log level of every process [env LOG_LEVEL]."

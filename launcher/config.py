@@ -116,6 +116,7 @@ class LaunchFlags:
     reasoning_parser: str | None = None
     scheduling_policy: str = "fcfs"
     allow_runtime_adapter_loading: bool = False
+    responses_store_size: int = 0
     log_level: str = "info"
     # authentication (router/cli_options.AUTH_PARAMS): passed on to the router
     api_key: str | None = None
@@ -173,6 +174,7 @@ class LaunchConfig:
     reasoning_parser: str | None = None  # passed to the router
     scheduling_policy: str = "fcfs"  # passed to the router
     allow_runtime_adapter_loading: bool = False  # passed to the router
+    responses_store_size: int = 0  # passed to the router
     placements: tuple[ShardPlacement, ...] = ()  # per rank: intra-op threads and pinning
     quantize: str | None = None  # QUANTIZE, passed to the shards (checked here, and there for the device)
     speculate: int = 0  # SPECULATE, SPECULATOR_NAME and SPECULATOR_MAX_BATCH_SIZE, passed to the shards
@@ -497,6 +499,7 @@ def resolve_config(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchConfig:
         reasoning_parser=flags.reasoning_parser,
         scheduling_policy=flags.scheduling_policy,
         allow_runtime_adapter_loading=flags.allow_runtime_adapter_loading,
+        responses_store_size=flags.responses_store_size,
         placements=tuple(placements),
         quantize=flags.quantize,
         speculate=flags.speculate,
@@ -655,6 +658,8 @@ def router_command(config: LaunchConfig, tokenizer_dir: str | os.PathLike[str]) 
         "--scheduling-policy",
         config.scheduling_policy,
         switch("allow-runtime-adapter-loading", config.allow_runtime_adapter_loading),
+        "--responses-store-size",
+        str(config.responses_store_size),
         *_optional("--tls-cert-path", config.tls_cert_path),
         *_optional("--tls-key-path", config.tls_key_path),
         *_optional("--tls-client-ca-cert-path", config.tls_client_ca_cert_path),

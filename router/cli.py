@@ -100,6 +100,7 @@ logger = logging.getLogger(__name__)
 @options.reasoning_parser
 @options.scheduling_policy
 @options.allow_runtime_adapter_loading
+@options.responses_store_size
 @options.auth_options
 @click.option("--log-level", envvar="LOG_LEVEL", default="info", help="Log level [env LOG_LEVEL].")
 def main(
@@ -134,6 +135,7 @@ def main(
     reasoning_parser: str | None,
     scheduling_policy: str,
     allow_runtime_adapter_loading: bool,
+    responses_store_size: int,
     log_level: str,
     **auth: Any,
 ) -> None:
@@ -180,6 +182,7 @@ def main(
             reasoning_parser=reasoning_parser,
             scheduling_policy=scheduling_policy,
             allow_runtime_adapter_loading=allow_runtime_adapter_loading,
+            responses_store_size=responses_store_size,
             auth=options.auth_config(auth),
         )
     except ValueError as exc:

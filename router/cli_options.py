@@ -209,6 +209,15 @@ allow_runtime_adapter_loading = click.option(
     "by name from any directory the shards can read, and removed [env ALLOW_RUNTIME_ADAPTER_LOADING, "
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING].",
 )
+responses_store_size = click.option(
+    "--responses-store-size",
+    envvar="RESPONSES_STORE_SIZE",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Keep the last N Responses API answers in this router's memory (store, the default in "
+    "requests), for previous_response_id and GET / DELETE /v1/responses/{id}; 0: none kept "
+    "[env RESPONSES_STORE_SIZE].",
+)
 otlp_service_name = click.option(
     "--otlp-service-name",
     envvar="OTEL_SERVICE_NAME",

@@ -89,6 +89,8 @@ class RouterConfig:
     scheduling_policy: str = "fcfs"
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (router/http/adapter_admin.py)
     allow_runtime_adapter_loading: bool = False
+    # Responses API answers kept for previous_response_id (router/http/responses_store.py); 0: none
+    responses_store_size: int = 0
     # API keys / JWT (router/api/auth.py); off by default
     auth: AuthConfig = field(default_factory=AuthConfig)
 

@@ -48,6 +48,7 @@ from router.http.http_server import HealthCheck, HttpServer
 from router.http.openai_api import OpenAIApi
 from router.http.openai_responses import ResponsesApi
 from router.http.reasoning import reasoning_format
+from router.http.responses_store import ResponseStore
 from router.http.tgi_rest import TgiRest, info_fields
 from router.http.tool_parsers import parser_named
 from router.pb import generation_pb2
@@ -290,7 +291,9 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         list_adapters=client.list_adapters,
         bos_token_id=info.bos_token_id,
     )
-    ResponsesApi(openai)  # POST /v1/responses on the OpenAI door's routes
+    # POST /v1/responses on the OpenAI door's routes; with a store, its answers kept
+    store = ResponseStore(config.responses_store_size) if config.responses_store_size else None
+    ResponsesApi(openai, store)
     if config.allow_runtime_adapter_loading:
         AdapterAdmin(openai, client, prefixes)
         logger.warning("adapters may be added from any directory the shards read (/v1/load_lora_adapter)")

@@ -14,9 +14,12 @@ whose text goes back to the template as the next assistant message's reasoning_c
 REASONING_PARSER splits the answer), message (output_text) and function_call; status
 `incomplete` (reason `max_output_tokens`) when the token limit cut the answer.
 
-Responses are not stored (the answer says `store: false`): `previous_response_id`,
-`conversation`, `background` and item references are refused with 400, as are tools of other
-types and input other than text.
+With RESPONSES_STORE_SIZE, answers are kept (responses_store.py; `store`, true unless a request
+says false): `previous_response_id` continues a kept one (its input and output items come before
+the request's input; its `instructions` do not carry over), and GET /v1/responses/{id}, its
+/input_items and DELETE /v1/responses/{id} read and drop them. Without it nothing is kept (the
+answer says `store: false`) and `previous_response_id` is refused. `conversation`, `background`
+and item references are refused with 400, as are tools of other types and input other than text.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Literal
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as BodyError
 
@@ -36,6 +39,8 @@ from router.core.validation import ValidationError
 from router.http.http_calls import describe_validation, refuse_body, sse
 from router.http.openai_api import OpenAIApi, error_reply
 from router.http.openai_params import ChatRequest
+from router.http.responses_store import Kept, MissingResponse, ResponseStore
+from text_generation_common.logs import clip
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"
@@ -84,36 +89,113 @@ class ResponsesRequest(BaseModel):
 
 
 class ResponsesApi:
-    """POST /v1/responses on the OpenAI door's router."""
+    """POST /v1/responses on the OpenAI door's router; with a store, GET and DELETE
+    /v1/responses/{id} and GET /v1/responses/{id}/input_items."""
 
-    def __init__(self, openai: OpenAIApi) -> None:
+    def __init__(self, openai: OpenAIApi, store: ResponseStore | None = None) -> None:
         self.openai = openai
+        self.store = store
         openai.router.add_api_route(
             "/responses", self.create, methods=["POST"], summary="Responses (OpenAI's Responses API)"
         )
+        if store is None:
+            return
+        openai.router.add_api_route(
+            "/responses/{response_id}", self.retrieve, methods=["GET"], summary="A kept Response"
+        )
+        openai.router.add_api_route(
+            "/responses/{response_id}", self.delete, methods=["DELETE"], summary="Drop a kept Response"
+        )
+        openai.router.add_api_route(
+            "/responses/{response_id}/input_items",
+            self.input_items,
+            methods=["GET"],
+            summary="A kept Response's input items",
+        )
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
+        history: list[dict[str, Any]] | None = None
+        if body.previous_response_id is not None and self.store is not None:
+            try:
+                history = self.store.conversation(body.previous_response_id)
+            except MissingResponse as exc:
+                message = f"Previous response with id '{clip(exc.response_id)}' not found."
+                return self._refused(request, message, body.stream, 404)
         try:
-            chat = chat_request(body)
+            chat = chat_request(body, history)
         except ValidationError as exc:
             return self._refused(request, str(exc), body.stream)
         except BodyError as exc:
             return self._refused(request, describe_validation(exc), body.stream)
-        shape = ResponseShape(body, chat.model or self.openai.model_name)
+        keep = None
+        if self.store is not None and body.store is not False:
+            keep = self._keeper(self.store, body)
+        shape = ResponseShape(body, chat.model or self.openai.model_name, keep)
         return await self.openai.serve_chat(chat, request, shape)
 
-    def _refused(self, request: Request, message: str, stream: bool) -> Response:
-        """A body the conversion refuses: one validation failure of the route's kind, 400."""
+    @staticmethod
+    def _keeper(store: ResponseStore, body: ResponsesRequest) -> Callable[[dict[str, Any]], None]:
+        """What keeps the call's Response once it is whole, with the call's own input items."""
+        items = [{"id": _id("msg"), **item} if "id" not in item else item for item in input_items(body.input)]
+        return lambda response: store.keep(Kept(response, items, body.previous_response_id))
+
+    async def retrieve(self, response_id: str) -> Response:
+        kept = self._kept(response_id)
+        return JSONResponse(kept.response) if isinstance(kept, Kept) else kept
+
+    async def delete(self, response_id: str) -> Response:
+        assert self.store is not None
+        if not self.store.delete(response_id):
+            return _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, response_id: str) -> Response:
+        kept = self._kept(response_id)
+        if not isinstance(kept, Kept):
+            return kept
+        data = kept.input
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": False,
+            }
+        )
+
+    def _kept(self, response_id: str) -> Kept | Response:
+        assert self.store is not None
+        kept = self.store.get(response_id)
+        return kept if kept is not None else _not_found(response_id)
+
+    def _refused(self, request: Request, message: str, stream: bool, status: int = 400) -> Response:
+        """A body the conversion refuses: one validation failure of the route's kind."""
         kind = "openai_stream" if stream else "openai"
         refuse_body(self.openai.service, request, kind, ResponseShape.route, message)
-        return error_reply(400, message)
+        return error_reply(status, message)
 
 
-def chat_request(body: ResponsesRequest) -> ChatRequest:
-    """The chat call of a Responses request (ValidationError for what is not served; pydantic's
-    ValidationError for what the chat request's own model refuses)."""
+def _not_found(response_id: str) -> Response:
+    return error_reply(404, f"Response with id '{clip(response_id)}' not found.")
+
+
+def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's `input` as items (a text is one user message)."""
+    if isinstance(given, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+    return list(given)
+
+
+def chat_request(body: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> ChatRequest:
+    """The chat call of a Responses request, after `history` (the items of the conversation
+    it continues; None: none kept). ValidationError for what is not served; pydantic's
+    ValidationError for what the chat request's own model refuses."""
+    if body.previous_response_id is not None and history is None:
+        raise ValidationError(
+            "previous_response_id needs responses kept: start the server with --responses-store-size"
+        )
     refused = [
-        ("previous_response_id", body.previous_response_id is not None),
         ("conversation", body.conversation is not None),
         ("background", bool(body.background)),
         ("prompt", body.prompt is not None),
@@ -122,12 +204,12 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     ]
     for what, set_ in refused:
         if set_:
-            raise ValidationError(f"{what} is not supported by this server (responses are not stored)")
+            raise ValidationError(f"{what} is not supported by this server")
     unknown = [item for item in body.include or () if item not in INCLUDABLE]
     if unknown:
         raise ValidationError(f"include {unknown[0]!r} is not supported by this server")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages += chat_messages(body.input)
+    messages += chat_messages([*(history or ()), *input_items(body.input)])
     fields: dict[str, Any] = {
         "model": body.model,
         "messages": messages,
@@ -252,11 +334,21 @@ class ResponseShape:
 
     route = "v1/responses"
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(
+        self, body: ResponsesRequest, model: str, keep: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
+        """`keep`: what keeps the Response once it is whole (None: it is not kept)."""
         self.body = body
         self.model = model
+        self.keep = keep
         self.id = _id("resp")
         self.created_at = int(time.time())
+
+    def whole(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The call's last Response (completed, incomplete), kept where it is to be."""
+        if self.keep is not None:
+            self.keep(response)
+        return response
 
     def response(
         self,
@@ -278,9 +370,9 @@ class ResponseShape:
             "model": self.model,
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning or {"effort": None, "summary": None},
-            "store": False,
+            "store": self.keep is not None,
             "temperature": body.temperature,
             "text": body.text or {"format": {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
@@ -308,7 +400,7 @@ class ResponseShape:
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         if status == "incomplete" and "status" in output[-1]:  # the item the limit cut
             output[-1]["status"] = status
-        return self.response(status, output, _usage(answer.get("usage")))
+        return self.whole(self.response(status, output, _usage(answer.get("usage"))))
 
     # ---- streamed -------------------------------------------------------------------------
 
@@ -457,7 +549,8 @@ class _EventStream:
         events += self._close(last=True)
         status = "incomplete" if self.finish == "length" else "completed"
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return [*events, self.event(kind, response=self.shape.response(status, self.output, self.usage))]
+        response = self.shape.whole(self.shape.response(status, self.output, self.usage))
+        return [*events, self.event(kind, response=response)]
 
     def failed(self, error: dict[str, Any]) -> list[str]:
         """The events of a call that failed after its stream began: an error, then the Response

@@ -14,7 +14,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from router.core.validation import ValidationError
-from router.http.openai_responses import ResponseShape, ResponsesRequest, chat_request
+from router.http.openai_responses import ResponsesApi, ResponseShape, ResponsesRequest, chat_request
+from router.http.responses_store import MissingResponse, ResponseStore
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -122,7 +123,7 @@ def test_a_request_is_the_chat_call_it_asks_for() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id is not supported by this server"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id needs responses kept: start the server"),
         ({"background": True}, "background is not supported by this server"),
         ({"conversation": "conv_1"}, "conversation is not supported by this server"),
         ({"truncation": "auto"}, 'truncation "auto" is not supported by this server'),
@@ -323,3 +324,49 @@ def test_a_failure_after_the_stream_began_ends_it_as_failed() -> None:
     events = streamed(ResponseShape(request(stream=True), "m"), [chunk({"content": "Hi"}), failure])
     assert [e.type for e in events][-2:] == ["error", "response.failed"]
     assert events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
+
+
+def test_kept_responses_make_the_conversation_a_continuation_reads() -> None:
+    """With a store, each whole Response (unary, or the stream's last) is kept with the call's
+    own input items; a continuation's chat call has the conversation's items before its input
+    (the earlier instructions not carried over); the oldest go past the store's size."""
+    store = ResponseStore(2)
+    first_body = request(instructions="be brief", input="hi")
+    first = ResponseShape(first_body, "m", ResponsesApi._keeper(store, first_body))
+    answer = first.unary(chat_answer({"role": "assistant", "content": "Hello!"}))
+    assert answer["store"] is True and store.get(answer["id"]) is not None
+    (item,) = store.get(answer["id"]).input
+    assert item["id"].startswith("msg_") and item["content"] == [{"type": "input_text", "text": "hi"}]
+    second_body = request(input="and?", previous_response_id=answer["id"])
+    history = store.conversation(answer["id"])
+    chat = chat_request(second_body, history)
+    assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "and?"},
+    ]
+    second = ResponseShape(second_body, "m", ResponsesApi._keeper(store, second_body))
+    events = streamed(second, [chunk({"role": "assistant", "content": "Bye"}), chunk(finish="stop"), USAGE])
+    last = events[-1].response
+    assert last.previous_response_id == answer["id"] and last.store is True
+    assert [m.content for m in chat_request(request(input="x"), store.conversation(last.id)).messages] == [
+        "hi",
+        "Hello!",
+        "and?",
+        "Bye",
+        "x",
+    ]
+    unkept_body = request(input="no", store=False)
+    assert (
+        ResponseShape(unkept_body, "m").unary(chat_answer({"role": "assistant", "content": "."}))["store"]
+        is False
+    )
+    third_body = request(input="third")
+    ResponseShape(third_body, "m", ResponsesApi._keeper(store, third_body)).unary(
+        chat_answer({"role": "assistant", "content": "3"})
+    )
+    assert store.get(answer["id"]) is None  # two kept: the first went
+    with pytest.raises(MissingResponse) as missing:
+        store.conversation(last.id)
+    assert missing.value.response_id == answer["id"]
+    assert store.delete(last.id) and not store.delete(last.id)
