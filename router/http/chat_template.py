@@ -90,19 +90,27 @@ class ChatTemplate:
         variables: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         keep_bos: bool = False,
+        documents: list[dict[str, Any]] | None = None,
     ) -> str:
         """`tools`: the functions the model may call, as transformers passes them (None: none);
         `variables`: more for the template, none of RESERVED; `continue_final_message`: the
         prompt ends with the last message's text (what closes its turn cut off), so that the
         answer continues it, as transformers' apply_chat_template does; `keep_bos`: the text
         keeps a leading BOS even where the tokenizer adds one (for a caller that encodes it
-        without special tokens)."""
+        without special tokens); `documents`: texts to ground the answer in, for templates that
+        read them (Granite's RAG; transformers' `documents`), also given as a variable of that
+        name (None: none)."""
         taken = RESERVED.intersection(variables or {})
         if taken:
             raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}")
+        context: dict[str, Any] = {"documents": None, **(variables or {})}
+        if documents is not None:
+            if context["documents"] is not None:
+                raise ChatTemplateError("documents are given twice: as a field and in chat_template_kwargs")
+            context["documents"] = documents
         try:
             text = self._template.render(
-                **(variables or {}),
+                **context,
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,

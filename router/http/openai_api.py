@@ -124,6 +124,7 @@ class ChatParts(Protocol):
     continue_final_message: bool
     tools: list[Tool] | None
     chat_template_kwargs: dict[str, Any] | None
+    documents: list[dict[str, Any]] | None
 
 
 class AnswerShape(Protocol):
@@ -310,6 +311,7 @@ class OpenAIApi:
                 variables=body.chat_template_kwargs,
                 continue_final_message=body.continue_final_message,
                 keep_bos=keep_bos,
+                documents=body.documents,
             )
         except ValidationError as exc:
             raise ChatPromptError(str(exc)) from exc

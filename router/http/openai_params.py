@@ -185,6 +185,8 @@ class ChatRequest(CommonRequest):
     continue_final_message: bool = False
     # vLLM's extension: more variables for the chat template (e.g. enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extension: texts to ground the answer in, for templates that read `documents`
+    documents: list[dict[str, Any]] | None = None
 
 
 def unsupported(body: CommonRequest) -> str | None:

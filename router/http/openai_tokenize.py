@@ -48,6 +48,7 @@ class TokenizeChat(BaseModel):
     return_token_strs: bool | None = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class Detokenize(BaseModel):

@@ -57,3 +57,30 @@ def test_continue_final_message_needs_text_the_prompt_holds() -> None:
         template.render([{"role": "assistant", "content": "x"}], False, continue_final_message=True)
     with pytest.raises(ChatTemplateError, match="needs a final message with text"):
         template.render([{"role": "assistant", "content": " "}], False, continue_final_message=True)
+
+
+RAG = (
+    "{% if documents %}{% for d in documents %}<doc {{ d.doc_id }}>{{ d.text }}</doc>\n"
+    "{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+)
+
+
+def test_documents_reach_the_template_as_transformers_passes_them(tokenizer_dir) -> None:
+    """`documents` (vLLM's field; Granite's RAG templates read it) as transformers'
+    apply_chat_template(documents=...) renders them; also as a chat_template_kwargs variable,
+    not both."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.chat_template = RAG
+    documents = [{"doc_id": "1", "text": "Oslo is cold."}, {"doc_id": "2", "text": "Rome is warm."}]
+    want = tokenizer.apply_chat_template(MESSAGES, documents=documents, tokenize=False)
+    template = ChatTemplate(RAG)
+    assert template.render(MESSAGES, documents=documents) == want
+    assert template.render(MESSAGES, variables={"documents": documents}) == want
+    assert (
+        template.render(MESSAGES) == tokenizer.apply_chat_template(MESSAGES, tokenize=False) == "user: hi\n"
+    )
+    with pytest.raises(ChatTemplateError, match="documents are given twice"):
+        template.render(MESSAGES, documents=documents, variables={"documents": documents})
