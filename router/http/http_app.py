@@ -101,7 +101,8 @@ TOKENIZE_BODY = {
                     "description": "HF TGI's {inputs, parameters}: a list of {id, text, start, stop}; or "
                     "vLLM's {prompt, add_special_tokens, return_token_strs} or {messages, "
                     "add_generation_prompt, continue_final_message, add_special_tokens, tools, "
-                    "chat_template_kwargs, return_token_strs}: {count, max_model_len, tokens, token_strs}",
+                    "chat_template_kwargs, documents, return_token_strs}: {count, max_model_len, tokens, "
+                    "token_strs}",
                 }
             }
         },
