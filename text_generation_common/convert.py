@@ -98,6 +98,7 @@ def request_from_pb(r: pb.Request) -> GenerationRequest:
         prefix_id=r.prefix_id,
         adapter_id=r.adapter_id,
         call_end_ids=frozenset(r.call_end_ids),
+        cache_salt=r.cache_salt,
     )
 
 
@@ -230,6 +231,7 @@ def request_to_pb(r: GenerationRequest) -> pb.Request:
             input_tokens=d.input_tokens, logprobs=d.logprobs, ranks=d.ranks, top_n_tokens=d.top_n_tokens
         ),
         call_end_ids=r.call_end_ids,
+        cache_salt=r.cache_salt,
     )
 
 

@@ -119,6 +119,7 @@ class GenerationRequest:
     adapter_id: str = ""  # adapter of whatever kind is stored under the id; "" = none
     # tokens that may complete one of its stop sequences: a call of several steps ends after one
     call_end_ids: frozenset[int] = frozenset()
+    cache_salt: str = ""  # vLLM's: prompts of other salts never share its prefix-cache blocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,7 @@ class ValidatedRequest:
     adapter_id: str = ""  # adapter of any stored kind (then prefix_id is "")
     call_end_ids: frozenset[int] = frozenset()  # tokens that may complete a stop sequence (call_ends.py)
     priority: int = 0  # SCHEDULING_POLICY=priority: waits behind the lower values
+    cache_salt: str = ""  # vLLM's: no prefix-cache blocks shared with other salts
 
     @property
     def adapter(self) -> str:
@@ -137,6 +138,7 @@ class ValidatedRequest:
             prefix_id=self.prefix_id,
             adapter_id=self.adapter_id,
             call_end_ids=self.call_end_ids,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -152,6 +154,8 @@ class RequestParams:
     priority: int | None = None  # in line before higher values (SCHEDULING_POLICY=priority); None: 0
     # vLLM's bad_words: validation tokenizes them into sampling.bad_words
     bad_words: tuple[str, ...] = ()
+    # vLLM's cache_salt: the request's prompt shares prefix-cache blocks only with the same salt
+    cache_salt: str = ""
 
 
 def http_sampling(
@@ -394,8 +398,11 @@ class Validator:
             text, ids = (given, next(remaining)) if isinstance(given, str) else ("", self._token_ids(given))
             finished = self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline)
             validated.append(replace(finished, call_end_ids=call_end_ids))
-        if adapter_id or p.priority:
-            validated = [replace(v, adapter_id=adapter_id, priority=p.priority or 0) for v in validated]
+        if adapter_id or p.priority or p.cache_salt:
+            validated = [
+                replace(v, adapter_id=adapter_id, priority=p.priority or 0, cache_salt=p.cache_salt)
+                for v in validated
+            ]
         for v in validated:
             self.metrics.observe("tgi_request_input_length", v.input_length)
             self.metrics.observe("tgi_request_max_new_tokens", p.stopping.max_new_tokens)

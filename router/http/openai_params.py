@@ -124,6 +124,12 @@ class CommonRequest(BaseModel):
     priority: int | None = Field(
         default=None, description="SCHEDULING_POLICY=priority: lower values wait less (vLLM's)"
     )
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="the prompt shares prefix-cache blocks only with requests of the same salt (vLLM's)",
+    )
     return_token_ids: bool = Field(
         default=False, description="the prompt's and each choice's token ids beside the text (vLLM's)"
     )
@@ -384,4 +390,5 @@ def request_params(
         truncate_input_tokens=body.truncate_prompt_tokens or 0,
         priority=body.priority,
         bad_words=tuple(body.bad_words or ()),
+        cache_salt=body.cache_salt or "",
     )

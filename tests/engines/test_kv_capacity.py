@@ -79,6 +79,20 @@ def test_prefix_cache_totals_count_the_tokens_looked_up_and_found(engine) -> Non
     assert after.cached_blocks >= 5
 
 
+def test_a_cache_salt_shares_prefix_blocks_only_with_its_own(engine) -> None:
+    """vLLM's cache_salt: the same prompt under another salt (or none) finds nothing cached;
+    under the same salt it finds its blocks."""
+    shared = prompt(4, 20)
+    before = engine.kv_state()
+    alone(engine, GenerationRequest(1, (*shared, 1), 2, cache_salt="tenant-a"))
+    alone(engine, GenerationRequest(2, (*shared, 2), 2, cache_salt="tenant-b"))
+    alone(engine, GenerationRequest(3, (*shared, 3), 2))
+    assert engine.kv_state().prefix_hit_tokens == before.prefix_hit_tokens
+    alone(engine, GenerationRequest(4, (*shared, 4), 2, cache_salt="tenant-a"))
+    alone(engine, GenerationRequest(5, (*shared, 5), 2))
+    assert engine.kv_state().prefix_hit_tokens - before.prefix_hit_tokens == 2 * 20
+
+
 class WatchedShard(LocalShard):
     """Records the blocks committed after every call (they must stay within the cache)."""
 

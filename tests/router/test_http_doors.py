@@ -945,6 +945,27 @@ async def test_openai_prompt_logprobs_as_vllm_answers_them(stack: Stack, tokeniz
     await stack.settled()
 
 
+async def test_openai_cache_salt_reaches_the_shard(stack: Stack) -> None:
+    """vLLM's cache_salt goes with the request to the shard (whose prefix cache keys by it); an
+    empty one is refused, as vLLM refuses it."""
+    salts: list[str] = []
+
+    def script(request: GenerationRequest, step: int) -> int:
+        salts.append(request.cache_salt)
+        return 600 + step
+
+    stack.shard.script = script
+    body = {"prompt": "hi", "max_tokens": 2}
+    status, _ = await post(stack, "/v1/completions", {**body, "cache_salt": "tenant-7"})
+    assert status == 200 and set(salts) == {"tenant-7"}
+    salts.clear()
+    status, _ = await post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 200 and set(salts) == {""}
+    status, error = await post(stack, "/v1/completions", {**body, "cache_salt": ""})
+    assert status == 400 and error["error"]["message"].startswith("cache_salt: String should have at least 1")
+    await stack.settled()
+
+
 async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     rendered = "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"

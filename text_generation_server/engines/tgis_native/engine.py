@@ -464,8 +464,12 @@ class TgisNativeEngine(ModelEngine):
         is off, or the request wants details of every prompt token (they need its logits)."""
         if not self.prefix_caching or item.request.details.input_tokens:
             return []
-        # K/V behind a soft prompt or through a LoRA adapter are the adapter's: keyed by its id
-        salt = item.request.adapter_id or item.request.prefix_id
+        # K/V behind a soft prompt or through a LoRA adapter are the adapter's: keyed by its id;
+        # a request's cache_salt keeps its blocks from every other salt's requests
+        request = item.request
+        salt = request.adapter_id or request.prefix_id
+        if request.cache_salt:
+            salt = f"{salt}\x00{request.cache_salt}"
         return prefix_keys(item.prompt[:-1], self.block_size, salt)
 
     def generate_token(self, batch: Batch, token_budget: int = 0) -> tuple[StepOutput, RaggedBatch | None]:
