@@ -382,6 +382,87 @@ def test_openai_responses_api(served: Server, parsing: Server) -> None:
         )
 
 
+def test_anthropic_messages_api(served: Server) -> None:
+    """Anthropic's Messages API through the `anthropic` client: the text is the chat door's
+    greedy answer, unary and streamed, with its token counts (count_tokens too); a forced tool
+    use comes as a tool_use block whose input satisfies the schema, and goes back with its
+    result; output_config's JSON Schema shapes the text; an unknown model and an unserved block
+    are refused in Anthropic's error shape. (The 2026 client has no temperature: extra_body.)"""
+    import anthropic
+
+    url = f"http://127.0.0.1:{served.http_port}"
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    model = openai_client(served).models.list().data[0].id
+    messages = [{"role": "user", "content": "Hello"}]
+    system = [{"role": "system", "content": "be brief"}]
+    chat = greedy_chat(served, messages=[*system, *messages], max_tokens=8)()
+    greedy = {"extra_body": {"temperature": 0}}
+    ask = functools.partial(client.messages.create, model=model, max_tokens=8, **greedy)
+    answer = ask(system="be brief", messages=messages)
+    text = "".join(block.text for block in answer.content if block.type == "text")
+    assert text == chat.choices[0].message.content and answer.model == model
+    assert answer.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+    )
+    counted = client.messages.count_tokens(model=model, system="be brief", messages=messages)
+    assert counted.input_tokens == answer.usage.input_tokens
+    with client.messages.stream(
+        model=model, max_tokens=8, system="be brief", messages=messages, **greedy
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text and final.stop_reason == answer.stop_reason
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (
+        answer.usage.input_tokens,
+        answer.usage.output_tokens,
+    )
+    city = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+        "additionalProperties": False,
+    }
+    tools = [{"name": "weather", "description": "the weather", "input_schema": city}]
+    asked = [{"role": "user", "content": "Weather in Oslo?"}]
+    forced = {"tools": tools, "tool_choice": {"type": "tool", "name": "weather"}, "max_tokens": 60}
+    called = ask(messages=asked, **forced)
+    (use,) = called.content
+    assert (use.type, use.name, called.stop_reason) == ("tool_use", "weather", "tool_use")
+    assert set(use.input) <= {"city"}
+    with client.messages.stream(model=model, messages=asked, **forced, **greedy) as stream:
+        streamed_use = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in streamed_use.content] == [("tool_use", "weather", use.input)]
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
+    followed = ask(
+        messages=[
+            *asked,
+            {"role": "assistant", "content": [use.model_dump()]},
+            {"role": "user", "content": [result]},
+        ]
+    )
+    alone = ask(messages=asked)
+    assert followed.usage.input_tokens > alone.usage.input_tokens  # the call and its result reached it
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    numbered = ask(
+        messages=[{"role": "user", "content": "a number"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        max_tokens=20,
+    )
+    assert set(json.loads(numbered.content[0].text)) == {"n"}
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="other", max_tokens=4, messages=messages)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    with pytest.raises(anthropic.BadRequestError, match="content of type 'image' is not supported"):
+        ask(messages=[{"role": "user", "content": [image]}])
+
+
 def test_openai_responses_kept_and_continued(parsing: Server) -> None:
     """RESPONSES_STORE_SIZE through the openai client: a Response is kept, read back with its
     input items, continued by previous_response_id exactly as the whole conversation sent as

@@ -42,6 +42,7 @@ from router.grpc.grpc_server import GenerationServicer
 from router.grpc.reflection import enable_server_reflection
 from router.grpc.rpc_handlers import add_servicer
 from router.http.adapter_admin import AdapterAdmin
+from router.http.anthropic_messages import MessagesApi
 from router.http.chat_template import load_chat_template
 from router.http.http_app import build_app
 from router.http.http_server import HealthCheck, HttpServer
@@ -294,6 +295,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
     # POST /v1/responses on the OpenAI door's routes; with a store, its answers kept
     store = ResponseStore(config.responses_store_size) if config.responses_store_size else None
     ResponsesApi(openai, store)
+    MessagesApi(openai)  # Anthropic's POST /v1/messages, over the same chat calls
     if config.allow_runtime_adapter_loading:
         AdapterAdmin(openai, client, prefixes)
         logger.warning("adapters may be added from any directory the shards read (/v1/load_lora_adapter)")

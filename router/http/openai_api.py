@@ -103,9 +103,12 @@ def error_reply(
     return JSONResponse(error_json(status, message, param), status, headers=headers)
 
 
-def error_response(exc: RequestError) -> JSONResponse:
+def error_response(exc: RequestError, shape: AnswerShape | None = None) -> JSONResponse:
+    """The refusal or failure in OpenAI's error shape, or in `shape`'s."""
     status = 500 if exc.cause == "generation" else STATUS.get(exc.code, 500)
-    return error_reply(status, exc.message, exc.param)
+    if shape is None:
+        return error_reply(status, exc.message, exc.param)
+    return JSONResponse(shape.error(status, error_json(status, exc.message, exc.param)), status)
 
 
 class ChatPromptError(Exception):
@@ -128,9 +131,14 @@ class ChatParts(Protocol):
 
 
 class AnswerShape(Protocol):
-    """Another route's wire format over a chat call (the Responses API, openai_responses.py)."""
+    """Another route's wire format over a chat call (the Responses API, openai_responses.py;
+    Anthropic's Messages API, anthropic_messages.py)."""
 
     route: str  # the call's name in spans and logs
+
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        """The route's error body for one in OpenAI's shape."""
+        ...
 
     def unary(self, answer: dict[str, Any]) -> dict[str, Any]:
         """The route's answer, from the chat completion's."""
@@ -369,7 +377,7 @@ class OpenAIApi:
             echoed = [t if isinstance(t, str) else self._decoded(t) for t in texts] if echo else []
         except RequestError as exc:
             call.close()
-            return error_response(exc)
+            return error_response(exc, shape)
         validated = _distinct_seeds(validated, body.seed)
         tools = tool_mode_of(body, self.tool_parser)
         answer = _Answer(
@@ -401,7 +409,7 @@ class OpenAIApi:
             try:
                 outputs = await until_disconnected(request, self.service.generate(validated, call.info))
             except RequestError as exc:
-                return error_response(exc)
+                return error_response(exc, shape)
         whole = self._answer(answer, outputs)
         return JSONResponse(shape.unary(whole) if shape is not None else whole)
 

@@ -344,6 +344,9 @@ class ResponseShape:
         self.id = _id("resp")
         self.created_at = int(time.time())
 
+    def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        return body  # the Responses API's errors are in OpenAI's shape
+
     def whole(self, response: dict[str, Any]) -> dict[str, Any]:
         """The call's last Response (completed, incomplete), kept where it is to be."""
         if self.keep is not None:
