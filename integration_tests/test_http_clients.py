@@ -754,6 +754,18 @@ def test_every_door_needs_a_token_and_health_stays_open(guarded: Server) -> None
         base_url=f"http://127.0.0.1:{guarded.http_port}/v1", api_key=good, max_retries=0
     )
     assert authorized.models.list().data
+    import anthropic  # its clients send the key as x-api-key
+
+    url = f"http://127.0.0.1:{guarded.http_port}"
+    model = authorized.models.list().data[0].id
+    message = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hello"}]}
+    assert (
+        anthropic.Anthropic(base_url=url, api_key="k2", max_retries=0)
+        .messages.create(**message)
+        .usage.input_tokens
+    )
+    with pytest.raises(anthropic.AuthenticationError, match="invalid API key"):
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(**message)
     assert guarded.health() == 200
     log = guarded.log()
     assert "tenant=team-a" in log and "tenant=key#2" in log and SECRET not in log and good not in log

@@ -135,9 +135,14 @@ class Unauthenticated(Exception):
 
 def _authentication(auth: Authenticator) -> Callable[[Request], Awaitable[None]]:
     async def authenticate(request: Request) -> None:
-        """Sets request.state.tenant (None with authentication off); 401 without a valid token."""
+        """Sets request.state.tenant (None with authentication off); 401 without a valid token.
+        The token comes as `Authorization: Bearer <token>`, or as Anthropic's clients send it,
+        `x-api-key: <token>`."""
+        authorization = request.headers.get("authorization")
+        if authorization is None and (key := request.headers.get("x-api-key")) is not None:
+            authorization = f"Bearer {key}"
         try:
-            request.state.tenant = auth.tenant(request.headers.get("authorization"))
+            request.state.tenant = auth.tenant(authorization)
         except AuthError as exc:
             raise Unauthenticated(str(exc)) from exc
 
