@@ -19,6 +19,7 @@ from router.core.pacing import StreamPacing
 from router.core.validation import ValidationError
 from router.http import http_server
 from router.http.adapter_admin import AdapterAdmin
+from router.http.anthropic_messages import MessagesApi
 from router.http.chat_template import load_chat_template
 from router.http.http_app import PROBE_PATHS, build_app
 from router.http.http_server import HealthCheck, HttpServer
@@ -117,6 +118,7 @@ async def stack(detokenizer, tokenizer_pool, tokenizer_dir, auth):
         list_adapters=shard.list_adapters,
     )
     ResponsesApi(openai)
+    MessagesApi(openai)
     server = HttpServer(
         build_app(health, metrics.exposition, "text/plain", tgi, openai, Authenticator(auth), version="0.1.0")
     )
@@ -1473,6 +1475,15 @@ def random_body(r: random.Random, route: str) -> dict:
             "stream",
         ],
         "/generate": ["inputs", "parameters", "stream"],
+        "/v1/messages": [
+            "messages",
+            "system",
+            "tools",
+            "tool_choice",
+            "output_config",
+            "stop_sequences",
+            "stream",
+        ],
     }[route]
     shared = ["structured_outputs", "priority", "return_token_ids", "skip_special_tokens", "model", "seed"]
     valid = {
@@ -1480,12 +1491,32 @@ def random_body(r: random.Random, route: str) -> dict:
         "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         "/v1/responses": {"input": "hi", "max_output_tokens": 3},
         "/generate": {"inputs": "hi", "parameters": {"max_new_tokens": 3}},
+        "/v1/messages": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
     }[route]
     changed = r.sample(fields + shared, r.randint(0, 3))
     body = {**valid, **{name: r.choice(RANDOM_VALUES) for name in changed}}
     nested = {  # well-formed containers holding values of any type
         "messages": [
-            {"role": r.choice(["user", "assistant", "tool", "x"]), "content": r.choice(RANDOM_VALUES)}
+            {
+                "role": r.choice(["user", "assistant", "tool", "x"]),
+                "content": r.choice(
+                    [
+                        *RANDOM_VALUES,
+                        [
+                            {
+                                "type": r.choice(["text", "tool_use", "tool_result", "thinking", "image"]),
+                                **{
+                                    k: r.choice(RANDOM_VALUES)
+                                    for k in r.sample(
+                                        ["text", "id", "name", "input", "tool_use_id", "content", "thinking"],
+                                        3,
+                                    )
+                                },
+                            }
+                        ],
+                    ]
+                ),
+            }
         ],
         "input": [
             {
@@ -1510,7 +1541,7 @@ async def test_random_bodies_get_clear_answers(stack: Stack) -> None:
     """Bodies of random shapes at each generate route: an answer or a clear refusal in the
     route's error shape, never a server error, and nothing left held."""
     r = random.Random(7)
-    routes = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate"]
+    routes = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate", "/v1/messages"]
     seen = set()
     async with aiohttp.ClientSession() as session:
         for _ in range(800):
@@ -1521,13 +1552,16 @@ async def test_random_bodies_get_clear_answers(stack: Stack) -> None:
             assert response.status in (200, 400, 404, 422), (route, body, response.status, text)
             if response.content_type == "text/event-stream":  # a stream ends as its route ends them
                 last = text.strip().split("\n\n")[-1]
-                ends = {"/v1/responses": ("response.completed", "response.incomplete", "response.failed")}
+                ends = {
+                    "/v1/responses": ("response.completed", "response.incomplete", "response.failed"),
+                    "/v1/messages": ("message_stop", "event: error"),
+                }
                 assert any(end in last for end in ends.get(route, ("[DONE]", "generated_text"))), (body, last)
             if response.status != 200:
                 error = json.loads(text)["error"]
                 assert error["message"] if isinstance(error, dict) else error, (route, body)
             seen.add((route, response.status))
-    assert len(seen) >= 8, seen  # both answers and refusals at every route
+    assert len(seen) >= 10, seen  # both answers and refusals at every route
     await stack.settled()
 
 
