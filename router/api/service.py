@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
 # call kinds whose stream messages may carry several tokens (STREAM_INTERVAL)
-MULTI_TOKEN_STREAMS = frozenset({"stream", "openai_stream"})
+MULTI_TOKEN_STREAMS = frozenset({"stream", "openai_stream", "anthropic_stream"})
 
 OVERLOADED = "Model is overloaded"
 DRAINING = "The server is shutting down"
@@ -96,7 +96,9 @@ class ConcurrencyLimiter:
 class CallInfo:
     """Who asked: for metrics labels and the per-request log line."""
 
-    kind: str  # metrics.KINDS: single | batch | stream (gRPC), rest | rest_stream, openai | openai_stream
+    # metrics.KINDS: single | batch | stream (gRPC), rest | rest_stream, openai | openai_stream,
+    # anthropic | anthropic_stream
+    kind: str
     correlation_id: str | None
     span: Span
     tenant: str | None = None  # who, when authentication is on (auth.py)

@@ -34,7 +34,17 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # 0.00015 s ... about 145.6 s
 TOKENIZE_BUCKETS = tuple(float(2**k) for k in range(6, 20))
 # gRPC calls; TGI REST (tgi_rest.py); OpenAI (openai_api.py)
-KINDS = ("single", "batch", "stream", "rest", "rest_stream", "openai", "openai_stream")
+KINDS = (
+    "single",
+    "batch",
+    "stream",
+    "rest",
+    "rest_stream",
+    "openai",
+    "openai_stream",
+    "anthropic",
+    "anthropic_stream",
+)
 METHODS = ("prefill", "next_token")
 MAKEUPS = ("single_only",)
 FAILURES = ("conc_limit", "queue_full", "validation", "generate", "cancelled", "timeout", "unknown")

@@ -157,7 +157,7 @@ class MessagesApi:
 
     def _refused(self, request: Request, message: str, stream: bool) -> Response:
         """A body the conversion refuses: one validation failure of the route's kind, 400."""
-        kind = "openai_stream" if stream else "openai"
+        kind = f"{MessageShape.door}_stream" if stream else MessageShape.door
         refuse_body(self.openai.service, request, kind, MessageShape.route, message)
         return _error_reply(400, message)
 
@@ -323,6 +323,7 @@ class MessageShape:
     """One call's Message and stream events, from its chat answer or chunks."""
 
     route = "v1/messages"
+    door = "anthropic"
 
     def __init__(self, model: str) -> None:
         self.model = model

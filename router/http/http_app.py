@@ -46,7 +46,7 @@ GENERATE_ROUTES = {
     "/v1/completions": ("openai", "v1/completion"),
     "/v1/chat/completions": ("openai", "v1/chat"),
     "/v1/responses": ("openai", "v1/responses"),
-    "/v1/messages": ("openai", "v1/messages"),
+    "/v1/messages": ("anthropic", "v1/messages"),
 }
 
 

@@ -135,6 +135,7 @@ class AnswerShape(Protocol):
     Anthropic's Messages API, anthropic_messages.py)."""
 
     route: str  # the call's name in spans and logs
+    door: str  # the call's kind in the metrics (metrics.KINDS, less _stream)
 
     def error(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
         """The route's error body for one in OpenAI's shape."""
@@ -341,7 +342,8 @@ class OpenAIApi:
     ) -> Response:
         """The call of `body`, answered as a chat completion or a completion (`kind`), or as
         `shape` reshapes that answer (another route's wire format over the same call)."""
-        door = "openai_stream" if body.stream else "openai"
+        door = shape.door if shape is not None else "openai"
+        door = f"{door}_stream" if body.stream else door
         count = (1 if prompts is None else len(prompts)) * body.n
         headers = list(request.headers.items())
         route = shape.route if shape is not None else f"v1/{kind}"

@@ -171,7 +171,7 @@ class ResponsesApi:
 
     def _refused(self, request: Request, message: str, stream: bool, status: int = 400) -> Response:
         """A body the conversion refuses: one validation failure of the route's kind."""
-        kind = "openai_stream" if stream else "openai"
+        kind = f"{ResponseShape.door}_stream" if stream else ResponseShape.door
         refuse_body(self.openai.service, request, kind, ResponseShape.route, message)
         return error_reply(status, message)
 
@@ -333,6 +333,7 @@ class ResponseShape:
     """One call's Response object and stream events, from its chat answer or chunks."""
 
     route = "v1/responses"
+    door = "openai"
 
     def __init__(
         self, body: ResponsesRequest, model: str, keep: Callable[[dict[str, Any]], None] | None = None

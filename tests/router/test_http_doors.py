@@ -968,6 +968,21 @@ async def test_openai_cache_salt_reaches_the_shard(stack: Stack) -> None:
     await stack.settled()
 
 
+async def test_anthropic_messages_count_as_their_own_kind(stack: Stack) -> None:
+    """/v1/messages calls count in tgi_request_count as anthropic / anthropic_stream, their
+    refusals too, with Anthropic's error shape."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    status, answer = await post(stack, "/v1/messages", body)
+    assert status == 200 and answer["type"] == "message"
+    events = await sse_events(stack, {**body, "stream": True}, path="/v1/messages")
+    assert events[-1] == {"type": "message_stop"}
+    status, error = await post(stack, "/v1/messages", {**body, "max_tokens": 10**6})
+    assert status == 400 and error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    calls = stack.metrics.counters["tgi_request_count"]
+    assert (calls.get(kind="anthropic"), calls.get(kind="anthropic_stream")) == (2, 1)
+    await stack.settled()
+
+
 async def test_openai_chat_uses_the_model_template(stack: Stack) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     rendered = "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
