@@ -1580,6 +1580,34 @@ async def test_random_bodies_get_clear_answers(stack: Stack) -> None:
     await stack.settled()
 
 
+async def test_random_bodies_at_the_token_counting_routes_get_clear_answers(stack: Stack) -> None:
+    """TGI's and vLLM's /tokenize, /detokenize and Anthropic's count_tokens with bodies of random
+    shapes: an answer or a clear refusal, never a server error."""
+    r = random.Random(11)
+    valid = {
+        "/tokenize": [{"inputs": "hi"}, {"prompt": "hi"}, {"messages": [{"role": "user", "content": "hi"}]}],
+        "/detokenize": [{"tokens": [5, 6]}],
+        "/v1/messages/count_tokens": [{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}],
+    }
+    fields = ["inputs", "prompt", "messages", "tokens", "model", "add_special_tokens", "return_token_strs",
+              "tools", "system", "documents", "chat_template_kwargs", "parameters"]  # fmt: skip
+    seen = set()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(300):
+            route = r.choice(list(valid))
+            body = dict(r.choice(valid[route]))
+            body |= {name: r.choice(RANDOM_VALUES) for name in r.sample(fields, r.randint(0, 2))}
+            async with session.post(stack.url + route, json=body) as response:
+                text = await response.text()
+            assert response.status in (200, 400, 404, 422), (route, body, response.status, text)
+            if response.status != 200:
+                error = json.loads(text)["error"]
+                assert error["message"] if isinstance(error, dict) else error, (route, body)
+            seen.add((route, response.status))
+    assert {route for route, status in seen if status == 200} == set(valid), seen
+    assert len(seen) >= 6, seen
+
+
 async def test_openai_stop_reason_names_what_stopped_the_answer(stack: Stack) -> None:
     stack.shard.script = lambda request, step: EOS if step == 5 else 600 + step
     body = {"prompt": "hi", "max_tokens": 8, "temperature": 0}
