@@ -463,6 +463,28 @@ def test_anthropic_messages_api(served: Server) -> None:
         ask(messages=[{"role": "user", "content": [image]}])
 
 
+def test_anthropic_thinking_blocks_through_the_reasoning_parser(parsing: Server) -> None:
+    """With REASONING_PARSER the model's thinking comes as a thinking block, unary and streamed
+    alike, equal to the chat door's reasoning_content (the tiny model never closes its
+    thinking: all of its answer is thinking)."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{parsing.http_port}", api_key="-", max_retries=0)
+    model = openai_client(parsing).models.list().data[0].id
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = greedy_chat(parsing, messages=messages, max_tokens=8)()
+    thinking = chat.choices[0].message.model_extra["reasoning_content"]
+    ask = {"model": model, "max_tokens": 8, "messages": messages, "extra_body": {"temperature": 0}}
+    answer = client.messages.create(**ask)
+    assert [(b.type, b.thinking) for b in answer.content] == [("thinking", thinking)]
+    with client.messages.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [(b.type, b.thinking) for b in final.content] == [("thinking", thinking)]
+    deltas = [e.delta.thinking for e in events if e.type == "content_block_delta"]
+    assert "".join(deltas) == thinking
+
+
 def test_openai_responses_kept_and_continued(parsing: Server) -> None:
     """RESPONSES_STORE_SIZE through the openai client: a Response is kept, read back with its
     input items, continued by previous_response_id exactly as the whole conversation sent as
