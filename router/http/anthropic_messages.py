@@ -11,11 +11,12 @@ reasoning_content). `tools` (name, description, input_schema), `tool_choice` (au
 least one call, tool: that one, none; `disable_parallel_tool_use`), `max_tokens`,
 `stop_sequences`, `temperature`, `top_p`, `top_k` (gone from the 2026 client's signature: its
 `extra_body`), `metadata.user_id`, `output_config` (`effort`: the chat template's
-reasoning_effort; `format` json_schema: guided decoding). Output blocks: thinking (where
+reasoning_effort; `format` json_schema: guided decoding), `thinking` (`type` enabled or adaptive
+/ disabled turns the chat template's thinking switches on / off: Qwen3's `enable_thinking`,
+Granite's and DeepSeek's `thinking`; budgets have no effect). Output blocks: thinking (where
 REASONING_PARSER splits the answer), text, tool_use; `stop_reason` end_turn, max_tokens,
 stop_sequence (with `stop_sequence`) or tool_use. `cache_control` marks are accepted (the
-prefix cache needs none), as are `thinking` (the model thinks as its template and
-REASONING_PARSER say), `service_tier`, `speed`, `inference_geo`, `diagnostics`,
+prefix cache needs none), as are `service_tier`, `speed`, `inference_geo`, `diagnostics`,
 `user_profile_id`, `workspace_id`, and `anthropic-version` / `anthropic-beta` headers.
 Images, documents, server tools (web search, code execution, ...), MCP servers and containers
 are refused with 400, by name. Errors are in Anthropic's shape: {"type": "error", "error":
@@ -50,6 +51,7 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # else end_turn / stop_sequence
+THINKING = {"enabled": True, "adaptive": True, "disabled": False}  # `thinking.type` -> thinking on
 
 
 class InputMessage(BaseModel):
@@ -79,8 +81,9 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     # effort: the chat template's reasoning_effort; format: guided decoding by its JSON Schema
     output_config: dict[str, Any] | None = None
-    # accepted, no effect here (the prefix cache needs no marks; one tier, one place, one speed)
+    # type enabled / adaptive / disabled: the chat template's thinking switches (budgets: no effect)
     thinking: dict[str, Any] | None = None
+    # accepted, no effect here (the prefix cache needs no marks; one tier, one place, one speed)
     cache_control: dict[str, Any] | None = None
     service_tier: str | None = None
     speed: str | None = None
@@ -202,8 +205,14 @@ def chat_request(body: MessagesRequest) -> ChatRequest:
         choice, parallel = _chat_tool_choice(body.tool_choice)
         fields["tool_choice"], fields["parallel_tool_calls"] = choice, parallel
     output = body.output_config or {}
+    variables: dict[str, Any] = {}
     if (effort := output.get("effort")) is not None:
-        fields["chat_template_kwargs"] = {"reasoning_effort": effort}
+        variables["reasoning_effort"] = effort
+    if (switch := THINKING.get(str((body.thinking or {}).get("type")))) is not None:
+        # the switches chat templates read: Qwen3's enable_thinking, Granite's and DeepSeek's thinking
+        variables |= {"enable_thinking": switch, "thinking": switch}
+    if variables:
+        fields["chat_template_kwargs"] = variables
     if (fmt := output.get("format")) is not None:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
             kind = fmt.get("type") if isinstance(fmt, dict) else fmt

@@ -65,6 +65,7 @@ def test_a_request_is_the_chat_call_it_asks_for() -> None:
             top_k=4,
             metadata={"user_id": "u"},
             output_config={"effort": "low", "format": {"type": "json_schema", "schema": CITY}},
+            thinking={"type": "enabled", "budget_tokens": 1024},
             stream=True,
         )
     )
@@ -96,7 +97,11 @@ def test_a_request_is_the_chat_call_it_asks_for() -> None:
         "u",
         9,
     )
-    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low", "enable_thinking": True, "thinking": True}
+    plain = [{"role": "user", "content": "x"}]
+    off = chat_request(request(messages=plain, thinking={"type": "disabled"}))
+    assert off.chat_template_kwargs == {"enable_thinking": False, "thinking": False}
+    assert chat_request(request(messages=plain)).chat_template_kwargs is None
     assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": CITY}}
     assert chat.stream_options is not None and chat.stream_options.continuous_usage_stats
     named = chat_request(
