@@ -649,6 +649,9 @@ def client_token_id(s: Server, prompt: str, at: int) -> int:
 def test_openai_chat_and_errors(served: Server) -> None:
     client = openai_client(served)
     model = client.models.list().data[0]
+    assert client.models.retrieve(model.id) == model
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
     messages = [{"role": "user", "content": "Say hello"}]
     answer = client.chat.completions.create(model=model.id, messages=messages, max_tokens=8, temperature=0)
     text = answer.choices[0].message.content

@@ -216,6 +216,9 @@ class OpenAIApi:
             "/models", self.models, methods=["GET"], summary="The served model and its adapters (OpenAI)"
         )
         self.router.add_api_route(
+            "/models/{model:path}", self.model, methods=["GET"], summary="One model or adapter (OpenAI)"
+        )
+        self.router.add_api_route(
             "/completions", self.completions, methods=["POST"], summary="Completions (OpenAI)"
         )
         self.router.add_api_route(
@@ -227,22 +230,40 @@ class OpenAIApi:
     async def models(self) -> Response:
         """The served model, then the adapters of the store that requests may name (vLLM's
         fields: `root`, and `parent` the served model; `truncated` when the listing was cut)."""
-        listing = AdapterListing()
-        if self.list_adapters is not None:
-            listed_at, listing = self._listing
-            if time.monotonic() - listed_at > LISTING_TTL_S:  # clients poll this route
-                try:
-                    listing = await self.list_adapters()
-                except Exception as exc:  # the shard's failure, answered rather than hidden
-                    message = f"could not list the adapters: {clip(str(exc))}"
-                    return error_reply(500, message)
-                self._listing = time.monotonic(), listing
+        listing = await self._adapters()
+        if isinstance(listing, Response):
+            return listing
         data = [self._model_entry(self.model_name, None)]
         data += [self._model_entry(adapter, self.model_name) for adapter in listing.ids]
         answer: dict[str, Any] = {"object": "list", "data": data}
         if listing.truncated:
             answer["truncated"] = True
         return JSONResponse(answer)
+
+    async def model(self, model: str) -> Response:
+        """OpenAI's retrieve: the served model's entry, or a listed adapter's; 404 otherwise."""
+        if model == self.model_name:
+            return JSONResponse(self._model_entry(model, None))
+        listing = await self._adapters() if storable_adapter_id(model) else AdapterListing()
+        if isinstance(listing, Response):
+            return listing
+        if model not in listing.ids:
+            return error_reply(404, unknown_model(model))
+        return JSONResponse(self._model_entry(model, self.model_name))
+
+    async def _adapters(self) -> AdapterListing | Response:
+        """The store's adapters, read at most every LISTING_TTL_S (clients poll /v1/models); a
+        500 answer where the shard could not list them."""
+        if self.list_adapters is None:
+            return AdapterListing()
+        listed_at, listing = self._listing
+        if time.monotonic() - listed_at > LISTING_TTL_S:
+            try:
+                listing = await self.list_adapters()
+            except Exception as exc:  # the shard's failure, answered rather than hidden
+                return error_reply(500, f"could not list the adapters: {clip(str(exc))}")
+            self._listing = time.monotonic(), listing
+        return listing
 
     def adapters_changed(self) -> None:
         """Adapters were added or removed at run time: the next /v1/models lists them again."""

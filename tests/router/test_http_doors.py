@@ -1311,6 +1311,15 @@ async def test_openai_model_names_an_adapter_of_the_store(stack: Stack) -> None:
         ("soft", "tiny", "soft"),
         ("team/lora", "tiny", "team/lora"),
     ]
+    # OpenAI's retrieve: one entry of the list, or 404
+    async with aiohttp.ClientSession() as session:
+        for name, entry in [("tiny", models[0]), ("team/lora", models[2])]:
+            async with session.get(f"{stack.url}/v1/models/{name}") as r:
+                assert r.status == 200 and await r.json() == entry
+        for name in ("team/gone", "a..b", "other"):
+            async with session.get(f"{stack.url}/v1/models/{name}") as r:
+                answer = await r.json()
+                assert r.status == 404 and answer["error"]["message"] == f"The model `{name}` does not exist."
     body = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "model": "team/lora"}
     status, answer = await post(stack, "/v1/completions", body)
     assert status == 200 and answer["model"] == "team/lora" and set(seen) == {"team/lora"}
