@@ -22,7 +22,10 @@ names for the same formats):
     <parameter=key>value</parameter>...</function></tool_call>` per call after the text; each
     value is text, read as the type the function's JSON Schema gives the parameter (integer,
     number, boolean, null, object, array; a string or an unknown parameter stays text), so this
-    parser is bound to the request's functions (`for_tools`).
+    parser is bound to the request's functions (`for_tools`);
+  - `glm45` (GLM-4.5 to 4.7; also `glm47`): `<tool_call>name<arg_key>key</arg_key><arg_value>value
+    </arg_value>...</tool_call>` per call after the text, values read as `qwen3_coder`'s; a
+    special token, so answers that may call keep their special tokens.
 `llama4_json` and `llama4_pythonic` are vLLM's other names for `llama3_json` and `pythonic`.
 An answer whose calls do not parse is the message's text, as if it had none. While streaming,
 `streamable` says how much of the answer so far is text for sure: the rest is held back until
@@ -285,17 +288,32 @@ class Mistral(ToolCallParser):
         return _text_before(text, self.OPEN)
 
 
-class Qwen3Coder(ToolCallParser):
-    name = "qwen3_coder"
-    OPEN, BARE = "<tool_call>", "<function="
-    FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
-    PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+class _TextValues(ToolCallParser):
+    """A format whose argument values are text: each is read as the type the request's function
+    schema gives its parameter (so the parser is bound to the request's functions)."""
 
     def __init__(self, schemas: Mapping[str, Any] | None = None) -> None:
         self.schemas = schemas or {}
 
     def for_tools(self, schemas: Mapping[str, Any]) -> ToolCallParser:
-        return Qwen3Coder(schemas)
+        return type(self)(schemas)
+
+    def _call(self, name: str, pairs: list[tuple[str, str]]) -> dict[str, Any]:
+        """OpenAI's call of `name` with the (parameter, text) pairs as typed arguments."""
+        schema = self.schemas.get(name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        properties = properties if isinstance(properties, dict) else {}
+        arguments = {
+            key.strip(): _typed(_trimmed(value), properties.get(key.strip())) for key, value in pairs
+        }
+        return function_call(name, json.dumps(arguments, ensure_ascii=False))
+
+
+class Qwen3Coder(_TextValues):
+    name = "qwen3_coder"
+    OPEN, BARE = "<tool_call>", "<function="
+    FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> Parsed | None:
         at = text.find(self.OPEN)
@@ -303,21 +321,41 @@ class Qwen3Coder(ToolCallParser):
             at = text.find(self.BARE)  # the opening left out, as the model sometimes does
         if at < 0:
             return None
-        calls = []
-        for function in self.FUNCTION.finditer(text, at):
-            name = function.group(1).strip()
-            schema = self.schemas.get(name)
-            properties = schema.get("properties") if isinstance(schema, dict) else None
-            properties = properties if isinstance(properties, dict) else {}
-            arguments = {
-                key.strip(): _typed(_trimmed(value), properties.get(key.strip()))
-                for key, value in self.PARAMETER.findall(function.group(2))
-            }
-            calls.append(function_call(name, json.dumps(arguments, ensure_ascii=False)))
+        calls = [
+            self._call(function.group(1).strip(), self.PARAMETER.findall(function.group(2)))
+            for function in self.FUNCTION.finditer(text, at)
+        ]
         return Parsed(text[:at], calls) if calls else None
 
     def streamable(self, text: str) -> int:
         return min(_text_before(text, self.OPEN), _text_before(text, self.BARE))
+
+
+class Glm45(_TextValues):
+    """GLM-4.5 to 4.7: `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>`
+    (line breaks between the parts or not); `<tool_call>` is a special token."""
+
+    name = "glm45"
+    needs_special_tokens = True
+    OPEN = "<tool_call>"
+    CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+    ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|\Z)", re.DOTALL)
+
+    def parse(self, text: str) -> Parsed | None:
+        at = text.find(self.OPEN)
+        if at < 0:
+            return None
+        calls = []
+        for call in self.CALL.finditer(text, at):
+            body = call.group(1)
+            name = body.split("<arg_key>", 1)[0].strip()
+            if not name or "\n" in name:
+                return None
+            calls.append(self._call(name, self.ARGUMENT.findall(body)))
+        return Parsed(text[:at], calls) if calls else None
+
+    def streamable(self, text: str) -> int:
+        return _text_before(text, self.OPEN)
 
 
 def _trimmed(value: str) -> str:
@@ -353,9 +391,10 @@ def _typed(value: str, schema: Any) -> Any:
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (Hermes, Llama3Json, Pythonic, Granite, Granite20bFc, Mistral, Qwen3Coder)
+    p.name: p for p in (Hermes, Llama3Json, Pythonic, Granite, Granite20bFc, Mistral, Qwen3Coder, Glm45)
 }
-PARSERS |= {"llama4_json": Llama3Json, "llama4_pythonic": Pythonic}  # vLLM's names for them too
+# vLLM's other names for the same formats
+PARSERS |= {"llama4_json": Llama3Json, "llama4_pythonic": Pythonic, "glm47": Glm45}
 
 
 def parser_named(name: str | None) -> ToolCallParser | None:

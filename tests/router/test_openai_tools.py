@@ -27,6 +27,7 @@ from router.http.openai_tools import (
 )
 from router.http.reasoning import FORMATS
 from router.http.tool_parsers import (
+    Glm45,
     Granite,
     Granite20bFc,
     Hermes,
@@ -46,29 +47,29 @@ TOOLS = [
 ]
 
 
-QWEN = Qwen3Coder().for_tools(
-    {
-        "weather": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        },
-        "typed": {
-            "properties": {
-                "code": {"type": "string"},
-                "n": {"type": "integer"},
-                "x": {"type": "number"},
-                "y": {"type": "number"},
-                "flag": {"type": "boolean"},
-                "obj": {"type": "object"},
-                "items": {"type": "array"},
-                "gone": {"type": "integer"},
-                "bad": {"type": "integer"},
-                "z": {"type": "number"},
-                "either": {"type": ["integer", "string"]},
-            }
-        },
-    }
-)
+SCHEMAS = {
+    "weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    },
+    "typed": {
+        "properties": {
+            "code": {"type": "string"},
+            "n": {"type": "integer"},
+            "x": {"type": "number"},
+            "y": {"type": "number"},
+            "flag": {"type": "boolean"},
+            "obj": {"type": "object"},
+            "items": {"type": "array"},
+            "gone": {"type": "integer"},
+            "bad": {"type": "integer"},
+            "z": {"type": "number"},
+            "either": {"type": ["integer", "string"]},
+        }
+    },
+}
+QWEN = Qwen3Coder().for_tools(SCHEMAS)
+GLM = Glm45().for_tools(SCHEMAS)
 
 
 def named(name: str) -> NamedToolChoice:
@@ -268,6 +269,22 @@ HERMES_TEXT = (
         ),
         (QWEN, "<tool_call>\n<function=now>", None, [("now", "{}")]),  # cut: what there is
         (QWEN, "plain <tool_call> text", "plain <tool_call> text", None),
+        (
+            GLM,
+            "Let me check.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>now</tool_call>",
+            "Let me check.",
+            [("weather", '{"city": "Oslo", "days": 3}'), ("now", "{}")],
+        ),
+        (  # GLM-4.7: no line breaks
+            GLM,
+            '<tool_call>typed<arg_key>obj</arg_key><arg_value>{"a": [1]}</arg_value>'
+            "<arg_key>code</arg_key><arg_value>007</arg_value></tool_call>",
+            None,
+            [("typed", '{"obj": {"a": [1]}, "code": "007"}')],
+        ),
+        (GLM, "<tool_call>", "<tool_call>", None),  # no name
+        (GLM, "no calls", "no calls", None),
     ],
 )
 def test_each_format_gives_its_calls_and_the_text_around_them(parser, text: str, content, calls) -> None:
@@ -292,6 +309,7 @@ STREAMED = (
     "text [TOOL_",
     "Sure.\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
     "Bare <function=now></function>",
+    "Yes<tool_call>now\n</tool_call>",
 )
 CALL_MARKS = (
     "<tool_call>",
@@ -305,7 +323,8 @@ CALL_MARKS = (
 
 
 @pytest.mark.parametrize(
-    "parser", [Hermes(), Llama3Json(), Pythonic(), Granite(), Granite20bFc(), Mistral(), Qwen3Coder()]
+    "parser",
+    [Hermes(), Llama3Json(), Pythonic(), Granite(), Granite20bFc(), Mistral(), Qwen3Coder(), Glm45()],
 )
 @pytest.mark.parametrize("pieces", [1, 3, 7])
 def test_a_streamed_answer_sends_only_text_then_the_calls_whole(parser, pieces: int) -> None:
@@ -334,9 +353,10 @@ def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
     assert isinstance(parser_named("granite"), Granite) and isinstance(parser_named("mistral"), Mistral)
     assert isinstance(parser_named("granite-20b-fc"), Granite20bFc)
     assert isinstance(parser_named("qwen3_coder"), Qwen3Coder)
+    assert isinstance(parser_named("glm45"), Glm45) and isinstance(parser_named("glm47"), Glm45)
     names = (
-        "granite, granite-20b-fc, hermes, llama3_json, llama4_json, llama4_pythonic, mistral, "
-        "pythonic, qwen3_coder"
+        "glm45, glm47, granite, granite-20b-fc, hermes, llama3_json, llama4_json, llama4_pythonic, "
+        "mistral, pythonic, qwen3_coder"
     )
     with pytest.raises(ValueError, match=f"unknown tool call parser 'xlam': one of {names}"):
         parser_named("xlam")
@@ -397,7 +417,7 @@ def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> Non
     assert skip(Mistral()) is False and skip(Mistral(), tool_choice="auto") is False
     assert skip(Mistral(), skip_special_tokens=True) is True
     assert skip(Mistral(), tool_choice="none") is None and skip(Mistral(), tool_choice="required") is None
-    assert skip(Hermes()) is None and skip(Granite()) is None
+    assert skip(Hermes()) is None and skip(Granite()) is None and skip(Glm45()) is False
     # Magistral's [THINK] too, where the answer is read for thinking (not when a call is forced)
     assert skip(None, FORMATS["mistral"], tool_choice="none") is False
     assert skip(None, FORMATS["mistral"], tool_choice="required") is None
