@@ -31,6 +31,14 @@ from router.pb import generation_pb2 as pb
 pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated")
 
 PROMPTS = ["The quick brown fox", "def main():\n    print(", "Hello"]
+# closed (else a random model writes on), and short: the servers here take 200 tokens in all
+CITY = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "additionalProperties": False}
+DIGIT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module", params=["llama", "llama@tgis_native"])
@@ -250,13 +258,7 @@ def test_openai_tool_calls(served: Server) -> None:
     """A named function and tool_choice "required" through the openai client: the calls come back
     as message.tool_calls whose arguments satisfy the functions' schemas, unary and streamed; the
     tools reach the model's chat template (the prompt grows); "auto" is refused."""
-    # closed (else a random model writes on), and short: the servers here take 200 tokens in all
-    city = {
-        "type": "object",
-        "properties": {"city": {"enum": ["Oslo", "Rome"]}},
-        "additionalProperties": False,
-    }
-    tools = [{"type": "function", "function": {"name": "weather", "parameters": city}}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": CITY}}]
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
     ask = greedy_chat(served, messages=messages, max_tokens=60, tools=tools)
     plain = greedy_chat(served, messages=messages, max_tokens=1)()
@@ -328,12 +330,7 @@ def test_openai_responses_api(served: Server, parsing: Server) -> None:
     # the last event carries the Response: completed, or incomplete where max_output_tokens cut it
     assert events[-1].type == f"response.{answer.status}"
     assert "".join(deltas) == events[-1].response.output_text == answer.output_text
-    city = {
-        "type": "object",
-        "properties": {"city": {"enum": ["Oslo", "Rome"]}},
-        "additionalProperties": False,
-    }
-    tools = [{"type": "function", "name": "weather", "parameters": city}]
+    tools = [{"type": "function", "name": "weather", "parameters": CITY}]
     called = ask(
         input="Weather in Oslo?",
         tools=tools,
@@ -351,13 +348,7 @@ def test_openai_responses_api(served: Server, parsing: Server) -> None:
     asked = ask(input=history[:1])
     followed = ask(input=history)  # without tools: the servers here take 200 tokens in all
     assert followed.usage.input_tokens > asked.usage.input_tokens  # the call and its output reached it
-    schema = {
-        "type": "object",
-        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-        "required": ["n"],
-        "additionalProperties": False,
-    }
-    fmt = {"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}}
+    fmt = {"format": {"type": "json_schema", "name": "n", "schema": DIGIT, "strict": True}}
     numbered = ask(input="a number", text=fmt, max_output_tokens=20)
     assert set(json.loads(numbered.output_text)) == {"n"}
     scored = ask(input="Hello", include=["message.output_text.logprobs"], top_logprobs=2)
@@ -418,12 +409,7 @@ def test_anthropic_messages_api(served: Server) -> None:
         answer.usage.input_tokens,
         answer.usage.output_tokens,
     )
-    city = {
-        "type": "object",
-        "properties": {"city": {"enum": ["Oslo", "Rome"]}},
-        "additionalProperties": False,
-    }
-    tools = [{"name": "weather", "description": "the weather", "input_schema": city}]
+    tools = [{"name": "weather", "description": "the weather", "input_schema": CITY}]
     asked = [{"role": "user", "content": "Weather in Oslo?"}]
     forced = {"tools": tools, "tool_choice": {"type": "tool", "name": "weather"}, "max_tokens": 60}
     called = ask(messages=asked, **forced)
@@ -443,15 +429,9 @@ def test_anthropic_messages_api(served: Server) -> None:
     )
     alone = ask(messages=asked)
     assert followed.usage.input_tokens > alone.usage.input_tokens  # the call and its result reached it
-    schema = {
-        "type": "object",
-        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-        "required": ["n"],
-        "additionalProperties": False,
-    }
     numbered = ask(
         messages=[{"role": "user", "content": "a number"}],
-        output_config={"format": {"type": "json_schema", "schema": schema}},
+        output_config={"format": {"type": "json_schema", "schema": DIGIT}},
         max_tokens=20,
     )
     assert set(json.loads(numbered.content[0].text)) == {"n"}
