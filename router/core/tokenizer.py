@@ -149,19 +149,13 @@ class TokenizerPool:
         text: str = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def encode_batch_sync(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=True)]
+    def encode_batch_sync(self, texts: Sequence[str], special: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=special)]
 
-    async def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of generation inputs (special tokens added)."""
-        return await self._run("generate", texts, self.encode_batch_sync, texts)
-
-    def encode_plain_sync(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
-
-    async def encode_plain(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of pieces of text, no special tokens added (words a request names)."""
-        return await self._run("generate", texts, self.encode_plain_sync, texts)
+    async def encode_batch(self, texts: Sequence[str], *, special: bool = True) -> list[list[int]]:
+        """Token ids of generation inputs (special tokens added), or with `special` false of
+        pieces of text (words a request names)."""
+        return await self._run("generate", texts, self.encode_batch_sync, texts, special)
 
     def tokenize_sync(self, texts: Sequence[str], *, tokens: bool, offsets: bool) -> list[TokenizedText]:
         """Ids, and if asked pieces and UTF-8 byte offsets: the Tokenize RPC's work. What is not

@@ -419,7 +419,7 @@ class Validator:
             raise ValidationError("bad_words may not hold an empty word")
         texts = [variant for word in words for variant in (word.lstrip(), " " + word.lstrip())]
         try:
-            encoded = await self.tokenizer.encode_plain(texts)
+            encoded = await self.tokenizer.encode_batch(texts, special=False)
         except TokenizerError as exc:
             raise ValidationError(tokenizer_error_message(exc)) from exc
         sequences: list[tuple[int, ...]] = []

@@ -39,7 +39,7 @@ from pydantic import ValidationError as BodyError
 from router.api.service import RequestError
 from router.core.validation import ValidationError
 from router.http.http_calls import describe_validation, refuse_body, sse
-from router.http.openai_api import ChatPromptError, OpenAIApi, error_response, unknown_model
+from router.http.openai_api import ChatPromptError, OpenAIApi, call_kind, error_response, unknown_model
 from router.http.openai_params import ChatRequest
 
 ERROR_TYPES = {
@@ -160,7 +160,7 @@ class MessagesApi:
 
     def _refused(self, request: Request, message: str, stream: bool) -> Response:
         """A body the conversion refuses: one validation failure of the route's kind, 400."""
-        kind = f"{MessageShape.door}_stream" if stream else MessageShape.door
+        kind = call_kind(MessageShape.door, stream)
         refuse_body(self.openai.service, request, kind, MessageShape.route, message)
         return _error_reply(400, message)
 

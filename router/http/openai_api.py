@@ -89,6 +89,11 @@ def unknown_model(name: str) -> str:
     return f"The model `{clip(name)}` does not exist."
 
 
+def call_kind(door: str, stream: bool) -> str:
+    """A call's kind in the metrics (metrics.KINDS): its door's, `_stream` where it streams."""
+    return f"{door}_stream" if stream else door
+
+
 def error_json(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 429:
@@ -363,8 +368,7 @@ class OpenAIApi:
     ) -> Response:
         """The call of `body`, answered as a chat completion or a completion (`kind`), or as
         `shape` reshapes that answer (another route's wire format over the same call)."""
-        door = shape.door if shape is not None else "openai"
-        door = f"{door}_stream" if body.stream else door
+        door = call_kind(shape.door if shape is not None else "openai", body.stream)
         count = (1 if prompts is None else len(prompts)) * body.n
         headers = list(request.headers.items())
         route = shape.route if shape is not None else f"v1/{kind}"

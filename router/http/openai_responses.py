@@ -37,7 +37,7 @@ from pydantic import ValidationError as BodyError
 
 from router.core.validation import ValidationError
 from router.http.http_calls import describe_validation, refuse_body, sse
-from router.http.openai_api import OpenAIApi, error_reply
+from router.http.openai_api import OpenAIApi, call_kind, error_reply
 from router.http.openai_params import ChatRequest
 from router.http.responses_store import Kept, MissingResponse, ResponseStore
 from text_generation_common.logs import clip
@@ -171,7 +171,7 @@ class ResponsesApi:
 
     def _refused(self, request: Request, message: str, stream: bool, status: int = 400) -> Response:
         """A body the conversion refuses: one validation failure of the route's kind."""
-        kind = f"{ResponseShape.door}_stream" if stream else ResponseShape.door
+        kind = call_kind(ResponseShape.door, stream)
         refuse_body(self.openai.service, request, kind, ResponseShape.route, message)
         return error_reply(status, message)
 

@@ -126,12 +126,12 @@ class BadWords:
             return None
         width = max(len(ids) for _, ids in flat) - 1
         before = [[NO_TOKEN] * (width - len(ids) + 1) + list(ids[:-1]) for _, ids in flat]
-        anything = [[True] * (width - len(ids) + 1) + [False] * (len(ids) - 1) for _, ids in flat]
+        before_t = to_device(before, device, torch.long).view(len(flat), width)
         return cls(
             to_device([row for row, _ in flat], device),
             to_device([ids[-1] for _, ids in flat], device),
-            to_device(before, device, torch.long).view(len(flat), width),
-            to_device(anything, device, torch.bool).view(len(flat), width),
+            before_t,
+            before_t == NO_TOKEN,  # the padding: no id is NO_TOKEN
             width,
         )
 

@@ -31,8 +31,6 @@ def free_ports(count: int) -> list[int]:
     with contextlib.ExitStack() as held:
         ports: list[int] = []
         for _ in range(1000 + count):
-            if len(ports) == count:
-                return ports
             port = random.randrange(span.start, span.stop)
             s = held.enter_context(socket.socket())
             try:
@@ -40,8 +38,8 @@ def free_ports(count: int) -> list[int]:
             except OSError:
                 continue
             ports.append(port)
-        if len(ports) == count:
-            return ports
+            if len(ports) == count:
+                return ports
     raise RuntimeError(f"no {count} free ports below the ephemeral range")
 
 
