@@ -247,14 +247,22 @@ def test_model_info(server, model: str, kind: int) -> None:
     assert (info.model_kind, info.max_sequence_length, info.max_new_tokens) == (kind, 200, 169)
 
 
-def test_scheduling_by_priority(tmp_path) -> None:
-    """SCHEDULING_POLICY=priority with one place in the batch: of two requests waiting behind a
-    long one, the later one of lower value (gRPC metadata x-request-priority) runs first, the
-    earlier one (the OpenAI door's `priority`) after it."""
+@pytest.mark.parametrize("name", ["llama", "llama@hf_transformers"])
+def test_scheduling_by_priority(tmp_path, name: str) -> None:
+    """SCHEDULING_POLICY=priority with one place in the batch: a long seeded sampling request
+    (priority 0) holds it; of two requests that arrive, the later one of lower value (-1, gRPC
+    metadata x-request-priority) preempts it and runs first; the long one resumes ahead of the
+    earlier arrival of value 5 (the OpenAI door's `priority`), which runs last. The long one's
+    answer is the one it gets when nothing preempts it."""
     import json
     import urllib.request
 
-    s = launch("llama", tmp_path, "--max-batch-size", "1", env={"SCHEDULING_POLICY": "priority"})
+    s = launch(name, tmp_path, "--max-batch-size", "1", env={"SCHEDULING_POLICY": "priority"})
+    busy_params = long_params()
+    busy_params.method = pb.SAMPLE
+    busy_params.sampling.CopyFrom(pb.SamplingParameters(temperature=1.0, top_k=50, seed=7))
+    busy_params.decoding.repetition_penalty = 1.2
+    busy_request = pb.BatchedGenerationRequest(requests=[{"text": "busy"}], params=busy_params)
     try:
 
         def openai_completion(priority: int) -> float:
@@ -270,9 +278,7 @@ def test_scheduling_by_priority(tmp_path) -> None:
 
         async def run() -> tuple[float, float]:
             stub = s.aio_stub()
-            busy = asyncio.ensure_future(
-                stub.Generate(pb.BatchedGenerationRequest(requests=[{"text": "busy"}], params=long_params()))
-            )
+            busy = asyncio.ensure_future(stub.Generate(busy_request))
             await asyncio.sleep(0.1)  # it holds the one place for its 169 steps
             low = asyncio.ensure_future(asyncio.to_thread(openai_completion, 5))
             await asyncio.sleep(0.1)
@@ -282,11 +288,17 @@ def test_scheduling_by_priority(tmp_path) -> None:
             )
             await high
             high_done = time.monotonic()
+            preempted = (await busy).responses[0]
+            busy_done = time.monotonic()
             low_done = await low
-            assert (await busy).responses[0].generated_token_count == 169
-            return high_done, low_done
+            assert preempted.generated_token_count == 169
+            alone = (await stub.Generate(busy_request)).responses[0]
+            assert preempted.text == alone.text
+            return high_done, busy_done, low_done
 
-        high_done, low_done = asyncio.run(run())
-        assert high_done < low_done
+        high_done, busy_done, low_done = asyncio.run(run())
+        assert high_done < busy_done < low_done
+        with urllib.request.urlopen(f"http://127.0.0.1:{s.http_port}/metrics", timeout=10) as response:
+            assert "\ntgi_request_preemption_total 1.0\n" in response.read().decode()
     finally:
         s.stop()

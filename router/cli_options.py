@@ -198,8 +198,9 @@ scheduling_policy = click.option(
     default="fcfs",
     help="The order waiting requests are taken in: fcfs (first come, first served), or priority "
     "(a request's priority: the OpenAI door's `priority` field or the x-request-priority header "
-    "of any door; lower values first, arrival order within one; running requests are not "
-    "preempted) [env SCHEDULING_POLICY].",
+    "of any door; lower values first, arrival order within one; a waiting request that does not "
+    "fit preempts running ones of higher values, which resume later from the tokens they "
+    "generated; decoder-only models) [env SCHEDULING_POLICY].",
 )
 allow_runtime_adapter_loading = click.option(
     "--allow-runtime-adapter-loading/--no-allow-runtime-adapter-loading",

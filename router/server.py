@@ -202,6 +202,8 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         pacing=pacing,
         max_decode_steps=config.max_decode_steps,
         max_decode_call_s=config.max_decode_call_ms / 1000,
+        # an encoder-decoder model cannot go on from generated ids: nothing is preempted
+        preemption=config.by_priority and not info.seq2seq,
     )
     client.on_adapter_state = metrics.adapter_cache
     metrics.adapters_in_use, metrics.max_loras = batcher.adapters_in_use, info.max_loras

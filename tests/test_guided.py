@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -114,6 +115,9 @@ def test_every_kind_holds_alone_and_mixed_greedy_and_sampled(name: str, tiny_mod
     assert not any(re.fullmatch(REGEX, t) for t in free_text)  # the constraint is what made it hold
     mixed = [*requests[:4], *free, *requests[4:]]
     assert Runner(e).run({0: mixed[:6], 2: mixed[6:]}) == out
+    # resumed after 3 tokens (preempted): each grammar has read them, the rest is the same
+    resumed = [replace(r, generated_ids=tuple(out[r.id][:3])) for r in requests if len(out[r.id]) > 3]
+    assert resumed and Runner(e).run({0: resumed}) == {r.id: out[r.id][3:] for r in resumed}
     if name == "tgis_native":  # prompts computed over several steps
         assert Runner(e, token_budget=5).run({0: mixed}) == out
         # pipelined steps (a GPU's default): free rows run launched ahead until constrained rows

@@ -571,6 +571,12 @@ def test_bad_words_ban_a_sequences_last_id_after_its_others_through_every_choose
     for ids in ([30, 9, 5, 20], [31, 9, 6, 21], [20, 9, 7, 5]):
         chooser.advance(ids)
         check(chooser)
+    # resumed requests (preempted): the ids they generated end their prompts, counted as generated
+    histories = [list(h) for h in chooser.histories]
+    resumed = TokenChooser.create(params, histories, EOS, VOCAB, device, generated=chooser.generated)
+    assert resumed.recent is not None and chooser.recent is not None
+    assert torch.equal(resumed.recent, chooser.recent)
+    check(resumed)
     wider = TokenChooser.create([SamplingParams(bad_words=((1, 2, 3, 4, 5),))], [[1]], EOS, VOCAB, device)
     plain = TokenChooser.create([SamplingParams()], [[9]], EOS, VOCAB, device)
     both = TokenChooser.concatenate([chooser.select([3, 0]), plain, wider, chooser.select([2])])

@@ -99,6 +99,7 @@ def request_from_pb(r: pb.Request) -> GenerationRequest:
         adapter_id=r.adapter_id,
         call_end_ids=frozenset(r.call_end_ids),
         cache_salt=r.cache_salt,
+        generated_ids=tuple(r.generated_ids),
     )
 
 
@@ -232,6 +233,7 @@ def request_to_pb(r: GenerationRequest) -> pb.Request:
         ),
         call_end_ids=r.call_end_ids,
         cache_salt=r.cache_salt,
+        generated_ids=r.generated_ids,
     )
 
 

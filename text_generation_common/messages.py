@@ -120,6 +120,9 @@ class GenerationRequest:
     # tokens that may complete one of its stop sequences: a call of several steps ends after one
     call_end_ids: frozenset[int] = frozenset()
     cache_salt: str = ""  # vLLM's: prompts of other salts never share its prefix-cache blocks
+    # a preempted request, resumed: the ids it generated before (computed after the prompt, then
+    # generation goes on as if it had never stopped); () = a new request
+    generated_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

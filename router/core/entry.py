@@ -17,14 +17,14 @@ import asyncio
 import enum
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.core.detokenizer import REPLACEMENT_CHAR, Detokenizer
 from router.core.output_text import OutputText
 from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.core.stopping import StopReason, check_stop
 from router.core.validation import ValidatedRequest
-from text_generation_common.messages import TokenInfo
+from text_generation_common.messages import GenerationRequest, TokenInfo
 
 
 class Failure(enum.Enum):
@@ -79,6 +79,7 @@ class Entry:
     _due: int = 0  # streams: the generated count from which the next message may go
     _held_tokens: list[TokenInfo] = field(default_factory=list)  # streams: token details not sent yet
     _ends: Collection[int] | None = None  # the model's EOS ids and the request's stop ids, once joined
+    preemptions: int = 0  # times it left the running batch for a request of a lower priority value
 
     @property
     def finished(self) -> bool:
@@ -95,12 +96,41 @@ class Entry:
         return self.request.stopping.max_new_tokens - self.generated
 
     def start(self, request_id: int, detokenizer: Detokenizer, now: float) -> None:
+        """Scheduled under shard request id `request_id`: first, or resumed after a preemption
+        (its text, tokens and stop state go on)."""
         self.id = request_id
+        if self.started_at is not None:
+            return
         self.started_at = now
         st = self.request.stopping
         if self.stream or st.stop_sequences:
             decoding = detokenizer.variant(self.request.response.skip_special_tokens)
             self._text = OutputText(decoding.incremental(), st, streamed=self.stream)
+
+    @property
+    def preemptible(self) -> bool:
+        """It may leave the running batch and resume later from its generated ids: running, past
+        its first token (its prompt's details, if asked, are out), every generated id known."""
+        return (
+            self.last_token_at is not None
+            and not self.finished
+            and not self.cancelled
+            and len(self.token_ids) == self.generated < self.request.stopping.max_new_tokens
+        )
+
+    def preempt(self) -> None:
+        """It leaves the running batch (the shard drops it) to wait in the queue again."""
+        assert self.preemptible
+        self.preemptions += 1
+
+    def shard_request(self) -> GenerationRequest:
+        """What the shard is sent to run it: the request, or (resumed) the request with the ids
+        generated so far, computed after the prompt, and no prompt details again."""
+        request = self.request.shard_request(self.id)
+        if not self.preemptions:
+            return request
+        details = replace(request.details, input_tokens=False)
+        return replace(request, generated_ids=tuple(self.token_ids), details=details)
 
     def on_input_tokens(self, tokens: list[TokenInfo]) -> None:
         if self.stream:

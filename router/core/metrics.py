@@ -110,6 +110,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_batch_max_remaining_tokens", "gauge", "Sum of the tokens the running requests may still generate (TGIS's name)"),
     _spec("tgi_queue_size", "gauge", "Requests waiting in the queue"),
     _spec("tgi_queue_jump", "counter", "Requests admitted ahead of an older one that did not fit"),
+    _spec(
+        "tgi_request_preemption",
+        "counter",
+        "Running requests sent back to the queue for a waiting one of a lower priority value "
+        "(`SCHEDULING_POLICY=priority`)",
+    ),
     _spec("tgi_granular_batch_addition", "counter", "Admissions that passed only the exact peak-weight check"),
     _spec("tgi_prefill_weight_limit_exceeded", "counter", "Candidates skipped for prefill weight"),
     _spec("tgi_prefill_padding_limit_exceeded", "counter", "Candidates skipped for prefill padding"),

@@ -24,6 +24,14 @@ running, no token this step: its prompt is only partly computed under chunked pr
 shard answers with none of these fails with MISSING_ANSWER rather than vanish. Engines with
 chunked prefill get MAX_BATCH_PREFILL_TOKENS as the per-step prompt-token budget of each call.
 
+Preemption (SCHEDULING_POLICY=priority, decoder-only models): before a join, running requests
+that the queue names (`RequestQueue.victims`) make room for the first waiting request of a
+lower priority value: their entries keep their text and stop state and are marked completed,
+so the shard drops them at the next call, and wait again; once taken back they are sent with
+the ids they generated (`GenerationRequest.generated_ids`), which the shard computes after the
+prompt, going on as if they had never stopped. A deadline that passes while they wait ends
+them with what they generated.
+
 The batcher is the one owner of model calls: the /health deep check's one-token prefill
 (`probe`) runs between the loop's own calls, so every shard (every tensor-parallel rank) sees
 all calls in one order.
@@ -142,13 +150,16 @@ class Batcher:
         pacing: StreamPacing = ONE_PER_TOKEN,
         max_decode_steps: int = 1,
         max_decode_call_s: float = 0.0,
+        preemption: bool = False,
     ) -> None:
         """`join_in_step`: new requests join in decode steps (the engine chunks prompts);
         `eager_joins`: the shard's decode-only steps replay captured graphs, its steps with
         prompt chunks do not; `pacing`: the streams' tokens per message, adapted here at every
         decode step when adaptive; `max_decode_steps`, `max_decode_call_s`: the most decode
         steps one call may ask for, and the longest their forwards may take (module docstring);
-        `extra_eos_token_ids`: the model's other EOS ids, each ending a request as EOS does."""
+        `extra_eos_token_ids`: the model's other EOS ids, each ending a request as EOS does;
+        `preemption`: running requests leave the batch for a waiting one of a lower priority
+        value that does not fit beside them (SCHEDULING_POLICY=priority, a decoder-only model)."""
         self.client = client
         self.queue = queue
         self.detokenizer = detokenizer
@@ -160,6 +171,7 @@ class Batcher:
         self.pacing = pacing
         self.max_decode_steps = max_decode_steps
         self.max_decode_call_s = max_decode_call_s
+        self.preemption = preemption
         self.step_s: float | None = None  # forward time per decode step, averaged over calls
         metrics.set("tgi_stream_interval", pacing.interval)
         self.generation_healthy: bool | None = None  # None until a first step ran
@@ -239,6 +251,9 @@ class Batcher:
             await self._run_probes()
             if unprocessed is not None:
                 current.completed.extend(self._surely_finished(unprocessed, current))
+            if self.preemption:
+                for entry in self.queue.take_expired(time.monotonic()):
+                    entry.time_out(self.detokenizer)
             live = current.live()
             if not live:  # only the call that drops the batch is left: nothing runs any more, so
                 self.queue.busy = False  # a waiting request is scheduled, not expired in the queue
@@ -248,6 +263,8 @@ class Batcher:
             now = time.monotonic()
             if self.join_in_step:
                 need = self._join_size(len(live), steps_since_join) if self.eager_joins else 1
+                if need == 1 and live:
+                    live, unprocessed = self._make_room(current, live, unprocessed)
                 join = self.queue.next_batch(live, need) if live else None
                 steps_since_join = 1 if join else steps_since_join
                 current, unprocessed = await self._decode(group, unprocessed, join)
@@ -255,6 +272,8 @@ class Batcher:
                 continue
             if remaining >= 2 and (earliest_next_join is None or now > earliest_next_join):
                 need = self._join_size(len(live), steps_since_join)
+                if need == 1:
+                    live, unprocessed = self._make_room(current, live, unprocessed)
                 entries = self.queue.next_batch(live, need)
                 if entries:
                     if unprocessed is not None:  # the prefill prunes: settle the last step first
@@ -279,6 +298,36 @@ class Batcher:
             steps_since_join += 1
         if unprocessed is not None:
             self._hand_out(unprocessed)
+
+    def _make_room(
+        self, current: RunningBatch, live: list[Entry], unprocessed: _Step | None
+    ) -> tuple[list[Entry], _Step | None]:
+        """Preempt the running requests the queue names (`RequestQueue.victims`) so that the
+        first waiting request fits: they are dropped from the batch at the next call and wait
+        again, to resume from the ids they generated (the shard computes those after the prompt
+        and goes on as if they had never stopped). The step not handed out yet is handed out
+        first, so that each one's ids are complete. Returns the live entries and that step."""
+        if not self.preemption or not self.queue.victims(live):
+            return live, unprocessed
+        if unprocessed is not None:
+            current.completed.extend(self._late_finishers(self._hand_out(unprocessed), current))
+            unprocessed = None
+            live = current.live()
+        victims = self.queue.victims(live)
+        if not victims:
+            return live, None
+        for entry in victims:
+            entry.preempt()
+            logger.info(
+                "request %d (priority %d) preempted after %d tokens",
+                entry.id,
+                entry.request.priority,
+                entry.generated,
+            )
+        current.completed.extend(e.id for e in victims)
+        self.queue.requeue(victims)
+        self.metrics.inc("tgi_request_preemption", len(victims))
+        return current.live(), None
 
     async def _decode(
         self, group: Sequence[RunningBatch], unprocessed: _Step | None, join: list[Entry] | None = None
@@ -404,7 +453,7 @@ class Batcher:
             self._next_request_id += 1
         loads = [entry_load(e) for e in entries]
         self.metrics.observe("tgi_batch_next_tokens", self.queue.capacity.prefill_tokens(loads))
-        return NewBatch(batch_id, tuple(e.request.shard_request(e.id) for e in entries))
+        return NewBatch(batch_id, tuple(e.shard_request() for e in entries))
 
     async def _prefill(
         self, entries: list[Entry], to_prune: list[RunningBatch]

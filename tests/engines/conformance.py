@@ -313,7 +313,7 @@ class Runner:
     def join(self, requests: Sequence[GenerationRequest]) -> None:
         for r in requests:
             self.tokens[r.id] = []
-            self.limits[r.id] = r.max_new_tokens
+            self.limits[r.id] = r.max_new_tokens - len(r.generated_ids)
         batch_id, self.next_batch_id = self.next_batch_id, self.next_batch_id + 1
         self._absorb(self.manager.prefill(batch_id, requests, self._refs(), self.token_budget))
 

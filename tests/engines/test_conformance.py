@@ -12,7 +12,7 @@ import functools
 import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from tests.engines.conformance import (
 )
 from text_generation_common.engines import ENGINES
 from text_generation_common.messages import GenerationRequest, LengthPenalty, RequestedDetails, SamplingParams
-from text_generation_server.batches.inputs import truncated_input_ids
+from text_generation_server.batches.inputs import NOT_RESUMABLE, truncated_input_ids
 from text_generation_server.engines.base import ModelEngine
 
 PROMPTS = (
@@ -265,6 +265,28 @@ def prompt_logprobs(model_dir: Path, ids: Sequence[int]) -> list[float]:
         logits = _causal_lm(model_dir)(torch.tensor([list(ids)])).logits[0].float()
     logprobs = torch.log_softmax(logits[:-1], dim=-1)
     return logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+
+
+def test_a_resumed_request_goes_on_as_if_it_never_stopped(subject: Subject) -> None:
+    """A preempted request comes back with the ids it generated (generated_ids): the shard
+    computes them as prompt and generates the rest as the request alone would have, greedy or
+    seeded, with penalties over its generated ids and max_new_tokens counting them; alone and
+    joining a batch that runs. An encoder-decoder model refuses it."""
+    requests = [
+        subject.request(1, 0, 10),
+        subject.request(2, 3, 10, params=sampled(5, top_k=30, presence_penalty=1.0, repetition_penalty=1.3)),
+        subject.request(3, 1, 10, truncate_input_tokens=3, params=SamplingParams(frequency_penalty=-3.0)),
+    ]
+    full = {r.id: alone(subject.engine, r) for r in requests}
+    if subject.seq2seq:
+        runner = Runner(subject.engine)
+        runner.run({0: [replace(requests[0], generated_ids=tuple(full[1][:2]))]})
+        assert runner.errors == {1: NOT_RESUMABLE}
+        return
+    for taken in (1, 4):
+        resumed = [replace(r, id=r.id + 10, generated_ids=tuple(full[r.id][:taken])) for r in requests]
+        got = Runner(subject.engine).run({0: [subject.request(9, 2, 6)], 2: resumed})
+        assert {r.id - 10: got[r.id] for r in resumed} == {i: ids[taken:] for i, ids in full.items()}
 
 
 def test_truncation_keeps_the_last_tokens(subject: Subject) -> None:

@@ -1,15 +1,16 @@
 """Test doubles for the router: an in-process shard that keeps batches like the real one.
 
-FakeShard implements router.scheduling.shard_client.ShardClient without torch: a "model" that picks each
-request's next token with a script function, batches cached by id, pruning by completed ids,
-merging on NextToken, and a log of every call so tests can assert the protocol the batcher
-speaks. Failures and latency can be injected. With `chunked_prefill`, it computes at most the
-call's token budget of prompt tokens per step and reports the requests whose prompts are not
-done as pending; `forget` makes it answer a request with nothing at all (a broken shard). A
-NextToken that asks for several steps runs them as the real shard does (a request leaves once
-it has max_new_tokens), each reported as `forward_ns` of forward time; with `step_latency_s`
-each step after the first takes that long, and `end_steps` naming the call ends it after the
-step under way.
+FakeShard implements router.scheduling.shard_client.ShardClient without torch: a "model" that
+picks each request's next token with a script function, batches cached by id, pruning by
+completed ids, merging on NextToken, and a log of every call so tests can assert the protocol
+the batcher speaks; a resumed request (generated_ids) goes on counting from the ids it brings.
+Failures and latency can be injected. With `chunked_prefill`, it computes at most the call's
+token budget of prompt tokens per step and reports the requests whose prompts are not done as
+pending; `forget` makes it answer a request with nothing at all (a broken shard). A NextToken
+that asks for several steps runs them as the real shard does (a request leaves once it has
+max_new_tokens), each reported as `forward_ns` of forward time; with `step_latency_s` each step
+after the first takes that long, and `end_steps` naming the call ends it after the step under
+way.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class FakeShard:
     ended: list[int] = field(default_factory=list)  # the calls end_steps named, in order
     in_flight: int = 0  # model calls under way (the batcher must never overlap two)
     adapters: dict[str, int] = field(default_factory=dict)  # the store: adapter id -> virtual tokens
+    sent: list[GenerationRequest] = field(default_factory=list)  # every request prefilled or joined
     _called: asyncio.Event = field(default_factory=asyncio.Event)
 
     def _record(self, call: Call) -> None:
@@ -126,7 +128,7 @@ class FakeShard:
         self.budgets.append(token_budget)
         output = StepOutput(batch_id=batch_id, forward_ns=self.forward_ns, steps=1)
         live = []
-        budget = token_budget or sum(len(r.input_ids) for r in rows)
+        budget = token_budget or sum(len(r.input_ids) + len(r.generated_ids) for r in rows)
         for request in rows:
             if request.id in self.forget:
                 continue
@@ -134,15 +136,16 @@ class FakeShard:
                 output.errors.append(RequestError(request.id, self.request_errors.pop(request.id)))
                 continue
             done = self.computed.get(request.id, 0)
-            if done < len(request.input_ids):
-                chunk = min(len(request.input_ids) - done, budget)
+            prompt = len(request.input_ids) + len(request.generated_ids)  # resumed: computed as prompt
+            if done < prompt:
+                chunk = min(prompt - done, budget)
                 budget -= chunk
                 self.computed[request.id] = done = done + chunk
-                if done < len(request.input_ids):
+                if done < prompt:
                     output.pending.append(request.id)
                     live.append(request)
                     continue
-            step = self.generated.get(request.id, 0)
+            step = self.generated.get(request.id, len(request.generated_ids))
             self.generated[request.id] = step + 1
             token = TokenInfo(self.script(request, step), logprob=-0.5 if request.details.logprobs else 0.0)
             output.generations.append(Generation(request.id, token))
@@ -162,6 +165,7 @@ class FakeShard:
         token_budget: int = 0,
     ) -> StepOutput:
         self._record(Call("prefill", batch_id, [r.id for r in requests], list(to_prune)))
+        self.sent.extend(requests)
         for batch, rows in self._prune(to_prune):
             self.batches[batch] = rows
         self.in_flight += 1
@@ -212,6 +216,7 @@ class FakeShard:
             "next_token", join.batch_id if join else None, [r.id for r in joined], list(batches), steps, call
         )
         self._record(record)
+        self.sent.extend(joined)
         kept = self._prune(batches)
         assert not self.batches, f"stale batches left in the shard: {sorted(self.batches)}"
         self.in_flight += 1
@@ -233,7 +238,9 @@ class FakeShard:
                 if output.batch_id is None or (call and call in self.ended):
                     break
                 rows = [
-                    r for r in self.batches.pop(batch_id) if self.generated.get(r.id, 0) < r.max_new_tokens
+                    r
+                    for r in self.batches.pop(batch_id)
+                    if self.generated.get(r.id, len(r.generated_ids)) < r.max_new_tokens
                 ]
                 if not rows:
                     output.batch_id = None

@@ -123,6 +123,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
         max_decode_call_s: float = 1.0,
         extra_eos_token_ids: tuple[int, ...] = (),
         by_priority: bool = False,
+        preemption: bool = False,
     ):
         shard = shard or FakeShard()
         capacity = WeightCapacity(BatchWeights.from_model(shard.memory, padded=True), padding)
@@ -148,6 +149,7 @@ async def make_harness(detokenizer: Detokenizer) -> AsyncIterator:
             pacing=pacing,
             max_decode_steps=max_decode_steps,
             max_decode_call_s=max_decode_call_s,
+            preemption=preemption,
         )
         tasks.append(asyncio.create_task(batcher.run()))
         return Harness(shard, queue, batcher)
@@ -238,6 +240,57 @@ async def test_waiting_requests_are_taken_by_priority_where_the_policy_says(
     prefills = [c.request_ids[0] for c in h.shard.calls if c.method == "prefill"][1:]
     order = [waiting[i] for i in (3, 1, 4, 0, 2)] if by_priority else waiting  # arrival within a value
     assert prefills == [e.id for e in order]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["prefill-joins", "joins-in-steps"])
+async def test_a_waiting_request_of_a_lower_priority_value_preempts_a_running_one(
+    make_harness, detokenizer, chunked: bool
+) -> None:
+    """Two places, both held by priority 5; a priority 0 request arrives: the later of the two
+    leaves the batch at the next call, waits ahead of the other 5s, and resumes once a place is
+    free with the ids it generated (prompt details not asked again); its answer, streamed or
+    not, is the one it would have had. An arrival of an equal value preempts nothing."""
+    shard = FakeShard(latency_s=0.003, chunked_prefill=chunked)
+    h = make_harness(shard, max_batch_size=2, by_priority=True, preemption=True, max_prefill_tokens=64)
+    first = h.submit(make_request(max_new=30, priority=5, details=True))
+    second = h.submit(make_request(max_new=12, priority=5, details=True), stream=True)
+    await h.until(lambda: second.generated >= 3)
+    equal = h.submit(make_request(max_new=2, priority=5))
+    urgent = h.submit(make_request(max_new=3, priority=0))
+    await h.until(lambda: second.preemptions == 1)
+    assert [e.request.priority for e in h.queue._entries] == [5, 5] and h.queue._entries[0] is second
+    old_id = second.id
+    urgent_out = await h.final(urgent)
+    outputs = await h.all_outputs(second)
+    first_out, equal_out = await h.final(first), await h.final(equal)
+    assert (urgent_out.generated_tokens, first_out.generated_tokens, equal_out.generated_tokens) == (3, 30, 2)
+    assert first.preemptions == 0 and second.preemptions == 1
+    assert outputs[-1].generated_tokens == 12 and outputs[-1].stop_reason is StopReason.MAX_TOKENS
+    assert second.token_ids == list(range(600, 612))  # on from where it left off
+    assert "".join(o.text for o in outputs) == detokenizer.decode(list(range(600, 612)))
+    dropped = [c for c in h.shard.calls if any(old_id in r.completed_ids for r in c.refs)]
+    assert dropped and dropped[0].request_ids[-1:] == [urgent.id]  # dropped in the call that admits it
+    sent = [r for r in h.shard.sent if r.id == second.id]
+    assert len(sent) == 1 and second.id != old_id
+    (resumed,) = sent
+    assert resumed.generated_ids and resumed.generated_ids == tuple(
+        range(600, 600 + len(resumed.generated_ids))
+    )
+    assert not resumed.details.input_tokens and resumed.details.logprobs
+    assert h.queue.metrics.counters["tgi_request_preemption"].get() == 1
+
+
+async def test_a_preempted_request_whose_deadline_passes_while_it_waits_ends_with_its_tokens(
+    make_harness, detokenizer
+) -> None:
+    h = make_harness(FakeShard(latency_s=0.003), max_batch_size=1, by_priority=True, preemption=True)
+    slow = h.submit(make_request(max_new=50, priority=1, deadline_s=0.5))
+    await h.until(lambda: slow.generated >= 2)
+    urgent = h.submit(make_request(max_new=400, priority=0))
+    out = await h.final(slow)
+    assert slow.preemptions == 1 and out.stop_reason is StopReason.TIME_LIMIT
+    assert out.generated_tokens == slow.generated >= 2 and not urgent.finished
+    assert out.text == detokenizer.decode(slow.token_ids)  # its text so far
 
 
 async def test_the_adapters_of_running_and_waiting_requests(make_harness) -> None:

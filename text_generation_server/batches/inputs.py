@@ -47,10 +47,14 @@ def split_valid(
     requests: Sequence[GenerationRequest],
     limits: RequestLimits,
     prefix_lengths: Mapping[int, int] | None = None,
+    *,
+    resumable: bool = True,
 ) -> tuple[list[GenerationRequest], list[list[int]], list[RequestError]]:
-    """Split requests into (valid, their truncated ids, errors of the others).
+    """Split requests into (valid, their truncated ids, errors of the others); a resumed
+    request's ids are its truncated prompt's followed by those it generated before.
     `prefix_lengths`: virtual tokens of the soft prompt of each request that names one and
-    whose prompt the engine found (the others fail with TGIS's message)."""
+    whose prompt the engine found (the others fail with TGIS's message); `resumable`: False
+    where the model continues no generated ids (encoder-decoder), which refuses resumed requests."""
     valid: list[GenerationRequest] = []
     prompts: list[list[int]] = []
     errors: list[RequestError] = []
@@ -59,12 +63,30 @@ def split_valid(
         ids = truncated_input_ids(request, limits.bos_token_id)
         named = request.prefix_id or request.adapter_id
         message = request_error(request, ids, limits, found.get(request.id) if named else 0)
+        if message is None and request.generated_ids:
+            message = _resume_error(request, limits) if resumable else NOT_RESUMABLE
         if message is None:
             valid.append(request)
-            prompts.append(ids)
+            prompts.append([*ids, *request.generated_ids])
         else:
             errors.append(RequestError(request.id, message))
     return valid, prompts, errors
+
+
+NOT_RESUMABLE = "an encoder-decoder model cannot resume a request from its generated ids"
+
+
+def _resume_error(request: GenerationRequest, limits: RequestLimits) -> str | None:
+    """Why a resumed request's generated ids cannot be continued, or None."""
+    generated = request.generated_ids
+    if len(generated) >= request.max_new_tokens:
+        return (
+            f"a resumed request has {len(generated)} of its max_new_tokens ({request.max_new_tokens}) already"
+        )
+    bad = next((t for t in generated if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        return f"generated token id {bad} is outside the vocabulary (size {limits.vocab_size})"
+    return None
 
 
 def _parameter_error(request: GenerationRequest) -> str | None:

@@ -125,13 +125,17 @@ class PaddedBatch(Batch):
     def __len__(self) -> int:
         return len(self.requests)
 
-    @staticmethod
+    # the model reads its generated ids as prompt: a preempted request resumes from them
+    RESUMABLE = True
+
+    @classmethod
     def validate(
-        requests: Sequence[GenerationRequest], context: ModelContext, adapters: Resolved | None = None
+        cls, requests: Sequence[GenerationRequest], context: ModelContext, adapters: Resolved | None = None
     ) -> tuple[list[GenerationRequest], list[list[int]], list[RequestError]]:
-        """Split requests into (valid, their truncated ids, errors of the others); `adapters`:
-        the adapters found for requests that name one."""
-        return split_valid(requests, context, adapters.prefix_lengths() if adapters else None)
+        """Split requests into (valid, their truncated ids then any generated before a resume,
+        errors of the others); `adapters`: the adapters found for requests that name one."""
+        prefix_lengths = adapters.prefix_lengths() if adapters else None
+        return split_valid(requests, context, prefix_lengths, resumable=cls.RESUMABLE)
 
     def remaining(self, rows: Sequence[int] | None = None) -> int:
         """The most tokens any of `rows` (default: all) may still generate."""

@@ -86,6 +86,7 @@ class CausalLMBatch(PaddedBatch):
             device,
             context.grammars,
             extra_eos_ids=context.extra_eos_token_ids,
+            generated=[len(r.generated_ids) for r in valid],
         )
         batch = cls(
             batch_id,

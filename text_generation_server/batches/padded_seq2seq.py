@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 
 class Seq2SeqLMBatch(PaddedBatch):
+    RESUMABLE = False  # generated ids are the decoder's, not more of the encoder's prompt
+
     def __init__(
         self,
         batch_id: int,

@@ -35,7 +35,9 @@ class Prefilling:
     """A request whose prompt is not fully computed yet."""
 
     request: GenerationRequest
-    prompt: list[int]  # what the KV cache holds: the soft prompt's placeholders, then the truncated ids
+    # what the KV cache holds: the soft prompt's placeholders, the truncated ids, then (resumed)
+    # the ids generated before
+    prompt: list[int]
     computed: int = 0  # prompt tokens already computed
     prompt_logits: list[torch.Tensor] | None = None  # chunks' logits, kept for input-token details
     virtual: torch.Tensor | None = None  # the soft prompt's embeddings [virtual_length, hidden]
@@ -46,7 +48,7 @@ class Prefilling:
 
     @property
     def ids(self) -> list[int]:
-        """The request's own (truncated) input ids, without the soft prompt."""
+        """The request's own (truncated) input ids and any generated before, without the soft prompt."""
         return self.prompt[self.virtual_length :]
 
 
@@ -148,6 +150,7 @@ class RaggedBatch(Batch):
                 self.device,
                 limits.grammars,
                 extra_eos_ids=limits.extra_eos_token_ids,
+                generated=[len(p.request.generated_ids) for p in done],
             )
             before = [self.chooser] if self.chooser is not None else []
             self.chooser = TokenChooser.concatenate([*before, joined])

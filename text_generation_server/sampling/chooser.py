@@ -51,13 +51,17 @@ from text_generation_server.sampling import logits_process as lp
 from text_generation_server.utils.transfer import to_device
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A generator seeded with `seed`. There is no random default: tensor-parallel ranks must
-    draw the same numbers, so the router seeds every sampling request (inputs.py refuses one
-    without a seed before it reaches a chooser)."""
+def make_generator(seed: int | None, device: torch.device, drawn: int = 0) -> torch.Generator:
+    """A generator seeded with `seed`, past the `drawn` numbers of as many tokens taken (a resumed
+    request's). There is no random default: tensor-parallel ranks must draw the same numbers, so
+    the router seeds every sampling request (inputs.py refuses one without a seed before it
+    reaches a chooser)."""
     if seed is None:
         raise ValueError("a sampling request needs a seed")
-    return torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(drawn):
+        draw(generator, device)
+    return generator
 
 
 def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -151,6 +155,10 @@ class TokenChooser:
             width = self.bad_words.width
             if recent is None:
                 recent = torch.full((len(self.params), width), lp.NO_TOKEN, dtype=torch.long, device=device)
+                rows = zip(self.histories, self.prompt_lengths, strict=True)
+                for row, generated in enumerate(h[n:][-width:] for h, n in rows):  # a resumed row's
+                    if generated:
+                        recent[row, width - len(generated) :] = to_device(generated, device)
             assert recent.shape[1] >= width, "a chooser's rows keep the ids their bad words need"
             self.recent = recent[:, recent.shape[1] - width :]
         # stop_token_ids: the (row, token) positions of every row's own ending ids, on the device
@@ -235,18 +243,30 @@ class TokenChooser:
         device: torch.device,
         grammars: Grammars | None = None,
         extra_eos_ids: Sequence[int] = (),
+        generated: Sequence[int] | None = None,
     ) -> TokenChooser:
         """`grammars`: the model's, for rows with guided decoding (inputs.py refused those
-        requests where the model has none); `extra_eos_ids`: the model's other EOS ids."""
-        generators = [None if p.greedy else make_generator(p.seed, device) for p in params]
+        requests where the model has none); `extra_eos_ids`: the model's other EOS ids;
+        `generated`: per row, how many of its prompt's last ids it generated before it was
+        preempted (None: none). A resumed row goes on as it would have: its counts, penalties
+        and bad words see those ids as generated, its generator has drawn once for each, its
+        grammar has read them."""
+        taken = list(generated) if generated is not None else [0] * len(params)
+        generators = [
+            None if p.greedy else make_generator(p.seed, device, n)
+            for p, n in zip(params, taken, strict=True)
+        ]
         matchers = None
         if any(p.guided is not None for p in params):
             assert grammars is not None, "guided requests reach a chooser only with the model's grammars"
             matchers = [grammars.matcher(p.guided) if p.guided is not None else None for p in params]
+            cls._feed_matchers(
+                matchers, [ids[len(ids) - n :] if n else [] for ids, n in zip(prompts, taken, strict=True)]
+            )
         return cls(
             params,
             [list(ids) for ids in prompts],
-            [0] * len(params),
+            taken,
             generators,
             eos_token_id,
             vocab_size,

@@ -440,7 +440,8 @@ class TgisNativeEngine(ModelEngine):
             for item in batch.prefilling:
                 request = item.request
                 keys = self._prefix_keys(item)
-                sequence = self.allocations.open(request.id, keys, len(item.prompt) + request.max_new_tokens)
+                longest = len(item.prompt) + request.max_new_tokens - len(request.generated_ids)
+                sequence = self.allocations.open(request.id, keys, longest)
                 item.computed = sequence.length  # prefix-cache hit: those blocks are not prefilled
                 lookahead = None
                 if self.speculator is not None:
