@@ -251,18 +251,26 @@ class GenerationService:
     # ---- tokenization ---------------------------------------------------------------------
 
     async def tokenize(
-        self, tokenizer: TokenizerPool, texts: Sequence[str], job: Callable[[], tuple[R, int]]
+        self,
+        tokenizer: TokenizerPool,
+        texts: Sequence[str],
+        job: Callable[[], tuple[R, int]],
+        max_texts: int | None = None,
     ) -> R:
         """A tokenize call of any door (gRPC Tokenize, TGI's and vLLM's /tokenize): `job`
         tokenizes `texts` and builds the answer, returning it with its token count, on the
         tokenizer's Tokenize lane (a long text's answer is millions of objects: not built on the
-        event loop). Counted in the tgi_tokenize_* metrics; RequestError when draining, when the
-        lane holds too much (RESOURCE_EXHAUSTED) or the tokenizer fails on a text."""
+        event loop). Counted in the tgi_tokenize_* metrics; RequestError when draining, when
+        there are more than `max_texts`, when the lane holds too much (RESOURCE_EXHAUSTED) or
+        the tokenizer fails on a text."""
         started = time.monotonic()
         self.metrics.inc("tgi_tokenize_request_count")
         self.metrics.inc("tgi_tokenize_request_input_count", len(texts))
         if self.draining:
             raise RequestError("UNAVAILABLE", DRAINING, "draining")
+        if max_texts is not None and len(texts) > max_texts:
+            message = f"a Tokenize call may carry at most {max_texts} texts, got {len(texts)}"
+            raise RequestError("INVALID_ARGUMENT", message, "validation")
         try:
             answer, tokens = await tokenizer.run_tokenize_job(texts, job)
         except TokenizerBusy as exc:

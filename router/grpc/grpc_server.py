@@ -174,9 +174,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Tokenize(self, request: pb.BatchedTokenizeRequest, context: Any) -> pb.BatchedTokenizeResponse:
         await self._tenant(context)
         texts = [r.text for r in request.requests]
-        if len(texts) > MAX_TOKENIZE_TEXTS:
-            message = f"a Tokenize call may carry at most {MAX_TOKENIZE_TEXTS} texts, got {len(texts)}"
-            await _abort(context, RequestError("INVALID_ARGUMENT", message, "validation"))
         try:
             return await self.service.tokenize(
                 self.tokenizer,
@@ -187,6 +184,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     ),
                     request,
                 ),
+                MAX_TOKENIZE_TEXTS,
             )
         except RequestError as exc:
             await _abort(context, exc)

@@ -181,6 +181,8 @@ async def test_tokenize_limits(servicer, tokenizer_dir) -> None:
         )
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details == f"a Tokenize call may carry at most {MAX_TOKENIZE_TEXTS} texts, got 4097"
+    assert s.metrics.counters["tgi_tokenize_request_count"].get() == 1  # refused, but counted
+    assert s.metrics.counters["tgi_tokenize_request_input_count"].get() == 4097
     # A lane holding its budget refuses more at once, and frees it when its job ends.
     from router.core.tokenizer import load_tokenizer
 
