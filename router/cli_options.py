@@ -263,7 +263,7 @@ _AUTH_OPTIONS = (
         "--auth-health/--no-auth-health",
         envvar="AUTH_HEALTH",
         default=False,
-        help="Also require a token for /health* and /metrics [env AUTH_HEALTH].",
+        help="Also require a token for /health*, /ping, /version and /metrics [env AUTH_HEALTH].",
     ),
     click.option(
         "--tenant-max-concurrent-requests",

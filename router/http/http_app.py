@@ -1,12 +1,13 @@
 """The HTTP application: health probes, /metrics, HF TGI's REST API (tgi_rest.py), the OpenAI
 API (openai_api.py, under /v1: its errors in OpenAI's shape), vLLM's /tokenize and /detokenize
 (openai_tokenize.py; /tokenize is TGI's too, each body answered by the API whose shape it
-has), the OpenAPI
-document at /openapi.json and its interactive docs at /docs (Swagger UI served from the
-installed swagger-ui-bundle package, so it works without internet access).
+has), vLLM's /ping and /version, the OpenAPI document at /openapi.json and its interactive docs
+at /docs (Swagger UI served from the installed swagger-ui-bundle package, so it works without
+internet access).
 
 With authentication on (auth.py), the API routes need a bearer token (401 otherwise, in the
-route's error shape); the probes and /metrics stay open unless AUTH_HEALTH, the docs always.
+route's error shape); the probes (/health*, /ping, /version) and /metrics stay open unless
+AUTH_HEALTH, the docs always.
 
 Errors outside the API routes' own answers (an unknown path, a method a route does not take, a
 body that is not the route's JSON) are answered in TGI's error shape {"error", "error_type"}:
@@ -71,7 +72,12 @@ def build_app(
     authenticated = [Depends(_authentication(auth))]
     _add_docs(app)
     _add_probes(
-        app, health, exposition, metrics_content_type, authenticated if auth.config.protect_health else []
+        app,
+        health,
+        exposition,
+        metrics_content_type,
+        authenticated if auth.config.protect_health else [],
+        version,
     )
     app.include_router(tgi.router, dependencies=authenticated)
     app.include_router(openai.router, dependencies=authenticated)
@@ -168,7 +174,9 @@ def _probe(handler: Callable[[], Awaitable[HttpResponse]]) -> Callable[[], Await
 
 HEALTH_PATHS = ("/health", "/health/live", "/health/ready")
 METRICS_PATH = "/metrics"
-PROBE_PATHS = (*HEALTH_PATHS, METRICS_PATH)  # what deployments point probes and scrapers at
+PING_PATH = "/ping"  # vLLM's (SageMaker's probe): /health's answer, to GET and POST
+VERSION_PATH = "/version"  # vLLM's: {"version": ...}
+PROBE_PATHS = (*HEALTH_PATHS, METRICS_PATH, PING_PATH, VERSION_PATH)  # what probes and scrapers call
 
 
 def _add_probes(
@@ -177,6 +185,7 @@ def _add_probes(
     exposition: Callable[[], bytes],
     metrics_content_type: str,
     dependencies: list[Any],
+    version: str,
 ) -> None:
     handlers = (health.respond, health.live, health.ready)
     summaries = (
@@ -193,6 +202,27 @@ def _add_probes(
             tags=["health"],
             dependencies=dependencies,
         )
+
+    app.add_api_route(
+        PING_PATH,
+        _probe(health.respond),
+        methods=["GET", "POST"],
+        summary="vLLM's /ping: /health's answer",
+        tags=["health"],
+        dependencies=dependencies,
+    )
+
+    async def version_info() -> dict[str, str]:
+        return {"version": version}
+
+    app.add_api_route(
+        VERSION_PATH,
+        version_info,
+        methods=["GET"],
+        summary="vLLM's /version: this server's version",
+        tags=["health"],
+        dependencies=dependencies,
+    )
 
     async def metrics() -> Response:
         return Response(exposition(), media_type=metrics_content_type)

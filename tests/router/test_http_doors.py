@@ -684,6 +684,11 @@ async def test_unknown_paths_and_methods_answer_in_tgi_shape(stack: Stack) -> No
         async with session.get(stack.url + "/openapi.json") as r:
             paths = (await r.json())["paths"]
             assert {"/generate", "/generate_stream", "/", "/tokenize", "/info", *PROBE_PATHS} <= set(paths)
+        for method in ("GET", "POST"):  # vLLM's /ping answers as /health
+            async with session.request(method, stack.url + "/ping") as r:
+                assert r.status == 200
+        async with session.get(stack.url + "/version") as r:
+            assert r.status == 200 and (await r.json()) == {"version": "0.1.0"}
         async with session.get(stack.url + "/docs") as r:
             page = await r.text()
             assert r.status == 200 and "/docs/static/swagger-ui-bundle.js" in page
