@@ -187,54 +187,34 @@ def _add_probes(
     dependencies: list[Any],
     version: str,
 ) -> None:
-    handlers = (health.respond, health.live, health.ready)
-    summaries = (
-        "TGIS's health check: shard health, or a one-token generation",
-        "Liveness: the router answers and its batching loop runs",
-        "Readiness: not draining and the shards answer",
-    )
-    for path, handler, summary in zip(HEALTH_PATHS, handlers, summaries, strict=True):
-        app.add_api_route(
-            path,
-            _probe(handler),
-            methods=["GET"],
-            summary=summary,
-            tags=["health"],
-            dependencies=dependencies,
-        )
-
-    app.add_api_route(
-        PING_PATH,
-        _probe(health.respond),
-        methods=["GET", "POST"],
-        summary="vLLM's /ping: /health's answer",
-        tags=["health"],
-        dependencies=dependencies,
-    )
-
     async def version_info() -> dict[str, str]:
         return {"version": version}
-
-    app.add_api_route(
-        VERSION_PATH,
-        version_info,
-        methods=["GET"],
-        summary="vLLM's /version: this server's version",
-        tags=["health"],
-        dependencies=dependencies,
-    )
 
     async def metrics() -> Response:
         return Response(exposition(), media_type=metrics_content_type)
 
-    app.add_api_route(
-        METRICS_PATH,
-        metrics,
-        methods=["GET"],
-        summary="Prometheus metrics",
-        tags=["health"],
-        dependencies=dependencies,
+    routes: tuple[tuple[str, Callable[[], Awaitable[Any]], list[str], str], ...] = (
+        (
+            HEALTH_PATHS[0],
+            _probe(health.respond),
+            ["GET"],
+            "TGIS's health check: shard health, or a one-token generation",
+        ),
+        (
+            HEALTH_PATHS[1],
+            _probe(health.live),
+            ["GET"],
+            "Liveness: the router answers and its batching loop runs",
+        ),
+        (HEALTH_PATHS[2], _probe(health.ready), ["GET"], "Readiness: not draining and the shards answer"),
+        (PING_PATH, _probe(health.respond), ["GET", "POST"], "vLLM's /ping: /health's answer"),
+        (VERSION_PATH, version_info, ["GET"], "vLLM's /version: this server's version"),
+        (METRICS_PATH, metrics, ["GET"], "Prometheus metrics"),
     )
+    for path, endpoint, methods, summary in routes:
+        app.add_api_route(
+            path, endpoint, methods=methods, summary=summary, tags=["health"], dependencies=dependencies
+        )
 
 
 def _add_docs(app: FastAPI) -> None:
