@@ -275,6 +275,18 @@ def test_openai_tool_calls(served: Server) -> None:
     assert required.choices[0].finish_reason == "tool_calls"
     for made in required.choices[0].message.tool_calls:
         assert made.function.name == "weather" and set(json.loads(made.function.arguments)) <= {"city"}
+    # streamed, each call goes out as it is written: the client's own accumulation puts them together
+    client = openai_client(served)
+    model = client.models.list().data[0].id
+    with client.chat.completions.stream(
+        model=model, messages=messages, max_tokens=60, tools=tools, tool_choice="required", temperature=0
+    ) as stream:
+        calls = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in required.choices[0].message.tool_calls
+    ]
+    assert len(calls) > 1  # the arguments came in pieces
     with pytest.raises(openai.BadRequestError, match=r'tool_choice "auto" .* needs the server started with'):
         ask()
 
@@ -419,6 +431,15 @@ def test_anthropic_messages_api(served: Server) -> None:
     with client.messages.stream(model=model, messages=asked, **forced, **greedy) as stream:
         streamed_use = stream.get_final_message()
     assert [(b.type, b.name, b.input) for b in streamed_use.content] == [("tool_use", "weather", use.input)]
+    anyone = {**forced, "tool_choice": {"type": "any"}}  # "required": the listed calls as they come
+    listed = ask(messages=asked, **anyone)
+    with client.messages.stream(model=model, messages=asked, **anyone, **greedy) as stream:
+        pieces = [e for e in stream if e.type == "input_json"]
+        streamed_any = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in streamed_any.content] == [
+        (b.type, b.name, b.input) for b in listed.content
+    ]
+    assert len(pieces) > 1
     result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
     followed = ask(
         messages=[

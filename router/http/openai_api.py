@@ -62,6 +62,7 @@ from router.http.openai_tools import (
     HeldAnswer,
     Tool,
     ToolMode,
+    merged,
     read,
     template_message,
     template_tools,
@@ -658,15 +659,17 @@ class OpenAIApi:
         sure as it comes; at the end the rest, and the calls. Token logprobs go out with the
         next chunk sent."""
         held.tokens.extend(output.tokens)
-        content = held.add(output.text)
+        content, calls = held.add(output.text)
+        delta: dict[str, Any] = {"content": content} if content else {}
         if not output.final:
-            return self._held_send(answer, index, held, {"content": content}, None) if content else None
-        reading = held.end()
-        delta: dict[str, Any] = {}
-        if reading.content or content:
-            delta["content"] = content + (reading.content or "")
-        if reading.calls is not None:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(reading.calls)]
+            if calls:
+                delta["tool_calls"] = calls
+            return self._held_send(answer, index, held, delta, None) if delta else None
+        reading, more = held.end()
+        if reading.content:
+            delta["content"] = content + reading.content
+        if calls or more:
+            delta["tool_calls"] = merged(calls + more)
         chunk = self._held_send(answer, index, held, delta, reading.finish or _finish(output.stop_reason))
         return _stopped(chunk, output)
 

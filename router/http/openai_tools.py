@@ -20,15 +20,18 @@ messages as they are.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.core.validation import ValidationError
-from router.http.tool_parsers import ToolCallParser, function_call
+from router.http.tool_parsers import PartialCall, ToolCallParser, call_id, function_call, scan_calls
 from text_generation_common.guided import schema_text
 from text_generation_common.messages import Guided, GuidedKind, TokenInfo
+
+logger = logging.getLogger(__name__)
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # the arguments of a function without a schema
 
@@ -192,27 +195,82 @@ def _listed_calls(text: str) -> list[dict[str, Any]] | None:
     return [function_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
 
 
+@dataclass
+class _SentCall:
+    id: str
+    name: str
+    arguments: str  # sent so far
+
+
 class HeldAnswer:
-    """One streamed choice of a mode whose calls come whole (auto, required): the text that is
-    content whatever comes next goes out as it comes (auto only), the rest waits for the end."""
+    """One streamed choice of a mode whose answer may hold calls (auto, required): the text that
+    is content whatever comes next goes out as it comes (auto only), each call once its name is
+    whole, then its arguments as they settle (tool_parsers.py `partial`; "required": the listed
+    calls), the rest at the end. The deltas are OpenAI's: a call's first one has its index, id,
+    type and name (arguments ""), the next ones the index and more arguments."""
 
     def __init__(self, mode: ToolMode, parser: ToolCallParser | None) -> None:
         self.mode, self.parser = mode, parser
         self.text = ""
         self.sent = 0  # characters of text sent as content
         self.tokens: list[TokenInfo] = []  # the answer's tokens not yet sent (their logprobs)
+        self.calls: list[_SentCall] = []  # the calls sent so far
 
-    def add(self, text: str) -> str:
-        """The content to send now, of the answer grown by `text`."""
+    def add(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the call deltas to send now, of the answer grown by `text`."""
         self.text += text
+        if self.mode.kind == "required":
+            return "", self._deltas(listed_partial(self.text))
         if self.mode.kind != "auto" or self.parser is None:
-            return ""
+            return "", []
+        deltas = self._deltas(self.parser.partial(self.text))
         upto = self.parser.streamable(self.text)
         if upto <= self.sent:
-            return ""
+            return "", deltas
         out, self.sent = self.text[self.sent : upto], upto
-        return out
+        return out, deltas
 
-    def end(self) -> Reading:
-        """The whole answer, less the content already sent."""
-        return read(self.mode, self.text, self.parser, self.sent)
+    def end(self) -> tuple[Reading, list[dict[str, Any]]]:
+        """The whole answer, less the content already sent, and its call deltas not sent yet."""
+        reading = read(self.mode, self.text, self.parser, self.sent)
+        if reading.calls is None:
+            if self.calls:
+                logger.warning("calls were streamed but the whole answer's do not parse: it is text")
+            return reading, []
+        whole = [PartialCall(c["function"]["name"], c["function"]["arguments"]) for c in reading.calls]
+        return reading, self._deltas(whole, [c["id"] for c in reading.calls])
+
+    def _deltas(self, calls: list[PartialCall], ids: list[str] | None = None) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(calls):
+            if index == len(self.calls):
+                sent = _SentCall(ids[index] if ids else call_id(), call.name, "")
+                self.calls.append(sent)
+                function = {"name": call.name, "arguments": ""}
+                deltas.append({"index": index, "id": sent.id, "type": "function", "function": function})
+            sent = self.calls[index]
+            if call.name != sent.name or not call.arguments.startswith(sent.arguments):
+                logger.warning("call %d: the whole answer's call does not go on from the one streamed", index)
+                continue
+            if len(call.arguments) > len(sent.arguments):
+                more, sent.arguments = call.arguments[len(sent.arguments) :], call.arguments
+                deltas.append({"index": index, "function": {"arguments": more}})
+        return deltas
+
+
+def merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Call deltas with those of one index made one (its arguments in order)."""
+    out: list[dict[str, Any]] = []
+    for delta in deltas:
+        if out and out[-1]["index"] == delta["index"]:
+            last = out[-1]
+            arguments = last["function"]["arguments"] + delta["function"]["arguments"]
+            out[-1] = {**last, "function": {**last["function"], "arguments": arguments}}
+        else:
+            out.append(delta)
+    return out
+
+
+def listed_partial(text: str) -> list[PartialCall]:
+    """The calls begun in an answer of "required" mode (a JSON list of {"name", "parameters"})."""
+    return scan_calls(text, 0, ("parameters",), listed=True)

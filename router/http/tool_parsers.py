@@ -28,8 +28,11 @@ names for the same formats):
     special token, so answers that may call keep their special tokens.
 `llama4_json` and `llama4_pythonic` are vLLM's other names for `llama3_json` and `pythonic`.
 An answer whose calls do not parse is the message's text, as if it had none. While streaming,
-`streamable` says how much of the answer so far is text for sure: the rest is held back until
-the answer ends (then its calls come in one chunk, or the held text).
+`streamable` says how much of the answer so far is text for sure, and `partial` which calls have
+begun: each once its name is whole, with the settled start of its arguments as the whole answer
+will have them (json_prefix.py; a value whose type is not surely a string, and a call that
+writes its arguments as a JSON string, come whole), so a call's arguments stream as the model
+writes them. `pythonic` calls come whole at the end.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.http.json_prefix import canonical, skip_space
+
 
 def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
@@ -52,6 +57,15 @@ def call_id() -> str:
 def function_call(name: str, arguments: str) -> dict[str, Any]:
     """One of OpenAI's message.tool_calls: a call of `name` with `arguments` (JSON text)."""
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A call begun in an answer still being written: its name, and the start of its arguments
+    that the whole answer's call will have (json_prefix.py)."""
+
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,11 @@ class ToolCallParser(ABC):
     @abstractmethod
     def streamable(self, text: str) -> int:
         """How many characters of the answer so far are text whatever comes next."""
+
+    def partial(self, text: str) -> list[PartialCall]:
+        """The calls begun in the answer so far whose names are whole, in order (none: the
+        format's calls come whole, at the end)."""
+        return []
 
     def for_tools(self, schemas: Mapping[str, Any]) -> ToolCallParser:
         """The parser for a request whose functions take `schemas` (name -> JSON Schema of the
@@ -141,6 +160,68 @@ def _json_calls(text: str) -> list[dict[str, Any]] | None:
     return None if any(call is None for call in calls) else [c for c in calls if c is not None]
 
 
+def scan_call(
+    text: str, at: int, keys: tuple[str, ...] = ("arguments",)
+) -> tuple[PartialCall | None, int | None]:
+    """The call object ({"name": ..., `keys[i]`: {...}}) that begins at `text[at:]` (whitespace
+    first), as far as it is written: the call once its name is whole (arguments that are not a
+    JSON object come whole, at the end), and where the object ends (None: not yet)."""
+    at = skip_space(text, at)
+    if not text.startswith("{", at):
+        return None, None
+    at += 1
+    name: Any = None
+    arguments = ""
+    found = False  # an arguments key was read
+    while (at := skip_space(text, at)) < len(text):
+        if text[at] in ",}":
+            if text[at] == "}":
+                return (PartialCall(name, arguments) if isinstance(name, str) else None), at + 1
+            at += 1
+            continue
+        key = canonical(text, at)
+        if key.end is None or not key.text.startswith('"'):
+            break
+        at = skip_space(text, key.end)
+        if not text.startswith(":", at):
+            break
+        value = canonical(text, at + 1)
+        field = json.loads(key.text)
+        if field == "name" and value.end is not None:
+            name = json.loads(value.text)
+        elif field in keys and not found:
+            found = True
+            if text.startswith("{", skip_space(text, at + 1)):
+                arguments = value.text
+        if value.end is None:
+            break
+        at = value.end
+    return (PartialCall(name, arguments) if isinstance(name, str) else None), None
+
+
+def scan_calls(
+    text: str, at: int, keys: tuple[str, ...] = ("arguments",), *, listed: bool
+) -> list[PartialCall]:
+    """Call objects one after another from `text[at:]`: the items of a JSON list (`listed`), or
+    objects separated by `;` or nothing (llama3_json)."""
+    at = skip_space(text, at)
+    if listed:
+        if not text.startswith("[", at):
+            return []
+        at += 1
+    calls: list[PartialCall] = []
+    while True:
+        call, end = scan_call(text, at, keys)
+        if call is None:
+            return calls
+        calls.append(call)
+        if end is None:
+            return calls
+        at = skip_space(text, end)
+        if text.startswith(",;"[not listed], at):
+            at += 1
+
+
 def _held_whole(text: str, starts: tuple[str, ...]) -> int:
     """`streamable` of a format whose calls are the whole answer, beginning with one of `starts`
     (markers, or a bracket): all of it waits while it begins so, or may still."""
@@ -162,6 +243,20 @@ class Hermes(ToolCallParser):
 
     def streamable(self, text: str) -> int:
         return _text_before(text, self.OPEN)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        return _after_each(text, self.OPEN)
+
+
+def _after_each(text: str, marker: str) -> list[PartialCall]:
+    """The calls of a format that writes one call object after each `marker`."""
+    calls = []
+    for found in re.finditer(re.escape(marker), text):
+        call, _ = scan_call(text, found.end())
+        if call is None:
+            break
+        calls.append(call)
+    return calls
 
 
 class Llama3Json(ToolCallParser):
@@ -189,6 +284,12 @@ class Llama3Json(ToolCallParser):
 
     def streamable(self, text: str) -> int:
         return _held_whole(text, (self.TAG, "{"))
+
+    def partial(self, text: str) -> list[PartialCall]:
+        at = skip_space(text, 0)
+        if text.startswith(self.TAG, at):
+            at += len(self.TAG)
+        return scan_calls(text, at, ("parameters", "arguments"), listed=False)
 
 
 class Pythonic(ToolCallParser):
@@ -237,6 +338,13 @@ class Granite(ToolCallParser):
     def streamable(self, text: str) -> int:
         return _held_whole(text, (*self.MARKERS, "["))
 
+    def partial(self, text: str) -> list[PartialCall]:
+        at = skip_space(text, 0)
+        for marker in self.MARKERS:
+            if text.startswith(marker, at):
+                at = skip_space(text, at + len(marker))
+        return scan_calls(text, at, listed=True)
+
 
 class Granite20bFc(ToolCallParser):
     name = "granite-20b-fc"
@@ -249,6 +357,9 @@ class Granite20bFc(ToolCallParser):
 
     def streamable(self, text: str) -> int:
         return _text_before(text, self.OPEN)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        return _after_each(text, self.OPEN)
 
 
 class Mistral(ToolCallParser):
@@ -287,6 +398,24 @@ class Mistral(ToolCallParser):
     def streamable(self, text: str) -> int:
         return _text_before(text, self.OPEN)
 
+    def partial(self, text: str) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        for found in re.finditer(re.escape(self.OPEN), text):
+            at = skip_space(text, found.end())
+            if text.startswith("[", at):  # a JSON list of calls
+                calls += scan_calls(text, at, listed=True)
+                continue
+            block = text[at : text.find(self.OPEN, at) if self.OPEN in text[at:] else len(text)]
+            args, brace = block.find(self.ARGS), block.find("{")
+            if args < 0 and brace < 0:
+                break  # the name goes on
+            name = block[: args if args >= 0 else brace].strip()
+            start = skip_space(block, args + len(self.ARGS)) if args >= 0 else brace
+            if not name or not block.startswith("{", start):
+                break
+            calls.append(PartialCall(name, canonical(block, start).text))
+        return calls
+
 
 class _TextValues(ToolCallParser):
     """A format whose argument values are text: each is read as the type the request's function
@@ -307,6 +436,37 @@ class _TextValues(ToolCallParser):
             key.strip(): _typed(_trimmed(value), properties.get(key.strip())) for key, value in pairs
         }
         return function_call(name, json.dumps(arguments, ensure_ascii=False))
+
+    def _properties(self, name: str) -> dict[str, Any]:
+        schema = self.schemas.get(name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        return properties if isinstance(properties, dict) else {}
+
+    def _partial_call(
+        self, name: str, pairs: list[tuple[str, str, bool]], closed: bool, ends: tuple[str, ...]
+    ) -> PartialCall:
+        """The call of `name` as far as its (parameter, text so far, whole) pairs settle its
+        arguments (`_call`'s JSON): whole values typed; the last one, still being written, as it
+        comes where its schema makes it a string (less a line break and any end of the text
+        that may become one of `ends`); the closing brace once the call is `closed`."""
+        properties = self._properties(name)
+        written = ["{"]
+        for index, (key, value, whole) in enumerate(pairs):
+            written.append(f"{', ' if index else ''}{json.dumps(key.strip(), ensure_ascii=False)}: ")
+            schema = properties.get(key.strip())
+            if whole:
+                written.append(json.dumps(_typed(_trimmed(value), schema), ensure_ascii=False))
+                continue
+            declared = schema.get("type") if isinstance(schema, dict) else None
+            if (declared[0] if isinstance(declared, list) and declared else declared) == "string":
+                value = value[: len(value) - max((held_prefix(value, end) for end in ends), default=0)]
+                value = value.removeprefix("\n")
+                settled = value.removesuffix("\n")
+                written.append(json.dumps(settled, ensure_ascii=False)[:-1])
+            return PartialCall(name, "".join(written))
+        if closed:
+            written.append("}")
+        return PartialCall(name, "".join(written))
 
 
 class Qwen3Coder(_TextValues):
@@ -329,6 +489,24 @@ class Qwen3Coder(_TextValues):
 
     def streamable(self, text: str) -> int:
         return min(_text_before(text, self.OPEN), _text_before(text, self.BARE))
+
+    def partial(self, text: str) -> list[PartialCall]:
+        at = text.find(self.OPEN)
+        if at < 0:
+            at = text.find(self.BARE)
+        if at < 0:
+            return []
+        calls = []
+        for function in self.FUNCTION.finditer(text, at):
+            body = function.group(2)
+            closed = function.group(0).endswith("</function>")
+            pairs = [
+                (p.group(1), p.group(2), closed or p.end() < len(body) or p.group(0).endswith("</parameter>"))
+                for p in self.PARAMETER.finditer(body)
+            ]
+            ends = ("</parameter>", "<parameter=", "</function>")
+            calls.append(self._partial_call(function.group(1).strip(), pairs, closed, ends))
+        return calls
 
 
 class Glm45(_TextValues):
@@ -356,6 +534,25 @@ class Glm45(_TextValues):
 
     def streamable(self, text: str) -> int:
         return _text_before(text, self.OPEN)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        at = text.find(self.OPEN)
+        if at < 0:
+            return []
+        calls = []
+        for call in self.CALL.finditer(text, at):
+            body = call.group(1)
+            closed = call.group(0).endswith("</tool_call>")
+            name, key, _ = body.partition("<arg_key>")
+            name = name.strip()
+            if not (key or closed) or not name or "\n" in name:
+                break
+            pairs = [
+                (a.group(1), a.group(2), closed or a.group(0).endswith("</arg_value>"))
+                for a in self.ARGUMENT.finditer(body)
+            ]
+            calls.append(self._partial_call(name, pairs, closed, ("</arg_value>", "</tool_call>")))
+        return calls
 
 
 def _trimmed(value: str) -> str:

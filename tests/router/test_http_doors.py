@@ -1076,10 +1076,16 @@ async def test_openai_tool_calls_of_a_named_function_and_of_required(
     assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["parameters"] == parameters
     events = await sse_events(stack, {**required, "stream": True, "logprobs": True}, path=chat)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
-    (last,) = events[1:-1]  # the calls come in one chunk, every token's logprobs with them
-    assert last["choices"][0]["finish_reason"] == "tool_calls"
-    assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
-    assert len(last["choices"][0]["logprobs"]["content"]) == choice_tokens(tokenizer_pool, calls) + 1
+    chunks = [e["choices"][0] for e in events[1:-1]]  # each call as it comes, the tokens' logprobs with it
+    assert len(chunks) > 2 and chunks[-1]["finish_reason"] == "tool_calls"
+    deltas = [d for c in chunks for d in c["delta"].get("tool_calls", ())]
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"] == {
+        "name": "weather",
+        "arguments": "",
+    }
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Rome"}'
+    logprobs = [t for c in chunks for t in (c.get("logprobs") or {}).get("content") or ()]
+    assert len(logprobs) == choice_tokens(tokenizer_pool, calls) + 1
     status, answer = await post(stack, chat, {**required, "max_tokens": 3})
     (choice,) = answer["choices"]
     assert (
@@ -1092,8 +1098,8 @@ async def test_openai_tool_calls_of_a_named_function_and_of_required(
 
 async def test_openai_auto_tool_calls_in_the_models_format(stack: Stack, tokenizer_pool) -> None:
     """tool_choice "auto" with the model's parser: free text (no constraint), its calls read out
-    of it, unary and streamed (the text before a call streams as it comes, the calls at the
-    end); an answer without calls is plain text."""
+    of it, unary and streamed (the text before a call streams as it comes, then the call: its
+    name, then its arguments as they settle); an answer without calls is plain text."""
     stack.openai.tool_parser = Hermes()
     answer = 'Checking.<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
     ids = tokenizer_pool.encode_batch_sync([answer])[0][1:]  # without BOS
@@ -1119,11 +1125,8 @@ async def test_openai_auto_tool_calls_in_the_models_format(stack: Stack, tokeniz
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert "".join(d.get("content", "") for d in deltas) == "Checking."
     assert all("<" not in d.get("content", "") for d in deltas)
-    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert (
-        calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
-        and calls[0]["index"] == 0
-    )
+    assert streamed_calls(deltas) == [{"name": "weather", "arguments": '{"city": "Oslo"}'}]
+    assert len([d for d in deltas if "tool_calls" in d]) > 2  # the arguments as they come
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     stack.shard.script = lambda request, step: 600 + step
     status, plain = await post(stack, chat, {**body, "max_tokens": 4})
@@ -1155,9 +1158,21 @@ async def test_openai_auto_calls_in_xml_read_with_the_requests_schemas(stack: St
         assert call["function"] == {"name": "forecast", "arguments": expected}
         events = await sse_events(stack, {**body, "stream": True}, path="/v1/chat/completions")
         deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
-        (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-        assert calls[0]["function"]["arguments"] == expected
+        assert streamed_calls(deltas) == [{"name": "forecast", "arguments": expected}]
     await stack.settled()
+
+
+def streamed_calls(deltas: list[dict]) -> list[dict]:
+    """The calls a chat stream's deltas add up to: each call's first delta names it (and has its
+    id), the later ones of its index carry more of its arguments."""
+    calls: list[dict] = []
+    for delta in deltas:
+        for call in delta.get("tool_calls", ()):
+            if call["index"] == len(calls):
+                assert call["id"].startswith("call_") and call["type"] == "function"
+                calls.append({"name": call["function"]["name"], "arguments": ""})
+            calls[call["index"]]["arguments"] += call["function"]["arguments"]
+    return calls
 
 
 async def test_openai_chat_answers_a_reasoning_models_thinking_apart(
@@ -1202,7 +1217,7 @@ async def test_openai_chat_answers_a_reasoning_models_thinking_apart(
     events = await sse_events(stack, {**body, "tools": [WEATHER], "stream": True}, path=chat)
     deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "weather"
-    assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["weather"]
+    assert streamed_calls(deltas) == [{"name": "weather", "arguments": '{"city": "Oslo"}'}]
     assert not "".join(d.get("content") or "" for d in deltas)
 
     answer_with('"<think>x</think>"')  # (the fake shard does not apply the constraint)

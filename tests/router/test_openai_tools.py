@@ -153,140 +153,139 @@ HERMES_TEXT = (
 )
 
 
-@pytest.mark.parametrize(
-    ("parser", "text", "content", "calls"),
-    [
-        (Hermes(), HERMES_TEXT, "Let me check.", [("weather", '{"city": "Oslo"}'), ("now", "{}")]),
-        (
-            Hermes(),
-            'x<tool_call>{"name": "now", "arguments": {}}',
-            "x",
-            [("now", "{}")],
-        ),  # cut after the JSON
-        (Hermes(), "no calls here", "no calls here", None),
-        (Hermes(), '<tool_call>{"name": "now", "argu', '<tool_call>{"name": "now", "argu', None),
-        (
-            Hermes(),
-            '<tool_call>{"arguments": {}}</tool_call>',
-            '<tool_call>{"arguments": {}}</tool_call>',
-            None,
-        ),
-        (
-            Llama3Json(),
-            ' {"name": "weather", "parameters": {"city": "Rome"}}',
-            None,
-            [("weather", '{"city": "Rome"}')],
-        ),
-        (
-            Llama3Json(),
-            '<|python_tag|>{"name": "now", "parameters": {}}; {"name": "now", "arguments": {"a": 1}}',
-            None,
-            [("now", "{}"), ("now", '{"a": 1}')],
-        ),
-        (
-            Llama3Json(),
-            'Hello {"name": "now", "parameters": {}}',
-            'Hello {"name": "now", "parameters": {}}',
-            None,
-        ),
-        (
-            Llama3Json(),
-            '{"name": "now", "parameters": {}} and text',
-            '{"name": "now", "parameters": {}} and text',
-            None,
-        ),
-        (
-            Pythonic(),
-            ' [weather(city="Oslo", days=2, hourly=True), now()]',
-            None,
-            [("weather", '{"city": "Oslo", "days": 2, "hourly": true}'), ("now", "{}")],
-        ),
-        (Pythonic(), "[now(at=__import__('os').getcwd())]", "[now(at=__import__('os').getcwd())]", None),
-        (Pythonic(), '[weather("Oslo")]', '[weather("Oslo")]', None),  # positional: no name for it
-        (Pythonic(), "[now(a={1, 2})]", "[now(a={1, 2})]", None),  # a set is no JSON
-        (Pythonic(), "[now(", "[now(", None),
-        (Pythonic(), "Sunny [now()]", "Sunny [now()]", None),
-        (
-            Granite(),
-            '<|tool_call|>[{"name": "weather", "arguments": {"city": "Oslo"}}, '
-            '{"name": "now", "arguments": {}}]',
-            None,
-            [("weather", '{"city": "Oslo"}'), ("now", "{}")],
-        ),
-        (Granite(), ' <tool_call> [{"name": "now", "arguments": "{}"}]', None, [("now", "{}")]),
-        (Granite(), '[{"name": "now", "arguments": {}}]', None, [("now", "{}")]),  # marker skipped
-        (Granite(), 'It is [{"name": "now"}]', 'It is [{"name": "now"}]', None),
-        (Granite(), "<tool_call>[]", "<tool_call>[]", None),
-        (Granite(), '[{"name": "now", "arguments": {}}] ok', '[{"name": "now", "arguments": {}}] ok', None),
-        (
-            Granite20bFc(),
-            'Sure.<function_call> {"name": "weather", "arguments": {"city": "Rome"}} '
-            '<function_call> {"name": "now", "arguments": {}}',
-            "Sure.",
-            [("weather", '{"city": "Rome"}'), ("now", "{}")],
-        ),
-        (Granite20bFc(), "<function_call> {oops", "<function_call> {oops", None),
-        (
-            Mistral(),
-            'Checking.[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Oslo"}}]',
-            "Checking.",
-            [("weather", '{"city": "Oslo"}')],
-        ),  # tokenizers before v11
-        (
-            Mistral(),
-            '[TOOL_CALLS]weather{"city": "Rome"}[TOOL_CALLS]now{}',
-            None,
-            [("weather", '{"city": "Rome"}'), ("now", "{}")],
-        ),  # v11
-        (Mistral(), '[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}', None, [("weather", '{"city": "Oslo"}')]),
-        (Mistral(), "[TOOL_CALLS]weather", "[TOOL_CALLS]weather", None),
-        (Mistral(), '[TOOL_CALLS]{"city": "Oslo"}', '[TOOL_CALLS]{"city": "Oslo"}', None),  # no name
-        (Mistral(), "no calls [TOOL", "no calls [TOOL", None),
-        (
-            QWEN,
-            "Let me check.\n<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n"
-            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n"
-            "</function>\n</tool_call>",
-            "Let me check.",
-            [("weather", '{"city": "Oslo", "days": 3}'), ("now", "{}")],
-        ),
-        (
-            QWEN,  # each value as its schema's type makes it; text where it is not of that type
-            "<function=typed><parameter=code>\n007\n</parameter><parameter=n>-2</parameter>"
-            "<parameter=x>2.5</parameter><parameter=y>1e3</parameter><parameter=flag>True</parameter>"
-            '<parameter=obj>{"a": [1]}</parameter><parameter=items>[1, 2]</parameter>'
-            "<parameter=gone>null</parameter><parameter=bad>many</parameter><parameter=z>nan</parameter>"
-            "<parameter=either>4</parameter><parameter=other>\n  spaced  \n</parameter></function>",
-            None,
-            [
-                (
-                    "typed",
-                    '{"code": "007", "n": -2, "x": 2.5, "y": 1000.0, "flag": true, "obj": {"a": [1]}, '
-                    '"items": [1, 2], "gone": null, "bad": "many", "z": "nan", "either": 4, '
-                    '"other": "  spaced  "}',
-                )
-            ],
-        ),
-        (QWEN, "<tool_call>\n<function=now>", None, [("now", "{}")]),  # cut: what there is
-        (QWEN, "plain <tool_call> text", "plain <tool_call> text", None),
-        (
-            GLM,
-            "Let me check.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
-            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>now</tool_call>",
-            "Let me check.",
-            [("weather", '{"city": "Oslo", "days": 3}'), ("now", "{}")],
-        ),
-        (  # GLM-4.7: no line breaks
-            GLM,
-            '<tool_call>typed<arg_key>obj</arg_key><arg_value>{"a": [1]}</arg_value>'
-            "<arg_key>code</arg_key><arg_value>007</arg_value></tool_call>",
-            None,
-            [("typed", '{"obj": {"a": [1]}, "code": "007"}')],
-        ),
-        (GLM, "<tool_call>", "<tool_call>", None),  # no name
-        (GLM, "no calls", "no calls", None),
-    ],
-)
+FORMAT_CASES = [
+    (Hermes(), HERMES_TEXT, "Let me check.", [("weather", '{"city": "Oslo"}'), ("now", "{}")]),
+    (
+        Hermes(),
+        'x<tool_call>{"name": "now", "arguments": {}}',
+        "x",
+        [("now", "{}")],
+    ),  # cut after the JSON
+    (Hermes(), "no calls here", "no calls here", None),
+    (Hermes(), '<tool_call>{"name": "now", "argu', '<tool_call>{"name": "now", "argu', None),
+    (
+        Hermes(),
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"arguments": {}}</tool_call>',
+        None,
+    ),
+    (
+        Llama3Json(),
+        ' {"name": "weather", "parameters": {"city": "Rome"}}',
+        None,
+        [("weather", '{"city": "Rome"}')],
+    ),
+    (
+        Llama3Json(),
+        '<|python_tag|>{"name": "now", "parameters": {}}; {"name": "now", "arguments": {"a": 1}}',
+        None,
+        [("now", "{}"), ("now", '{"a": 1}')],
+    ),
+    (
+        Llama3Json(),
+        'Hello {"name": "now", "parameters": {}}',
+        'Hello {"name": "now", "parameters": {}}',
+        None,
+    ),
+    (
+        Llama3Json(),
+        '{"name": "now", "parameters": {}} and text',
+        '{"name": "now", "parameters": {}} and text',
+        None,
+    ),
+    (
+        Pythonic(),
+        ' [weather(city="Oslo", days=2, hourly=True), now()]',
+        None,
+        [("weather", '{"city": "Oslo", "days": 2, "hourly": true}'), ("now", "{}")],
+    ),
+    (Pythonic(), "[now(at=__import__('os').getcwd())]", "[now(at=__import__('os').getcwd())]", None),
+    (Pythonic(), '[weather("Oslo")]', '[weather("Oslo")]', None),  # positional: no name for it
+    (Pythonic(), "[now(a={1, 2})]", "[now(a={1, 2})]", None),  # a set is no JSON
+    (Pythonic(), "[now(", "[now(", None),
+    (Pythonic(), "Sunny [now()]", "Sunny [now()]", None),
+    (
+        Granite(),
+        '<|tool_call|>[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "now", "arguments": {}}]',
+        None,
+        [("weather", '{"city": "Oslo"}'), ("now", "{}")],
+    ),
+    (Granite(), ' <tool_call> [{"name": "now", "arguments": "{}"}]', None, [("now", "{}")]),
+    (Granite(), '[{"name": "now", "arguments": {}}]', None, [("now", "{}")]),  # marker skipped
+    (Granite(), 'It is [{"name": "now"}]', 'It is [{"name": "now"}]', None),
+    (Granite(), "<tool_call>[]", "<tool_call>[]", None),
+    (Granite(), '[{"name": "now", "arguments": {}}] ok', '[{"name": "now", "arguments": {}}] ok', None),
+    (
+        Granite20bFc(),
+        'Sure.<function_call> {"name": "weather", "arguments": {"city": "Rome"}} '
+        '<function_call> {"name": "now", "arguments": {}}',
+        "Sure.",
+        [("weather", '{"city": "Rome"}'), ("now", "{}")],
+    ),
+    (Granite20bFc(), "<function_call> {oops", "<function_call> {oops", None),
+    (
+        Mistral(),
+        'Checking.[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Oslo"}}]',
+        "Checking.",
+        [("weather", '{"city": "Oslo"}')],
+    ),  # tokenizers before v11
+    (
+        Mistral(),
+        '[TOOL_CALLS]weather{"city": "Rome"}[TOOL_CALLS]now{}',
+        None,
+        [("weather", '{"city": "Rome"}'), ("now", "{}")],
+    ),  # v11
+    (Mistral(), '[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}', None, [("weather", '{"city": "Oslo"}')]),
+    (Mistral(), "[TOOL_CALLS]weather", "[TOOL_CALLS]weather", None),
+    (Mistral(), '[TOOL_CALLS]{"city": "Oslo"}', '[TOOL_CALLS]{"city": "Oslo"}', None),  # no name
+    (Mistral(), "no calls [TOOL", "no calls [TOOL", None),
+    (
+        QWEN,
+        "Let me check.\n<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n"
+        "</function>\n</tool_call>",
+        "Let me check.",
+        [("weather", '{"city": "Oslo", "days": 3}'), ("now", "{}")],
+    ),
+    (
+        QWEN,  # each value as its schema's type makes it; text where it is not of that type
+        "<function=typed><parameter=code>\n007\n</parameter><parameter=n>-2</parameter>"
+        "<parameter=x>2.5</parameter><parameter=y>1e3</parameter><parameter=flag>True</parameter>"
+        '<parameter=obj>{"a": [1]}</parameter><parameter=items>[1, 2]</parameter>'
+        "<parameter=gone>null</parameter><parameter=bad>many</parameter><parameter=z>nan</parameter>"
+        "<parameter=either>4</parameter><parameter=other>\n  spaced  \n</parameter></function>",
+        None,
+        [
+            (
+                "typed",
+                '{"code": "007", "n": -2, "x": 2.5, "y": 1000.0, "flag": true, "obj": {"a": [1]}, '
+                '"items": [1, 2], "gone": null, "bad": "many", "z": "nan", "either": 4, '
+                '"other": "  spaced  "}',
+            )
+        ],
+    ),
+    (QWEN, "<tool_call>\n<function=now>", None, [("now", "{}")]),  # cut: what there is
+    (QWEN, "plain <tool_call> text", "plain <tool_call> text", None),
+    (
+        GLM,
+        "Let me check.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>now</tool_call>",
+        "Let me check.",
+        [("weather", '{"city": "Oslo", "days": 3}'), ("now", "{}")],
+    ),
+    (  # GLM-4.7: no line breaks
+        GLM,
+        '<tool_call>typed<arg_key>obj</arg_key><arg_value>{"a": [1]}</arg_value>'
+        "<arg_key>code</arg_key><arg_value>007</arg_value></tool_call>",
+        None,
+        [("typed", '{"obj": {"a": [1]}, "code": "007"}')],
+    ),
+    (GLM, "<tool_call>", "<tool_call>", None),  # no name
+    (GLM, "no calls", "no calls", None),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), FORMAT_CASES)
 def test_each_format_gives_its_calls_and_the_text_around_them(parser, text: str, content, calls) -> None:
     reading = read(ToolMode("auto"), text, parser)
     assert reading.content == content
@@ -327,24 +326,74 @@ CALL_MARKS = (
     [Hermes(), Llama3Json(), Pythonic(), Granite(), Granite20bFc(), Mistral(), Qwen3Coder(), Glm45()],
 )
 @pytest.mark.parametrize("pieces", [1, 3, 7])
-def test_a_streamed_answer_sends_only_text_then_the_calls_whole(parser, pieces: int) -> None:
+def test_a_streamed_answer_sends_text_as_it_comes_and_no_call_as_text(parser, pieces: int) -> None:
     """Whatever pieces the answer comes in, the content sent as it comes plus the rest at the end
-    is the whole answer's content, and no part of a call is ever sent as text."""
+    is the whole answer's content, no part of a call is ever sent as text, and the calls sent
+    add up to the whole answer's."""
     for text in STREAMED:
         held = HeldAnswer(ToolMode("auto"), parser)
-        sent = "".join(held.add(text[i : i + pieces]) for i in range(0, len(text), pieces))
-        end = held.end()
+        sent, deltas = streamed(held, text, pieces)
+        end, more = held.end()
         whole = read(ToolMode("auto"), text, parser)
         assert not any(mark in sent for mark in CALL_MARKS) or whole.calls is None
         assert (sent + (end.content or "")).strip() == (whole.content or "").strip()
-        assert functions(end) == functions(whole) and end.finish == whole.finish
+        assert assembled(deltas + more) == functions(whole) and end.finish == whole.finish
+
+
+def streamed(held: HeldAnswer, text: str, pieces: int) -> tuple[str, list[dict]]:
+    """The content and the call deltas sent while `text` came in pieces of `pieces` characters."""
+    content, deltas = "", []
+    for i in range(0, len(text), pieces):
+        more, calls = held.add(text[i : i + pieces])
+        content, deltas = content + more, deltas + calls
+    return content, deltas
+
+
+def assembled(deltas: list[dict]) -> list[dict] | None:
+    """The calls OpenAI's call deltas make, as a client puts them together (None: none); each
+    call's first delta has its id, type and name, and every later one only its index."""
+    calls: list[dict] = []
+    for delta in deltas:
+        if delta["index"] == len(calls):
+            assert delta["id"].startswith("call_") and delta["type"] == "function"
+            assert delta["function"]["arguments"] == "" and delta["function"]["name"]
+            calls.append({"name": delta["function"]["name"], "arguments": ""})
+        else:
+            assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    return calls or None
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), FORMAT_CASES)
+@pytest.mark.parametrize("pieces", [1, 2, 5])
+def test_each_formats_calls_stream_as_they_are_written(
+    parser, text: str, content, calls, pieces: int
+) -> None:
+    """Each call goes out once its name is whole and its arguments as they settle (the formats
+    that can), always adding up to the whole answer's calls; the id of a call stays its own."""
+    held = HeldAnswer(ToolMode("auto"), parser)
+    sent, deltas = streamed(held, text, pieces)
+    end, more = held.end()
+    whole = read(ToolMode("auto"), text, parser)
+    assert (sent + (end.content or "")).strip() == (content or "").strip() and end.finish == whole.finish
+    if whole.calls is None:  # text after all (cut, or more than calls): a call begun stays as sent
+        assert not more
+        return
+    assert assembled(deltas + more) == functions(whole) == [{"name": n, "arguments": a} for n, a in calls]
+    ids = [d["id"] for d in deltas + more if "id" in d]
+    assert len(set(ids)) == len(calls)
+    if not isinstance(parser, Pythonic):  # the rest write their calls as they come
+        assert deltas, "the calls began before the answer ended"
 
 
 def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
     held = HeldAnswer(ToolMode("required"), None)
-    text = '[{"name": "now", "parameters": {}}]'
-    assert held.add(text[:5]) == "" and held.add(text[5:]) == ""
-    assert functions(held.end()) == [{"name": "now", "arguments": "{}"}]
+    text = '[{"name": "now", "parameters": {"a": "bc"}}, {"name": "weather", "parameters": {}}]'
+    content, deltas = streamed(held, text, 3)
+    end, more = held.end()
+    assert content == "" and end.content is None and end.finish == "tool_calls"
+    expected = [{"name": "now", "arguments": '{"a": "bc"}'}, {"name": "weather", "arguments": "{}"}]
+    assert assembled(deltas) == expected and not more  # the list's calls went out as they came
     assert parser_named(None) is None and isinstance(parser_named("hermes"), Hermes)
     assert isinstance(parser_named("llama3_json"), Llama3Json)
     assert isinstance(parser_named("pythonic"), Pythonic)
@@ -422,3 +471,37 @@ def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> Non
     assert skip(None, FORMATS["mistral"], tool_choice="none") is False
     assert skip(None, FORMATS["mistral"], tool_choice="required") is None
     assert skip(None, FORMATS["qwen3"], tool_choice="none") is None
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "arguments"),
+    [
+        (Hermes(), '<tool_call>{"name": "weather", "arguments": {"city":"Os', '{"city": "Os'),
+        (Hermes(), '<tool_call>{"arguments": {"days": 12', None),  # no name yet
+        (Hermes(), '<tool_call>{"name": "weather", "arguments": {"days": 12', '{"days": '),
+        (Llama3Json(), '{"name": "weather", "parameters": {"city": "Ro\\u00e9\\ud83d', '{"city": "Roé'),
+        (Mistral(), '[TOOL_CALLS]weather{"city": "Oslo", "d', '{"city": "Oslo", "d'),
+        (
+            QWEN,
+            "<function=weather>\n<parameter=city>\nline one\nline two\n</para",
+            '{"city": "line one\\nline two',
+        ),
+        (QWEN, "<function=weather>\n<parameter=days>\n12", '{"days": '),  # an integer: once whole
+        (
+            QWEN,
+            "<function=weather>\n<parameter=days>\n12\n</parameter>\n<parameter=city>O",
+            '{"days": 12, "city": "O',
+        ),
+        (GLM, "<tool_call>weather<arg_key>city</arg_key><arg_value>Ber", '{"city": "Ber'),
+    ],
+)
+def test_a_calls_arguments_go_out_as_they_settle(parser, text: str, arguments) -> None:
+    """Mid-answer, a call's arguments so far: strings as they come (an escape once whole, a line
+    break or the start of a closing tag held back), other values once whole."""
+    held = HeldAnswer(ToolMode("auto"), parser)
+    _, deltas = streamed(held, text, 1)
+    calls = assembled(deltas)
+    if arguments is None:
+        assert calls is None
+    else:
+        assert calls is not None and calls[-1]["arguments"] == arguments
