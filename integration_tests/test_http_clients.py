@@ -319,6 +319,46 @@ def test_openai_answers_through_the_models_parsers(parsing: Server, served: Serv
     assert not "".join(d.content or "" for d in deltas)
 
 
+def test_a_thinking_budget_through_the_launcher(parsing: Server) -> None:
+    """thinking_token_budget on a reasoning format the template opens (deepseek_r1): the tiny
+    model never closes its thinking, so after 3 tokens the closing marker's ids are forced and the
+    answer goes on from them: its ids equal the model's greedy continuation of the prompt, the 3
+    tokens and the closing ids (asked through /v1/completions with those token ids); streamed
+    alike."""
+    from tokenizers import Tokenizer
+
+    client = openai_client(parsing)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What time is it?"}]
+    ask = greedy_chat(parsing, messages=messages, max_tokens=10)
+    plain = ask(extra_body={"return_token_ids": True})
+    limited = ask(extra_body={"return_token_ids": True, "thinking_token_budget": 3})
+    ids = limited.choices[0].model_extra["token_ids"]
+    assert ids[:3] == plain.choices[0].model_extra["token_ids"][:3] and len(ids) == 10
+    tokenizer = Tokenizer.from_file(str(parsing.model_dir / "tokenizer.json"))
+    closing = tokenizer.encode("</think>", add_special_tokens=False).ids
+    assert ids[3 : 3 + len(closing)] == closing
+    prompt = limited.model_extra["prompt_token_ids"] + ids[: 3 + len(closing)]
+    rest = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=10 - len(prompt) + len(limited.model_extra["prompt_token_ids"]),
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert ids[3 + len(closing) :] == rest.choices[0].model_extra["token_ids"]
+    message = limited.choices[0].message
+    assert message.model_extra["reasoning_content"] == tokenizer.decode(ids[:3]) and message.content
+    streamed = [
+        c.choices[0].delta for c in ask(stream=True, extra_body={"thinking_token_budget": 3}) if c.choices
+    ]
+    reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in streamed)
+    assert (reasoning, "".join(d.content or "" for d in streamed)) == (
+        message.model_extra["reasoning_content"],
+        message.content,
+    )
+
+
 def test_openai_responses_api(served: Server, parsing: Server) -> None:
     """The Responses API through the openai client: the text is the chat door's greedy answer,
     unary and streamed (responses.stream's events); a named function's call comes as a

@@ -36,6 +36,7 @@ from router.core.capacity import CapacityError, capacity_for
 from router.core.detokenizer import Detokenizer
 from router.core.metrics import CONTENT_TYPE, Metrics
 from router.core.pacing import CPU_HIGH, IdleTimingSelector, StreamPacing, shares_cpus
+from router.core.thinking import ThinkingMarkers
 from router.core.tokenizer import TokenizerPool, load_tokenizer
 from router.core.validation import PrefixLengths, Validator
 from router.grpc.grpc_server import GenerationServicer
@@ -71,6 +72,17 @@ SERVER_STOP_GRACE_S = 1.0
 
 class StartupError(Exception):
     """The router cannot start; the message is the one-line reason."""
+
+
+def _thinking_markers(parser: str | None, pool: TokenizerPool, seq2seq: bool) -> ThinkingMarkers | None:
+    """The served reasoning format's markers as token ids, where a thinking budget can be held:
+    a REASONING_PARSER, and a decoder-only model (the request goes on from the closing ids)."""
+    fmt = reasoning_format(parser)
+    if fmt is None or seq2seq:
+        return None
+    return ThinkingMarkers.of(
+        fmt.opened_by_prompt, fmt.starts, fmt.ends, lambda texts: pool.encode_batch_sync(texts, special=False)
+    )
 
 
 def package_version() -> str:
@@ -221,6 +233,7 @@ async def build(config: RouterConfig, loop_idle_s: Callable[[], float] | None = 
         grammars=grammars_of(tokenizer.to_str(), info.vocab_size, info.eos_token_id),
         call_ends=_call_ends(detokenizer, config.max_decode_steps),
         by_priority=config.by_priority,
+        thinking=_thinking_markers(config.reasoning_parser, pool, info.seq2seq),
     )
     limiter = ConcurrencyLimiter(config.max_concurrent_requests)
     service = GenerationService(

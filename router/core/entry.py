@@ -23,6 +23,7 @@ from router.core.detokenizer import REPLACEMENT_CHAR, Detokenizer
 from router.core.output_text import OutputText
 from router.core.pacing import ONE_PER_TOKEN, StreamPacing
 from router.core.stopping import StopReason, check_stop
+from router.core.thinking import ThinkingWatch
 from router.core.validation import ValidatedRequest
 from text_generation_common.messages import GenerationRequest, TokenInfo
 
@@ -80,6 +81,7 @@ class Entry:
     _held_tokens: list[TokenInfo] = field(default_factory=list)  # streams: token details not sent yet
     _ends: Collection[int] | None = None  # the model's EOS ids and the request's stop ids, once joined
     preemptions: int = 0  # times it left the running batch for a request of a lower priority value
+    thinking: ThinkingWatch | None = None  # its thinking, where the request limits it
 
     @property
     def finished(self) -> bool:
@@ -102,6 +104,8 @@ class Entry:
         if self.started_at is not None:
             return
         self.started_at = now
+        if self.request.thinking is not None:
+            self.thinking = ThinkingWatch(self.request.thinking)
         st = self.request.stopping
         if self.stream or st.stop_sequences:
             decoding = detokenizer.variant(self.request.response.skip_special_tokens)
@@ -123,11 +127,22 @@ class Entry:
         assert self.preemptible
         self.preemptions += 1
 
+    def end_thinking(self, detokenizer: Detokenizer, now: float) -> bool:
+        """Its thinking reached its budget: the format's closing ids are its next tokens (given
+        here, as if generated); it then goes on from them (resumed). True when that finished it
+        (max_new_tokens)."""
+        assert self.thinking is not None and self.thinking.over
+        for token_id in self.thinking.closing:
+            if self.on_token(TokenInfo(token_id), (), detokenizer, now):
+                return True
+        return False
+
     def shard_request(self) -> GenerationRequest:
-        """What the shard is sent to run it: the request, or (resumed) the request with the ids
-        generated so far, computed after the prompt, and no prompt details again."""
+        """What the shard is sent to run it: the request, or (resumed: preempted, or its thinking
+        ended) the request with the ids generated so far, computed after the prompt, and no
+        prompt details again."""
         request = self.request.shard_request(self.id)
-        if not self.preemptions:
+        if not self.generated:
             return request
         details = replace(request.details, input_tokens=False)
         return replace(request, generated_ids=tuple(self.token_ids), details=details)
@@ -159,6 +174,8 @@ class Entry:
             self.token_ids.append(token.token_id)
             if self._text is not None:
                 new_chars = self._text.push(token.token_id)
+            if self.thinking is not None:
+                self.thinking.feed(self.token_ids)
         st = self.request.stopping
         reason = check_stop(
             generated=self.generated,

@@ -23,6 +23,7 @@ from router.core.call_ends import CallEnds
 from router.core.capacity import Capacity, Load
 from router.core.input_bound import min_tokens
 from router.core.metrics import Metrics
+from router.core.thinking import ThinkingBudget, ThinkingMarkers
 from router.core.tokenizer import TokenizerError, TokenizerPool
 from text_generation_common.guided import UNAVAILABLE, Grammars, GuidedError
 from text_generation_common.logs import clip
@@ -62,6 +63,9 @@ class UnknownAdapterError(ValidationError):
     TGIS answers; the OpenAI door, where the id is the request's `model`, answers 404)."""
 
 
+THINKING_OFF_MESSAGE = (
+    "thinking_token_budget needs the server started with --reasoning-parser, serving a decoder-only model"
+)
 PRIORITY_OFF_MESSAGE = (
     "priority is not served by this server's scheduling policy (fcfs): start it with "
     "--scheduling-policy priority"
@@ -110,6 +114,7 @@ class ValidatedRequest:
     call_end_ids: frozenset[int] = frozenset()  # tokens that may complete a stop sequence (call_ends.py)
     priority: int = 0  # SCHEDULING_POLICY=priority: waits behind the lower values
     cache_salt: str = ""  # vLLM's: no prefix-cache blocks shared with other salts
+    thinking: ThinkingBudget | None = None  # a limit on a reasoning model's thinking (thinking.py)
 
     @property
     def adapter(self) -> str:
@@ -156,6 +161,9 @@ class RequestParams:
     bad_words: tuple[str, ...] = ()
     # vLLM's cache_salt: the request's prompt shares prefix-cache blocks only with the same salt
     cache_salt: str = ""
+    # vLLM's thinking_token_budget (Anthropic's thinking.budget_tokens): the most tokens a
+    # reasoning model thinks before its thinking is ended for it (thinking.py); None: no limit
+    thinking_budget: int | None = None
 
 
 def http_sampling(
@@ -326,10 +334,13 @@ class Validator:
         grammars: Grammars | None = None,
         call_ends: CallEnds | None = None,
         by_priority: bool = False,
+        thinking: ThinkingMarkers | None = None,
     ) -> None:
         """`vocab_size`: the model's logits; `call_ends`: where decode calls run several steps,
         the tokens each request's stop sequences give the shard to end a call on (None: none);
-        `by_priority`: SCHEDULING_POLICY=priority (else a priority other than 0 is refused)."""
+        `by_priority`: SCHEDULING_POLICY=priority (else a priority other than 0 is refused);
+        `thinking`: the served reasoning format's markers, where a thinking budget can be held
+        (None: a budget is refused)."""
         self.tokenizer = tokenizer
         self.call_ends = call_ends
         self.grammars = grammars  # guided decoding over the model's tokenizer (None: not offered)
@@ -340,6 +351,7 @@ class Validator:
         self.max_new_tokens = max_new_tokens
         self.vocab_size = vocab_size
         self.by_priority = by_priority
+        self.thinking = thinking
 
     async def validate(
         self,
@@ -359,6 +371,7 @@ class Validator:
             raise ValidationError(PRIORITY_OFF_MESSAGE)
         if p.priority is not None and not -PRIORITY_BOUND < p.priority < PRIORITY_BOUND:
             raise ValidationError(f"priority must be > -{PRIORITY_BOUND} and < {PRIORITY_BOUND}")
+        thinking = self._thinking(p)
         if p.sampling.guided is not None:
             await self._check_guided(p.sampling.guided)
         if p.bad_words:
@@ -398,9 +411,15 @@ class Validator:
             text, ids = (given, next(remaining)) if isinstance(given, str) else ("", self._token_ids(given))
             finished = self._finish(text, ids, p, prefix_id, prefix_length, received_at, deadline)
             validated.append(replace(finished, call_end_ids=call_end_ids))
-        if adapter_id or p.priority or p.cache_salt:
+        if adapter_id or p.priority or p.cache_salt or thinking:
             validated = [
-                replace(v, adapter_id=adapter_id, priority=p.priority or 0, cache_salt=p.cache_salt)
+                replace(
+                    v,
+                    adapter_id=adapter_id,
+                    priority=p.priority or 0,
+                    cache_salt=p.cache_salt,
+                    thinking=thinking,
+                )
                 for v in validated
             ]
         for v in validated:
@@ -408,6 +427,17 @@ class Validator:
             self.metrics.observe("tgi_request_max_new_tokens", p.stopping.max_new_tokens)
         self.metrics.observe("tgi_request_validation_duration", time.monotonic() - received_at)
         return validated
+
+    def _thinking(self, p: RequestParams) -> ThinkingBudget | None:
+        """The request's thinking budget; none where it asks for none, or where guided decoding
+        constrains its whole answer (it then thinks not at all)."""
+        if p.thinking_budget is None:
+            return None
+        if self.thinking is None:
+            raise ValidationError(THINKING_OFF_MESSAGE)
+        if p.thinking_budget < 1:
+            raise ValidationError(f"thinking_token_budget must be >= 1, got {p.thinking_budget}")
+        return ThinkingBudget(p.thinking_budget, self.thinking) if p.sampling.guided is None else None
 
     async def _bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as the token sequences the shard bans: each word as written (less

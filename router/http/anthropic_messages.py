@@ -13,7 +13,8 @@ least one call, tool: that one, none; `disable_parallel_tool_use`), `max_tokens`
 `extra_body`), `metadata.user_id`, `output_config` (`effort`: the chat template's
 reasoning_effort; `format` json_schema: guided decoding), `thinking` (`type` enabled or adaptive
 / disabled turns the chat template's thinking switches on / off: Qwen3's `enable_thinking`,
-Granite's and DeepSeek's `thinking`; budgets have no effect). Output blocks: thinking (where
+Granite's and DeepSeek's `thinking`; with REASONING_PARSER, `budget_tokens` caps the thinking
+as the chat door's `thinking_token_budget` does). Output blocks: thinking (where
 REASONING_PARSER splits the answer), text, tool_use; `stop_reason` end_turn, max_tokens,
 stop_sequence (with `stop_sequence`) or tool_use. `cache_control` marks are accepted (the
 prefix cache needs none), as are `service_tier`, `speed`, `inference_geo`, `diagnostics`,
@@ -81,7 +82,8 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     # effort: the chat template's reasoning_effort; format: guided decoding by its JSON Schema
     output_config: dict[str, Any] | None = None
-    # type enabled / adaptive / disabled: the chat template's thinking switches (budgets: no effect)
+    # type enabled / adaptive / disabled: the chat template's thinking switches; budget_tokens: the
+    # most the thinking may take, where the server reads the model's thinking (REASONING_PARSER)
     thinking: dict[str, Any] | None = None
     # accepted, no effect here (the prefix cache needs no marks; one tier, one place, one speed)
     cache_control: dict[str, Any] | None = None
@@ -129,7 +131,7 @@ class MessagesApi:
 
     async def create(self, body: MessagesRequest, request: Request) -> Response:
         try:
-            chat = chat_request(body)
+            chat = chat_request(body, budgets=self.openai.reasoning is not None)
         except ValidationError as exc:
             return self._refused(request, str(exc), body.stream)
         except BodyError as exc:
@@ -173,7 +175,7 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-def chat_request(body: MessagesRequest) -> ChatRequest:
+def chat_request(body: MessagesRequest, *, budgets: bool = False) -> ChatRequest:
     """The chat call of a Messages request (ValidationError for what is not served; pydantic's
     ValidationError for what the chat request's own model refuses)."""
     for what, given in (
@@ -211,6 +213,8 @@ def chat_request(body: MessagesRequest) -> ChatRequest:
     if (switch := THINKING.get(str((body.thinking or {}).get("type")))) is not None:
         # the switches chat templates read: Qwen3's enable_thinking, Granite's and DeepSeek's thinking
         variables |= {"enable_thinking": switch, "thinking": switch}
+        if switch and budgets:  # a server that reads the model's thinking holds it to the budget
+            fields["thinking_token_budget"] = (body.thinking or {}).get("budget_tokens")
     if variables:
         fields["chat_template_kwargs"] = variables
     if (fmt := output.get("format")) is not None:

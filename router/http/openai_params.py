@@ -8,7 +8,8 @@ text, max_tokens up to the server's MAX_NEW_TOKENS when unset, `presence_penalty
 Extensions as vLLM accepts them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `truncate_prompt_tokens`, `stop_token_ids`, `allowed_token_ids`, `ignore_eos` (the model's EOS
 is masked until max_tokens), `include_stop_str_in_output`, `skip_special_tokens`, `priority`,
-`return_token_ids`, `structured_outputs` and the older guided_* fields. `logit_bias` ({token id:
+`return_token_ids`, `structured_outputs` and the older guided_* fields, and the chat's
+`thinking_token_budget` (router/core/thinking.py). `logit_bias` ({token id:
 -100 to 100}) is added to the logits before any other processing, as vLLM does. `tools` and
 `tool_choice`: openai_tools.py. Parameters that would change the answer and are not served
 (response formats other than text, suffix, best_of > 1) are refused with 400; metadata fields
@@ -175,6 +176,11 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    thinking_token_budget: int | None = Field(
+        default=None,
+        description="the most tokens a reasoning model thinks before its thinking is ended for it "
+        "(vLLM's; needs REASONING_PARSER)",
+    )
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -391,4 +397,5 @@ def request_params(
         priority=body.priority,
         bad_words=tuple(body.bad_words or ()),
         cache_salt=body.cache_salt or "",
+        thinking_budget=getattr(body, "thinking_token_budget", None),
     )

@@ -115,13 +115,17 @@ class RunningBatch:
     batch_id: int
     entries: list[Entry]
     completed: list[int] = field(default_factory=list)
-
-    @property
-    def all_completed(self) -> bool:
-        return len(self.completed) == len(self.entries)
+    # ids of requests that left the batch to run again later (preempted, or their thinking
+    # ended), their entries no longer here: an entry gets a new id when it runs again
+    left: list[int] = field(default_factory=list)
 
     def ref(self) -> CachedBatchRef:
-        return CachedBatchRef(self.batch_id, tuple(self.completed))
+        return CachedBatchRef(self.batch_id, (*self.completed, *self.left))
+
+    def leave(self, entries: Sequence[Entry]) -> None:
+        """`entries` leave the batch (the shard drops them at the next call)."""
+        self.left += [e.id for e in entries]
+        self.entries = [e for e in self.entries if e not in entries]
 
     def live(self) -> list[Entry]:
         """The entries not marked completed."""
@@ -249,6 +253,7 @@ class Batcher:
         unprocessed: _Step | None = None
         while current is not None:
             await self._run_probes()
+            resumed = self._end_thinking(current, unprocessed)  # before their step's tokens count
             if unprocessed is not None:
                 current.completed.extend(self._surely_finished(unprocessed, current))
             if self.preemption:
@@ -262,7 +267,7 @@ class Batcher:
             group = [current]
             now = time.monotonic()
             if self.join_in_step:
-                need = self._join_size(len(live), steps_since_join) if self.eager_joins else 1
+                need = self._join_size(len(live), steps_since_join) if self.eager_joins and not resumed else 1
                 if need == 1 and live:
                     live, unprocessed = self._make_room(current, live, unprocessed)
                 join = self.queue.next_batch(live, need) if live else None
@@ -270,8 +275,8 @@ class Batcher:
                 current, unprocessed = await self._decode(group, unprocessed, join)
                 steps_since_join += 1
                 continue
-            if remaining >= 2 and (earliest_next_join is None or now > earliest_next_join):
-                need = self._join_size(len(live), steps_since_join)
+            if resumed or (remaining >= 2 and (earliest_next_join is None or now > earliest_next_join)):
+                need = 1 if resumed else self._join_size(len(live), steps_since_join)
                 if need == 1:
                     live, unprocessed = self._make_room(current, live, unprocessed)
                 entries = self.queue.next_batch(live, need)
@@ -280,7 +285,7 @@ class Batcher:
                         current.completed.extend(self._late_finishers(self._hand_out(unprocessed), current))
                         unprocessed = None
                     start = time.monotonic()
-                    to_prune = [current] if current.completed else []
+                    to_prune = [current] if current.completed or current.left else []
                     added, pruned = await self._prefill(entries, to_prune)
                     took = time.monotonic() - start
                     if pruned and to_prune:
@@ -298,6 +303,22 @@ class Batcher:
             steps_since_join += 1
         if unprocessed is not None:
             self._hand_out(unprocessed)
+
+    def _end_thinking(self, current: RunningBatch, unprocessed: _Step | None) -> bool:
+        """End the thinking of the running requests that have thought their budget (thinking.py):
+        the closing ids are given to them here, and each leaves the batch at the next call, to
+        join again at once, resumed from its ids. A token of theirs in the step not handed out
+        yet is dropped (one past the budget). True when any is to join again."""
+        over = [e for e in current.live() if e.thinking is not None and e.thinking.over]
+        if not over:
+            return False
+        if unprocessed is not None:
+            unprocessed.entries = [e for e in unprocessed.entries if e not in over]
+        now = time.monotonic()
+        current.leave(over)
+        again = [e for e in over if not e.end_thinking(self.detokenizer, now)]
+        self.queue.requeue(again)
+        return bool(again)
 
     def _make_room(
         self, current: RunningBatch, live: list[Entry], unprocessed: _Step | None
@@ -324,7 +345,7 @@ class Batcher:
                 entry.request.priority,
                 entry.generated,
             )
-        current.completed.extend(e.id for e in victims)
+        current.leave(victims)
         self.queue.requeue(victims)
         self.metrics.inc("tgi_request_preemption", len(victims))
         return current.live(), None
@@ -339,7 +360,7 @@ class Batcher:
         if self.pacing.step():
             self.metrics.set("tgi_stream_interval", self.pacing.interval)
         entries = [e for b in group for e in b.live()] + (join or [])
-        steps = self._steps(entries)
+        steps = self._steps(entries, unprocessed)
         name = 0
         if steps >= NAMED_CALL_STEPS:
             self._calls += 1
@@ -389,13 +410,21 @@ class Batcher:
             await self.client.end_steps(name)
         return await call
 
-    def _steps(self, entries: Sequence[Entry]) -> int:
-        """The decode steps the next call over `entries` asks for (module docstring)."""
+    def _steps(self, entries: Sequence[Entry], unprocessed: _Step | None = None) -> int:
+        """The decode steps the next call over `entries` asks for (module docstring): none past
+        a request's thinking budget, counting the tokens of `unprocessed` it has not had yet."""
         if self.max_decode_steps <= 1 or self.step_s is None or len(self.queue) or self._probes:
             return 1
         if any(e.last_token_at is None for e in entries):  # joining, or a prompt still computed
             return 1
-        return steps_that_fit(self.step_s, self.max_decode_steps, self.max_decode_call_s)
+        steps = steps_that_fit(self.step_s, self.max_decode_steps, self.max_decode_call_s)
+        thinking = [
+            (e.id, left) for e in entries if e.thinking is not None and (left := e.thinking.left) is not None
+        ]
+        if not thinking:
+            return steps
+        coming = Counter(g.request_id for g in unprocessed.output.generations) if unprocessed else Counter()
+        return max(1, min(steps, *(left - coming[i] for i, left in thinking)))
 
     @staticmethod
     def _late_finishers(finished: Sequence[int], batch: RunningBatch) -> list[int]:

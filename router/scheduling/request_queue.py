@@ -155,12 +155,13 @@ class RequestQueue:
         self._changed.set()
 
     def take_expired(self, now: float) -> list[Entry]:
-        """Take out the preempted entries whose deadline passed while they waited again (the
-        batcher ends them with what they generated; the servicer expires the others)."""
+        """Take out the entries that ran before (preempted) whose deadline passed while they
+        waited again (the batcher ends them with what they generated; the servicer expires the
+        others)."""
         expired = [
             e
             for e in self._entries
-            if e.preemptions and e.request.deadline is not None and now > e.request.deadline
+            if e.started_at is not None and e.request.deadline is not None and now > e.request.deadline
         ]
         for entry in expired:
             self._entries.remove(entry)
@@ -246,7 +247,7 @@ class RequestQueue:
         now = time.monotonic()
         for entry in chosen:
             self._entries.remove(entry)
-            if not entry.preemptions:  # a resumed one's first wait was observed
+            if entry.started_at is None:  # a resumed one's first wait was observed
                 self.metrics.observe("tgi_request_queue_duration", now - entry.queued_at)
         self._sized()
         return chosen

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from router.core.tokenizer import TokenizerPool, load_tokenizer
+from tests.router.harness import make_harness  # noqa: F401 (a fixture: the batcher over a fake shard)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ slow clients, disconnects that must free their slot)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import socket
@@ -1224,6 +1225,49 @@ async def test_openai_chat_answers_a_reasoning_models_thinking_apart(
     stack.service.validator.grammars = Grammars(tokenizer_json, 2000, EOS)
     status, unary = await post(stack, chat, {**body, "response_format": {"type": "json_object"}})
     assert unary["choices"][0]["message"] == {"role": "assistant", "content": '"<think>x</think>"'}
+    await stack.settled()
+
+
+async def test_a_thinking_budget_ends_a_reasoning_models_thinking_for_it(
+    stack: Stack, tokenizer_pool
+) -> None:
+    """thinking_token_budget (and Anthropic's thinking.budget_tokens): after that many tokens of
+    thinking that does not close, the closing marker is the answer's next text, and the answer
+    goes on after it: reasoning_content is the budget's tokens, unary and streamed alike. Without
+    REASONING_PARSER the chat door refuses a budget, and the Messages door leaves it out."""
+    from router.core.thinking import ThinkingMarkers
+
+    chat = "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0}
+    status, refused = await post(stack, chat, {**body, "thinking_token_budget": 3})
+    assert status == 400 and "--reasoning-parser" in refused["error"]["message"]
+    fmt = FORMATS["deepseek_r1"]  # the template opens the thinking: the answer thinks from its start
+    stack.openai.reasoning = fmt
+    encode = functools.partial(tokenizer_pool.encode_batch_sync, special=False)
+    stack.service.validator.thinking = ThinkingMarkers.of(fmt.opened_by_prompt, fmt.starts, fmt.ends, encode)
+    ids = encode(["a long thought that goes on and on and never ends at all"])[0]
+    stack.shard.script = lambda request, step: ids[step] if step < len(ids) else EOS
+    closing = encode(["</think>"])[0]
+    status, unary = await post(stack, chat, {**body, "thinking_token_budget": 3})
+    assert status == 200, unary
+    message = unary["choices"][0]["message"]
+    decode = tokenizer_pool.tokenizer.decode
+    assert message["reasoning_content"] == decode(ids[:3])
+    assert message["content"] == decode(ids[:3] + closing + ids[3 + len(closing) : 12]).split("</think>")[1]
+    assert unary["usage"]["completion_tokens"] == 12
+    events = await sse_events(stack, {**body, "thinking_token_budget": 3, "stream": True}, path=chat)
+    deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    plain = (await post(stack, chat, body))[1]["choices"][0]["message"]
+    assert plain["reasoning_content"] == decode(ids[:12]) and not plain["content"]  # no budget: all thought
+    messages = {"model": "tiny", "max_tokens": 12, "messages": body["messages"], "temperature": 0}
+    thinking = {"type": "enabled", "budget_tokens": 3}
+    status, answer = await post(stack, "/v1/messages", {**messages, "thinking": thinking})
+    assert status == 200, answer
+    blocks = {b["type"]: b for b in answer["content"]}
+    assert blocks["thinking"]["thinking"] == message["reasoning_content"]
+    assert blocks["text"]["text"] == message["content"]
     await stack.settled()
 
 

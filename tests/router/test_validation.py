@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import time
@@ -475,6 +476,29 @@ async def test_a_priority_needs_the_priority_policy_and_a_bounded_value(validato
     assert await priority_of(-7) == -7 and await priority_of(2**31 - 1) == 2**31 - 1
     with pytest.raises(ValidationError, match=r"^priority must be > -2147483648 and < 2147483648$"):
         await priority_of(2**31)
+
+
+async def test_a_thinking_budget_needs_a_reasoning_format_and_holds_free_answers(
+    validator: Validator,
+) -> None:
+    from router.core.thinking import ThinkingBudget, ThinkingMarkers
+    from router.core.validation import THINKING_OFF_MESSAGE
+
+    async def thinking_of(budget: int | None, guided: Guided | None = None) -> ThinkingBudget | None:
+        params = RequestParams(sampling=SamplingParams(guided=guided), thinking_budget=budget)
+        (v,) = await Validator.validate(validator, ["hi"], params, "", time.monotonic())
+        return v.thinking
+
+    assert await thinking_of(None) is None
+    with pytest.raises(ValidationError, match=re.escape(THINKING_OFF_MESSAGE)):
+        await thinking_of(5)
+    markers = ThinkingMarkers(True, ((1,),), ((2,),))
+    validator.thinking = markers
+    assert await thinking_of(5) == ThinkingBudget(5, markers)
+    validator._check_guided = lambda guided: asyncio.sleep(0)  # type: ignore[method-assign]
+    assert await thinking_of(5, Guided(GuidedKind.JSON)) is None  # a constrained answer thinks not
+    with pytest.raises(ValidationError, match=r"^thinking_token_budget must be >= 1, got 0$"):
+        await thinking_of(0)
 
 
 async def test_bad_words_become_the_token_sequences_vllm_bans(validator: Validator, tokenizer_pool) -> None:
