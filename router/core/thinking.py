@@ -63,10 +63,12 @@ class ThinkingWatch:
     def __init__(self, limit: ThinkingBudget) -> None:
         self.limit = limit
         self.phase = Phase.OPEN if limit.markers.opened_by_prompt else Phase.UNDECIDED
-        self.thought = 0  # tokens of thinking so far
+        self.seen = 0  # tokens of the answer so far
+        self.thought = 0  # of them, thinking
 
     def feed(self, ids: Sequence[int]) -> None:
         markers = self.limit.markers
+        self.seen = len(ids)
         if self.phase is Phase.UNDECIDED:
             if any(tuple(ids[: len(start)]) == start for start in markers.starts):
                 self.phase = Phase.OPEN
@@ -84,8 +86,10 @@ class ThinkingWatch:
 
     @property
     def left(self) -> int | None:
-        """Tokens it may still think (None: not thinking, or not yet)."""
-        return self.limit.budget - self.thought if self.phase is Phase.OPEN else None
+        """Tokens it may still think, where it thinks or may begin to (None: it does not)."""
+        if self.phase is Phase.DONE:
+            return None
+        return self.limit.budget - (self.thought if self.phase is Phase.OPEN else self.seen)
 
     @property
     def closing(self) -> tuple[int, ...]:

@@ -26,11 +26,12 @@ chunked prefill get MAX_BATCH_PREFILL_TOKENS as the per-step prompt-token budget
 
 Preemption (SCHEDULING_POLICY=priority, decoder-only models): before a join, running requests
 that the queue names (`RequestQueue.victims`) make room for the first waiting request of a
-lower priority value: their entries keep their text and stop state and are marked completed,
-so the shard drops them at the next call, and wait again; once taken back they are sent with
-the ids they generated (`GenerationRequest.generated_ids`), which the shard computes after the
-prompt, going on as if they had never stopped. A deadline that passes while they wait ends
-them with what they generated.
+lower priority value: their entries keep their text and stop state and leave the batch (the
+shard drops them at the next call), and wait again; once taken back they are sent with the ids
+they generated (`GenerationRequest.generated_ids`), which the shard computes after the prompt,
+going on as if they had never stopped. A deadline that passes while they wait ends them with
+what they generated. A request whose thinking reached its budget (router/core/thinking.py)
+leaves and comes back the same way, at once, with the closing marker's ids added.
 
 The batcher is the one owner of model calls: the /health deep check's one-token prefill
 (`probe`) runs between the loop's own calls, so every shard (every tensor-parallel rank) sees
