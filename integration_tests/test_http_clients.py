@@ -357,6 +357,19 @@ def test_a_thinking_budget_through_the_launcher(parsing: Server) -> None:
         message.model_extra["reasoning_content"],
         message.content,
     )
+    # a JSON Schema shapes the answer after the thinking, which the budget ends (vLLM's
+    # structured outputs with a reasoning parser): free thought, then the schema's JSON
+    shaped = (
+        ask(
+            max_tokens=60,
+            response_format={"type": "json_schema", "json_schema": {"name": "digit", "schema": DIGIT}},
+            extra_body={"thinking_token_budget": 3},
+        )
+        .choices[0]
+        .message
+    )
+    assert shaped.model_extra["reasoning_content"] == message.model_extra["reasoning_content"]
+    assert set(json.loads(shaped.content)) == {"n"}
 
 
 def test_openai_responses_api(served: Server, parsing: Server) -> None:

@@ -18,7 +18,13 @@ from tokenizers import Tokenizer
 from tests.engines.conformance import Runner, alone
 from text_generation_common import guided as guided_module
 from text_generation_common.guided import Grammars, GuidedError
-from text_generation_common.messages import GenerationRequest, Guided, GuidedKind, SamplingParams
+from text_generation_common.messages import (
+    GenerationRequest,
+    Guided,
+    GuidedKind,
+    SamplingParams,
+    ThinkingMarks,
+)
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines import get_engine_class
 
@@ -146,6 +152,54 @@ def test_a_hundred_seeded_samples_of_a_nested_schema_validate(tiny_model) -> Non
         assert ended, text
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len({tuple(ids) for ids in out.values()}) > 50  # sampled: not one answer repeated
+
+
+OPENED = ThinkingMarks(True, ("<think>",), ("</think>",))  # deepseek_r1's: the prompt opens the thinking
+ANSWER_OPENS = ThinkingMarks(False, ("<think>",), ("</think>",))  # qwen3's: the answer may open it
+
+
+@pytest.mark.parametrize("kind", sorted(GUIDED))
+def test_a_constraint_after_thinking_leaves_the_thinking_free_and_holds_the_answer(
+    kind: str, tiny_model
+) -> None:
+    """A reasoning model's answer is constrained after its thinking (as vLLM applies structured
+    outputs with a reasoning parser): the thinking is free text up to its closing marker, the
+    answer after it satisfies the constraint. Generated on a request resumed after it thought and
+    closed (the tiny model never closes on its own); matched for an answer that may open its
+    thinking or answer at once."""
+    model_dir = tiny_model("llama")
+    e = engine("tgis_native", model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    eos = e.info.eos_token_id
+    thought = tuple(tokenizer.encode("free words, no rules</think>", add_special_tokens=False).ids)
+    prompt = tuple(tokenizer.encode("Hello world, here is the answer:").ids)
+    after = replace(GUIDED[kind], after_thinking=OPENED)
+    resumed = GenerationRequest(1, prompt, 90, params=SamplingParams(guided=after), generated_ids=thought)
+    answer = alone(e, resumed)
+    assert satisfies(kind, *text_of(tokenizer, answer, eos), e.context.grammars, answer), kind
+    grammars = e.context.grammars
+    assert grammars is not None
+    valid = VALID_ANSWERS[kind]
+    opens = replace(after, after_thinking=ANSWER_OPENS)
+
+    def accepted(guided: Guided, text: str) -> bool:
+        matcher = grammars.matcher(guided)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        return bool(matcher.consume_tokens(ids)) and not matcher.is_error() and matcher.is_accepting()
+
+    assert not accepted(after, f"any words{valid}")  # thinking until it closes
+    assert accepted(after, f"any words</think>{valid}") and not accepted(after, "any words</think>x")
+    assert accepted(opens, valid) and accepted(opens, f"<think>free</think>{valid}")  # opened or not
+    assert not accepted(opens, "x") and not accepted(opens, "<think>free</think>x")
+
+
+VALID_ANSWERS = {  # one answer of each constraint, as the compact JSON layout writes it
+    "json_schema": '{"name": "a", "age": 1, "role": "user", "address": {"zip": "12345"}}',
+    "regex": "123-4567",
+    "choice": "maybe",
+    "grammar": "1+22",
+    "json": '{"a": [1]}',
+}
 
 
 def test_min_new_tokens_gives_way_to_a_completed_grammar(tiny_model) -> None:

@@ -32,6 +32,7 @@ from text_generation_common.messages import (
     SamplingParams,
     Speculation,
     StepOutput,
+    ThinkingMarks,
     TokenInfo,
     TopToken,
     WeightBudget,
@@ -76,11 +77,19 @@ def sampling_params_from_pb(p: pb.NextTokenChooserParameters) -> SamplingParams:
             if p.HasField("length_penalty")
             else None
         ),
-        guided=(
-            Guided(GuidedKind(p.guided.kind), p.guided.spec, tuple(p.guided.choices))
-            if p.HasField("guided")
-            else None
-        ),
+        guided=guided_from_pb(p.guided) if p.HasField("guided") else None,
+    )
+
+
+def guided_from_pb(g: pb.Guided) -> Guided:
+    marks = g.after_thinking
+    return Guided(
+        GuidedKind(g.kind),
+        g.spec,
+        tuple(g.choices),
+        ThinkingMarks(marks.opened_by_prompt, tuple(marks.starts), tuple(marks.ends))
+        if g.HasField("after_thinking")
+        else None,
     )
 
 
@@ -215,6 +224,10 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.NextTokenChooserParameters:
         out.guided.kind = p.guided.kind.value
         out.guided.spec = p.guided.spec
         out.guided.choices.extend(p.guided.choices)
+        if (marks := p.guided.after_thinking) is not None:
+            out.guided.after_thinking.opened_by_prompt = marks.opened_by_prompt
+            out.guided.after_thinking.starts.extend(marks.starts)
+            out.guided.after_thinking.ends.extend(marks.ends)
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from text_generation_common.messages import Guided, GuidedKind
+from text_generation_common.messages import Guided, GuidedKind, ThinkingMarks
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,33 @@ def _first_line(text: str) -> str:
 
 
 def grammar_text(guided: Guided) -> str:
-    """The llguidance grammar of a constraint; GuidedError when it does not parse."""
+    """The llguidance grammar of a constraint (after a reasoning model's thinking, where it says
+    so); GuidedError when it does not parse."""
+    answer = _answer_grammar(guided)
+    return answer if guided.after_thinking is None else after_thinking(answer, guided.after_thinking)
+
+
+def after_thinking(answer: str, marks: ThinkingMarks) -> str:
+    """The grammar of an output that thinks freely, then answers as `answer` (an llguidance
+    grammar, of either form `grammar_from` gives) says: the thinking runs to the first closing
+    marker, from the first token where the prompt opens it, else from an opening marker (an
+    output without one answers at once), as vLLM applies a constraint after the reasoning."""
+    try:
+        parts = json.loads(answer)["grammars"]
+    except ValueError:  # Lark text
+        parts = [{"lark_grammar": answer}]
+    ends = "|".join(re.escape(end).replace("/", "\\/") for end in marks.ends)
+    thinking = f"think[stop=/{ends}/]: /(.|\\n)*/\n"
+    if marks.opened_by_prompt:
+        start = "start: think @answer\n"
+    else:
+        opening = " | ".join(json.dumps(s) for s in marks.starts)
+        start = f"start: ({opening}) think @answer | @answer\n"
+    grammars = [{"lark_grammar": start + thinking}, {**parts[0], "name": "answer"}, *parts[1:]]
+    return json.dumps({"grammars": grammars})
+
+
+def _answer_grammar(guided: Guided) -> str:
     import llguidance
 
     kind = guided.kind
@@ -118,7 +145,7 @@ class Grammars:
         self.eos_token_id = eos_token_id
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
         self.limits = llguidance.LLParserLimits()
-        self._pristine: OrderedDict[tuple[str, str, tuple[str, ...]], _Compiled] = OrderedDict()
+        self._pristine: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
 
     def check(self, guided: Guided) -> None:
@@ -156,7 +183,7 @@ class Grammars:
         size = len(guided.spec.encode()) + sum(len(c.encode()) for c in guided.choices)
         if size > MAX_SPEC_BYTES:
             raise GuidedError(f"{size} bytes long, more than the {MAX_SPEC_BYTES} allowed")
-        key = (guided.kind.value, guided.spec, guided.choices)
+        key = (guided.kind.value, guided.spec, guided.choices, guided.after_thinking)
         with self._lock:
             found = self._pristine.get(key)
             if found is not None:

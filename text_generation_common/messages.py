@@ -36,12 +36,24 @@ class GuidedKind(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class ThinkingMarks:
+    """How a reasoning model's thinking opens (any of `starts`, or the prompt opens it) and
+    closes (any of `ends`), as text."""
+
+    opened_by_prompt: bool
+    starts: tuple[str, ...]
+    ends: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Guided:
-    """A constraint on a request's generated text (checked by the router, applied by the shard)."""
+    """A constraint on a request's generated text (checked by the router, applied by the shard);
+    with `after_thinking`, on the answer after a reasoning model's thinking (which is free)."""
 
     kind: GuidedKind
     spec: str = ""
     choices: tuple[str, ...] = ()
+    after_thinking: ThinkingMarks | None = None
 
 
 @dataclass(frozen=True, slots=True)

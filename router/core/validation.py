@@ -430,14 +430,18 @@ class Validator:
 
     def _thinking(self, p: RequestParams) -> ThinkingBudget | None:
         """The request's thinking budget; none where it asks for none, or where guided decoding
-        constrains its whole answer (it then thinks not at all)."""
+        constrains its whole output (it then thinks not at all; a constraint on the answer after
+        the thinking leaves the thinking to the budget)."""
         if p.thinking_budget is None:
             return None
         if self.thinking is None:
             raise ValidationError(THINKING_OFF_MESSAGE)
         if p.thinking_budget < 1:
             raise ValidationError(f"thinking_token_budget must be >= 1, got {p.thinking_budget}")
-        return ThinkingBudget(p.thinking_budget, self.thinking) if p.sampling.guided is None else None
+        guided = p.sampling.guided
+        if guided is not None and guided.after_thinking is None:
+            return None
+        return ThinkingBudget(p.thinking_budget, self.thinking)
 
     async def _bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as the token sequences the shard bans: each word as written (less

@@ -423,8 +423,8 @@ class OpenAIApi:
             as_ids=body.return_tokens_as_token_ids,
             tools=tools,
             parser=self._parser_for(body, tools),
-            # a constrained answer (guided decoding, a forced call) is all answer
-            reasoning=self.reasoning if kind == "chat" and params.sampling.guided is None else None,
+            # a chat's thinking is read apart (a constraint shapes the answer after it)
+            reasoning=self.reasoning if kind == "chat" else None,
         )
         if body.stream:
             options = body.stream_options or StreamOptions()

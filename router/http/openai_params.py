@@ -37,7 +37,7 @@ from router.http.openai_tools import TEXT, Tool, ToolChoiceParam, ToolMode, guid
 from router.http.reasoning import ReasoningFormat
 from router.http.tool_parsers import ToolCallParser
 from text_generation_common.guided import schema_text
-from text_generation_common.messages import Guided, GuidedKind
+from text_generation_common.messages import Guided, GuidedKind, ThinkingMarks
 
 MAX_CHOICES = 16  # n, or prompts in one call
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
@@ -373,8 +373,11 @@ def request_params(
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     tokens = stream or logprobs or top_n > 0 or body.return_token_ids
     prompt_logprobs = body.prompt_logprobs is not None
-    # a chat answer no constraint shapes is read for the model's thinking
-    thinking = reasoning if isinstance(body, ChatRequest) and guided is None else None
+    # a chat answer is read for the model's thinking; a constraint shapes the answer after it
+    thinking = reasoning if isinstance(body, ChatRequest) else None
+    if thinking is not None and guided is not None:
+        marks = ThinkingMarks(thinking.opened_by_prompt, thinking.starts, thinking.ends)
+        sampling = replace(sampling, guided=replace(guided, after_thinking=marks))
     return RequestParams(
         sampling=sampling,
         stopping=StoppingSpec(

@@ -11,7 +11,9 @@ then the answer. REASONING_PARSER names the served model's way (vLLM's names):
     process:` and `Here is my response:` (or `Here's ...`, which some builds write);
   - `mistral` (Magistral): as `qwen3`, between `[THINK]` and `[/THINK]`, which are special tokens,
     so the chat's answers keep their special tokens unless the request sets skip_special_tokens.
-The answer then goes on as a chat's text does (stop sequences, tool calls). Streamed, thinking
+The answer then goes on as a chat's text does (stop sequences, tool calls); a constraint
+(guided decoding, a forced call) applies to the answer after the thinking (messages.Guided's
+after_thinking, composed into one grammar in text_generation_common/guided.py). Streamed, thinking
 and answer go out as they come, less the end of the text that may still become a marker.
 """
 

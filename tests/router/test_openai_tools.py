@@ -467,9 +467,10 @@ def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> Non
     assert skip(Mistral(), skip_special_tokens=True) is True
     assert skip(Mistral(), tool_choice="none") is None and skip(Mistral(), tool_choice="required") is None
     assert skip(Hermes()) is None and skip(Granite()) is None and skip(Glm45()) is False
-    # Magistral's [THINK] too, where the answer is read for thinking (not when a call is forced)
+    # Magistral's [THINK] too, where the answer is read for thinking (a forced call's too: the
+    # constraint applies after the thinking)
     assert skip(None, FORMATS["mistral"], tool_choice="none") is False
-    assert skip(None, FORMATS["mistral"], tool_choice="required") is None
+    assert skip(None, FORMATS["mistral"], tool_choice="required") is False
     assert skip(None, FORMATS["qwen3"], tool_choice="none") is None
 
 

@@ -25,7 +25,13 @@ from router.core.validation import (
 from router.grpc.grpc_params import convert_params
 from router.pb import generation_pb2 as pb
 from text_generation_common.guided import Grammars
-from text_generation_common.messages import GenerationRequest, Guided, GuidedKind, SamplingParams
+from text_generation_common.messages import (
+    GenerationRequest,
+    Guided,
+    GuidedKind,
+    SamplingParams,
+    ThinkingMarks,
+)
 from text_generation_server.batches.inputs import truncated_input_ids
 
 MAX_SEQ = 200
@@ -496,7 +502,9 @@ async def test_a_thinking_budget_needs_a_reasoning_format_and_holds_free_answers
     validator.thinking = markers
     assert await thinking_of(5) == ThinkingBudget(5, markers)
     validator._check_guided = lambda guided: asyncio.sleep(0)  # type: ignore[method-assign]
-    assert await thinking_of(5, Guided(GuidedKind.JSON)) is None  # a constrained answer thinks not
+    assert await thinking_of(5, Guided(GuidedKind.JSON)) is None  # a constrained output thinks not
+    after = Guided(GuidedKind.JSON, after_thinking=ThinkingMarks(True, ("<think>",), ("</think>",)))
+    assert await thinking_of(5, after) == ThinkingBudget(5, markers)  # a constrained answer after it
     with pytest.raises(ValidationError, match=r"^thinking_token_budget must be >= 1, got 0$"):
         await thinking_of(0)
 
