@@ -125,6 +125,15 @@ class ChatPromptError(Exception):
         self.param = param
 
 
+def template_variables(body: ChatParts) -> dict[str, Any] | None:
+    """The chat template's own variables: chat_template_kwargs, and OpenAI's reasoning_effort
+    where the request gives it (chat_template_kwargs' own wins)."""
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is None:
+        return body.chat_template_kwargs
+    return {"reasoning_effort": effort, **(body.chat_template_kwargs or {})}
+
+
 class ChatParts(Protocol):
     """What a chat prompt is rendered from (a chat request's, or a chat tokenize request's)."""
 
@@ -175,6 +184,7 @@ class _Answer:
     tools: ToolMode = TEXT
     parser: ToolCallParser | None = None  # the model's call format, for the request's functions
     reasoning: ReasoningFormat | None = None  # a chat's thinking is split from its answer
+    include_reasoning: bool = True  # the thinking is answered (reasoning_content)
 
     @property
     def object(self) -> str:
@@ -344,7 +354,7 @@ class OpenAIApi:
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
                 tools=template_tools(body.tools),
-                variables=body.chat_template_kwargs,
+                variables=template_variables(body),
                 continue_final_message=body.continue_final_message,
                 keep_bos=keep_bos,
                 documents=body.documents,
@@ -425,6 +435,7 @@ class OpenAIApi:
             parser=self._parser_for(body, tools),
             # a chat's thinking is read apart (a constraint shapes the answer after it)
             reasoning=self.reasoning if kind == "chat" else None,
+            include_reasoning=getattr(body, "include_reasoning", True),
         )
         if body.stream:
             options = body.stream_options or StreamOptions()
@@ -476,7 +487,7 @@ class OpenAIApi:
                     thinking, text = split(answer.reasoning, text)
                 reading = read(answer.tools, text, answer.parser)
                 choice["message"] = {"role": "assistant", "content": reading.content}
-                if thinking is not None:
+                if thinking is not None and answer.include_reasoning:
                     choice["message"]["reasoning_content"] = thinking
                 if reading.calls is not None:
                     choice["message"]["tool_calls"] = reading.calls
@@ -628,9 +639,10 @@ class OpenAIApi:
         tokens = unsent.pop(index, []) + output.tokens
         chunk = None
         if thinking:
-            chunk = self._chunk(
-                answer, index, {"reasoning_content": thinking}, None, None if text else tokens
-            )
+            if answer.include_reasoning:
+                chunk = self._chunk(
+                    answer, index, {"reasoning_content": thinking}, None, None if text else tokens
+                )
             if not text:
                 tokens = []
         if not text and not output.final:

@@ -197,6 +197,10 @@ class ChatRequest(CommonRequest):
     continue_final_message: bool = False
     # vLLM's extension: more variables for the chat template (e.g. enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: the chat template's `reasoning_effort` (chat_template_kwargs may set it too)
+    reasoning_effort: str | None = None
+    # vLLM's: false leaves the thinking out of the answer (it is still read apart)
+    include_reasoning: bool = True
     # vLLM's extension: texts to ground the answer in, for templates that read `documents`
     documents: list[dict[str, Any]] | None = None
 

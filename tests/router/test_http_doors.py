@@ -1203,6 +1203,13 @@ async def test_openai_chat_answers_a_reasoning_models_thinking_apart(
     assert "".join(d["delta"].get("content", "") for d in deltas) == "\n\nHello there."
     assert sum(len((d["logprobs"] or {}).get("content", [])) for d in deltas) == tokens  # every token once
     assert deltas[-1]["finish_reason"] == "stop"
+    hidden = {**body, "include_reasoning": False}  # vLLM's: the thinking is read apart, not answered
+    status, unary = await post(stack, chat, hidden)
+    assert unary["choices"][0]["message"] == {"role": "assistant", "content": "\n\nHello there."}
+    events = await sse_events(stack, {**hidden, "stream": True}, path=chat)
+    deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
+    assert not any("reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nHello there."
 
     answer_with(
         '<think>weather</think><tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'

@@ -370,3 +370,20 @@ def test_kept_responses_make_the_conversation_a_continuation_reads() -> None:
         store.conversation(last.id)
     assert missing.value.response_id == answer["id"]
     assert store.delete(last.id) and not store.delete(last.id)
+
+
+def test_reasoning_effort_is_a_chat_template_variable() -> None:
+    """OpenAI's chat `reasoning_effort` reaches the template as `reasoning_effort`, beside
+    chat_template_kwargs (whose own value wins)."""
+    from router.http.openai_api import template_variables
+    from router.http.openai_params import ChatRequest
+
+    def variables(**fields):
+        return template_variables(
+            ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})
+        )
+
+    assert variables() is None and variables(chat_template_kwargs={"a": 1}) == {"a": 1}
+    assert variables(reasoning_effort="low") == {"reasoning_effort": "low"}
+    both = variables(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high", "a": 1})
+    assert both == {"reasoning_effort": "high", "a": 1}
