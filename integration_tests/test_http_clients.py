@@ -416,10 +416,11 @@ def test_openai_responses_api(served: Server, parsing: Server) -> None:
     fmt = {"format": {"type": "json_schema", "name": "n", "schema": DIGIT, "strict": True}}
     numbered = ask(input="a number", text=fmt, max_output_tokens=20)
     assert set(json.loads(numbered.output_text)) == {"n"}
-    scored = ask(input="Hello", include=["message.output_text.logprobs"], top_logprobs=2)
+    scored = ask(input="Hello", include=["message.output_text.logprobs"], top_logprobs=20)  # OpenAI's most
     logprobs = scored.output[0].content[0].logprobs
     assert "".join(t.token for t in logprobs) == scored.output_text
-    assert all(len(t.top_logprobs) == 2 for t in logprobs)
+    assert all(len(t.top_logprobs) == 20 for t in logprobs)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in logprobs)
     with pytest.raises(openai.BadRequestError, match="previous_response_id needs responses kept"):
         ask(input="x", previous_response_id="resp_1")
     with pytest.raises(openai.NotFoundError, match="does not exist"):

@@ -164,6 +164,9 @@ class RequestParams:
     # vLLM's thinking_token_budget (Anthropic's thinking.budget_tokens): the most tokens a
     # reasoning model thinks before its thinking is ended for it (thinking.py); None: no limit
     thinking_budget: int | None = None
+    # the most likeliest tokens a generated or prompt token may name: the adapter's 10 (TGIS's
+    # doors), OpenAI's 20 (its door, as vLLM's max_logprobs)
+    top_n_limit: int = MAX_TOP_N_TOKENS
 
 
 def http_sampling(
@@ -277,8 +280,8 @@ def check_params(p: RequestParams, max_new_tokens: int, vocab_size: int) -> None
     wants_details = r.token_logprobs or r.token_ranks or r.top_n_tokens > 0
     if wants_details and not (r.input_tokens or r.generated_tokens):
         raise ValidationError("must request input and/or generated tokens to request extra token detail")
-    if r.top_n_tokens > MAX_TOP_N_TOKENS:  # not checked by TGIS; the adapter's limit and message
-        raise ValidationError(f"top_n_tokens ({r.top_n_tokens}) must be <= {MAX_TOP_N_TOKENS}")
+    if r.top_n_tokens > p.top_n_limit:  # not checked by TGIS; the adapter's limit and message
+        raise ValidationError(f"top_n_tokens ({r.top_n_tokens}) must be <= {p.top_n_limit}")
     if any(not seq or len(seq.encode()) > MAX_STOP_SEQUENCE_BYTES for seq in st.stop_sequences):
         raise ValidationError(STOP_SEQUENCES_MESSAGE)
 

@@ -41,7 +41,7 @@ from text_generation_common.messages import Guided, GuidedKind, ThinkingMarks
 
 MAX_CHOICES = 16  # n, or prompts in one call
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
-MAX_TOP_LOGPROBS = 10  # ours (top_n_tokens); OpenAI allows 20
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (vLLM's default max_logprobs)
 
 
 class StreamOptions(BaseModel):
@@ -405,4 +405,5 @@ def request_params(
         bad_words=tuple(body.bad_words or ()),
         cache_salt=body.cache_salt or "",
         thinking_budget=getattr(body, "thinking_token_budget", None),
+        top_n_limit=MAX_TOP_LOGPROBS,
     )

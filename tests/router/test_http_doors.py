@@ -936,6 +936,9 @@ async def test_openai_prompt_logprobs_as_vllm_answers_them(stack: Stack, tokeniz
     status, answer = await post(stack, "/v1/completions", {**body, "echo": True, "logprobs": 1})
     tops = answer["choices"][0]["logprobs"]["top_logprobs"]
     assert tops[0] is None and all(len(top) == 1 for top in tops[1 : len(ids)])
+    # up to OpenAI's 20 likeliest (the gRPC door keeps the adapter's 10)
+    status, answer = await post(stack, "/v1/completions", {**body, "prompt_logprobs": 20})
+    assert status == 200 and all(len(r) == 21 for r in answer["choices"][0]["prompt_logprobs"][2:]), answer
     # chat: once, for the messages the template rendered
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2, "prompt_logprobs": 1}
     status, answer = await post(stack, "/v1/chat/completions", chat)
@@ -945,7 +948,7 @@ async def test_openai_prompt_logprobs_as_vllm_answers_them(stack: Stack, tokeniz
     assert "prompt_logprobs" not in answer["choices"][0]
     for refused, message in [
         ({**body, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
-        ({**body, "prompt_logprobs": 11}, "prompt_logprobs: Input should be less than or equal to 10"),
+        ({**body, "prompt_logprobs": 21}, "prompt_logprobs: Input should be less than or equal to 20"),
         ({**body, "prompt_logprobs": -1}, "prompt_logprobs: Input should be greater than or equal to 0"),
     ]:
         status, error = await post(stack, "/v1/completions", refused)
