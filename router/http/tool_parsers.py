@@ -25,7 +25,9 @@ names for the same formats):
     parser is bound to the request's functions (`for_tools`);
   - `glm45` (GLM-4.5 to 4.7; also `glm47`): `<tool_call>name<arg_key>key</arg_key><arg_value>value
     </arg_value>...</tool_call>` per call after the text, values read as `qwen3_coder`'s; a
-    special token, so answers that may call keep their special tokens.
+    special token, so answers that may call keep their special tokens;
+  - `deepseek_v3` (DeepSeek-V3, R1), `deepseek_v31` (DeepSeek-V3.1 and later), `kimi_k2` (Kimi
+    K2): special-token markers after the text, around each call's name and JSON arguments.
 `llama4_json` and `llama4_pythonic` are vLLM's other names for `llama3_json` and `pythonic`.
 An answer whose calls do not parse is the message's text, as if it had none. While streaming,
 `streamable` says how much of the answer so far is text for sure, and `partial` which calls have
@@ -555,6 +557,115 @@ class Glm45(_TextValues):
         return calls
 
 
+class _MarkedCalls(ToolCallParser):
+    """A format of special-token markers: the calls follow the text, each between CALL and END,
+    its name then its JSON arguments (`_named` reads where each begins)."""
+
+    needs_special_tokens = True
+    SECTION = CALL = END = ""
+
+    @abstractmethod
+    def _named(self, body: str) -> tuple[str, int | None] | None:
+        """A call's name, once whole, and where its arguments begin in `body` (None: not yet)."""
+
+    def _bodies(self, text: str) -> tuple[int, list[str]]:
+        """Where the calls begin in `text` (-1: none), and each call's text after its CALL."""
+        at = text.find(self.SECTION)
+        at = text.find(self.CALL) if at < 0 else at
+        if at < 0:
+            return -1, []
+        bodies = []
+        for found in re.finditer(re.escape(self.CALL), text[at:]):
+            body = text[at + found.end() :]
+            bodies.append(
+                body[: min(i for i in (body.find(self.END), body.find(self.CALL), len(body)) if i >= 0)]
+            )
+        return at, bodies
+
+    def parse(self, text: str) -> Parsed | None:
+        at, bodies = self._bodies(text)
+        calls = []
+        decoder = json.JSONDecoder()
+        for body in bodies:
+            named = self._named(body)
+            if named is None or named[1] is None or not named[0]:
+                return None
+            try:
+                arguments, _ = decoder.raw_decode(body[named[1] :].lstrip())
+            except ValueError:
+                return None
+            call = _call_of({"name": named[0], "arguments": arguments}, "arguments")
+            if call is None:
+                return None
+            calls.append(call)
+        return Parsed(text[:at], calls) if calls else None
+
+    def streamable(self, text: str) -> int:
+        return min(_text_before(text, self.SECTION), _text_before(text, self.CALL))
+
+    def partial(self, text: str) -> list[PartialCall]:
+        calls = []
+        for body in self._bodies(text)[1]:
+            named = self._named(body)
+            if named is None or not named[0]:
+                break
+            start = skip_space(body, named[1]) if named[1] is not None else len(body)
+            calls.append(
+                PartialCall(named[0], canonical(body, start).text if body.startswith("{", start) else "")
+            )
+        return calls
+
+
+class DeepSeekV3(_MarkedCalls):
+    """DeepSeek-V3 and R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name
+    ```json {...} ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` (the code fence on its own lines)."""
+
+    name = "deepseek_v3"
+    SECTION, CALL, SEP, END = (
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+    )
+    FENCE = "```json"
+
+    def _named(self, body: str) -> tuple[str, int | None] | None:
+        _, sep, rest = body.partition(self.SEP)
+        line, newline, _ = rest.partition("\n")
+        if not (sep and newline):
+            return None
+        fence = body.find(self.FENCE)
+        return line.strip(), (fence + len(self.FENCE) if fence >= 0 else None)
+
+
+class DeepSeekV31(_MarkedCalls):
+    """DeepSeek-V3.1 and later: `<｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`."""
+
+    name = "deepseek_v31"
+    SECTION, CALL, SEP, END = DeepSeekV3.SECTION, DeepSeekV3.CALL, DeepSeekV3.SEP, DeepSeekV3.END
+
+    def _named(self, body: str) -> tuple[str, int | None] | None:
+        name, sep, _ = body.partition(self.SEP)
+        return (name.strip(), len(name) + len(sep)) if sep else None
+
+
+class KimiK2(_MarkedCalls):
+    """Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.name:0
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`."""
+
+    name = "kimi_k2"
+    SECTION, CALL, ARGS, END = (
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    )
+
+    def _named(self, body: str) -> tuple[str, int | None] | None:
+        ident, sep, _ = body.partition(self.ARGS)  # functions.<name>:<index>
+        return (ident.strip().split(":")[0].split(".")[-1], len(ident) + len(sep)) if sep else None
+
+
 def _trimmed(value: str) -> str:
     """A parameter's value as written between its tags, less one line break on each side."""
     return value.removeprefix("\n").removesuffix("\n")
@@ -588,7 +699,20 @@ def _typed(value: str, schema: Any) -> Any:
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (Hermes, Llama3Json, Pythonic, Granite, Granite20bFc, Mistral, Qwen3Coder, Glm45)
+    p.name: p
+    for p in (
+        Hermes,
+        Llama3Json,
+        Pythonic,
+        Granite,
+        Granite20bFc,
+        Mistral,
+        Qwen3Coder,
+        Glm45,
+        DeepSeekV3,
+        DeepSeekV31,
+        KimiK2,
+    )
 }
 # vLLM's other names for the same formats
 PARSERS |= {"llama4_json": Llama3Json, "llama4_pythonic": Pythonic, "glm47": Glm45}

@@ -27,10 +27,13 @@ from router.http.openai_tools import (
 )
 from router.http.reasoning import FORMATS
 from router.http.tool_parsers import (
+    DeepSeekV3,
+    DeepSeekV31,
     Glm45,
     Granite,
     Granite20bFc,
     Hermes,
+    KimiK2,
     Llama3Json,
     Mistral,
     Pythonic,
@@ -153,7 +156,55 @@ HERMES_TEXT = (
 )
 
 
+DS_CALLS, DS_CALL, DS_SEP, DS_END, DS_DONE = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+)
+KIMI_CALLS, KIMI_CALL, KIMI_ARGS, KIMI_END, KIMI_DONE = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+)
 FORMAT_CASES = [
+    (
+        DeepSeekV3(),
+        f'Let me look.{DS_CALLS}{DS_CALL}function{DS_SEP}weather\n```json\n{{"city":"Oslo"}}\n```{DS_END}'
+        f"{DS_CALL}function{DS_SEP}now\n```json\n{{}}\n```{DS_END}{DS_DONE}",
+        "Let me look.",
+        [("weather", '{"city": "Oslo"}'), ("now", "{}")],
+    ),
+    (
+        DeepSeekV3(),
+        f"{DS_CALLS}{DS_CALL}function{DS_SEP}now\n```json\n{{oops",
+        f"{DS_CALLS}{DS_CALL}function{DS_SEP}now\n```json\n{{oops",
+        None,
+    ),
+    (
+        DeepSeekV31(),
+        f'Sure.{DS_CALLS}{DS_CALL}weather{DS_SEP}{{"city": "Rome", "days": 2}}{DS_END}'
+        f"{DS_CALL}now{DS_SEP}{{}}{DS_END}{DS_DONE}",
+        "Sure.",
+        [("weather", '{"city": "Rome", "days": 2}'), ("now", "{}")],
+    ),
+    (
+        DeepSeekV31(),
+        f"{DS_CALLS}{DS_CALL}{DS_SEP}{{}}{DS_END}",
+        f"{DS_CALLS}{DS_CALL}{DS_SEP}{{}}{DS_END}",
+        None,
+    ),
+    (
+        KimiK2(),
+        f'Checking.{KIMI_CALLS}{KIMI_CALL}functions.weather:0{KIMI_ARGS}{{"city": "Oslo"}}{KIMI_END}'
+        f"{KIMI_CALL}functions.now:1 {KIMI_ARGS} {{}}{KIMI_END}{KIMI_DONE}",
+        "Checking.",
+        [("weather", '{"city": "Oslo"}'), ("now", "{}")],
+    ),
+    (KimiK2(), "no calls <|tool", "no calls <|tool", None),
     (Hermes(), HERMES_TEXT, "Let me check.", [("weather", '{"city": "Oslo"}'), ("now", "{}")]),
     (
         Hermes(),
@@ -403,9 +454,10 @@ def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
     assert isinstance(parser_named("granite-20b-fc"), Granite20bFc)
     assert isinstance(parser_named("qwen3_coder"), Qwen3Coder)
     assert isinstance(parser_named("glm45"), Glm45) and isinstance(parser_named("glm47"), Glm45)
+    assert isinstance(parser_named("deepseek_v3"), DeepSeekV3) and isinstance(parser_named("kimi_k2"), KimiK2)
     names = (
-        "glm45, glm47, granite, granite-20b-fc, hermes, llama3_json, llama4_json, llama4_pythonic, "
-        "mistral, pythonic, qwen3_coder"
+        "deepseek_v3, deepseek_v31, glm45, glm47, granite, granite-20b-fc, hermes, kimi_k2, llama3_json, "
+        "llama4_json, llama4_pythonic, mistral, pythonic, qwen3_coder"
     )
     with pytest.raises(ValueError, match=f"unknown tool call parser 'xlam': one of {names}"):
         parser_named("xlam")
@@ -467,6 +519,7 @@ def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> Non
     assert skip(Mistral(), skip_special_tokens=True) is True
     assert skip(Mistral(), tool_choice="none") is None and skip(Mistral(), tool_choice="required") is None
     assert skip(Hermes()) is None and skip(Granite()) is None and skip(Glm45()) is False
+    assert skip(DeepSeekV3()) is False and skip(DeepSeekV31()) is False and skip(KimiK2()) is False
     # Magistral's [THINK] too, where the answer is read for thinking (a forced call's too: the
     # constraint applies after the thinking)
     assert skip(None, FORMATS["mistral"], tool_choice="none") is False
