@@ -14,10 +14,12 @@ which json.loads keeps once).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
 DELIMITERS = WHITESPACE + ',:]}[{"'
+PLAIN = re.compile(r'[^"\\]+')
 ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
@@ -90,13 +92,13 @@ def _string(raw: str, at: int) -> tuple[str, int, bool]:
     chars: list[str] = []
     at += 1
     while at < len(raw):
+        if plain := PLAIN.match(raw, at):  # a run without quotes or escapes, at once
+            chars.append(plain.group())
+            at = plain.end()
+            continue
         char = raw[at]
         if char == '"':
             return json.dumps("".join(chars), ensure_ascii=False), at + 1, True
-        if char != "\\":
-            chars.append(char)
-            at += 1
-            continue
         code = raw[at + 1 : at + 2]
         if code in ESCAPES:
             chars.append(ESCAPES[code])

@@ -559,3 +559,25 @@ def test_a_calls_arguments_go_out_as_they_settle(parser, text: str, arguments) -
         assert calls is None
     else:
         assert calls is not None and calls[-1]["arguments"] == arguments
+
+
+def test_a_long_call_is_read_again_as_it_grows_by_a_share_not_at_every_chunk() -> None:
+    """Reading an answer's calls reads it whole: past READ_EVERY_CHUNK characters it is read once
+    it grew by a sixteenth, so a 25 kB call is read a few hundred times, not six thousand, and
+    what goes out still adds up to the whole call."""
+    content = 'def f(x):\n    return x * 2  # "quoted" \\ é\n' * 500
+    text = f'<tool_call>{{"name": "write", "arguments": {{"content": {json.dumps(content)}}}}}</tool_call>'
+    reads = 0
+
+    class Counted(Hermes):
+        def partial(self, text: str):
+            nonlocal reads
+            reads += 1
+            return super().partial(text)
+
+    held = HeldAnswer(ToolMode("auto"), Counted())
+    _, deltas = streamed(held, text, 4)
+    _, more = held.end()
+    assert len(text) > 20_000 and reads < 400
+    assert assembled(deltas + more) == functions(read(ToolMode("auto"), text, Hermes()))
+    assert len(deltas) > 20  # the arguments still went out as they came, in pieces
