@@ -53,6 +53,7 @@ from router.http.openai_params import (
     StreamOptions,
     completion_prompts,
     request_params,
+    template_variables,
     text_content,
     tool_mode_of,
     unsupported,
@@ -123,15 +124,6 @@ class ChatPromptError(Exception):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-def template_variables(body: ChatParts) -> dict[str, Any] | None:
-    """The chat template's own variables: chat_template_kwargs, and OpenAI's reasoning_effort
-    where the request gives it (chat_template_kwargs' own wins)."""
-    effort = getattr(body, "reasoning_effort", None)
-    if effort is None:
-        return body.chat_template_kwargs
-    return {"reasoning_effort": effort, **(body.chat_template_kwargs or {})}
 
 
 class ChatParts(Protocol):
@@ -354,7 +346,9 @@ class OpenAIApi:
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
                 tools=template_tools(body.tools),
-                variables=template_variables(body),
+                variables=template_variables(
+                    body.chat_template_kwargs, getattr(body, "reasoning_effort", None)
+                ),
                 continue_final_message=body.continue_final_message,
                 keep_bos=keep_bos,
                 documents=body.documents,
@@ -363,6 +357,12 @@ class OpenAIApi:
             raise ChatPromptError(str(exc)) from exc
         except ChatTemplateError as exc:
             raise ChatPromptError(str(exc), "messages") from exc
+
+    def _reasoning_for(self, body: CommonRequest) -> ReasoningFormat | None:
+        """How a chat's answer is read for thinking (None: it does not think)."""
+        if self.reasoning is None or not isinstance(body, ChatRequest):
+            return None
+        return self.reasoning.for_chat(template_variables(body.chat_template_kwargs, body.reasoning_effort))
 
     # ---- the call -------------------------------------------------------------------------
 
@@ -434,7 +434,7 @@ class OpenAIApi:
             tools=tools,
             parser=self._parser_for(body, tools),
             # a chat's thinking is read apart (a constraint shapes the answer after it)
-            reasoning=self.reasoning if kind == "chat" else None,
+            reasoning=self._reasoning_for(body) if kind == "chat" else None,
             include_reasoning=getattr(body, "include_reasoning", True),
         )
         if body.stream:

@@ -205,6 +205,14 @@ class ChatRequest(CommonRequest):
     documents: list[dict[str, Any]] | None = None
 
 
+def template_variables(kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any] | None:
+    """A chat template's own variables: chat_template_kwargs, and OpenAI's reasoning_effort
+    where the request gives it (chat_template_kwargs' own wins)."""
+    if reasoning_effort is None:
+        return kwargs
+    return {"reasoning_effort": reasoning_effort, **(kwargs or {})}
+
+
 def unsupported(body: CommonRequest) -> str | None:
     """Why parameters this server does not serve refuse the request, or None."""
     checks: list[tuple[bool, str]] = [
@@ -377,8 +385,11 @@ def request_params(
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     tokens = stream or logprobs or top_n > 0 or body.return_token_ids
     prompt_logprobs = body.prompt_logprobs is not None
-    # a chat answer is read for the model's thinking; a constraint shapes the answer after it
-    thinking = reasoning if isinstance(body, ChatRequest) else None
+    # a chat answer is read for the model's thinking (where its template variables let it think);
+    # a constraint shapes the answer after it
+    thinking = None
+    if reasoning is not None and isinstance(body, ChatRequest):
+        thinking = reasoning.for_chat(template_variables(body.chat_template_kwargs, body.reasoning_effort))
     if thinking is not None and guided is not None:
         marks = ThinkingMarks(thinking.opened_by_prompt, thinking.starts, thinking.ends)
         sampling = replace(sampling, guided=replace(guided, after_thinking=marks))
@@ -404,6 +415,7 @@ def request_params(
         priority=body.priority,
         bad_words=tuple(body.bad_words or ()),
         cache_salt=body.cache_salt or "",
-        thinking_budget=getattr(body, "thinking_token_budget", None),
+        # a chat that does not think keeps within any budget (without REASONING_PARSER, refused)
+        thinking_budget=None if reasoning and not thinking else getattr(body, "thinking_token_budget", None),
         top_n_limit=MAX_TOP_LOGPROBS,
     )

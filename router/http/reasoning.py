@@ -5,6 +5,8 @@ then the answer. REASONING_PARSER names the served model's way (vLLM's names):
   - `deepseek_r1` (DeepSeek-R1 and its distillations): the chat template opens the thinking in
     the prompt, so the output is thinking up to `</think>` (a leading `<think>` is dropped), then
     the answer; an output without `</think>` is all thinking (cut by max_tokens);
+  - `deepseek_v3` (DeepSeek-V3.1 and later, hybrid): as `deepseek_r1` in a chat whose template
+    variables set `thinking: true` (its template then opens the thinking), else no thinking;
   - `qwen3` (Qwen3, QwQ): thinking only where the output opens it with `<think>`; an output that
     does not (`enable_thinking: false`) is all answer;
   - `granite` (IBM Granite 3.2+ with `thinking: true`): as `qwen3`, between `Here is my thought
@@ -19,7 +21,9 @@ and answer go out as they come, less the end of the text that may still become a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.http.tool_parsers import held_prefix
 
@@ -33,6 +37,15 @@ class ReasoningFormat:
     starts: tuple[str, ...] = THINK[0]  # what opens the thinking (any of them)
     ends: tuple[str, ...] = THINK[1]  # what closes it
     needs_special_tokens: bool = False  # the markers are special tokens
+    # a chat template variable that turns the model's thinking on (DeepSeek-V3.1's `thinking`):
+    # a chat without it true does not think; None: every chat is read for thinking
+    switch: str | None = None
+
+    def for_chat(self, variables: Mapping[str, Any] | None) -> ReasoningFormat | None:
+        """The format a chat with these template variables is read in (None: it does not think)."""
+        if self.switch is None or (variables or {}).get(self.switch) is True:
+            return self
+        return None
 
     def start_in(self, text: str) -> str | None:
         """The start marker `text` begins with, if any."""
@@ -52,6 +65,7 @@ FORMATS = {
     f.name: f
     for f in (
         ReasoningFormat("deepseek_r1", True),
+        ReasoningFormat("deepseek_v3", True, switch="thinking"),
         ReasoningFormat("qwen3", False),
         ReasoningFormat("granite", False, *GRANITE_MARKERS),
         ReasoningFormat("mistral", False, ("[THINK]",), ("[/THINK]",), needs_special_tokens=True),

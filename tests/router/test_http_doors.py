@@ -1206,6 +1206,15 @@ async def test_openai_chat_answers_a_reasoning_models_thinking_apart(
     assert "".join(d["delta"].get("content", "") for d in deltas) == "\n\nHello there."
     assert sum(len((d["logprobs"] or {}).get("content", [])) for d in deltas) == tokens  # every token once
     assert deltas[-1]["finish_reason"] == "stop"
+    stack.openai.reasoning = FORMATS["deepseek_v3"]  # hybrid: thinks where the chat turns it on
+    answer_with("plan it</think>Hello there.")
+    status, unary = await post(stack, chat, body)
+    assert unary["choices"][0]["message"] == {"role": "assistant", "content": "plan it</think>Hello there."}
+    status, unary = await post(stack, chat, {**body, "chat_template_kwargs": {"thinking": True}})
+    message = unary["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("plan it", "Hello there.")
+    stack.openai.reasoning = FORMATS["qwen3"]
+    answer_with("<think>\nplan it</think>\n\nHello there.")
     hidden = {**body, "include_reasoning": False}  # vLLM's: the thinking is read apart, not answered
     status, unary = await post(stack, chat, hidden)
     assert unary["choices"][0]["message"] == {"role": "assistant", "content": "\n\nHello there."}

@@ -69,6 +69,17 @@ def test_the_formats_are_named() -> None:
     assert reasoning_format(None) is None and reasoning_format("qwen3") is QWEN3
     assert reasoning_format("granite") is GRANITE and reasoning_format("mistral") is MISTRAL
     with pytest.raises(
-        ValueError, match="unknown reasoning parser 'o1': one of deepseek_r1, granite, mistral, qwen3"
+        ValueError,
+        match="unknown reasoning parser 'o1': one of deepseek_r1, deepseek_v3, granite, mistral, qwen3",
     ):
         reasoning_format("o1")
+
+
+def test_a_hybrid_format_reads_thinking_only_where_the_chat_turns_it_on() -> None:
+    """deepseek_v3 (DeepSeek-V3.1's hybrid template): a chat thinks where its template variables
+    set `thinking: true`, and is then read as deepseek_r1 reads it; the other formats read every
+    chat."""
+    v3 = reasoning_format("deepseek_v3")
+    assert v3 is not None and v3.for_chat(None) is None and v3.for_chat({"thinking": False}) is None
+    assert v3.for_chat({"thinking": True}) is v3 and split(v3, "plan</think>answer") == ("plan", "answer")
+    assert QWEN3.for_chat(None) is QWEN3 and R1.for_chat({"thinking": False}) is R1
