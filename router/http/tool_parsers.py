@@ -34,7 +34,7 @@ An answer whose calls do not parse is the message's text, as if it had none. Whi
 begun: each once its name is whole, with the settled start of its arguments as the whole answer
 will have them (json_prefix.py; a value whose type is not surely a string, and a call that
 writes its arguments as a JSON string, come whole), so a call's arguments stream as the model
-writes them. `pythonic` calls come whole at the end.
+writes them (`pythonic`'s one whole value at a time).
 """
 
 from __future__ import annotations
@@ -322,6 +322,68 @@ class Pythonic(ToolCallParser):
 
     def streamable(self, text: str) -> int:
         return _held_whole(text, ("[",))
+
+    CALL = re.compile(r"\s*([A-Za-z_]\w*)\s*\(")
+    KEYWORD = re.compile(r"\s*([A-Za-z_]\w*)\s*=(?!=)")
+
+    def partial(self, text: str) -> list[PartialCall]:
+        """Each call once its name and `(` are written, its arguments one whole value at a time
+        (a value is read with `ast` once a `,` or `)` ends it)."""
+        at = skip_space(text, 0)
+        if not text.startswith("[", at):
+            return []
+        at += 1
+        calls: list[PartialCall] = []
+        while (call := self.CALL.match(text, at)) is not None:
+            written, at = ["{"], call.end()
+            while (at := skip_space(text, at)) < len(text) and text[at] != ")":
+                keyword = self.KEYWORD.match(text, at)
+                end = _python_value_end(text, keyword.end()) if keyword else None
+                if keyword is None or end is None:
+                    break
+                try:
+                    value = json.dumps(
+                        ast.literal_eval(text[keyword.end() : end].strip()), ensure_ascii=False
+                    )
+                except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                    break
+                written.append(f"{', ' if len(written) > 1 else ''}{json.dumps(keyword.group(1))}: {value}")
+                at = end + (text[end] == ",")
+            closed = text.startswith(")", at)
+            calls.append(PartialCall(call.group(1), "".join(written) + ("}" if closed else "")))
+            if not closed:
+                return calls
+            at = skip_space(text, at + 1)
+            if not text.startswith(",", at):
+                return calls
+            at += 1
+        return calls
+
+
+def _python_value_end(text: str, at: int) -> int | None:
+    """Where the Python expression from `text[at:]` ends: the `,` or `)` after it outside any
+    bracket or string (None: it goes on)."""
+    depth = 0
+    while at < len(text):
+        char = text[at]
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            if depth == 0:
+                return at if char == ")" else None
+            depth -= 1
+        elif char == "," and depth == 0:
+            return at
+        elif char in "'\"":
+            quote = char * 3 if text.startswith(char * 3, at) else char
+            at += len(quote)
+            while at < len(text) and not text.startswith(quote, at):
+                at += 2 if text[at] == "\\" else 1
+            if at >= len(text):
+                return None
+            at += len(quote) - 1
+        at += 1
+    return None
 
 
 class Granite(ToolCallParser):

@@ -433,8 +433,7 @@ def test_each_formats_calls_stream_as_they_are_written(
     assert assembled(deltas + more) == functions(whole) == [{"name": n, "arguments": a} for n, a in calls]
     ids = [d["id"] for d in deltas + more if "id" in d]
     assert len(set(ids)) == len(calls)
-    if not isinstance(parser, Pythonic):  # the rest write their calls as they come
-        assert deltas, "the calls began before the answer ended"
+    assert deltas, "the calls began before the answer ended"
 
 
 def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
@@ -541,6 +540,9 @@ def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> Non
             '{"city": "line one\\nline two',
         ),
         (QWEN, "<function=weather>\n<parameter=days>\n12", '{"days": '),  # an integer: once whole
+        (Pythonic(), '[weather(city="Os', "{"),  # one whole value at a time
+        (Pythonic(), '[weather(city="a, (b)", days=[1, 2], note=\'it\\\'s\'', '{"city": "a, (b)", "days": [1, 2]'),
+        (Pythonic(), '[now(), weather(city="Oslo")', '{"city": "Oslo"}'),
         (
             QWEN,
             "<function=weather>\n<parameter=days>\n12\n</parameter>\n<parameter=city>O",
