@@ -541,7 +541,11 @@ def test_a_format_of_special_tokens_keeps_them_in_answers_that_may_call() -> Non
         ),
         (QWEN, "<function=weather>\n<parameter=days>\n12", '{"days": '),  # an integer: once whole
         (Pythonic(), '[weather(city="Os', "{"),  # one whole value at a time
-        (Pythonic(), '[weather(city="a, (b)", days=[1, 2], note=\'it\\\'s\'', '{"city": "a, (b)", "days": [1, 2]'),
+        (
+            Pythonic(),
+            "[weather(city=\"a, (b)\", days=[1, 2], note='it\\'s'",
+            '{"city": "a, (b)", "days": [1, 2]',
+        ),
         (Pythonic(), '[now(), weather(city="Oslo")', '{"city": "Oslo"}'),
         (
             QWEN,
