@@ -28,7 +28,8 @@ names for the same formats):
     special token, so answers that may call keep their special tokens;
   - `deepseek_v3` (DeepSeek-V3, R1), `deepseek_v31` (DeepSeek-V3.1 and later), `kimi_k2` (Kimi
     K2): special-token markers after the text, around each call's name and JSON arguments.
-`llama4_json` and `llama4_pythonic` are vLLM's other names for `llama3_json` and `pythonic`.
+`llama4_json`, `llama4_pythonic` and `qwen3_xml` are vLLM's other names for `llama3_json`,
+`pythonic` and `qwen3_coder`.
 An answer whose calls do not parse is the message's text, as if it had none. While streaming,
 `streamable` says how much of the answer so far is text for sure, and `partial` which calls have
 begun: each once its name is whole, with the settled start of its arguments as the whole answer
@@ -777,7 +778,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     )
 }
 # vLLM's other names for the same formats
-PARSERS |= {"llama4_json": Llama3Json, "llama4_pythonic": Pythonic, "glm47": Glm45}
+PARSERS |= {"llama4_json": Llama3Json, "llama4_pythonic": Pythonic, "glm47": Glm45, "qwen3_xml": Qwen3Coder}
 
 
 def parser_named(name: str | None) -> ToolCallParser | None:

@@ -451,12 +451,14 @@ def test_a_required_list_is_held_whole_and_the_parsers_are_named() -> None:
     assert isinstance(parser_named("llama4_json"), Llama3Json)
     assert isinstance(parser_named("granite"), Granite) and isinstance(parser_named("mistral"), Mistral)
     assert isinstance(parser_named("granite-20b-fc"), Granite20bFc)
-    assert isinstance(parser_named("qwen3_coder"), Qwen3Coder)
+    assert isinstance(parser_named("qwen3_coder"), Qwen3Coder) and isinstance(
+        parser_named("qwen3_xml"), Qwen3Coder
+    )
     assert isinstance(parser_named("glm45"), Glm45) and isinstance(parser_named("glm47"), Glm45)
     assert isinstance(parser_named("deepseek_v3"), DeepSeekV3) and isinstance(parser_named("kimi_k2"), KimiK2)
     names = (
         "deepseek_v3, deepseek_v31, glm45, glm47, granite, granite-20b-fc, hermes, kimi_k2, llama3_json, "
-        "llama4_json, llama4_pythonic, mistral, pythonic, qwen3_coder"
+        "llama4_json, llama4_pythonic, mistral, pythonic, qwen3_coder, qwen3_xml"
     )
     with pytest.raises(ValueError, match=f"unknown tool call parser 'xlam': one of {names}"):
         parser_named("xlam")
