@@ -254,6 +254,22 @@ def greedy_chat(s: Server, **fields: Any) -> Callable[..., Any]:
     return functools.partial(client.chat.completions.create, model=model.id, temperature=0, **fields)
 
 
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(served: Server) -> None:
+    """A prompt asked again finds its full KV blocks in tgis_native's prefix cache: usage's
+    prompt_tokens_details.cached_tokens says how many tokens were not computed (hf_transformers
+    keeps no prefix cache: 0)."""
+    long = "You answer in one short sentence, politely, and never in lists. " * 6
+    ask = greedy_chat(
+        served, messages=[{"role": "system", "content": long}, {"role": "user", "content": "hi"}]
+    )
+    first, again = ask(max_tokens=2), ask(max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    if served.name.endswith("@tgis_native"):
+        assert 16 <= cached < again.usage.prompt_tokens and first.choices == again.choices
+    else:
+        assert cached == 0
+
+
 def test_openai_tool_calls(served: Server) -> None:
     """A named function and tool_choice "required" through the openai client: the calls come back
     as message.tool_calls whose arguments satisfy the functions' schemas, unary and streamed; the
@@ -459,20 +475,20 @@ def test_anthropic_messages_api(served: Server) -> None:
     text = "".join(block.text for block in answer.content if block.type == "text")
     assert text == chat.choices[0].message.content and answer.model == model
     assert answer.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
-    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (
+    assert (answer.usage.input_tokens + answer.usage.cache_read_input_tokens, answer.usage.output_tokens) == (
         chat.usage.prompt_tokens,
         chat.usage.completion_tokens,
     )
     counted = client.messages.count_tokens(model=model, system="be brief", messages=messages)
-    assert counted.input_tokens == answer.usage.input_tokens
+    assert counted.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
     with client.messages.stream(
         model=model, max_tokens=8, system="be brief", messages=messages, **greedy
     ) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == text and final.stop_reason == answer.stop_reason
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (
-        answer.usage.input_tokens,
+    assert (final.usage.input_tokens + final.usage.cache_read_input_tokens, final.usage.output_tokens) == (
+        chat.usage.prompt_tokens,
         answer.usage.output_tokens,
     )
     tools = [{"name": "weather", "description": "the weather", "input_schema": CITY}]

@@ -147,6 +147,7 @@ def result_to_pb(out: StepOutput) -> pb.GenerateResult:
         pending_ids=out.pending,
         guided_mask_ns=out.guided_mask_ns,
         speculation=[pb.Speculation(proposed=x.proposed, accepted=x.accepted) for x in out.speculation],
+        cached_prompts=[pb.CachedPrompt(request_id=i, tokens=n) for i, n in out.cached_prompts],
         steps=out.steps,
     )
     add = result.tokens.add  # one step's tokens, filled in place (a third of building each message)
@@ -278,6 +279,7 @@ def result_from_pb(result: pb.GenerateResult, input_tokens: Iterable[pb.InputTok
             else None
         ),
         speculation=[Speculation(x.proposed, x.accepted) for x in result.speculation],
+        cached_prompts=[(c.request_id, c.tokens) for c in result.cached_prompts],
         steps=result.steps,
     )
 

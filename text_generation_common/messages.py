@@ -257,6 +257,8 @@ class StepOutput:
     guided_mask_ns: int = 0  # guided decoding: token masks and matchers (0: no constrained row)
     speculation: list[Speculation] = field(default_factory=list)  # one per row that speculated
     steps: int = 0  # forwards whose tokens this output carries (forward_ns is their sum)
+    # (request id, prompt tokens found in the prefix cache) of the prompts completed in the call
+    cached_prompts: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def request_ids(self) -> list[int]:
@@ -282,6 +284,7 @@ class StepOutput:
             self.guided_mask_ns,
             self.speculation,
             self.steps,
+            [c for c in self.cached_prompts if c[0] not in completed_ids],
         )
 
     @classmethod
@@ -300,6 +303,7 @@ class StepOutput:
             guided_mask_ns=sum(o.guided_mask_ns for o in outputs),
             speculation=[s for o in outputs for s in o.speculation],
             steps=sum(o.steps for o in outputs),
+            cached_prompts=[c for o in outputs for c in o.cached_prompts],
         )
 
 

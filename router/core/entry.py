@@ -50,6 +50,7 @@ class Output:
     stop_sequence: str = ""
     stop_token: int | None = None  # the request's own stop token id that ended it (not the model's EOS)
     error: str | None = None  # the request failed: "Request failed during generation: ..."
+    cached_tokens: int = 0  # final: prompt tokens the shard found in its prefix cache
     failure: Failure = Failure.ENGINE_FAULT  # what kind of failure, when `error` is set
 
     @property
@@ -82,6 +83,7 @@ class Entry:
     _ends: Collection[int] | None = None  # the model's EOS ids and the request's stop ids, once joined
     preemptions: int = 0  # times it left the running batch for a request of a lower priority value
     thinking: ThinkingWatch | None = None  # its thinking, where the request limits it
+    cached_tokens: int | None = None  # prompt tokens found in the shard's prefix cache, once known
 
     @property
     def finished(self) -> bool:
@@ -146,6 +148,13 @@ class Entry:
             return request
         details = replace(request.details, input_tokens=False)
         return replace(request, generated_ids=tuple(self.token_ids), details=details)
+
+    def on_cached_prompt(self, tokens: int) -> None:
+        """The shard found `tokens` of the prompt (its soft prompt's first) in its prefix cache;
+        the first report counts (a resumed request's own is of its generated ids too)."""
+        if self.cached_tokens is None:
+            r = self.request
+            self.cached_tokens = max(0, min(tokens - r.prefix_length, r.input_length))
 
     def on_input_tokens(self, tokens: list[TokenInfo]) -> None:
         if self.stream:
@@ -231,7 +240,16 @@ class Entry:
         # a stream's last message carries its own tokens; a unary answer all of them
         details, inputs = (tokens, None) if self.stream else (self.tokens, self.input_tokens)
         self.outputs.put_nowait(
-            Output(self.generated, text, details, inputs, reason, stop_sequence, stop_token=stop_token)
+            Output(
+                self.generated,
+                text,
+                details,
+                inputs,
+                reason,
+                stop_sequence,
+                stop_token=stop_token,
+                cached_tokens=self.cached_tokens or 0,
+            )
         )
 
     def fail_detokenization(self, message: str) -> None:

@@ -354,10 +354,7 @@ class MessageShape:
             "content": content,
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": (usage or {}).get("prompt_tokens", 0),
-                "output_tokens": (usage or {}).get("completion_tokens", 0),
-            },
+            "usage": message_usage(usage),
         }
 
     def unary(self, answer: dict[str, Any]) -> dict[str, Any]:
@@ -401,6 +398,19 @@ class MessageShape:
 
 def _event(kind: str, payload: dict[str, Any]) -> str:
     return f"event: {kind}\n" + sse(payload, space=True)
+
+
+def message_usage(usage: dict[str, Any] | None) -> dict[str, int]:
+    """Anthropic's usage of a chat call's: the prompt tokens the shard found in its prefix cache
+    are cache_read_input_tokens, and input_tokens the others, as Anthropic counts them."""
+    usage = usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": usage.get("prompt_tokens", 0) - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": usage.get("completion_tokens", 0),
+    }
 
 
 class _EventStream:
@@ -477,10 +487,7 @@ class _EventStream:
     def end(self) -> list[str]:
         events = self._close()
         reason, sequence = _stop(*self.finish, self.called)
-        usage = {
-            "input_tokens": (self.usage or {}).get("prompt_tokens", 0),
-            "output_tokens": (self.usage or {}).get("completion_tokens", 0),
-        }
+        usage = message_usage(self.usage)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         events.append(_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
         return [*events, _event("message_stop", {"type": "message_stop"})]

@@ -824,10 +824,16 @@ def _stopped(chunk: dict[str, Any], output: Output) -> dict[str, Any]:
     return chunk
 
 
-def _usage(requests: Sequence[ValidatedRequest], outputs: Sequence[Output]) -> dict[str, int]:
+def _usage(requests: Sequence[ValidatedRequest], outputs: Sequence[Output]) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the shard found in its prefix cache (cached_tokens)."""
     prompt = sum(r.input_length for r in requests)
     completion = sum(o.generated_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outputs)},
+    }
 
 
 def _sse(payload: dict[str, Any]) -> str:

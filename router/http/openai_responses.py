@@ -606,7 +606,10 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "cache_write_tokens": 0,
+        },
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},  # not told apart: all are output_tokens
         "total_tokens": usage["total_tokens"],

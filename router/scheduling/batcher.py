@@ -537,6 +537,9 @@ class Batcher:
         for item in output.input_tokens:  # a prompt's details come with its first token
             if (entry := by_id.get(item.request_id)) is not None:
                 entry.on_input_tokens(list(item.tokens))
+        for request_id, cached in output.cached_prompts:
+            if (entry := by_id.get(request_id)) is not None:
+                entry.on_cached_prompt(cached)
         for error in output.errors:
             if (entry := by_id.pop(error.request_id, None)) is not None:
                 entry.fail(error.message, Failure.ENGINE_FAULT, request_error=True)

@@ -85,6 +85,7 @@ class FakeShard:
     in_flight: int = 0  # model calls under way (the batcher must never overlap two)
     adapters: dict[str, int] = field(default_factory=dict)  # the store: adapter id -> virtual tokens
     sent: list[GenerationRequest] = field(default_factory=list)  # every request prefilled or joined
+    cached_prompt: int = 0  # prompt tokens each request finds in the prefix cache (told with its first token)
     _called: asyncio.Event = field(default_factory=asyncio.Event)
 
     def _record(self, call: Call) -> None:
@@ -146,6 +147,8 @@ class FakeShard:
                     live.append(request)
                     continue
             step = self.generated.get(request.id, len(request.generated_ids))
+            if request.id not in self.generated and self.cached_prompt:
+                output.cached_prompts.append((request.id, self.cached_prompt))
             self.generated[request.id] = step + 1
             token = TokenInfo(self.script(request, step), logprob=-0.5 if request.details.logprobs else 0.0)
             output.generations.append(Generation(request.id, token))

@@ -805,6 +805,7 @@ async def test_openai_completions_answer_like_the_tgi_door(stack: Stack) -> None
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 6,
         "total_tokens": prompt_tokens + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     events = await sse_events(
         stack,
@@ -1287,6 +1288,35 @@ async def test_a_thinking_budget_ends_a_reasoning_models_thinking_for_it(
     blocks = {b["type"]: b for b in answer["content"]}
     assert blocks["thinking"]["thinking"] == message["reasoning_content"]
     assert blocks["text"]["text"] == message["content"]
+    await stack.settled()
+
+
+async def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(stack: Stack) -> None:
+    """The prompt tokens the shard found in its prefix cache: OpenAI's usage
+    prompt_tokens_details.cached_tokens (each choice's, streamed alike), Anthropic's
+    cache_read_input_tokens (input_tokens the others), the Responses API's
+    input_tokens_details.cached_tokens; never more than the prompt."""
+    stack.shard.cached_prompt = 3
+    chat = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2, "n": 2}
+    status, answer = await post(stack, "/v1/chat/completions", chat)
+    assert status == 200 and answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 6}
+    streamed = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    events = await sse_events(stack, streamed, path="/v1/chat/completions")
+    assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 6}
+    body = {"model": "tiny", "max_tokens": 2, "messages": chat["messages"]}
+    status, message = await post(stack, "/v1/messages", body)
+    prompt = answer["usage"]["prompt_tokens"] // 2
+    assert message["usage"] == {
+        "input_tokens": prompt - 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 3,
+        "output_tokens": 2,
+    }
+    status, response = await post(stack, "/v1/responses", {"input": "hi there", "max_output_tokens": 2})
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] == 3
+    stack.shard.cached_prompt = 10_000
+    status, answer = await post(stack, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["usage"]["prompt_tokens"]
     await stack.settled()
 
 

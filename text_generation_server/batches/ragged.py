@@ -41,6 +41,7 @@ class Prefilling:
     computed: int = 0  # prompt tokens already computed
     prompt_logits: list[torch.Tensor] | None = None  # chunks' logits, kept for input-token details
     virtual: torch.Tensor | None = None  # the soft prompt's embeddings [virtual_length, hidden]
+    cached: int = 0  # prompt tokens found in the prefix cache (not computed)
 
     @property
     def virtual_length(self) -> int:
@@ -205,3 +206,9 @@ class RaggedBatch(Batch):
     @property
     def request_ids(self) -> list[int]:
         return [r.id for r in self.requests] + self.pending_ids
+
+
+def cached_prompts(completed: Sequence[Prefilling]) -> list[tuple[int, int]]:
+    """(request id, prompt tokens found in the prefix cache) of the prompts just completed that
+    found any (StepOutput.cached_prompts)."""
+    return [(p.request.id, p.cached) for p in completed if p.cached]

@@ -71,7 +71,7 @@ from text_generation_server import distributed
 from text_generation_server.adapters import adapters_for
 from text_generation_server.attention import paged, pick_backend
 from text_generation_server.batches.batch import Batch
-from text_generation_server.batches.ragged import Chunk, Prefilling, RaggedBatch
+from text_generation_server.batches.ragged import Chunk, Prefilling, RaggedBatch, cached_prompts
 from text_generation_server.config import ServerConfig
 from text_generation_server.engines.base import Launched, ModelEngine
 from text_generation_server.engines.loading import load_pretrained, model_context
@@ -442,7 +442,7 @@ class TgisNativeEngine(ModelEngine):
                 keys = self._prefix_keys(item)
                 longest = len(item.prompt) + request.max_new_tokens - len(request.generated_ids)
                 sequence = self.allocations.open(request.id, keys, longest)
-                item.computed = sequence.length  # prefix-cache hit: those blocks are not prefilled
+                item.computed = item.cached = sequence.length  # prefix-cache hit: not prefilled
                 lookahead = None
                 if self.speculator is not None:
                     costs = self.gate.costs.lookahead if self.gate.costs is not None else ()
@@ -550,6 +550,7 @@ class TgisNativeEngine(ModelEngine):
         output.input_tokens = [
             self._input_tokens(p) for p in step.completed if p.request.details.input_tokens
         ]
+        output.cached_prompts = cached_prompts(step.completed)
         output.pending = step.pending
         return output
 
@@ -633,6 +634,7 @@ class TgisNativeEngine(ModelEngine):
         output = verified.output
         output.forward_ns = self.runner.timer.elapsed_ns()  # after the ids' copy: no sync of its own
         output.input_tokens = input_tokens
+        output.cached_prompts = cached_prompts(completed)
         output.pending = batch.pending_ids
         return output, drop_failed(batch, output)
 
