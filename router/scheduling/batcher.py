@@ -257,9 +257,8 @@ class Batcher:
             resumed = self._end_thinking(current, unprocessed)  # before their step's tokens count
             if unprocessed is not None:
                 current.completed.extend(self._surely_finished(unprocessed, current))
-            if self.preemption:
-                for entry in self.queue.take_expired(time.monotonic()):
-                    entry.time_out(self.detokenizer)
+            for entry in self.queue.take_expired(time.monotonic()):  # ran, left, and waited too long
+                entry.time_out(self.detokenizer)
             live = current.live()
             if not live:  # only the call that drops the batch is left: nothing runs any more, so
                 self.queue.busy = False  # a waiting request is scheduled, not expired in the queue

@@ -74,6 +74,7 @@ class RequestQueue:
         self.metrics = metrics
         self.busy = False  # the batcher is running requests (set by it): expiry in the queue applies
         self._entries: deque[Entry] = deque()
+        self._again: set[Entry] = set()  # the waiting entries that ran before (requeue)
         self._changed = asyncio.Event()
         self._arrival: asyncio.Future[None] | None = None  # see `arrival`
 
@@ -104,6 +105,7 @@ class RequestQueue:
             self._entries.remove(entry)
         except ValueError:
             return False
+        self._again.discard(entry)
         self._sized()
         return True
 
@@ -143,30 +145,26 @@ class RequestQueue:
         return self.capacity.prefill_tokens(prefill) > self.max_prefill_tokens
 
     def requeue(self, entries: Sequence[Entry]) -> None:
-        """Back into line, preempted (SCHEDULING_POLICY=priority): each ahead of every entry of
-        its priority value (they arrived after it, or were let pass it), behind the lower values."""
+        """Back into line, entries that ran and left the batch (preempted, or their thinking
+        ended): each ahead of every entry of its priority value (they arrived after it, or were
+        let pass it), behind the lower values."""
         for entry in entries:
             priority = entry.request.priority
             at = 0
             while at < len(self._entries) and self._entries[at].request.priority < priority:
                 at += 1
             self._entries.insert(at, entry)
+            self._again.add(entry)
         self._sized()
         self._changed.set()
 
     def take_expired(self, now: float) -> list[Entry]:
-        """Take out the entries that ran before (preempted) whose deadline passed while they
+        """Take out the entries that ran before (`requeue`) whose deadline passed while they
         waited again (the batcher ends them with what they generated; the servicer expires the
         others)."""
-        expired = [
-            e
-            for e in self._entries
-            if e.started_at is not None and e.request.deadline is not None and now > e.request.deadline
-        ]
+        expired = [e for e in self._again if e.request.deadline is not None and now > e.request.deadline]
         for entry in expired:
-            self._entries.remove(entry)
-        if expired:
-            self._sized()
+            self.remove(entry)
         return expired
 
     def victims(self, running: Sequence[Entry]) -> list[Entry]:
@@ -202,6 +200,7 @@ class RequestQueue:
     def drop_cancelled(self) -> None:
         for entry in [e for e in self._entries if e.cancelled]:
             self._entries.remove(entry)
+            self._again.discard(entry)
         self._sized()
 
     def next_batch(self, running: Sequence[Entry], min_size: int) -> list[Entry] | None:
@@ -247,6 +246,7 @@ class RequestQueue:
         now = time.monotonic()
         for entry in chosen:
             self._entries.remove(entry)
+            self._again.discard(entry)
             if entry.started_at is None:  # a resumed one's first wait was observed
                 self.metrics.observe("tgi_request_queue_duration", now - entry.queued_at)
         self._sized()
