@@ -287,6 +287,19 @@ def test_a_resumed_request_goes_on_as_if_it_never_stopped(subject: Subject) -> N
         resumed = [replace(r, id=r.id + 10, generated_ids=tuple(full[r.id][:taken])) for r in requests]
         got = Runner(subject.engine).run({0: [subject.request(9, 2, 6)], 2: resumed})
         assert {r.id - 10: got[r.id] for r in resumed} == {i: ids[taken:] for i, ids in full.items()}
+    # what a client of the internal protocol may get wrong fails that request alone
+    vocab = subject.engine.info.vocab_size
+    bad = [
+        replace(requests[0], id=21, generated_ids=tuple(full[1])),  # every token it may take
+        replace(requests[0], id=22, generated_ids=(vocab,)),
+    ]
+    runner = Runner(subject.engine)
+    runner.run({0: [*bad, subject.request(23, 2, 3)]})
+    assert runner.errors == {
+        21: "a resumed request has 10 of its max_new_tokens (10) already",
+        22: f"generated token id {vocab} is outside the vocabulary (size {vocab})",
+    }
+    assert len(runner.tokens[23]) == 3
 
 
 def test_truncation_keeps_the_last_tokens(subject: Subject) -> None:
