@@ -354,6 +354,8 @@ def test_a_thinking_budget_through_the_launcher(parsing: Server) -> None:
     tokenizer = Tokenizer.from_file(str(parsing.model_dir / "tokenizer.json"))
     closing = tokenizer.encode("</think>", add_special_tokens=False).ids
     assert ids[3 : 3 + len(closing)] == closing
+    assert limited.usage.completion_tokens_details.reasoning_tokens == 3 + len(closing)
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 10  # never closed: all thought
     prompt = limited.model_extra["prompt_token_ids"] + ids[: 3 + len(closing)]
     rest = client.completions.create(
         model=model,

@@ -51,6 +51,7 @@ class Output:
     stop_token: int | None = None  # the request's own stop token id that ended it (not the model's EOS)
     error: str | None = None  # the request failed: "Request failed during generation: ..."
     cached_tokens: int = 0  # final: prompt tokens the shard found in its prefix cache
+    reasoning_tokens: int = 0  # final: tokens of a reasoning model's thinking, its markers included
     failure: Failure = Failure.ENGINE_FAULT  # what kind of failure, when `error` is set
 
     @property
@@ -249,6 +250,7 @@ class Entry:
                 stop_sequence,
                 stop_token=stop_token,
                 cached_tokens=self.cached_tokens or 0,
+                reasoning_tokens=self.thinking.thought if self.thinking is not None else 0,
             )
         )
 

@@ -1,5 +1,5 @@
 """A reasoning model's thinking held to a budget of tokens (vLLM's `thinking_token_budget`,
-Anthropic's `thinking.budget_tokens`).
+Anthropic's `thinking.budget_tokens`), and counted (usage's reasoning_tokens).
 
 The served format (REASONING_PARSER, router/http/reasoning.py) says how thinking opens and
 closes; here as token ids (`ThinkingMarkers`, tokenized once at start). An answer thinks from its
@@ -45,9 +45,10 @@ class ThinkingMarkers:
 
 @dataclass(frozen=True, slots=True)
 class ThinkingBudget:
-    """A request's limit on its thinking: `budget` tokens (>= 1) of the served format's."""
+    """A request's limit on its thinking: `budget` tokens (>= 1) of the served format's; None:
+    no limit, its thinking only counted (usage's reasoning_tokens)."""
 
-    budget: int
+    budget: int | None
     markers: ThinkingMarkers
 
 
@@ -82,12 +83,14 @@ class ThinkingWatch:
     @property
     def over(self) -> bool:
         """It has thought its budget without closing: its thinking is to be ended now."""
-        return self.phase is Phase.OPEN and self.thought >= self.limit.budget
+        budget = self.limit.budget
+        return budget is not None and self.phase is Phase.OPEN and self.thought >= budget
 
     @property
     def left(self) -> int | None:
-        """Tokens it may still think, where it thinks or may begin to (None: it does not)."""
-        if self.phase is Phase.DONE:
+        """Tokens it may still think, where it thinks or may begin to (None: it does not, or
+        without limit)."""
+        if self.phase is Phase.DONE or self.limit.budget is None:
             return None
         return self.limit.budget - (self.thought if self.phase is Phase.OPEN else self.seen)
 

@@ -164,6 +164,7 @@ class RequestParams:
     # vLLM's thinking_token_budget (Anthropic's thinking.budget_tokens): the most tokens a
     # reasoning model thinks before its thinking is ended for it (thinking.py); None: no limit
     thinking_budget: int | None = None
+    reads_thinking: bool = False  # the answer is read for a reasoning model's thinking (counted)
     # the most likeliest tokens a generated or prompt token may name: the adapter's 10 (TGIS's
     # doors), OpenAI's 20 (its door, as vLLM's max_logprobs)
     top_n_limit: int = MAX_TOP_N_TOKENS
@@ -432,15 +433,17 @@ class Validator:
         return validated
 
     def _thinking(self, p: RequestParams) -> ThinkingBudget | None:
-        """The request's thinking budget; none where it asks for none, or where guided decoding
-        constrains its whole output (it then thinks not at all; a constraint on the answer after
-        the thinking leaves the thinking to the budget)."""
-        if p.thinking_budget is None:
+        """The request's thinking budget (its budget None where its thinking is only counted);
+        none where it asks for neither, or where guided decoding constrains its whole output
+        (it then thinks not at all; a constraint on the answer after the thinking leaves the
+        thinking to the budget)."""
+        if p.thinking_budget is not None:
+            if self.thinking is None:
+                raise ValidationError(THINKING_OFF_MESSAGE)
+            if p.thinking_budget < 1:
+                raise ValidationError(f"thinking_token_budget must be >= 1, got {p.thinking_budget}")
+        elif not p.reads_thinking or self.thinking is None:
             return None
-        if self.thinking is None:
-            raise ValidationError(THINKING_OFF_MESSAGE)
-        if p.thinking_budget < 1:
-            raise ValidationError(f"thinking_token_budget must be >= 1, got {p.thinking_budget}")
         guided = p.sampling.guided
         if guided is not None and guided.after_thinking is None:
             return None

@@ -825,7 +825,8 @@ def _stopped(chunk: dict[str, Any], output: Output) -> dict[str, Any]:
 
 
 def _usage(requests: Sequence[ValidatedRequest], outputs: Sequence[Output]) -> dict[str, Any]:
-    """OpenAI's usage, with the prompt tokens the shard found in its prefix cache (cached_tokens)."""
+    """OpenAI's usage, with the prompt tokens the shard found in its prefix cache (cached_tokens)
+    and the tokens of a reasoning model's thinking (reasoning_tokens: with REASONING_PARSER)."""
     prompt = sum(r.input_length for r in requests)
     completion = sum(o.generated_tokens for o in outputs)
     return {
@@ -833,6 +834,7 @@ def _usage(requests: Sequence[ValidatedRequest], outputs: Sequence[Output]) -> d
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outputs)},
+        "completion_tokens_details": {"reasoning_tokens": sum(o.reasoning_tokens for o in outputs)},
     }
 
 

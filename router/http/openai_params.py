@@ -417,5 +417,6 @@ def request_params(
         cache_salt=body.cache_salt or "",
         # a chat that does not think keeps within any budget (without REASONING_PARSER, refused)
         thinking_budget=None if reasoning and not thinking else getattr(body, "thinking_token_budget", None),
+        reads_thinking=thinking is not None,
         top_n_limit=MAX_TOP_LOGPROBS,
     )

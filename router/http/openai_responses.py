@@ -611,6 +611,8 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
             "cache_write_tokens": 0,
         },
         "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},  # not told apart: all are output_tokens
+        "output_tokens_details": {
+            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        },
         "total_tokens": usage["total_tokens"],
     }

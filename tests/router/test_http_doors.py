@@ -806,6 +806,7 @@ async def test_openai_completions_answer_like_the_tgi_door(stack: Stack) -> None
         "completion_tokens": 6,
         "total_tokens": prompt_tokens + 6,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
     events = await sse_events(
         stack,
@@ -1275,12 +1276,17 @@ async def test_a_thinking_budget_ends_a_reasoning_models_thinking_for_it(
     assert message["reasoning_content"] == decode(ids[:3])
     assert message["content"] == decode(ids[:3] + closing + ids[3 + len(closing) : 12]).split("</think>")[1]
     assert unary["usage"]["completion_tokens"] == 12
+    assert unary["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": 3 + len(closing)
+    }  # thought, closed
     events = await sse_events(stack, {**body, "thinking_token_budget": 3, "stream": True}, path=chat)
     deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
-    plain = (await post(stack, chat, body))[1]["choices"][0]["message"]
+    plain_answer = (await post(stack, chat, body))[1]
+    plain = plain_answer["choices"][0]["message"]
     assert plain["reasoning_content"] == decode(ids[:12]) and not plain["content"]  # no budget: all thought
+    assert plain_answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 12}
     messages = {"model": "tiny", "max_tokens": 12, "messages": body["messages"], "temperature": 0}
     thinking = {"type": "enabled", "budget_tokens": 3}
     status, answer = await post(stack, "/v1/messages", {**messages, "thinking": thinking})

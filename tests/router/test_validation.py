@@ -507,6 +507,12 @@ async def test_a_thinking_budget_needs_a_reasoning_format_and_holds_free_answers
     assert await thinking_of(5, after) == ThinkingBudget(5, markers)  # a constrained answer after it
     with pytest.raises(ValidationError, match=r"^thinking_token_budget must be >= 1, got 0$"):
         await thinking_of(0)
+    counted = RequestParams(reads_thinking=True)  # a chat read for thinking: counted, no limit
+    (v,) = await Validator.validate(validator, ["hi"], counted, "", time.monotonic())
+    assert v.thinking == ThinkingBudget(None, markers)
+    validator.thinking = None
+    (v,) = await Validator.validate(validator, ["hi"], counted, "", time.monotonic())
+    assert v.thinking is None
 
 
 async def test_bad_words_become_the_token_sequences_vllm_bans(validator: Validator, tokenizer_pool) -> None:
