@@ -36,11 +36,12 @@ class ThinkingMarkers:
         encode: Callable[[Sequence[str]], list[list[int]]],
     ) -> ThinkingMarkers:
         """The markers of a format's `starts` and `ends` text, tokenized by `encode` (without
-        special tokens added)."""
-        ids = encode([*starts, *ends])
-        return cls(
-            opened_by_prompt, tuple(map(tuple, ids[: len(starts)])), tuple(map(tuple, ids[len(starts) :]))
-        )
+        special tokens added); a closing marker also as it is tokenized after a space (where
+        its first token then differs: a text marker in the middle of a sentence), the plain
+        form first (the one forced)."""
+        ids = [tuple(i) for i in encode([*starts, *ends, *(f" {end}" for end in ends)])]
+        closing = ids[len(starts) :]
+        return cls(opened_by_prompt, tuple(ids[: len(starts)]), tuple(dict.fromkeys(closing)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ closing ids, resumed)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from router.core.stopping import StopReason
@@ -42,9 +44,16 @@ def test_where_the_answer_opens_its_thinking_only_an_opened_one_counts() -> None
     assert [s[0] for s in plain] == [Phase.UNDECIDED, Phase.DONE, Phase.DONE] and not any(s[2] for s in plain)
 
 
-def test_markers_are_tokenized_once() -> None:
+def test_markers_are_tokenized_once_the_closing_ones_after_a_space_too(tokenizer_pool) -> None:
     markers = ThinkingMarkers.of(False, ["<a>"], ["</a>", "end"], lambda texts: [[len(t)] for t in texts])
-    assert markers == ThinkingMarkers(False, ((3,),), ((4,), (3,)))
+    assert markers == ThinkingMarkers(False, ((3,),), ((4,), (3,), (5,)))
+    encode = functools.partial(tokenizer_pool.encode_batch_sync, special=False)
+    end = "Here is my response:"  # granite's: text, tokenized otherwise after a space
+    granite = ThinkingMarkers.of(False, ["Here is my thought process:"], [end], encode)
+    assert granite.ends[0] == tuple(encode([end])[0]) and len(granite.ends) == 2
+    watch = ThinkingWatch(ThinkingBudget(None, granite))
+    watch.feed(encode(["Here is my thought process: it is fine. " + end])[0])
+    assert watch.phase is Phase.DONE and watch.thought > 0
 
 
 @pytest.mark.parametrize("steps", [1, 4])
