@@ -111,6 +111,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("tgi_queue_size", "gauge", "Requests waiting in the queue"),
     _spec("tgi_queue_jump", "counter", "Requests admitted ahead of an older one that did not fit"),
     _spec(
+        "tgi_request_thinking_ended",
+        "counter",
+        "Requests whose thinking reached its token budget and was ended for them (thinking_token_budget)",
+    ),
+    _spec(
         "tgi_request_preemption",
         "counter",
         "Running requests sent back to the queue for a waiting one of a lower priority value "

@@ -318,6 +318,7 @@ class Batcher:
         current.leave(over)
         again = [e for e in over if not e.end_thinking(self.detokenizer, now)]
         self.queue.requeue(again)
+        self.metrics.inc("tgi_request_thinking_ended", len(over))
         return bool(again)
 
     def _make_room(

@@ -84,6 +84,7 @@ async def test_the_batcher_ends_thinking_at_the_budget_and_the_request_goes_on(
     assert [r.generated_ids for r in resumed] == [tuple(expected[:5])] * 2
     assert all(not r.details.input_tokens for r in resumed)
     assert entries[2].thinking is not None and entries[2].thinking.left == 44
+    assert h.queue.metrics.counters["tgi_request_thinking_ended"].get() == 2
 
 
 async def test_a_closing_that_reaches_max_new_tokens_ends_the_request(make_harness) -> None:
