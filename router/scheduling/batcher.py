@@ -334,6 +334,7 @@ class Batcher:
         if unprocessed is not None:
             current.completed.extend(self._late_finishers(self._hand_out(unprocessed), current))
             unprocessed = None
+            self._end_thinking(current, None)  # those the step took to their budget end it first
             live = current.live()
         victims = self.queue.victims(live)
         if not victims:

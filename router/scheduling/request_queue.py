@@ -198,9 +198,12 @@ class RequestQueue:
         return self.capacity.admit(loads, [], entry_load(entry)) in (Admission.FITS, Admission.FITS_AT_PEAK)
 
     def drop_cancelled(self) -> None:
+        """Take out the entries whose client left (their stop reason CANCELLED: one that ran
+        before and waits again, preempted, is finished so)."""
         for entry in [e for e in self._entries if e.cancelled]:
             self._entries.remove(entry)
             self._again.discard(entry)
+            entry.cancel()
         self._sized()
 
     def next_batch(self, running: Sequence[Entry], min_size: int) -> list[Entry] | None:

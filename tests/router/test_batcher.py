@@ -489,6 +489,55 @@ async def test_no_live_request_disappears_without_a_token_or_an_error(make_harne
     assert shard.peak_live <= 6
 
 
+@pytest.mark.parametrize("seed", range(12))
+async def test_preemptions_and_ended_thinking_keep_every_answer_whole(make_harness, seed: int) -> None:
+    """Invariant under SCHEDULING_POLICY=priority: whatever mix of priorities (running requests
+    preempted, resumed later, maybe again), thinking budgets (ended for them, resumed at once),
+    chunked prompts, calls of several steps and cancels, every request not cancelled ends with
+    exactly the tokens it would have had alone: the fake model counts on from the ids a resumed
+    request brings, so a lost, repeated or reordered token shows."""
+    from router.core.thinking import ThinkingBudget, ThinkingMarkers
+
+    closing = 9
+    markers = ThinkingMarkers(True, ((7,),), ((closing,),))
+    rng = random.Random(seed)
+    shard = FakeShard(chunked_prefill=rng.random() < 0.6, latency_s=0.0005)
+    h = make_harness(
+        shard,
+        max_batch_size=rng.choice([2, 3, 4]),
+        max_prefill_tokens=rng.choice([5, 12, 40]),
+        max_decode_steps=rng.choice([1, 3]),
+        by_priority=True,
+        preemption=True,
+    )
+    entries = []
+    for _ in range(20):
+        budget = rng.choice([None, None, 1, 3, 6])
+        request = make_request(
+            prompt_len=rng.randint(1, 20),
+            max_new=rng.randint(2, 12),
+            priority=rng.randint(-2, 2),
+            thinking=ThinkingBudget(budget, markers) if budget else None,
+        )
+        entries.append(h.submit(request, stream=rng.random() < 0.3))
+        if rng.random() < 0.6:
+            await h.shard.next_call()
+        running = [e for e in entries if e.started_at is not None and not e.finished]
+        if running and rng.random() < 0.1:
+            rng.choice(running).cancelled = True
+    for entry in entries:
+        if entry.cancelled:
+            await h.until(lambda e=entry: e.finished)
+            continue
+        outputs = await h.all_outputs(entry)
+        max_new = entry.request.stopping.max_new_tokens
+        thinking = entry.request.thinking
+        budget = thinking.budget if thinking is not None else None
+        expected = [closing if i == budget else 600 + i for i in range(max_new)]
+        assert outputs[-1].error is None and entry.token_ids == expected, (seed, entry.id, entry.token_ids)
+    assert shard.peak_live <= h.queue.max_batch_size
+
+
 # --- one owner of model calls: the health probe ----------------------------------------------
 
 
