@@ -81,6 +81,17 @@ class Harness:
             outs.append(await asyncio.wait_for(entry.outputs.get(), timeout))
         return outs
 
+    async def answers(self, entries: list[Entry]) -> list[tuple[Entry, list[Output]]]:
+        """Each entry not cancelled with all its outputs, once every entry ended (a cancelled
+        one once it is finished)."""
+        answered = []
+        for entry in entries:
+            if entry.cancelled:
+                await self.until(lambda e=entry: e.finished)
+            else:
+                answered.append((entry, await self.all_outputs(entry)))
+        return answered
+
     def methods(self) -> list[str]:
         return [c.method for c in self.shard.calls]
 

@@ -479,12 +479,8 @@ async def test_no_live_request_disappears_without_a_token_or_an_error(make_harne
                     shard.forget.add(victim.id)
                 case 2:
                     victim.cancelled = True
-    for entry in entries:
-        if entry.cancelled:
-            await h.until(lambda e=entry: e.finished)
-            continue
-        out = await h.final(entry)
-        max_new = entry.request.stopping.max_new_tokens
+    for entry, outputs in await h.answers(entries):
+        out, max_new = outputs[-1], entry.request.stopping.max_new_tokens
         assert out.error is not None or out.generated_tokens == max_new, (entry.id, out)
     assert shard.peak_live <= 6
 
@@ -525,11 +521,7 @@ async def test_preemptions_and_ended_thinking_keep_every_answer_whole(make_harne
         running = [e for e in entries if e.started_at is not None and not e.finished]
         if running and rng.random() < 0.1:
             rng.choice(running).cancelled = True
-    for entry in entries:
-        if entry.cancelled:
-            await h.until(lambda e=entry: e.finished)
-            continue
-        outputs = await h.all_outputs(entry)
+    for entry, outputs in await h.answers(entries):
         max_new = entry.request.stopping.max_new_tokens
         thinking = entry.request.thinking
         budget = thinking.budget if thinking is not None else None
