@@ -13,6 +13,7 @@ import math
 import random
 import shutil
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -526,6 +527,18 @@ def test_the_engine_takes_the_same_tokens_with_and_without_speculation(
                 assert mine.rank == theirs.rank and len(mine.top_tokens) == len(theirs.top_tokens)
                 assert math.isclose(mine.logprob, theirs.logprob, rel_tol=1e-4, abs_tol=1e-6)
         assert spec.kv.pool.free == spec.kv.pool.num_blocks
+        if dtype != "float32":  # recomputed in bf16 the KV rounds otherwise: near ties may part
+            continue
+        # resumed after 3 tokens (preempted), speculating: the rest of each answer, as before
+        resumed = [
+            replace(requests[rid], id=rid + 1000, generated_ids=tuple(ids[:3]))
+            for rid, ids in expected.items()
+            if len(ids) > 3
+        ]
+        again = Runner(spec, token_budget=budget).run({0: resumed})
+        assert {r.id - 1000: again[r.id] for r in resumed} == {
+            r.id - 1000: expected[r.id - 1000][3:] for r in resumed
+        }
     proposed = sum(v.proposed for v in verified)
     accepted = sum(v.accepted for v in verified)
     assert 0 < accepted < proposed, (accepted, proposed)
