@@ -603,7 +603,7 @@ class OpenAIApi:
                     if answered is None:
                         continue
                     item = answered
-                if answer.tools.kind in ("auto", "required"):  # calls come whole, at the end
+                if answer.tools.kind in ("auto", "required"):  # calls read from the answer (HeldAnswer)
                     held.setdefault(index, HeldAnswer(answer.tools, answer.parser))
                     if (chunk := self._held_chunk(answer, index, held[index], item)) is not None:
                         yield sent(chunk, index)
@@ -667,9 +667,9 @@ class OpenAIApi:
     def _held_chunk(
         self, answer: _Answer, index: int, held: HeldAnswer, output: Output
     ) -> dict[str, Any] | None:
-        """The chunk (if any) of a choice whose calls come whole: the content that is text for
-        sure as it comes; at the end the rest, and the calls. Token logprobs go out with the
-        next chunk sent."""
+        """The chunk (if any) of a choice whose answer may hold calls (HeldAnswer): the content
+        that is text for sure and the calls' deltas as they come; at the end the rest. Token
+        logprobs go out with the next chunk sent."""
         held.tokens.extend(output.tokens)
         content, calls = held.add(output.text)
         delta: dict[str, Any] = {"content": content} if content else {}
