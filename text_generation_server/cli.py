@@ -259,7 +259,8 @@ def pin_to(cpu_list: str) -> None:
     "--prefix-caching/--no-prefix-caching",
     envvar="PREFIX_CACHING",
     default=True,
-    help="Reuse the KV-cache blocks of prompt prefixes seen before (tgis_native) [env PREFIX_CACHING].",
+    help="Reuse the KV-cache blocks of prompts and answers seen before for prompts that start with "
+    "them (tgis_native) [env PREFIX_CACHING].",
 )
 @speculate_option
 @speculator_name_option

@@ -256,6 +256,25 @@ def test_a_repeated_prefix_skips_its_prefill_and_gives_the_same_tokens(engine, o
     assert free_blocks(engine) == engine.kv.pool.num_blocks
 
 
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_request_that_left_offers_its_generated_blocks_to_the_prefix_cache(
+    engine, oracle, run_ahead
+) -> None:
+    """Where a request leaves, the full blocks of what it generated are cached too, under the
+    keys of its prompt and answer: a prompt that goes on from them (a chat's next turn, a
+    preempted request resumed) finds them, and gives the same tokens."""
+    start = prompt(30 + run_ahead, 21)
+    answer = Runner(engine, run_ahead=run_ahead).run({0: [GenerationRequest(1, start, 20)]})[1]
+    # written: the prompt and the answer less its last token (40 tokens: 10 full blocks of 4);
+    # a prompt of those 40 tokens and one more keys the 40 before its last
+    follow = GenerationRequest(2, (*start, *answer[:19], 5), 6)
+    assert hits(engine, follow) == 40
+    assert alone(engine, follow) == oracle(follow.input_ids, 6)
+    resumed = GenerationRequest(3, start, 20, generated_ids=tuple(answer[:12]))
+    assert alone(engine, resumed) == answer[12:]  # its prompt and 12 generated ids: 8 blocks cached
+    assert free_blocks(engine) == engine.kv.pool.num_blocks
+
+
 def test_details_of_every_prompt_token_are_computed_not_taken_from_the_cache(engine) -> None:
     shared = prompt(4, 24)
     alone(engine, GenerationRequest(1, (*shared, 7), 2))

@@ -12,9 +12,10 @@ ClearCache: the BatchManager says which ids left after every call), which gives 
 to the pool. Nothing depends on garbage collection.
 
 Prefix caching: every full block of a prompt has a key chaining a hash of all tokens up to its
-end (prefix_keys). Written prompt blocks are registered under their keys; a new request whose
-prompt starts with registered keys takes those blocks (reference-counted, shared read-only) and
-skips their prefill. A cached block nobody references stays until the pool needs it back (least
+end (prefix_keys). Written prompt blocks are registered under their keys, and when a request
+leaves, the full blocks of what it generated too (`offer`); a new request whose prompt starts
+with registered keys takes those blocks (reference-counted, shared read-only) and skips their
+prefill. A cached block nobody references stays until the pool needs it back (least
 recently used first).
 
 The cache tensors are allocated up front (`allocate`, shaped like a probe cache's layers, which
@@ -147,6 +148,9 @@ class SequenceKV:
         self.length = len(self.blocks) * pool.block_size
         self.registered = len(self.blocks)
         self.max_blocks = -(-max_tokens // pool.block_size)
+        # what it holds, for `offer` when it leaves: (placeholder tokens in front, the token ids
+        # after them as they grow, the prefix keys' salt); None: nothing offered
+        self.source: tuple[int, list[int], str] | None = None
 
     @property
     def reserved_blocks(self) -> int:
@@ -159,6 +163,20 @@ class SequenceKV:
         for index in range(self.registered, full):
             self.pool.register(self.blocks[index], self.keys[index])
         self.registered = max(self.registered, full)
+
+    def offer(self, tokens: Sequence[int], salt: str = "") -> None:
+        """Offer the full written blocks past the registered ones to the prefix cache, under the
+        keys of `tokens` (what the sequence holds from its first: its prompt, then what it
+        generated; those of it whose K/V are written count), so that a later prompt that goes
+        on from them (a chat's next turn, a preempted request resumed) finds them."""
+        size = self.pool.block_size
+        full = min(self.length, len(tokens)) // size
+        if full <= self.registered:
+            return
+        keys = prefix_keys(tokens[: full * size], size, salt)
+        for index in range(self.registered, full):
+            self.pool.register(self.blocks[index], keys[index])
+        self.registered = full
 
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more tokens after `length`."""
@@ -249,11 +267,16 @@ class KVAllocations:
         return self._sequences.get(request_id)
 
     def release(self, request_ids: Iterable[int]) -> None:
-        """Free the blocks of these requests (ids that hold none are ignored)."""
+        """Free the blocks of these requests (ids that hold none are ignored), their full
+        written blocks offered to the prefix cache first where they have a `source`."""
         for request_id in request_ids:
             sequence = self._sequences.pop(request_id, None)
-            if sequence is not None:
-                sequence.free()
+            if sequence is None:
+                continue
+            if sequence.source is not None:
+                placeholders, ids, salt = sequence.source
+                sequence.offer([0] * placeholders + ids, salt)
+            sequence.free()
 
     def __len__(self) -> int:
         return len(self._sequences)

@@ -465,13 +465,20 @@ class TgisNativeEngine(ModelEngine):
         is off, or the request wants details of every prompt token (they need its logits)."""
         if not self.prefix_caching or item.request.details.input_tokens:
             return []
-        # K/V behind a soft prompt or through a LoRA adapter are the adapter's: keyed by its id;
-        # a request's cache_salt keeps its blocks from every other salt's requests
-        request = item.request
-        salt = request.adapter_id or request.prefix_id
-        if request.cache_salt:
-            salt = f"{salt}\x00{request.cache_salt}"
-        return prefix_keys(item.prompt[:-1], self.block_size, salt)
+        return prefix_keys(item.prompt[:-1], self.block_size, _salt(item.request))
+
+    def _offer_when_gone(self, batch: RaggedBatch, completed: Sequence[Prefilling]) -> None:
+        """The requests whose prompts were just completed offer their written blocks to the
+        prefix cache when they leave (their generated tokens' too: SequenceKV.offer), where
+        prefix caching applies to them. Their history lists are the chooser's last rows, which
+        grow as they generate."""
+        if not self.prefix_caching or not completed or batch.chooser is None:
+            return
+        histories = batch.chooser.histories[len(batch.chooser.histories) - len(completed) :]
+        for item, history in zip(completed, histories, strict=True):
+            if not item.request.details.input_tokens:
+                kv = batch.states[item.request.id].kv
+                kv.source = (item.virtual_length, history, _salt(item.request))
 
     def generate_token(self, batch: Batch, token_budget: int = 0) -> tuple[StepOutput, RaggedBatch | None]:
         assert isinstance(batch, RaggedBatch)
@@ -518,6 +525,7 @@ class TgisNativeEngine(ModelEngine):
         plain: list[list[list[int]]] = [[[]] for _ in decoding]
         rows, wanted = self._forward(batch, chunks, ids, plain, [[s.kv] for s in decoding])
         completed = batch.finish_prompts(chunks)
+        self._offer_when_gone(batch, completed)
         forward_ns = self.runner.timer.lap()
         step = LaunchedStep(batch, list(batch.request_ids), forward_ns, batch.pending_ids, completed)
         if batch.chooser is None:
@@ -610,6 +618,7 @@ class TgisNativeEngine(ModelEngine):
         try:
             rows, wanted = self._forward(batch, chunks, ids, chains, sequences)
             completed = batch.finish_prompts(chunks)
+            self._offer_when_gone(batch, completed)
             input_tokens = [self._input_tokens(p) for p in completed if p.request.details.input_tokens]
             assert batch.chooser is not None  # candidates come from decoding rows
             no_chains: list[list[list[int]]] = [[[]] for _ in completed]
@@ -749,3 +758,11 @@ class TgisNativeEngine(ModelEngine):
     def _input_tokens(item: Prefilling) -> InputTokens:
         logits = torch.cat(item.prompt_logits) if item.prompt_logits else None
         return InputTokens(item.request.id, input_token_infos(logits, item.ids, item.request.details))
+
+
+def _salt(request: GenerationRequest) -> str:
+    """The prefix keys' salt of a request: K/V behind a soft prompt or through a LoRA adapter
+    are the adapter's (keyed by its id), and a request's cache_salt keeps its blocks from every
+    other salt's requests."""
+    salt = request.adapter_id or request.prefix_id
+    return f"{salt}\x00{request.cache_salt}" if request.cache_salt else salt
