@@ -470,7 +470,8 @@ class Mistral(ToolCallParser):
             if text.startswith("[", at):  # a JSON list of calls
                 calls += scan_calls(text, at, listed=True)
                 continue
-            block = text[at : text.find(self.OPEN, at) if self.OPEN in text[at:] else len(text)]
+            next_call = text.find(self.OPEN, at)
+            block = text[at : next_call if next_call >= 0 else len(text)]
             args, brace = block.find(self.ARGS), block.find("{")
             if args < 0 and brace < 0:
                 break  # the name goes on
@@ -494,15 +495,14 @@ class _TextValues(ToolCallParser):
 
     def _call(self, name: str, pairs: list[tuple[str, str]]) -> dict[str, Any]:
         """OpenAI's call of `name` with the (parameter, text) pairs as typed arguments."""
-        schema = self.schemas.get(name)
-        properties = schema.get("properties") if isinstance(schema, dict) else None
-        properties = properties if isinstance(properties, dict) else {}
+        properties = self._properties(name)
         arguments = {
             key.strip(): _typed(_trimmed(value), properties.get(key.strip())) for key, value in pairs
         }
         return function_call(name, json.dumps(arguments, ensure_ascii=False))
 
     def _properties(self, name: str) -> dict[str, Any]:
+        """The JSON Schemas of function `name`'s parameters, by name (none: {})."""
         schema = self.schemas.get(name)
         properties = schema.get("properties") if isinstance(schema, dict) else None
         return properties if isinstance(properties, dict) else {}
@@ -539,11 +539,16 @@ class Qwen3Coder(_TextValues):
     OPEN, BARE = "<tool_call>", "<function="
     FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
     PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+    VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")  # what may end a value being written
+
+    def _start(self, text: str) -> int:
+        """Where the calls begin (-1: none): at the opening, or at the first function where the
+        model left the opening out, as it sometimes does."""
+        at = text.find(self.OPEN)
+        return at if at >= 0 else text.find(self.BARE)
 
     def parse(self, text: str) -> Parsed | None:
-        at = text.find(self.OPEN)
-        if at < 0:
-            at = text.find(self.BARE)  # the opening left out, as the model sometimes does
+        at = self._start(text)
         if at < 0:
             return None
         calls = [
@@ -556,9 +561,7 @@ class Qwen3Coder(_TextValues):
         return min(_text_before(text, self.OPEN), _text_before(text, self.BARE))
 
     def partial(self, text: str) -> list[PartialCall]:
-        at = text.find(self.OPEN)
-        if at < 0:
-            at = text.find(self.BARE)
+        at = self._start(text)
         if at < 0:
             return []
         calls = []
@@ -569,8 +572,7 @@ class Qwen3Coder(_TextValues):
                 (p.group(1), p.group(2), closed or p.end() < len(body) or p.group(0).endswith("</parameter>"))
                 for p in self.PARAMETER.finditer(body)
             ]
-            ends = ("</parameter>", "<parameter=", "</function>")
-            calls.append(self._partial_call(function.group(1).strip(), pairs, closed, ends))
+            calls.append(self._partial_call(function.group(1).strip(), pairs, closed, self.VALUE_ENDS))
         return calls
 
 
