@@ -358,12 +358,6 @@ class OpenAIApi:
         except ChatTemplateError as exc:
             raise ChatPromptError(str(exc), "messages") from exc
 
-    def _reasoning_for(self, body: CommonRequest) -> ReasoningFormat | None:
-        """How a chat's answer is read for thinking (None: it does not think)."""
-        if self.reasoning is None or not isinstance(body, ChatRequest):
-            return None
-        return self.reasoning.for_chat(template_variables(body.chat_template_kwargs, body.reasoning_effort))
-
     # ---- the call -------------------------------------------------------------------------
 
     async def serve(
@@ -434,7 +428,7 @@ class OpenAIApi:
             tools=tools,
             parser=self._parser_for(body, tools),
             # a chat's thinking is read apart (a constraint shapes the answer after it)
-            reasoning=self._reasoning_for(body) if kind == "chat" else None,
+            reasoning=self.reasoning if params.reads_thinking else None,
             include_reasoning=getattr(body, "include_reasoning", True),
         )
         if body.stream:
