@@ -459,11 +459,16 @@ class TgisNativeEngine(ModelEngine):
         if self.speculator is not None:
             self.speculator.release(request_ids)
 
+    def _caches(self, request: GenerationRequest) -> bool:
+        """Prefix caching applies to `request`: it is on, and the request does not want details
+        of every prompt token (they need every prompt token's logits)."""
+        return self.prefix_caching and not request.details.input_tokens
+
     def _prefix_keys(self, item: Prefilling) -> list[bytes]:
         """The keys of the prompt's full blocks that a later token attends to (the last prompt
-        token is always computed: its logits choose the first token). None when prefix caching
-        is off, or the request wants details of every prompt token (they need its logits)."""
-        if not self.prefix_caching or item.request.details.input_tokens:
+        token is always computed: its logits choose the first token); none where prefix caching
+        does not apply to the request (`_caches`)."""
+        if not self._caches(item.request):
             return []
         return prefix_keys(item.prompt[:-1], self.block_size, _salt(item.request))
 
@@ -472,11 +477,11 @@ class TgisNativeEngine(ModelEngine):
         prefix cache when they leave (their generated tokens' too: SequenceKV.offer), where
         prefix caching applies to them. Their history lists are the chooser's last rows, which
         grow as they generate."""
-        if not self.prefix_caching or not completed or batch.chooser is None:
+        if not completed or batch.chooser is None:
             return
         histories = batch.chooser.histories[len(batch.chooser.histories) - len(completed) :]
         for item, history in zip(completed, histories, strict=True):
-            if not item.request.details.input_tokens:
+            if self._caches(item.request):
                 kv = batch.states[item.request.id].kv
                 kv.source = (item.virtual_length, history, _salt(item.request))
 
